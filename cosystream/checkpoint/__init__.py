@@ -1,0 +1,54 @@
+"""Open an official CosyVoice2 model directory: layout, hyper-parameters and state dicts.
+
+    ckpt = load_checkpoint("pretrained_models/CosyVoice2-0.5B")
+    ckpt.hparams.llm.hidden_size, ckpt.llm_state(), ckpt.flow_state(), ckpt.hift_state()
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cosystream.checkpoint.hparams import (
+    EncoderDims,
+    EstimatorDims,
+    FlowDims,
+    HiftDims,
+    HParams,
+    LLMDims,
+    MelDims,
+    load_hparams,
+)
+from cosystream.checkpoint.layout import ModelFiles, locate_model_files
+from cosystream.checkpoint.weights import check_and_load, fold_weight_norm, load_state_dict
+
+__all__ = [
+    "Checkpoint", "load_checkpoint", "check_and_load", "HParams", "LLMDims", "FlowDims", "HiftDims",
+    "MelDims", "EncoderDims", "EstimatorDims", "ModelFiles",
+]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A validated model directory; state dicts are read lazily (they are large)."""
+
+    files: ModelFiles
+    hparams: HParams
+
+    def llm_state(self) -> dict[str, torch.Tensor]:
+        return load_state_dict(self.files.llm)
+
+    def flow_state(self) -> dict[str, torch.Tensor]:
+        return load_state_dict(self.files.flow)
+
+    def hift_state(self) -> dict[str, torch.Tensor]:
+        """hift.pt with any `generator.` prefix removed and weight norms folded."""
+        state = {k.replace("generator.", ""): v for k, v in load_state_dict(self.files.hift).items()}
+        return fold_weight_norm(state)
+
+
+def load_checkpoint(model_dir: str | Path) -> Checkpoint:
+    files = locate_model_files(model_dir)
+    return Checkpoint(files=files, hparams=load_hparams(files.yaml, files.tokenizer_dir / "config.json"))
