@@ -1,0 +1,221 @@
+"""The CosyVoice2 speech LM: a Qwen2 decoder fed hand-assembled embeddings, with a speech-token head.
+
+spec/llm.md §1-4. Our own implementation: fused q/k/v and gate/up projections, a static KV cache
+(`KVCache`) indexed by stream slot, and one `forward` for prefill, extension and batched decode, so
+the decode step has static shapes and can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cosystream.checkpoint.hparams import LLMDims
+from cosystream.errors import CheckpointError
+
+# Official key prefix of the Qwen2 backbone inside llm.pt (Qwen2LM.llm.model.model).
+_QWEN = "llm.model.model."
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # PARITY: normalise in float32 then cast back (spec/llm.md §1).
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class KVCache(nn.Module):
+    """Preallocated keys/values: [layers, slots, kv_heads, max_len, head_dim]; a stream owns one slot.
+
+    Bytes per cached position: 2 · layers · kv_heads · head_dim · dtype size (12 KiB for the 0.5B model
+    in bf16).
+    """
+
+    def __init__(self, dims: LLMDims, max_slots: int, max_len: int, device: torch.device | str,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        shape = (dims.num_layers, max_slots, dims.num_kv_heads, max_len, dims.head_dim)
+        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.max_slots = max_slots
+        self.max_len = max_len
+
+
+def rope_tables(dims: LLMDims, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [..., head_dim] for integer positions (rotate-half layout, base rope_theta)."""
+    half = dims.head_dim // 2
+    inv_freq = dims.rope_theta ** (-torch.arange(half, device=positions.device, dtype=torch.float32) / half)
+    angles = positions.float().unsqueeze(-1) * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, dims: LLMDims) -> None:
+        super().__init__()
+        self.dims = dims
+        q_size, kv_size = dims.num_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim
+        self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+        self.qkv_proj = nn.Linear(dims.hidden_size, q_size + 2 * kv_size, bias=True)
+        self.o_proj = nn.Linear(q_size, dims.hidden_size, bias=False)
+        self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+        self.gate_up_proj = nn.Linear(dims.hidden_size, 2 * dims.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(dims.intermediate_size, dims.hidden_size, bias=False)
+
+    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache_k: torch.Tensor,
+                cache_v: torch.Tensor, write: tuple[torch.Tensor, torch.Tensor], attn_bias: torch.Tensor,
+                slots: torch.Tensor | None) -> torch.Tensor:
+        h = h + self._attention(self.input_layernorm(h), rope, cache_k, cache_v, write, attn_bias, slots)
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
+        return h + self.down_proj(F.silu(gate) * up)
+
+    def _attention(self, a: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache_k: torch.Tensor,
+                   cache_v: torch.Tensor, write: tuple[torch.Tensor, torch.Tensor], attn_bias: torch.Tensor,
+                   slots: torch.Tensor | None) -> torch.Tensor:
+        d = self.dims
+        batch, n, _ = a.shape
+        groups = d.num_heads // d.num_kv_heads
+        q, k, v = self.qkv_proj(a).split(
+            [d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim, d.num_kv_heads * d.head_dim], dim=-1)
+        q = apply_rope(q.view(batch, n, d.num_heads, d.head_dim), *rope)
+        k = apply_rope(k.view(batch, n, d.num_kv_heads, d.head_dim), *rope)
+        v = v.view(batch, n, d.num_kv_heads, d.head_dim)
+        rows, cols = write  # [B, n] each: cache row and position of every new token
+        cache_k[rows, :, cols] = k
+        cache_v[rows, :, cols] = v
+        attn_len = attn_bias.shape[-1]
+        # PERF: decode uses the contiguous rows [0, B) so keys are a view, not a gathered copy.
+        keys = cache_k[:batch, :, :attn_len] if slots is None else cache_k[slots, :, :attn_len]
+        values = cache_v[:batch, :, :attn_len] if slots is None else cache_v[slots, :, :attn_len]
+        # PERF: GQA without repeating K/V: the `groups` query heads of one KV head become extra rows.
+        q = q.view(batch, n, d.num_kv_heads, groups, d.head_dim).permute(0, 2, 3, 1, 4)
+        q = q.reshape(batch, d.num_kv_heads, groups * n, d.head_dim)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_bias)
+        out = out.view(batch, d.num_kv_heads, groups, n, d.head_dim).permute(0, 3, 1, 2, 4)
+        return self.o_proj(out.reshape(batch, n, d.num_heads * d.head_dim))
+
+
+class SpeechLM(nn.Module):
+    """Qwen2LM of CosyVoice2: text/speech embeddings, Qwen2 decoder, speech-token head.
+
+    Parameters mirror llm.pt after `convert_official_state` (q/k/v and gate/up fused).
+    """
+
+    def __init__(self, dims: LLMDims) -> None:
+        super().__init__()
+        self.dims = dims
+        self.text_embedding = nn.Embedding(dims.text_vocab_size, dims.hidden_size)
+        self.speech_embedding = nn.Embedding(dims.num_speech_classes, dims.hidden_size)
+        self.llm_embedding = nn.Embedding(2, dims.hidden_size)  # row 0 = SOS, row 1 = TASK_ID
+        self.layers = nn.ModuleList(DecoderLayer(dims) for _ in range(dims.num_layers))
+        self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+        self.llm_decoder = nn.Linear(dims.hidden_size, dims.num_speech_classes, bias=True)
+
+    # ------------------------------------------------------------------ input assembly (spec/llm.md §3)
+    def embed_prompt(self, text_ids: torch.Tensor, speech_tokens: torch.Tensor,
+                     prompt_text_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """[SOS] ⊕ E_text(T_p ⊕ T) ⊕ [TASK_ID] ⊕ E_speech(S_p) -> [L0, d] (1-D id tensors in)."""
+        dev = self.llm_embedding.weight.device
+        ids = text_ids if prompt_text_ids is None else torch.cat([prompt_text_ids, text_ids])
+        return torch.cat([
+            self.llm_embedding.weight[0:1],
+            self.text_embedding(ids.to(dev, torch.long)),
+            self.llm_embedding.weight[1:2],
+            self.speech_embedding(speech_tokens.to(dev, torch.long)),
+        ])
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, embeds: torch.Tensor, start_pos: torch.Tensor, cache: KVCache, attn_len: int,
+                slots: torch.Tensor | None = None) -> torch.Tensor:
+        """Run `n` new positions per row and return the final-norm hidden states [B, n, d].
+
+        embeds [B, n, d]; start_pos [B] (position of each row's first new token); slots [B] the cache
+        rows, or None for rows [0, B) (the decode path: keys are then views, not copies); attn_len:
+        cache positions attended over (>= max(start_pos) + n; a static bucket for graphs).
+        """
+        batch, n, _ = embeds.shape
+        positions = start_pos.unsqueeze(1) + torch.arange(n, device=embeds.device)  # [B, n]
+        cos, sin = rope_tables(self.dims, positions)
+        rope = (cos.unsqueeze(2), sin.unsqueeze(2))  # broadcast over heads
+        key_pos = torch.arange(attn_len, device=embeds.device)
+        allowed = key_pos.view(1, 1, attn_len) <= positions.unsqueeze(-1)  # [B, n, L]
+        attn_bias = torch.zeros(allowed.shape, device=embeds.device, dtype=embeds.dtype)
+        attn_bias = attn_bias.masked_fill(~allowed, float("-inf"))
+        groups = self.dims.num_heads // self.dims.num_kv_heads
+        attn_bias = attn_bias.unsqueeze(1).repeat(1, 1, groups, 1)  # rows ordered (group, position)
+        rows = torch.arange(batch, device=embeds.device) if slots is None else slots
+        write = (rows.unsqueeze(1).expand(batch, n), positions)
+        h = embeds
+        for i, layer in enumerate(self.layers):
+            h = layer(h, rope, cache.k[i], cache.v[i], write, attn_bias, slots)
+        return self.norm(h)
+
+    def logp(self, hidden: torch.Tensor) -> torch.Tensor:
+        """log_softmax of the speech head in float32: [..., d] -> [..., num_speech_classes]."""
+        return torch.log_softmax(self.llm_decoder(hidden).float(), dim=-1)
+
+
+def official_keys(dims: LLMDims) -> list[str]:
+    """Every key of an official CosyVoice2 llm.pt (spec/checkpoints.md §3.1)."""
+    keys = ["llm_embedding.weight", "speech_embedding.weight", "llm_decoder.weight", "llm_decoder.bias",
+            _QWEN + "embed_tokens.weight", _QWEN + "norm.weight", "llm.model.lm_head.weight"]
+    for i in range(dims.num_layers):
+        keys += [f"{_QWEN}layers.{i}.{name}" for name in _LAYER_KEYS]
+    return keys
+
+
+_LAYER_KEYS = (
+    "input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight",
+    "self_attn.k_proj.bias", "self_attn.v_proj.weight", "self_attn.v_proj.bias", "self_attn.o_proj.weight",
+    "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+)
+
+
+def convert_official_state(state: dict[str, torch.Tensor], dims: LLMDims) -> dict[str, torch.Tensor]:
+    """Map llm.pt onto `SpeechLM` names (q/k/v and gate/up fused; the unused tied Qwen `lm_head` dropped).
+
+    Raises CheckpointError naming every missing or unexpected official key; shapes are checked by the
+    caller's strict load against the model built from the yaml.
+    """
+    expected = official_keys(dims)
+    missing = [k for k in expected if k not in state]
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        parts = ([f"missing keys: {_short(missing)}"] if missing else []) + (
+            [f"unexpected keys: {_short(unexpected)}"] if unexpected else [])
+        raise CheckpointError("llm.pt: does not match the model built from the yaml; " + "; ".join(parts))
+    out = {
+        "text_embedding.weight": state[_QWEN + "embed_tokens.weight"],
+        "norm.weight": state[_QWEN + "norm.weight"],
+        **{k: state[k] for k in ("speech_embedding.weight", "llm_embedding.weight", "llm_decoder.weight",
+                                  "llm_decoder.bias")},
+    }
+    for i in range(dims.num_layers):
+        src, dst = f"{_QWEN}layers.{i}.", f"layers.{i}."
+        out[dst + "input_layernorm.weight"] = state[src + "input_layernorm.weight"]
+        out[dst + "post_attention_layernorm.weight"] = state[src + "post_attention_layernorm.weight"]
+        out[dst + "o_proj.weight"] = state[src + "self_attn.o_proj.weight"]
+        out[dst + "down_proj.weight"] = state[src + "mlp.down_proj.weight"]
+        for kind in ("weight", "bias"):
+            out[dst + f"qkv_proj.{kind}"] = torch.cat(
+                [state[f"{src}self_attn.{p}_proj.{kind}"] for p in ("q", "k", "v")])
+        out[dst + "gate_up_proj.weight"] = torch.cat(
+            [state[src + "mlp.gate_proj.weight"], state[src + "mlp.up_proj.weight"]])
+    return out
+
+
+def _short(keys: list[str], limit: int = 8) -> str:
+    return ", ".join(keys[:limit]) + (f" (and {len(keys) - limit} more)" if len(keys) > limit else "")
