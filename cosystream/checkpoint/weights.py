@@ -67,7 +67,7 @@ def fold_weight_norm(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             raise CheckpointError(f"weight norm of `{stem}`: has only {sorted(pair)}, expected both g and v")
         g, v = pair["g"].float(), pair["v"].float()
         norm = v.flatten(1).norm(dim=1).view(-1, *([1] * (v.dim() - 1)))
-        out[f"{stem}.weight"] = g * v / norm
+        out[f"{stem}.weight"] = v * (g / norm)  # PARITY: the order torch weight_norm uses
     return out
 
 

@@ -16,3 +16,23 @@ def load_llm(ckpt: Checkpoint, device: torch.device | str = "cpu", dtype: torch.
     model = model.to_empty(device="cpu")
     check_and_load(model, convert_official_state(ckpt.llm_state(), dims), "llm.pt")
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def load_flow(ckpt: Checkpoint, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+    from cosystream.models.flow import Flow
+
+    model = Flow(ckpt.hparams.flow)
+    check_and_load(model, ckpt.flow_state(), "flow.pt")
+    noise = model.decoder.rand_noise.clone()
+    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    # PARITY: the ODE noise stays float32 whatever the compute dtype (spec/flow.md §4).
+    model.decoder.rand_noise = noise.to(device)
+    return model
+
+
+def load_hift(ckpt: Checkpoint, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+    from cosystream.models.hift import HiFTGenerator
+
+    model = HiFTGenerator(ckpt.hparams.hift)
+    check_and_load(model, ckpt.hift_state(), "hift.pt")
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)

@@ -2,7 +2,7 @@
 
 spec/hift.md §1-6 (CV2, non-causal). State-dict keys equal the official hift.pt keys after
 weight-norm folding (spec/checkpoints.md §3.5, §5); the weights arrive folded, nothing is folded here.
-The per-request streaming cache and cross-fade live in `models/vocoder_stream.py`.
+`VocoderStream` is the per-request streaming cache and Hamming cross-fade of spec/streaming.md §3.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import math
 import operator
 import re
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,6 +24,7 @@ _WEIGHT_NORM_STEM = re.compile(
     r"(conv_pre|conv_post|ups\.\d+|(source_)?resblocks\.\d+\.convs[12]\.\d+|f0_predictor\.condnet\.\d+)"
 )
 _SNAKE_EPS = 1e-9  # PARITY: the official Snake's `no_div_by_zero`
+MEL_CACHE_FRAMES = 8  # PARITY: CosyVoice2Model.mel_cache_len (spec/streaming.md §3)
 
 
 def is_weight_norm_key(key: str) -> bool:
@@ -63,7 +65,8 @@ class ResBlock(nn.Module):
         self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for act1, conv1, act2, conv2 in zip(self.activations1, self.convs1, self.activations2, self.convs2):
+        units = zip(self.activations1, self.convs1, self.activations2, self.convs2, strict=True)
+        for act1, conv1, act2, conv2 in units:
             x = conv2(act2(conv1(act1(x)))) + x
         return x
 
@@ -75,7 +78,8 @@ class F0Predictor(nn.Module):
         super().__init__()
         layers: list[nn.Module] = []
         for i in range(num_convs):
-            layers += [nn.Conv1d(in_channels if i == 0 else cond_channels, cond_channels, 3, padding=1), nn.ELU()]
+            conv_in = in_channels if i == 0 else cond_channels
+            layers += [nn.Conv1d(conv_in, cond_channels, 3, padding=1), nn.ELU()]
         self.condnet = nn.Sequential(*layers)
         self.classifier = nn.Linear(cond_channels, 1)
 
@@ -190,13 +194,13 @@ class HiFTGenerator(nn.Module):
         self.conv_pre = nn.Conv1d(dims.in_channels, base, 7, padding=3)
         self.ups = nn.ModuleList(
             nn.ConvTranspose1d(base // 2**i, base // 2 ** (i + 1), k, u, padding=(k - u) // 2)
-            for i, (u, k) in enumerate(zip(rates, kernels))
+            for i, (u, k) in enumerate(zip(rates, kernels, strict=True))
         )
         self.source_downs, self.source_resblocks = self._build_source_path(dims)
         self.resblocks = nn.ModuleList(
             ResBlock(base // 2 ** (i + 1), k, tuple(d))
             for i in range(len(rates))
-            for k, d in zip(dims.resblock_kernel_sizes, dims.resblock_dilation_sizes)
+            for k, d in zip(dims.resblock_kernel_sizes, dims.resblock_dilation_sizes, strict=True)
         )
         self.conv_post = nn.Conv1d(base // 2 ** len(rates), n_fft + 2, 7, padding=3)
 
@@ -206,14 +210,15 @@ class HiFTGenerator(nn.Module):
         down_rates = [1, *dims.upsample_rates[::-1][:-1]]
         strides = list(itertools.accumulate(down_rates, operator.mul))[::-1]
         downs, blocks = nn.ModuleList(), nn.ModuleList()
-        specs = zip(strides, dims.source_resblock_kernel_sizes, dims.source_resblock_dilation_sizes)
-        for i, (stride, kernel, dilations) in enumerate(specs):
-            channels = dims.base_channels // 2 ** (i + 1)
+        kernels, dilations = dims.source_resblock_kernel_sizes, dims.source_resblock_dilation_sizes
+        specs = zip(strides, kernels, dilations, strict=True)
+        for i, (stride, kernel, dilation) in enumerate(specs):
+            channels, spec_channels = dims.base_channels // 2 ** (i + 1), dims.istft_n_fft + 2
             if stride == 1:
-                downs.append(nn.Conv1d(dims.istft_n_fft + 2, channels, 1))
+                downs.append(nn.Conv1d(spec_channels, channels, 1))
             else:
-                downs.append(nn.Conv1d(dims.istft_n_fft + 2, channels, 2 * stride, stride, padding=stride // 2))
-            blocks.append(ResBlock(channels, kernel, tuple(dilations)))
+                downs.append(nn.Conv1d(spec_channels, channels, 2 * stride, stride, padding=stride // 2))
+            blocks.append(ResBlock(channels, kernel, tuple(dilation)))
         return downs, blocks
 
     def predict_f0(self, mel: torch.Tensor) -> torch.Tensor:
@@ -269,3 +274,67 @@ class HiFTGenerator(nn.Module):
         if cache_source is not None and cache_source.shape[-1] > 0:
             source = torch.cat([cache_source.float(), source[:, :, cache_source.shape[-1]:]], dim=-1)
         return self.decode(mel, source), source
+
+
+def fade_window(num_overlap_samples: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The symmetric Hamming window of 2·N samples, float64 [2N] (np.hamming)."""
+    return torch.from_numpy(np.hamming(2 * num_overlap_samples)).to(device)
+
+
+def crossfade(wav: torch.Tensor, cached_wav: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+    """wav [B, L], cached_wav [B, N], window float64 [2N] → wav with its first N samples faded.
+
+    head = wav[:N]·w[:N] + cached·w[N:] (not amplitude-complementary: the sum peaks at ≈1.08).
+    """
+    n = cached_wav.shape[-1]
+    # PARITY: the official multiplies float32 audio by the float64 window, so the fade is computed
+    # in float64 and rounded once to float32 (spec/streaming.md §3).
+    head = wav[:, :n].double() * window[:n] + cached_wav.double() * window[n:]
+    return torch.cat([head.to(wav.dtype), wav[:, n:]], dim=1)
+
+
+class VocoderStream:
+    """The vocoder side of one streaming request (spec/streaming.md §3).
+
+    `push(mel [1, 80, F], final)` returns the next wav chunk [n] (float32, on the model's device):
+    n = 480·F − 3840 for the first non-final call, 480·F for later ones, and the final call also
+    releases the withheld 3840 samples, so the total is 480 × (total mel frames).
+    """
+
+    def __init__(self, hift: HiFTGenerator, mel_cache_frames: int = MEL_CACHE_FRAMES) -> None:
+        self.hift = hift
+        self.mel_cache_frames = mel_cache_frames
+        self.num_overlap_samples = mel_cache_frames * hift.upsample_scale  # 3840
+        self.window = fade_window(self.num_overlap_samples, hift.conv_pre.weight.device)
+        self.mel_cache: torch.Tensor | None = None  # [1, 80, 8]
+        self.source_cache: torch.Tensor | None = None  # [1, 1, 3840]
+        self.wav_cache: torch.Tensor | None = None  # [1, 3840], already faded, not yet returned
+        self.is_finished = False
+
+    def push(self, mel: torch.Tensor, final: bool, generator: torch.Generator | None = None,
+             source: torch.Tensor | None = None) -> torch.Tensor:
+        """Vocode the next mel chunk [1, 80, F] → wav [n].
+
+        `source` [1, 1, 480·(F + cached frames)] replaces the generated excitation entirely (its first
+        3840 samples should equal the cached source); it exists to replay recorded sources exactly.
+        """
+        if self.is_finished:
+            raise RuntimeError("VocoderStream: push after the final chunk")
+        if mel.shape[0] != 1:
+            raise ValueError(f"VocoderStream holds one request; got a batch of {mel.shape[0]}")
+        if self.mel_cache is not None:
+            mel = torch.cat([self.mel_cache, mel.to(self.mel_cache.dtype)], dim=2)
+        if source is None:
+            wav, source = self.hift.inference(mel, self.source_cache, generator)
+        else:
+            wav = self.hift.decode(mel, source)
+        if self.wav_cache is not None:
+            wav = crossfade(wav, self.wav_cache, self.window)
+        if final:
+            self.is_finished = True
+            self.mel_cache = self.source_cache = self.wav_cache = None
+            return wav[0]
+        self.mel_cache = mel[:, :, -self.mel_cache_frames:]
+        self.source_cache = source[:, :, -self.num_overlap_samples:]
+        self.wav_cache = wav[:, -self.num_overlap_samples:]
+        return wav[0, :-self.num_overlap_samples]

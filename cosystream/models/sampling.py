@@ -29,9 +29,11 @@ class SamplingBatch:
     top_p: torch.Tensor  # [B] float32
     top_k: torch.Tensor  # [B] int64 (<= MAX_TOP_K)
     repeat_threshold: torch.Tensor  # [B] float32: win_size * tau_r
+    window: torch.Tensor  # [B] int64: win_size, at most W
     history: torch.Tensor  # [B, W] int64
     forced: torch.Tensor  # [B] int64, -1 = sample; otherwise emit this token (benchmark mode)
     greedy: torch.Tensor  # [B] bool
+    ban_special: torch.Tensor  # [B] bool: below min_len mask every stop class, not only EOS (benchmarks)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -77,6 +79,8 @@ def sample_tokens(logp: torch.Tensor, batch: SamplingBatch, eos_token: int) -> t
     scores = logp.clone()
     below_min = batch.steps < batch.min_len
     scores[:, eos_token] = torch.where(below_min, float("-inf"), scores[:, eos_token])
+    others = (below_min & batch.ban_special).unsqueeze(1)
+    scores[:, eos_token + 1:] = scores[:, eos_token + 1:].masked_fill(others, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     ids, vals, keep = nucleus_candidates(probs, batch.top_p, batch.top_k)
     g1 = _gumbel(batch.seeds, batch.steps, 1, ids.shape[1])
@@ -84,7 +88,9 @@ def sample_tokens(logp: torch.Tensor, batch: SamplingBatch, eos_token: int) -> t
     drawn = ids.gather(1, pick_scores.argmax(dim=1, keepdim=True)).squeeze(1)
     # PARITY: RAS fallback when the drawn token occurs >= win*tau_r times in the recent window;
     # redraw from the full distribution with the drawn token excluded (current official HEAD).
-    repeats = (batch.history == drawn.unsqueeze(1)).sum(dim=1).to(torch.float32)
+    width = batch.history.shape[1]
+    in_window = torch.arange(width, device=logp.device) >= (width - batch.window).unsqueeze(1)
+    repeats = ((batch.history == drawn.unsqueeze(1)) & in_window).sum(dim=1).to(torch.float32)
     excluded = scores.scatter(1, drawn.unsqueeze(1), float("-inf"))
     g2 = _gumbel(batch.seeds, batch.steps, 2, scores.shape[1])
     fallback = (excluded + g2).argmax(dim=1)

@@ -29,9 +29,11 @@ def _batch(n: int, params: dict, history: list[int], seeds: torch.Tensor | None 
         top_p=torch.full((n,), params["top_p"]),
         top_k=torch.full((n,), params["top_k"], dtype=torch.int64),
         repeat_threshold=torch.full((n,), params["win_size"] * params["tau_r"]),
+        window=torch.full((n,), params["win_size"], dtype=torch.int64),
         history=hist,
         forced=torch.full((n,), -1, dtype=torch.int64),
         greedy=torch.zeros(n, dtype=torch.bool),
+        ban_special=torch.zeros(n, dtype=torch.bool),
     )
 
 
@@ -103,10 +105,20 @@ def test_eos_masked_below_min_len_and_forced_tokens():
     assert tokens[0].item() != EOS and tokens[1].item() == EOS and tokens[2].item() == 42
 
 
+def test_ban_special_masks_every_stop_class_below_min_len():
+    logp = torch.full((2, 6564), -30.0)
+    logp[:, 6561:] = 0.0
+    batch = _batch(2, {"top_p": 0.8, "top_k": 25, "win_size": 10, "tau_r": 0.1}, [])
+    batch.min_len, batch.steps = torch.tensor([5, 5]), torch.tensor([0, 0])
+    batch.ban_special = torch.tensor([False, True])
+    tokens = sample_tokens(logp, batch, EOS).tolist()
+    assert tokens[0] in (6562, 6563) and tokens[1] < EOS
+
+
 def test_draws_depend_only_on_seed_and_step():
     seeds, steps = torch.tensor([7, 8, 7]), torch.tensor([3, 3, 3])
     u = hash_uniform(seeds, steps, 1, 100)
     assert torch.equal(u[0], u[2]) and not torch.equal(u[0], u[1])
-    assert 0.0 < u.min().item() and u.max().item() < 1.0
+    assert u.min().item() > 0.0 and u.max().item() < 1.0
     big = hash_uniform(torch.arange(200), torch.zeros(200, dtype=torch.int64), 1, 500)
     assert abs(big.mean().item() - 0.5) < 0.01 and abs(big.var().item() - 1 / 12) < 0.005

@@ -1,0 +1,182 @@
+"""Measure the engine in-process (no HTTP): the same load levels, playback clock and report as `cosystream bench`.
+
+Drives `AsyncEngine.synthesize` in closed loop (fixed concurrency) or open loop (Poisson rate) with the standard
+workload of benchmarks/workload.py (its voice is registered first, in a throw-away voice database unless
+--voices-db is given) and prints a markdown table; --out / --plot write the same JSON / PNG as `cosystream bench`.
+
+    python benchmarks/bench_engine.py --model-dir pretrained_models/CosyVoice2-0.5B --device cuda \\
+        --dtype bfloat16 --concurrency 1,4,16,64 --requests-per-level 64 --out engine.json --plot engine.png
+
+Run from the repository root with the package importable (pip install -e .).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import workload  # beside this file: python puts the script's folder first on sys.path
+
+from cosystream.bench.loadgen import SendFn, build_plans, run_benchmark, run_timed
+from cosystream.bench.report import (
+    LevelSummary,
+    RequestRecord,
+    Timeline,
+    build_results,
+    format_table,
+    write_json,
+    write_plot,
+)
+from cosystream.errors import Overloaded, UnknownVoice
+from cosystream.outputs import SAMPLE_RATE
+from cosystream.params import Mode, SamplingParams, SynthesisParams
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", required=True, help="CosyVoice2 model directory (official layout)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--max-streams", type=int, default=None, help="EngineConfig.max_streams (default: the engine's)")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="run eagerly")
+    p.add_argument("--voices-db", default=None, help="voice database (default: a temporary one)")
+    p.add_argument("--voice", default=workload.VOICE_NAME)
+    p.add_argument("--prompt-wav", default=None, help="prompt recording (default: the standard workload's)")
+    p.add_argument("--prompt-text", default=workload.PROMPT_TEXT)
+    p.add_argument("--text", default=workload.TARGET_TEXT)
+    p.add_argument("--force-tokens", type=int, default=workload.FORCE_TOKENS, help="0: stop at end of speech")
+    p.add_argument("--first-hop", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--greedy", action="store_true")
+    p.add_argument("--concurrency", default=None, help="closed-loop levels, e.g. 1,4,16,64")
+    p.add_argument("--rate", default=None, help="open-loop levels in requests/s, e.g. 1,2.5")
+    p.add_argument("--duration", type=float, default=None)
+    p.add_argument("--requests-per-level", type=int, default=None)
+    p.add_argument("--warmup-requests", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
+    p.add_argument("--out", default=None, help="JSON path (same schema as `cosystream bench`)")
+    p.add_argument("--plot", default=None, help="PNG path")
+    return p
+
+
+def make_params(args: argparse.Namespace) -> SynthesisParams:
+    return SynthesisParams(
+        text=args.text, mode=Mode.zero_shot, voice=args.voice, stream=True, first_hop=args.first_hop,
+        force_tokens=args.force_tokens or None, sampling=SamplingParams(seed=args.seed, greedy=args.greedy))
+
+
+def make_send(engine: Any, params: SynthesisParams, timeout_s: float, origin_s: float) -> SendFn:
+    """One engine request per call, timed on the same playback clock as the network client."""
+    expected_s = params.force_tokens * workload.SAMPLES_PER_TOKEN / SAMPLE_RATE if params.force_tokens else None
+
+    async def send(level: str, index: int) -> RequestRecord:
+        timeline = Timeline(level, index, origin_s, SAMPLE_RATE, expected_s)
+
+        async def stream() -> None:
+            try:
+                async for chunk in engine.synthesize(params):
+                    timeline.audio(len(chunk.pcm))
+                    if chunk.times is not None:
+                        timeline.record.server = chunk.times.as_dict()
+            except Overloaded as exc:
+                timeline.refuse(503, exc.retry_after_s)
+
+        return await run_timed(stream, timeline, timeout_s)
+
+    return send
+
+
+async def ensure_voice(engine: Any, name: str, prompt_wav: str | Path, prompt_text: str) -> str:
+    """Register the workload's voice unless the store already has it; returns what happened."""
+    try:
+        engine.get_voice(name)
+        return "exists"
+    except UnknownVoice:
+        await engine.add_voice(name, str(prompt_wav), prompt_text)
+        return "registered"
+
+
+async def run(engine: Any, args: argparse.Namespace, prompt_wav: Path,
+              stop: asyncio.Event | None = None) -> tuple[list[RequestRecord], list[LevelSummary]]:
+    """Register the voice, then warm up and run every level against `engine`."""
+    stop = stop or asyncio.Event()
+    _log(f"voice {args.voice!r}: {await ensure_voice(engine, args.voice, prompt_wav, args.prompt_text)}")
+    concurrency = [int(v) for v in _split(args.concurrency)]
+    rates = [float(v) for v in _split(args.rate)]
+    plans = build_plans(concurrency or ([] if rates else [1]), rates, args.requests_per_level, args.duration)
+    send = make_send(engine, make_params(args), args.timeout, time.perf_counter())
+    return await run_benchmark(send, plans, stop, args.warmup_requests, args.seed, _log)
+
+
+def _split(value: str | None) -> list[str]:
+    return [v.strip() for v in (value or "").split(",") if v.strip()]
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.get_device_name(torch.device(device))
+    return platform.processor() or platform.machine()
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+async def _amain(args: argparse.Namespace, tmp: Path) -> tuple[list[RequestRecord], list[LevelSummary]]:
+    from cosystream.engine.async_engine import AsyncEngine
+
+    prompt_wav = Path(args.prompt_wav) if args.prompt_wav else workload.write_workload_wav(tmp / "voice.wav")
+    config: dict[str, Any] = {"device": args.device, "dtype": args.dtype, "cuda_graphs": not args.no_cuda_graphs,
+                              "voices_db": args.voices_db or str(tmp / "voices.db")}
+    if args.max_streams is not None:
+        config["max_streams"] = args.max_streams
+    engine = AsyncEngine.from_pretrained(args.model_dir, **config)
+    try:
+        await asyncio.to_thread(engine.warmup)  # graph capture is not part of any request's latency
+        return await run(engine, args, prompt_wav)
+    finally:
+        engine.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    with tempfile.TemporaryDirectory(prefix="cosystream-bench-") as tmp:
+        try:
+            records, summaries = asyncio.run(_amain(args, Path(tmp)))
+        except KeyboardInterrupt:
+            _log("interrupted")
+            return 130
+    device = _device_name(args.device)
+    print(f"{started_at[:10]} · {device} · {args.dtype} · commit {_commit()} · force_tokens {args.force_tokens}\n")
+    print(format_table(summaries))
+    if args.out:
+        meta = {"tool": "benchmarks/bench_engine.py", "started_at": started_at, "device": device,
+                "dtype": args.dtype, "commit": _commit(), "args": vars(args)}
+        _log(f"wrote {write_json(args.out, build_results(meta, summaries, records))}")
+    if args.plot and summaries:
+        _log(f"wrote {write_plot(args.plot, summaries, title=f'engine in-process · {device} · {args.dtype}')}")
+    return 0 if any(s.num_ok for s in summaries) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,273 @@
+"""The load generator's clients: one request each over HTTP (`/v1/tts`, `/v1/audio/speech`) or WebSocket.
+
+`build_body` and `ws_messages` are the one place that knows each endpoint's request fields (they follow
+cosystream/server/protocol.py; unknown servers get only the fields they need). Audio must come back as
+PCM16 LE mono; a WAV header, if a server sends one anyway, is skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+import websockets
+
+from cosystream.bench.loadgen import run_timed
+from cosystream.bench.report import RequestRecord, Timeline
+from cosystream.outputs import SAMPLE_RATE
+
+TARGETS = ("tts", "ws", "openai")
+PATHS = {"tts": "/v1/tts", "ws": "/v1/tts/stream", "openai": "/v1/audio/speech"}
+REFUSAL_STATUSES = (503, 429)  # admission control: overloaded / rate limited
+SAMPLES_PER_TOKEN = 960  # 24 kHz samples per speech token (25 Hz)
+BYTES_PER_SAMPLE = 2  # PCM16
+MAX_ERROR_BODY = 200  # characters of an error response kept in the record
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """What every request of a run asks for; texts are used round-robin by request index."""
+
+    texts: tuple[str, ...]
+    voice: str | None = None
+    mode: str = "zero_shot"
+    force_tokens: int | None = None  # exactly this many speech tokens (our server only)
+    first_hop: int | None = None
+    seed: int | None = None
+    greedy: bool = False
+    model: str = "cosyvoice2"  # the OpenAI `model` field
+    sample_rate: int = SAMPLE_RATE
+
+    def text(self, index: int) -> str:
+        return self.texts[index % len(self.texts)]
+
+    @property
+    def expected_audio_s(self) -> float | None:
+        return None if self.force_tokens is None else self.force_tokens * SAMPLES_PER_TOKEN / self.sample_rate
+
+
+def endpoint_url(url: str, target: str) -> str:
+    """`url` is a server root (the target's path is appended) or already a full endpoint URL."""
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    path = parts.path if parts.path not in ("", "/") else PATHS[target]
+    scheme = parts.scheme
+    if target == "ws":
+        scheme = {"http": "ws", "https": "wss"}.get(scheme, scheme)
+    return urlunsplit((scheme, parts.netloc, path, parts.query, ""))
+
+
+def server_root(url: str) -> str:
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    scheme = {"ws": "http", "wss": "https"}.get(parts.scheme, parts.scheme)
+    return urlunsplit((scheme, parts.netloc, "", "", ""))
+
+
+def build_body(target: str, spec: RequestSpec, index: int) -> dict[str, Any]:
+    """The JSON body of request `index` (for "ws": the `start` message, without the text).
+
+    Fields follow server/protocol.py: TTSRequest / WsStart are flat and forbid unknown fields;
+    SpeechRequest takes `seed` and `force_tokens` as extensions (sent only when set).
+    """
+    if target == "openai":
+        body: dict[str, Any] = {"model": spec.model, "input": spec.text(index), "voice": spec.voice,
+                                "response_format": "pcm", "stream": True, "seed": spec.seed,
+                                "force_tokens": spec.force_tokens}
+        return {k: v for k, v in body.items() if v is not None}
+    body = {"voice": spec.voice, "mode": spec.mode, "stream": True, "response_format": "pcm",
+            "force_tokens": spec.force_tokens, "first_hop": spec.first_hop, "seed": spec.seed,
+            "greedy": spec.greedy or None}
+    body = {k: v for k, v in body.items() if v is not None}  # unset: the server's default
+    if target == "ws":
+        return {"type": "start", **body}
+    return {"text": spec.text(index), **body}
+
+
+def ws_messages(spec: RequestSpec, index: int) -> list[dict[str, Any]]:
+    return [build_body("ws", spec, index), {"type": "text", "text": spec.text(index)}, {"type": "end"}]
+
+
+class PcmCounter:
+    """Turns received bytes into whole PCM16 samples; skips a leading RIFF/WAV header."""
+
+    def __init__(self) -> None:
+        self.head = b""  # bytes held back until we know whether a WAV header starts the stream
+        self.is_raw: bool | None = None
+        self.num_bytes = 0
+        self.num_samples = 0
+
+    def add(self, data: bytes) -> int:
+        """Feed bytes; return how many new complete samples they finish."""
+        if self.is_raw is None:
+            self.head += data
+            data = self._strip_header()
+            if self.is_raw is None:
+                return 0
+        self.num_bytes += len(data)
+        total = self.num_bytes // BYTES_PER_SAMPLE  # a sample split across two pieces counts once whole
+        new, self.num_samples = total - self.num_samples, total
+        return new
+
+    def _strip_header(self) -> bytes:
+        head = self.head
+        if len(head) < 4 and b"RIFF".startswith(head):
+            return b""
+        if not head.startswith(b"RIFF"):
+            self.is_raw = True
+            return head
+        pos = 12  # RIFF size WAVE, then chunks: id(4) size(4) payload
+        while pos + 8 <= len(head):
+            size = int.from_bytes(head[pos + 4:pos + 8], "little")
+            if head[pos:pos + 4] == b"data":
+                self.is_raw = False
+                return head[pos + 8:]
+            pos += 8 + size + (size & 1)
+        return b""
+
+
+def _error_code(body: str) -> str | None:
+    """`error.code` of our JSON error body (server/errors.py); None for any other body."""
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return None
+    return error.get("code") if isinstance(error, dict) else None
+
+
+def _retry_after(value: str | None) -> float | None:
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None  # an HTTP date: rare from a TTS server, not worth parsing
+
+
+class HttpClient:
+    """POSTs to `/v1/tts` or `/v1/audio/speech` and reads the chunked PCM body."""
+
+    def __init__(self, url: str, target: str, spec: RequestSpec, timeout_s: float, origin_s: float) -> None:
+        self.url, self.target, self.spec = endpoint_url(url, target), target, spec
+        self.timeout_s, self.origin_s = timeout_s, origin_s
+        # no connection cap (the level's concurrency is the cap); no proxies from the environment: loopback
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), trust_env=False,
+                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+
+    async def send(self, level: str, index: int) -> RequestRecord:
+        timeline = Timeline(level, index, self.origin_s, self.spec.sample_rate, self.spec.expected_audio_s)
+        body = build_body(self.target, self.spec, index)
+
+        async def stream() -> None:
+            async with self.client.stream("POST", self.url, json=body) as response:
+                timeline.record.status = response.status_code
+                if response.status_code != 200:
+                    text = (await response.aread()).decode(errors="replace")
+                    if response.status_code in REFUSAL_STATUSES and _error_code(text) != "engine_dead":
+                        timeline.refuse(response.status_code, _retry_after(response.headers.get("retry-after")))
+                    else:
+                        timeline.fail(f"HTTP {response.status_code}: {text[:MAX_ERROR_BODY]}", response.status_code)
+                else:
+                    pcm = PcmCounter()
+                    async for data in response.aiter_bytes():
+                        timeline.audio(pcm.add(data))
+
+        return await run_timed(stream, timeline, self.timeout_s)
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+def _handshake_status(exc: Exception) -> int | None:
+    """The HTTP status of a refused WebSocket handshake (websockets >= 14 and the legacy API)."""
+    response = getattr(exc, "response", None)
+    status = getattr(response, "status_code", None) or getattr(exc, "status_code", None)
+    return int(status) if status is not None else None
+
+
+def _connect_kwargs() -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"max_size": None}  # audio frames of any size
+    if "proxy" in inspect.signature(websockets.connect).parameters:
+        kwargs["proxy"] = None  # websockets >= 15 reads proxy settings from the environment otherwise
+    return kwargs
+
+
+class WsClient:
+    """One WebSocket session per request: start, text, end; then audio frames until `done`."""
+
+    def __init__(self, url: str, spec: RequestSpec, timeout_s: float, origin_s: float) -> None:
+        self.url, self.spec, self.timeout_s, self.origin_s = endpoint_url(url, "ws"), spec, timeout_s, origin_s
+        self.connect_kwargs = _connect_kwargs()
+
+    async def send(self, level: str, index: int) -> RequestRecord:
+        timeline = Timeline(level, index, self.origin_s, self.spec.sample_rate, self.spec.expected_audio_s)
+
+        async def stream() -> None:
+            try:
+                connection = websockets.connect(self.url, open_timeout=self.timeout_s, **self.connect_kwargs)
+                async with connection as ws:
+                    await self._session(ws, timeline, index)
+            except Exception as exc:
+                status = _handshake_status(exc)
+                if status in REFUSAL_STATUSES:
+                    timeline.refuse(status)
+                elif status is not None:
+                    timeline.fail(f"WebSocket handshake: HTTP {status}", status)
+                else:
+                    raise
+
+        return await run_timed(stream, timeline, self.timeout_s)
+
+    async def _session(self, ws: Any, timeline: Timeline, index: int) -> None:
+        # send concurrently with reading: a server may answer `start` with an error and close early
+        sender = asyncio.ensure_future(self._send_all(ws, index))
+        pcm = PcmCounter()
+        try:
+            async for message in ws:
+                if isinstance(message, bytes):
+                    timeline.audio(pcm.add(message))
+                elif self._on_event(json.loads(message), timeline):
+                    return
+        finally:
+            sender.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await sender
+
+    async def _send_all(self, ws: Any, index: int) -> None:
+        for message in ws_messages(self.spec, index):
+            await ws.send(json.dumps(message))
+
+    @staticmethod
+    def _on_event(event: dict[str, Any], timeline: Timeline) -> bool:
+        """Handle one JSON event; True when the session is over."""
+        kind = event.get("type")
+        if kind == "done":
+            timeline.record.server = {k: v for k, v in event.items() if k != "type"}
+            return True
+        if kind == "error":
+            # ours: {"type": "error", "error": {"code", "message", "field"}}; others: flat fields
+            detail = event["error"] if isinstance(event.get("error"), dict) else event
+            code = detail.get("code", detail.get("status"))
+            if code in REFUSAL_STATUSES or code == "overloaded":
+                timeline.refuse(code if isinstance(code, int) else 503, detail.get("retry_after_s"))
+            else:
+                timeline.fail(f"server error: {code}: {detail.get('message', '')}".rstrip(": "))
+            return True
+        return False
+
+
+async def register_voice(url: str, name: str, prompt_text: str, prompt_wav: str | Path,
+                         timeout_s: float = 60.0) -> str:
+    """POST /v1/voices; returns "registered" or "exists". Other answers raise RuntimeError."""
+    data = {"name": name, "prompt_text": prompt_text}
+    files = {"prompt_wav": (Path(prompt_wav).name, Path(prompt_wav).read_bytes(), "audio/wav")}
+    async with httpx.AsyncClient(timeout=timeout_s, trust_env=False) as client:
+        response = await client.post(f"{server_root(url)}/v1/voices", data=data, files=files)
+    if response.status_code in (200, 201):
+        return "registered"
+    if response.status_code == 409 or (response.status_code == 400 and "exist" in response.text.lower()):
+        return "exists"
+    raise RuntimeError(f"voice registration: HTTP {response.status_code}: {response.text[:MAX_ERROR_BODY]}")

@@ -1,0 +1,280 @@
+"""Benchmark records and what is computed from them: playback underruns, per-level summaries, tables, plots.
+
+Transport-independent: the HTTP/WebSocket load generator (bench/loadgen.py) and the in-process engine
+benchmark (benchmarks/bench_engine.py) both feed a `Timeline` per request and share everything below.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cosystream.outputs import SAMPLE_RATE
+
+SCHEMA = "cosystream-bench/1"
+PERCENTILES = (50, 90, 95, 99)
+# Arrivals this close after the playback end still count as on time: float rounding, not a gap.
+BOUNDARY_TOLERANCE_S = 1e-9
+
+
+# ---- one request ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class RequestRecord:
+    """One request as the client saw it. Times in seconds; `*_s` relative to the send unless noted."""
+
+    level: str  # the load level's label, e.g. "c=16" or "rate=2.5"
+    index: int  # request number within its level
+    start_s: float  # send time, seconds since the run began
+    end_s: float = 0.0  # end (last byte, error or refusal), seconds since the run began
+    first_audio_s: float | None = None  # send -> first audio sample
+    total_s: float | None = None  # send -> end of the stream (successful requests only)
+    audio_s: float = 0.0  # audio received
+    expected_audio_s: float | None = None  # forced length (960 samples per token), when known
+    underruns: int = 0  # times playback ran dry before more audio came
+    underrun_s: float = 0.0  # total time playback was stalled
+    status: int | None = None  # HTTP status, when there was one
+    refused: bool = False  # 503/429: the server's admission control said no
+    retry_after_s: float | None = None
+    error: str | None = None
+    arrivals: list[list[float]] = field(default_factory=list)  # [[seconds since send, num_samples], ...]
+    server: dict[str, Any] = field(default_factory=dict)  # timings the server reported, if any
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and not self.refused
+
+    @property
+    def rtf(self) -> float | None:
+        """Real-time factor of this request: wall time / audio seconds (< 1 is faster than real time)."""
+        if not self.ok or self.total_s is None or self.audio_s <= 0:
+            return None
+        return self.total_s / self.audio_s
+
+
+class Timeline:
+    """Collects one request's audio arrivals against a clock and turns them into a `RequestRecord`.
+
+    `origin_s` is the run's start on the same clock (default `time.perf_counter`), so records of all
+    levels share one time axis. Call `audio()` per received piece, then exactly one of `finish()`,
+    `fail()` or `refuse()`.
+    """
+
+    def __init__(self, level: str, index: int, origin_s: float, sample_rate: int = SAMPLE_RATE,
+                 expected_audio_s: float | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock, self.sample_rate, self.origin_s = clock, sample_rate, origin_s
+        self.t_send = clock()
+        self.record = RequestRecord(level=level, index=index, start_s=self.t_send - origin_s,
+                                    expected_audio_s=expected_audio_s)
+        self.num_samples = 0
+        self.closed = False
+
+    def audio(self, num_samples: int) -> None:
+        if num_samples <= 0:
+            return
+        self.record.arrivals.append([round(self.clock() - self.t_send, 6), num_samples])
+        self.num_samples += num_samples
+
+    def finish(self) -> RequestRecord:
+        rec = self._close()
+        rec.total_s = rec.end_s - rec.start_s
+        if self.num_samples == 0:
+            rec.error = "no audio"
+        return rec
+
+    def fail(self, error: str, status: int | None = None) -> RequestRecord:
+        rec = self._close()
+        rec.error, rec.status = error, status if status is not None else rec.status
+        return rec
+
+    def refuse(self, status: int, retry_after_s: float | None = None) -> RequestRecord:
+        rec = self._close()
+        rec.refused, rec.status, rec.retry_after_s = True, status, retry_after_s
+        return rec
+
+    def _close(self) -> RequestRecord:
+        assert not self.closed, "a timeline is closed once"
+        self.closed = True
+        rec = self.record
+        rec.end_s = self.clock() - self.origin_s
+        rec.audio_s = self.num_samples / self.sample_rate
+        if rec.arrivals:
+            rec.first_audio_s = rec.arrivals[0][0]
+        rec.underruns, rec.underrun_s = playback_underruns(rec.arrivals, self.sample_rate)
+        return rec
+
+
+def playback_underruns(arrivals: Iterable[Sequence[float]], sample_rate: int = SAMPLE_RATE) -> tuple[int, float]:
+    """Play arrivals [(t_s, num_samples), ...] on a client clock; return (underruns, stalled seconds).
+
+    Playback starts when the first audio arrives. A piece arriving after everything before it has
+    finished playing is an underrun: playback stalls from that moment until the arrival, then resumes
+    from the arrival. A piece arriving exactly at the end of the buffered audio is on time.
+    """
+    count, stalled_s = 0, 0.0
+    play_end_s: float | None = None  # when the audio received so far finishes playing
+    for t_s, num_samples in arrivals:
+        if num_samples <= 0:
+            continue
+        if play_end_s is None:
+            play_end_s = t_s
+        elif t_s > play_end_s + BOUNDARY_TOLERANCE_S:
+            count += 1
+            stalled_s += t_s - play_end_s
+            play_end_s = t_s
+        play_end_s = max(play_end_s, t_s) + num_samples / sample_rate
+    return count, stalled_s
+
+
+# ---- one level ------------------------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100) with linear interpolation between order statistics (numpy's default)."""
+    if not values:
+        raise ValueError("percentile of no values")
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100.0
+    lo = math.floor(rank)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
+
+
+def distribution(values: Sequence[float]) -> dict[str, float] | None:
+    """avg, p50, p90, p95, p99 and max of `values`; None when there are none."""
+    if not values:
+        return None
+    stats = {"avg": sum(values) / len(values)}
+    stats.update({f"p{q}": percentile(values, q) for q in PERCENTILES})
+    stats["max"] = max(values)
+    return stats
+
+
+@dataclass
+class LevelSummary:
+    """What one load level achieved. Latencies in seconds."""
+
+    level: str
+    kind: str  # "concurrency" (closed loop) or "rate" (open loop, Poisson arrivals)
+    value: float  # streams in flight, or offered requests per second
+    num_requests: int
+    num_ok: int
+    num_errors: int
+    num_refused: int
+    wall_s: float  # first send -> last end
+    first_audio_s: dict[str, float] | None
+    total_s: dict[str, float] | None
+    rtf: dict[str, float] | None  # per request: wall time / audio seconds
+    aggregate_rtf: float  # audio seconds produced / wall seconds of the level (> 1: faster than real time)
+    achieved_rate: float  # successful requests per wall second
+    underrun_requests: int  # successful requests with at least one underrun
+    underruns: int
+    underrun_s: float
+    num_short_audio: int = 0  # successful requests with less audio than forced
+    interrupted: bool = False  # stopped early (Ctrl-C); the level is incomplete
+    errors: dict[str, int] = field(default_factory=dict)  # error message -> count (first 80 chars)
+
+
+def summarize(records: Sequence[RequestRecord], level: str, kind: str, value: float,
+              interrupted: bool = False) -> LevelSummary:
+    """Summarise one level's records (warm-up requests excluded by the caller)."""
+    ok = [r for r in records if r.ok]
+    wall_s = max((r.end_s for r in records), default=0.0) - min((r.start_s for r in records), default=0.0)
+    errors: dict[str, int] = {}
+    for r in records:
+        if r.error is not None:
+            errors[r.error[:80]] = errors.get(r.error[:80], 0) + 1
+    return LevelSummary(
+        level=level, kind=kind, value=value, num_requests=len(records), num_ok=len(ok),
+        num_errors=sum(r.error is not None for r in records), num_refused=sum(r.refused for r in records),
+        wall_s=wall_s,
+        first_audio_s=distribution([r.first_audio_s for r in ok if r.first_audio_s is not None]),
+        total_s=distribution([r.total_s for r in ok if r.total_s is not None]),
+        rtf=distribution([r.rtf for r in ok if r.rtf is not None]),
+        aggregate_rtf=sum(r.audio_s for r in records) / wall_s if wall_s > 0 else 0.0,
+        achieved_rate=len(ok) / wall_s if wall_s > 0 else 0.0,
+        underrun_requests=sum(r.underruns > 0 for r in ok),
+        underruns=sum(r.underruns for r in ok), underrun_s=sum(r.underrun_s for r in ok),
+        num_short_audio=sum(_is_short(r) for r in ok), interrupted=interrupted, errors=errors)
+
+
+def _is_short(r: RequestRecord) -> bool:
+    # half a sample of slack for the float conversion of integer sample counts
+    return r.expected_audio_s is not None and r.audio_s + 0.5 / SAMPLE_RATE < r.expected_audio_s
+
+
+# ---- output ---------------------------------------------------------------------------------------------
+
+
+def build_results(meta: dict[str, Any], summaries: Sequence[LevelSummary],
+                  records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """The JSON document: {schema, meta, levels: [LevelSummary], requests: [RequestRecord]}."""
+    return {"schema": SCHEMA, "meta": meta, "levels": [asdict(s) for s in summaries],
+            "requests": [asdict(r) for r in records]}
+
+
+def write_json(path: str | Path, results: dict[str, Any]) -> Path:
+    path = Path(path)
+    path.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    return path
+
+
+def _ms(stats: dict[str, float] | None, key: str) -> str:
+    return "-" if stats is None else f"{stats[key] * 1000:.0f}"
+
+
+def _num(stats: dict[str, float] | None, key: str, fmt: str = ".3f") -> str:
+    return "-" if stats is None else format(stats[key], fmt)
+
+
+def format_table(summaries: Sequence[LevelSummary]) -> str:
+    """A markdown table, one row per level (first-audio in ms, total in s)."""
+    head = ("| level | reqs | ok | err | refused | first audio avg / p50 / p90 / p99 ms | total p50 / p99 s "
+            "| RTF p50 | agg RTF | req/s | underrun reqs | underrun s |")
+    rows = [head, "|" + "---|" * (head.count("|") - 1)]
+    for s in summaries:
+        fa = s.first_audio_s
+        rows.append(
+            f"| {s.level}{' (interrupted)' if s.interrupted else ''} | {s.num_requests} | {s.num_ok} "
+            f"| {s.num_errors} | {s.num_refused} "
+            f"| {_ms(fa, 'avg')} / {_ms(fa, 'p50')} / {_ms(fa, 'p90')} / {_ms(fa, 'p99')} "
+            f"| {_num(s.total_s, 'p50', '.2f')} / {_num(s.total_s, 'p99', '.2f')} | {_num(s.rtf, 'p50')} "
+            f"| {s.aggregate_rtf:.2f} | {s.achieved_rate:.2f} | {s.underrun_requests} | {s.underrun_s:.2f} |")
+    return "\n".join(rows)
+
+
+def write_plot(path: str | Path, summaries: Sequence[LevelSummary], title: str = "") -> Path:
+    """PNG: first-audio percentiles (ms) and aggregate real-time factor against the load level."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: files only
+    import matplotlib.pyplot as plt
+
+    # levels as evenly spaced categories: concurrency 1..128 on a linear axis would crowd the low end
+    xs = list(range(len(summaries)))
+    labels = [s.level for s in summaries]
+    fig, (ax_lat, ax_rtf) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for key in ("p50", "p90", "p95", "p99"):
+        ys = [s.first_audio_s[key] * 1000 if s.first_audio_s else math.nan for s in summaries]
+        ax_lat.plot(xs, ys, marker="o", label=key)
+    ax_lat.set(title="first-audio latency", ylabel="ms", xlabel="load level")
+    ax_lat.legend()
+    ax_rtf.plot(xs, [s.aggregate_rtf for s in summaries], marker="o", color="tab:green")
+    ax_rtf.axhline(1.0, color="grey", linestyle="--", linewidth=1)  # real time
+    ax_rtf.set(title="aggregate real-time factor", ylabel="audio s / wall s", xlabel="load level")
+    for ax in (ax_lat, ax_rtf):
+        ax.set_xticks(xs, labels, rotation=30 if len(xs) > 6 else 0)
+        ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

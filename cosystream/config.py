@@ -1,0 +1,65 @@
+"""EngineConfig: every engine knob in one frozen, validated record (static for the engine's life)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ChunkSchedule:
+    """Streaming hops in speech tokens (spec/streaming.md §1-2).
+
+    Defaults are the official CosyVoice2 schedule: first hop 25 plus the prompt padding that aligns
+    chunk boundaries with the flow's 25-token attention blocks, then ×2 per chunk up to 100.
+    A smaller `first_hop` (e.g. 15) lowers first-audio latency by (25 - 15) LM steps; with it the
+    first chunk no longer ends on an attention-block boundary, so its last frames see a partial
+    block (a small deviation from the official output). `growth` 1 keeps every hop equal: lower
+    latency per chunk, more (smaller) flow calls.
+    """
+
+    first_hop: int = 25
+    growth: float = 2.0
+    max_hop: int = 100
+    pad_prompt: bool = True  # official: pad the first hop so prompt + hop is a multiple of the block
+    lookahead: int = 3  # pre-look-ahead tokens of the flow
+
+    def validate(self) -> None:
+        if not 1 <= self.first_hop <= self.max_hop:
+            raise ValueError(f"first_hop: must be in [1, max_hop={self.max_hop}], got {self.first_hop}")
+        if self.growth < 1:
+            raise ValueError(f"growth: must be >= 1, got {self.growth}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    device: str = "cpu"  # "cpu", "cuda", "cuda:1"
+    dtype: str = "float32"  # float32 | bfloat16 | float16 (CPU: float32 only is sensible)
+    max_streams: int = 64  # concurrent LM rows (KV-cache slots)
+    max_len: int = 2048  # LM positions per stream (prompt + text + generated speech tokens)
+    max_queue: int = 256  # waiting requests beyond which new ones are refused (Overloaded)
+    cuda_graphs: bool = True  # capture decode/flow/vocoder steps on CUDA
+    schedule: ChunkSchedule = ChunkSchedule()
+    final_attention: str = "full"  # "full": official final chunk; "chunk": incremental, cheaper
+    max_text_chars: int = 5000  # longer inputs are refused with BadInput
+    voices_db: str | None = None  # None: $COSYSTREAM_HOME/voices.db or ~/.cache/cosystream/voices.db
+    frontend_threads: int = 2
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype: must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.max_streams < 1 or self.max_len < 64:
+            raise ValueError("max_streams must be >= 1 and max_len >= 64")
+        if self.final_attention not in ("full", "chunk"):
+            raise ValueError(f"final_attention: 'full' or 'chunk', got {self.final_attention!r}")
+        self.schedule.validate()
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown EngineConfig field(s): {', '.join(unknown)}")
+        return cls(**kwargs)

@@ -1,0 +1,234 @@
+"""AsyncEngine: the asyncio front of the engine. Frontend work in a thread pool, GPU work on the core.
+
+    engine = AsyncEngine.from_pretrained("CosyVoice2-0.5B", device="cuda", dtype="bfloat16")
+    async for chunk in engine.synthesize(SynthesisParams(text="Hello!", voice="alice")):
+        play(chunk.pcm)
+
+Closing the iterator early (client gone) aborts the request and frees its LM slot at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import uuid
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cosystream.checkpoint import load_checkpoint
+from cosystream.config import EngineConfig
+from cosystream.engine.chunking import ChunkPlanner
+from cosystream.engine.core import EngineCore
+from cosystream.engine.lm_runner import LMRunner, RowSampling
+from cosystream.engine.loader import load_flow, load_hift, load_llm
+from cosystream.engine.request import RequestState, Segment
+from cosystream.engine.token2wav import Token2WavRunner
+from cosystream.engine.voices import VoiceInfo, VoiceStore, check_voice_name, default_db_path
+from cosystream.errors import BadInput, Overloaded, VoiceExists
+from cosystream.frontend import Frontend, ModelInputs, VoicePrompt
+from cosystream.outputs import AudioChunk
+from cosystream.params import Mode, SynthesisParams
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class AsyncEngine:
+    def __init__(self, model_dir: str | Path, config: EngineConfig) -> None:
+        self.config = config
+        self.checkpoint = ckpt = load_checkpoint(model_dir)
+        self.hparams = ckpt.hparams
+        device, dtype = torch.device(config.device), _DTYPES[config.dtype]
+        self.frontend = Frontend(ckpt, device=config.device)
+        self.voices = VoiceStore(config.voices_db or default_db_path())
+        self.lm = load_llm(ckpt, device, dtype)
+        lm_runner = LMRunner(self.lm, config.max_streams, config.max_len, use_graphs=config.cuda_graphs)
+        t2w = Token2WavRunner(load_flow(ckpt, device, dtype), load_hift(ckpt, device, dtype), config)
+        self.token2wav = t2w
+        self.core = EngineCore(lm_runner, t2w, self.lm)
+        self.pool = ThreadPoolExecutor(max_workers=config.frontend_threads, thread_name_prefix="frontend")
+        self._voice_prompts: dict[str, VoicePrompt] = {}
+        self.core.start()
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, **kwargs: Any) -> AsyncEngine:
+        """Any EngineConfig field may be given as a keyword; an unknown one raises TypeError."""
+        return cls(model_dir, EngineConfig.from_kwargs(**kwargs))
+
+    def close(self) -> None:
+        self.core.stop()
+        self.pool.shutdown(wait=False)
+
+    # ------------------------------------------------------------------ synthesis
+    async def synthesize(self, params: SynthesisParams) -> AsyncIterator[AudioChunk]:
+        """Yield the audio of one request chunk by chunk; the last chunk has is_final and its times."""
+        loop = asyncio.get_running_loop()
+        t_submit = loop.time()
+        if self.core.queue_depth >= self.config.max_queue:
+            raise Overloaded(f"queue full ({self.core.queue_depth} waiting); retry later", retry_after_s=1.0)
+        queue: asyncio.Queue[AudioChunk | BaseException] = asyncio.Queue()
+        req = await loop.run_in_executor(self.pool, self._build_request, params,
+                                         lambda item: loop.call_soon_threadsafe(queue.put_nowait, item))
+        req.times.frontend_s = loop.time() - t_submit
+        req.t_submit -= req.times.frontend_s  # the request's clock starts at submission
+        self.core.submit(req)
+        pump = None
+        if not isinstance(params.text, str):
+            pump = asyncio.create_task(self._pump_text(req.request_id, params.text, queue))
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.is_final:
+                    return
+        finally:
+            if pump is not None:
+                pump.cancel()
+            if not req.finished:
+                self.core.abort(req.request_id)
+
+    async def _pump_text(self, request_id: str, pieces: AsyncIterator[str], out: asyncio.Queue) -> None:
+        """Forward text pieces as they arrive (tokenised one by one, not normalised: spec/frontend.md §2)."""
+        try:
+            async for piece in pieces:
+                if not isinstance(piece, str):
+                    raise BadInput(f"text: streamed pieces must be strings, got {type(piece).__name__}")
+                ids = self.frontend.encode_text(piece)
+                if ids:
+                    self.core.add_text(request_id, ids)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the client's text source failed: end the request with its error
+            out.put_nowait(e if isinstance(e, BadInput) else BadInput(f"text: the text stream failed: {e}"))
+            self.core.abort(request_id)
+            return
+        self.core.end_text(request_id)
+
+    def _build_request(self, params: SynthesisParams, emit) -> RequestState:
+        _check_params(params)
+        voice, voice_key = self._resolve_voice(params)
+        if isinstance(params.text, str):
+            segments = [self._segment(inputs, params) for inputs in self._model_inputs(params, voice)]
+        else:
+            segments = [self._text_stream_segment(params, voice)]
+        return RequestState(
+            request_id=params.request_id or uuid.uuid4().hex, segments=segments,
+            sampling=self._row_sampling(params), emit=emit, voice_key=voice_key, voice=voice,
+            force_tokens=params.force_tokens, speed=params.speed)
+
+    def _model_inputs(self, params: SynthesisParams, voice: VoicePrompt | None) -> list[ModelInputs]:
+        fe, mode = self.frontend, Mode(params.mode)
+        if mode == Mode.vc:
+            if params.source_audio is None:
+                raise BadInput("source_wav: voice conversion needs the speech to convert")
+            return [fe.inputs_vc(params.source_audio, voice)]
+        texts = fe.segments(params.text)
+        if mode == Mode.zero_shot:
+            return [fe.inputs_zero_shot(t, voice) for t in texts]
+        if mode == Mode.cross_lingual:
+            return [fe.inputs_cross_lingual(t, voice) for t in texts]
+        if mode == Mode.instruct2:
+            return [fe.inputs_instruct2(t, params.instruct_text, voice) for t in texts]
+        return [fe.inputs_sft(t, params.sft_speaker or params.voice or "") for t in texts]
+
+    def _segment(self, inputs: ModelInputs, params: SynthesisParams) -> Segment:
+        num_text = int(inputs.text_ids.shape[0])
+        planner = ChunkPlanner(self.config.schedule, int(inputs.flow_prompt_speech_tokens.shape[0]),
+                               block=self.hparams.chunk_size, stream=params.stream, first_hop=params.first_hop)
+        min_len, max_len = 2 * num_text, 20 * num_text  # PARITY: spec/llm.md §4
+        if params.force_tokens is not None:
+            min_len = max_len = params.force_tokens
+        return Segment(inputs=inputs, planner=planner, min_len=min_len, max_len=max_len)
+
+    def _text_stream_segment(self, params: SynthesisParams, voice: VoicePrompt | None) -> Segment:
+        mode = Mode(params.mode)
+        if mode in (Mode.vc, Mode.sft) or voice is None:
+            raise BadInput(f"mode: text streaming supports zero_shot, cross_lingual and instruct2, not {mode.value}")
+        if mode == Mode.zero_shot and voice.prompt_text_ids.numel() == 0:
+            raise BadInput("prompt_text: zero_shot needs the voice's transcript")
+        empty = torch.zeros(0, dtype=torch.int32)
+        prompt_text = voice.prompt_text_ids if mode == Mode.zero_shot else empty
+        if mode == Mode.instruct2:
+            ids = self.frontend.encode_text(_instruction(params.instruct_text))
+            prompt_text = torch.tensor(ids, dtype=torch.int32)
+        inputs = ModelInputs(
+            mode=mode.value, text_ids=empty, xvector=voice.xvector, prompt_text_ids=prompt_text,
+            llm_prompt_speech_tokens=voice.prompt_speech_tokens if mode == Mode.zero_shot else empty,
+            flow_prompt_speech_tokens=voice.prompt_speech_tokens, prompt_mel=voice.prompt_mel)
+        planner = ChunkPlanner(self.config.schedule, int(voice.prompt_speech_tokens.shape[0]),
+                               block=self.hparams.chunk_size, stream=params.stream, first_hop=params.first_hop)
+        return Segment(inputs=inputs, planner=planner, min_len=0, max_len=self.config.max_len, text_stream=True)
+
+    def _row_sampling(self, params: SynthesisParams) -> RowSampling:
+        d, s = self.hparams.llm, params.sampling
+        return RowSampling(
+            seed=s.seed if s.seed is not None else random.getrandbits(31),
+            top_p=s.top_p if s.top_p is not None else d.top_p,
+            top_k=s.top_k if s.top_k is not None else d.top_k,
+            win_size=s.win_size if s.win_size is not None else d.win_size,
+            tau_r=s.tau_r if s.tau_r is not None else d.tau_r,
+            min_len=0, greedy=s.greedy, ban_special=params.force_tokens is not None)
+
+    def _resolve_voice(self, params: SynthesisParams) -> tuple[VoicePrompt | None, str | None]:
+        if Mode(params.mode) == Mode.sft:
+            return None, None
+        if params.voice is not None and params.prompt_audio is None:
+            return self.voice_prompt(params.voice), params.voice
+        if params.prompt_audio is None:
+            raise BadInput("voice: give a registered voice name or a prompt_wav")
+        return self.frontend.make_voice_prompt(params.prompt_audio, params.prompt_text), None
+
+    # ------------------------------------------------------------------ voices
+    def voice_prompt(self, name: str) -> VoicePrompt:
+        if name not in self._voice_prompts:
+            self._voice_prompts[name] = self.voices.get(name).prompt
+        return self._voice_prompts[name]
+
+    async def add_voice(self, name: str, audio: Any, prompt_text: str) -> VoiceInfo:
+        """Analyse the prompt once and store it; the name is checked before any audio work."""
+        check_voice_name(name)
+        if name in self.voices:
+            raise VoiceExists(f"name: a voice named {name!r} already exists (delete it first)")
+        loop = asyncio.get_running_loop()
+        prompt = await loop.run_in_executor(self.pool, self.frontend.make_voice_prompt, audio, prompt_text)
+        return await loop.run_in_executor(self.pool, lambda: self.voices.add(name, prompt, prompt_text))
+
+    async def delete_voice(self, name: str) -> None:
+        await asyncio.get_running_loop().run_in_executor(self.pool, self.voices.delete, name)
+        self._voice_prompts.pop(name, None)
+        self.core.call(self.token2wav.forget_voice, name)
+
+    def list_voices(self) -> list[VoiceInfo]:
+        return self.voices.list()
+
+    def get_voice(self, name: str) -> VoiceInfo:
+        return self.voices.get(name).info
+
+    # ------------------------------------------------------------------ warm-up
+    def warmup(self) -> None:
+        """Capture CUDA graphs and run one request through every stage before serving."""
+        self.core.call(self.token2wav.warmup)
+        self.core.call(self.core.lm_runner.capture_all)
+
+
+def _instruction(text: str) -> str:
+    text = text.strip()
+    if not text:
+        raise BadInput("instruct: empty instruction")
+    return text if text.endswith("<|endofprompt|>") else text + "<|endofprompt|>"
+
+
+def _check_params(p: SynthesisParams) -> None:
+    if p.speed <= 0 or p.speed > 4:
+        raise BadInput(f"speed: must be in (0, 4], got {p.speed}")
+    if p.speed != 1.0 and p.stream:
+        raise BadInput("speed: changing speed needs stream=false (the official model allows it offline only)")
+    if p.first_hop is not None and not 1 <= p.first_hop <= 100:
+        raise BadInput(f"first_hop: must be in [1, 100], got {p.first_hop}")
+    if p.force_tokens is not None and not 1 <= p.force_tokens <= 4000:
+        raise BadInput(f"force_tokens: must be in [1, 4000], got {p.force_tokens}")

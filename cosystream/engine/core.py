@@ -1,0 +1,386 @@
+"""EngineCore: the one thread that owns the GPU. Requests in through a queue, audio chunks out.
+
+Each loop iteration: take new messages (blocking only when idle: no polling), admit waiting
+segments into free LM slots (prefill), run one batched decode step for every decoding stream, then
+run the token-to-wave chunks that became ready, first chunks of new requests ahead of later chunks
+of older ones, several requests per batch (spec/streaming.md §2 for the schedule).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from cosystream.engine.bistream import BistreamState, Feed
+from cosystream.engine.lm_runner import LMRunner, RowSampling
+from cosystream.engine.request import LMStatus, RequestState, Segment
+from cosystream.errors import EngineDead
+from cosystream.outputs import AudioChunk
+
+log = logging.getLogger("cosystream.engine")
+_NEVER = 1 << 40  # a min_len that is never reached
+
+
+@dataclass
+class _Message:
+    kind: str  # "add" | "abort" | "text" | "text_end" | "call" | "stop"
+    payload: Any = None
+
+
+class EngineCore:
+    def __init__(self, lm_runner: LMRunner, token2wav: Any, lm: Any, max_chunk_batch: int = 64) -> None:
+        self.lm_runner = lm_runner
+        self.t2w = token2wav
+        self.lm = lm
+        self.max_chunk_batch = max_chunk_batch
+        self.inbox: queue.Queue[_Message] = queue.Queue()
+        self.requests: dict[str, RequestState] = {}
+        self.waiting: deque[RequestState] = deque()  # requests whose LM segment needs a slot
+        self.free_slots = list(range(lm_runner.max_slots))
+        self.slot_owner: dict[int, RequestState] = {}
+        self.num_steps = 0
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="cosystream-engine", daemon=True)
+
+    # ------------------------------------------------------------------ thread-safe API
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.inbox.put(_Message("stop"))
+        self._thread.join(timeout=30)
+
+    def submit(self, req: RequestState) -> None:
+        self._check_alive()
+        self.inbox.put(_Message("add", req))
+
+    def abort(self, request_id: str) -> None:
+        self.inbox.put(_Message("abort", request_id))
+
+    def add_text(self, request_id: str, text_ids: list[int]) -> None:
+        """Text streaming in: the next text ids of a bistream request."""
+        self.inbox.put(_Message("text", (request_id, text_ids)))
+
+    def end_text(self, request_id: str) -> None:
+        self.inbox.put(_Message("text_end", request_id))
+
+    def call(self, fn, *args) -> Any:
+        """Run fn(*args) on the engine thread (GPU jobs such as voice caches) and wait for it."""
+        self._check_alive()
+        done, box = threading.Event(), {}
+        self.inbox.put(_Message("call", (fn, args, done, box)))
+        done.wait()
+        if "error" in box:
+            raise box["error"]
+        return box.get("result")
+
+    def _check_alive(self) -> None:
+        if self.error is not None or not self._thread.is_alive():
+            raise EngineDead(f"engine thread is not running ({self.error!r})")
+
+    @property
+    def num_active(self) -> int:
+        return len(self.requests)
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.waiting)
+
+    # ------------------------------------------------------------------ loop
+    def _run(self) -> None:
+        try:
+            torch.set_grad_enabled(False)
+            while self._drain():
+                self._admit()
+                self._decode()
+                self._token2wav()
+        except BaseException as e:  # the engine is dead: tell every waiting client
+            log.exception("engine loop failed")
+            self.error = e
+            for req in list(self.requests.values()):
+                req.emit(EngineDead(f"engine failed: {e!r}"))
+
+    def _busy(self) -> bool:
+        """Is there work that needs no new message? (Rows parked for text are not work.)"""
+        decoding = any(r.lm_segment is not None and r.lm_segment.lm_status == LMStatus.decoding
+                       for r in self.slot_owner.values())
+        admittable = bool(self.waiting) and bool(self.free_slots)
+        return decoding or admittable or any(self._has_audio_work(r) for r in self.requests.values())
+
+    def _drain(self) -> bool:
+        """Handle every queued message; block for one only when there is nothing else to do."""
+        block = not self._busy()
+        while True:
+            try:
+                msg = self.inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if msg.kind == "stop":
+                return False
+            self._handle(msg)
+
+    def _handle(self, msg: _Message) -> None:
+        if msg.kind == "add":
+            req: RequestState = msg.payload
+            self.requests[req.request_id] = req
+            self._queue_lm(req)
+        elif msg.kind == "abort":
+            req = self.requests.get(msg.payload)
+            if req is not None:
+                req.cancelled = True
+                self._finish(req)
+        elif msg.kind == "call":
+            fn, args, done, box = msg.payload
+            try:
+                box["result"] = fn(*args)
+            except Exception as e:  # reported to the caller, the engine goes on
+                box["error"] = e
+            done.set()
+        elif msg.kind == "text":
+            self._on_text(*msg.payload)
+        elif msg.kind == "text_end":
+            self._on_text_end(msg.payload)
+
+    # ------------------------------------------------------------------ LM side
+    def _queue_lm(self, req: RequestState) -> None:
+        seg = req.lm_segment
+        while seg is not None and seg.skips_lm:  # vc: tokens are known already
+            seg.tokens = seg.inputs.source_speech_tokens.tolist()
+            seg.lm_status = LMStatus.done
+            req.lm_index += 1
+            seg = req.lm_segment
+        if seg is not None and seg.lm_status == LMStatus.pending:
+            self.waiting.append(req)
+
+    def _admit(self) -> None:
+        while self.waiting and self.free_slots:
+            req = self.waiting.popleft()
+            if req.cancelled or req.lm_segment is None:
+                continue
+            self.free_slots.sort()
+            slot = self.free_slots.pop(0)  # lowest free slot keeps the decode bucket small
+            self._prefill(req, req.lm_segment, slot)
+
+    def _prefill(self, req: RequestState, seg: Segment, slot: int) -> None:
+        t0 = time.perf_counter()
+        if req.t_admit is None:
+            req.t_admit = t0
+            req.times.queue_s = t0 - req.t_submit - req.times.frontend_s
+        seg.slot = slot
+        self.slot_owner[slot] = req
+        streaming_text = seg.text_stream
+        # bistream: EOS stays masked while text streams in (the reference's ignore_eos=True)
+        min_len = _NEVER if streaming_text else seg.min_len
+        self.lm_runner.set_row_sampling(slot, replace(req.sampling, seed=req.sampling.seed + req.lm_index,
+                                                      min_len=min_len))
+        if streaming_text:
+            seg.bistream = self._new_bistream(seg)
+            self._bistream_advance(req, seg)
+            return
+        inp = seg.inputs
+        embeds = self.lm.embed_prompt(inp.text_ids, inp.llm_prompt_speech_tokens, inp.prompt_text_ids)
+        token = self.lm_runner.prefill(slot, embeds)
+        seg.pos = embeds.shape[0]
+        if req.lm_index == 0:
+            req.times.llm_prefill_s = time.perf_counter() - t0
+        self._set_decoding(seg, True)
+        self._accept_token(req, seg, token)
+
+    def _set_decoding(self, seg: Segment, decoding: bool) -> None:
+        seg.lm_status = LMStatus.decoding if decoding else LMStatus.waiting_text
+        self.lm_runner.set_active(seg.slot, decoding)
+
+    def _decode(self) -> None:
+        rows = [s for s, r in self.slot_owner.items()
+                if r.lm_segment is not None and r.lm_segment.lm_status == LMStatus.decoding]
+        if not rows:
+            return
+        max_pos = max(self.slot_owner[s].lm_segment.pos for s in rows)
+        tokens = self.lm_runner.decode(max(rows) + 1, max_pos)
+        self.num_steps += 1
+        for slot in rows:
+            req = self.slot_owner[slot]
+            seg = req.lm_segment
+            seg.pos += 1
+            self._accept_token(req, seg, tokens[slot])
+
+    def _accept_token(self, req: RequestState, seg: Segment, token: int) -> None:
+        if req.t_first_token is None:
+            req.t_first_token = time.perf_counter()
+            req.times.first_token_s = req.t_first_token - (req.t_admit or req.t_submit)
+        if seg.bistream is not None:
+            self._accept_bistream_token(req, seg, token)
+            return
+        is_stop = token >= self.lm.dims.speech_token_size
+        if not is_stop:
+            seg.tokens.append(token)
+        limit = req.force_tokens if req.force_tokens is not None else seg.max_len
+        if is_stop or len(seg.tokens) >= limit or seg.pos >= self.lm_runner.max_len - 1:
+            self._lm_done(req, seg)
+
+    def _lm_done(self, req: RequestState, seg: Segment) -> None:
+        seg.lm_status = LMStatus.done
+        self._release_slot(seg)
+        req.lm_index += 1
+        self._queue_lm(req)
+
+    def _release_slot(self, seg: Segment) -> None:
+        if seg.slot >= 0:
+            self.lm_runner.set_active(seg.slot, False)
+            self.slot_owner.pop(seg.slot, None)
+            self.free_slots.append(seg.slot)
+            seg.slot = -1
+
+    # ------------------------------------------------------------------ text streaming in (bistream)
+    def _bistream_advance(self, req: RequestState, seg: Segment) -> None:
+        """Feed the row whatever the text received so far allows (spec/llm.md §7)."""
+        bs = seg.bistream
+        feed = bs.next_feed()
+        if feed == Feed.wait:
+            self._set_decoding(seg, False)
+        elif feed == Feed.decode:
+            self._set_decoding(seg, True)
+        elif feed == Feed.done:
+            self._lm_done(req, seg)
+        else:
+            if bs.final_stage:
+                self.lm_runner.set_min_len(seg.slot, 0)  # EOS allowed once the text has ended
+            embeds = bs.take_pending()
+            if seg.pos + embeds.shape[0] >= self.lm_runner.max_len - 1:
+                self._lm_done(req, seg)
+                return
+            token = self.lm_runner.prefill(seg.slot, embeds, start_pos=seg.pos)
+            seg.pos += embeds.shape[0]
+            self._set_decoding(seg, True)
+            self._accept_token(req, seg, token)
+
+    def _new_bistream(self, seg: Segment) -> BistreamState:
+        lm, inp = self.lm, seg.inputs
+        dev = lm.llm_embedding.weight.device
+        state = BistreamState(
+            sos=lm.llm_embedding.weight[0], task_id=lm.llm_embedding.weight[1],
+            prompt_text=lm.text_embedding(inp.prompt_text_ids.to(dev, torch.long)),
+            prompt_speech=lm.speech_embedding(inp.llm_prompt_speech_tokens.to(dev, torch.long)),
+            fill_token=lm.dims.fill_token, mix_ratio=lm.dims.mix_ratio)
+        if seg.text_backlog:
+            state.add_text(lm.text_embedding(torch.tensor(seg.text_backlog, device=dev)))
+        if seg.text_closed:
+            state.end_text()
+        return state
+
+    def _accept_bistream_token(self, req: RequestState, seg: Segment, token: int) -> None:
+        bs = seg.bistream
+        forced = bs.forced_token()
+        if forced is not None and forced != token:
+            token = forced
+            self.lm_runner.override_last_token(seg.slot, token)
+        is_stop = token >= self.lm.dims.speech_token_size
+        if bs.on_token(token, is_stop):
+            seg.tokens.append(token)
+        if seg.pos >= self.lm_runner.max_len - 1 or (bs.final_stage and is_stop):
+            self._lm_done(req, seg)
+        elif not bs.decoding:
+            self._bistream_advance(req, seg)
+
+    def _text_segment(self, request_id: str) -> tuple[RequestState | None, Segment | None]:
+        req = self.requests.get(request_id)
+        seg = req.lm_segment if req is not None and not req.cancelled else None
+        return (req, seg) if seg is not None and seg.text_stream else (None, None)
+
+    def _on_text(self, request_id: str, text_ids: list[int]) -> None:
+        req, seg = self._text_segment(request_id)
+        if seg is None:
+            return
+        if seg.bistream is None:  # not admitted yet
+            seg.text_backlog.extend(text_ids)
+            return
+        dev = self.lm.text_embedding.weight.device
+        seg.bistream.add_text(self.lm.text_embedding(torch.tensor(text_ids, device=dev, dtype=torch.long)))
+        if seg.lm_status == LMStatus.waiting_text:
+            self._bistream_advance(req, seg)
+
+    def _on_text_end(self, request_id: str) -> None:
+        req, seg = self._text_segment(request_id)
+        if seg is None:
+            return
+        seg.text_closed = True
+        if seg.bistream is None:
+            return
+        seg.bistream.end_text()
+        if seg.lm_status == LMStatus.waiting_text:
+            self._bistream_advance(req, seg)
+
+    # ------------------------------------------------------------------ token -> wave
+    def _has_audio_work(self, req: RequestState) -> bool:
+        seg = req.audio_segment
+        if seg is None or req.cancelled:
+            return False
+        return seg.lm_status == LMStatus.done or len(seg.tokens) >= seg.planner.tokens_needed()
+
+    def _token2wav(self) -> None:
+        jobs = []
+        for req in self.requests.values():
+            seg = req.audio_segment
+            if seg is None or req.cancelled:
+                continue
+            plan = seg.planner.next_plan(len(seg.tokens), seg.lm_status == LMStatus.done)
+            if plan is not None:
+                jobs.append((req, seg, plan))
+        if not jobs:
+            return
+        jobs.sort(key=lambda j: (not j[0].is_first_chunk, j[0].t_submit))  # first chunks first
+        for start in range(0, len(jobs), self.max_chunk_batch):
+            self._run_chunks(jobs[start:start + self.max_chunk_batch])
+
+    def _run_chunks(self, jobs: list) -> None:
+        for req, seg, _ in jobs:
+            if seg.t2w is None:
+                expected = req.force_tokens or seg.max_len
+                seg.t2w = self.t2w.start(seg.inputs, req.voice_key, key=(req.request_id, req.audio_index),
+                                         speed=req.speed, max_target_tokens=min(expected, 1024),
+                                         seed=req.sampling.seed + req.audio_index)
+        results = self.t2w.run([(seg.t2w, seg.tokens, plan) for _, seg, plan in jobs])
+        now = time.perf_counter()
+        for (req, seg, plan), (pcm, flow_s, vocoder_s) in zip(jobs, results, strict=True):
+            self._emit(req, seg, plan, pcm, flow_s, vocoder_s, now)
+
+    def _emit(self, req: RequestState, seg: Segment, plan, pcm: np.ndarray, flow_s: float, vocoder_s: float,
+              now: float) -> None:
+        t = req.times
+        if req.is_first_chunk:
+            t.first_chunk_flow_s, t.first_chunk_vocoder_s = flow_s, vocoder_s
+            t.first_audio_s = now - req.t_submit
+        t.audio_s += pcm.shape[0] / 24000
+        last = plan.is_final and req.audio_index == len(req.segments) - 1
+        if plan.is_final:
+            t.num_tokens += len(seg.tokens)
+            seg.t2w = None
+            req.audio_index += 1
+        if last:
+            t.total_s = now - req.t_submit
+        req.emit(AudioChunk(pcm=pcm, index=req.chunks_emitted, is_final=last, times=t if last else None,
+                            request_id=req.request_id))
+        req.chunks_emitted += 1
+        if last:
+            req.finished = True
+            self._finish(req)
+
+    def _finish(self, req: RequestState) -> None:
+        for seg in req.segments:
+            self._release_slot(seg)
+            seg.t2w = None
+        self.requests.pop(req.request_id, None)
+        if req in self.waiting:
+            self.waiting.remove(req)
+
+
+__all__ = ["EngineCore", "RowSampling"]

@@ -1,0 +1,186 @@
+"""LMRunner: owns the speech LM, its static KV cache and the decode step (CUDA-graphed per bucket).
+
+Every stream holds one slot (a KV-cache row and a row of the per-row decode state). A decode step runs
+rows [0, b) for the smallest captured bucket b that covers the highest active slot; rows that are not
+decoding compute garbage that lands only beyond their own valid cache length and is ignored.
+The whole step (embedding of the previous token, 24 layers, head, sampling, state update) is one
+graph replay followed by one device-to-host copy of the new tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cosystream.models.qwen2 import KVCache, SpeechLM
+from cosystream.models.sampling import SamplingBatch, sample_tokens
+
+_BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512)
+_LEN_BUCKETS = (256, 512, 1024, 2048, 4096, 8192)
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """Sampling settings of one stream, resolved against the model defaults."""
+
+    seed: int
+    top_p: float
+    top_k: int
+    win_size: int
+    tau_r: float
+    min_len: int
+    greedy: bool = False
+    forced: int = -1  # emit this token every step (-1: sample)
+    ban_special: bool = False  # benchmark mode: no stop class may be drawn before min_len
+
+
+class LMRunner:
+    def __init__(self, lm: SpeechLM, max_slots: int, max_len: int, use_graphs: bool = True) -> None:
+        param = next(lm.parameters())
+        self.lm, self.device, self.dtype = lm, param.device, param.dtype
+        self.dims = lm.dims
+        self.max_slots, self.max_len = max_slots, max_len
+        self.cache = KVCache(self.dims, max_slots, max_len, self.device, self.dtype)
+        self.window = max(lm.dims.win_size, 1)
+        self.eos = lm.dims.eos_token
+        self._alloc_state(max_slots)
+        self.use_graphs = use_graphs and self.device.type == "cuda"
+        self.batch_buckets = [b for b in _BATCH_BUCKETS if b < max_slots] + [max_slots]
+        self.len_buckets = [n for n in _LEN_BUCKETS if n < max_len] + [max_len]
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._pool = None
+        self._host_tokens = torch.zeros(max_slots, dtype=torch.int64,
+                                        pin_memory=self.device.type == "cuda")
+
+    def _alloc_state(self, n: int) -> None:
+        z = dict(device=self.device)
+        self.tokens = torch.zeros(n, dtype=torch.int64, **z)  # last emitted token (next input)
+        self.positions = torch.zeros(n, dtype=torch.int64, **z)  # where the next input is written
+        self.out = torch.zeros(n, dtype=torch.int64, **z)
+        self.active = torch.zeros(n, dtype=torch.bool, **z)  # rows whose state a decode step advances
+        self.sampling = SamplingBatch(
+            seeds=torch.zeros(n, dtype=torch.int64, **z), steps=torch.zeros(n, dtype=torch.int64, **z),
+            min_len=torch.zeros(n, dtype=torch.int64, **z), top_p=torch.ones(n, **z),
+            top_k=torch.ones(n, dtype=torch.int64, **z), repeat_threshold=torch.ones(n, **z),
+            window=torch.ones(n, dtype=torch.int64, **z),
+            history=torch.full((n, self.window), -1, dtype=torch.int64, **z),
+            forced=torch.full((n,), -1, dtype=torch.int64, **z), greedy=torch.zeros(n, dtype=torch.bool, **z),
+            ban_special=torch.zeros(n, dtype=torch.bool, **z))
+
+    def _rows(self, start: int, stop: int) -> SamplingBatch:
+        s = self.sampling
+        return SamplingBatch(*(getattr(s, f)[start:stop] for f in SamplingBatch.__dataclass_fields__))
+
+    # ------------------------------------------------------------------ per-stream setup
+    def set_row_sampling(self, slot: int, rs: RowSampling) -> None:
+        s = self.sampling
+        s.seeds[slot], s.steps[slot], s.min_len[slot] = rs.seed, 0, rs.min_len
+        s.top_p[slot], s.top_k[slot] = rs.top_p, rs.top_k
+        s.repeat_threshold[slot], s.window[slot] = rs.win_size * rs.tau_r, min(rs.win_size, self.window)
+        s.history[slot] = -1
+        s.forced[slot], s.greedy[slot], s.ban_special[slot] = rs.forced, rs.greedy, rs.ban_special
+
+    @torch.inference_mode()
+    def prefill(self, slot: int, embeds: torch.Tensor, start_pos: int = 0) -> int:
+        """Feed embeds [n, d] at positions [start_pos, start_pos + n) of `slot`, sample the next token
+        with the row's settings, and leave the row ready to decode. Returns the token (host int)."""
+        n = embeds.shape[0]
+        if start_pos + n >= self.max_len:
+            raise ValueError(f"prompt of {start_pos + n} positions exceeds max_len {self.max_len}")
+        slots = torch.tensor([slot], device=self.device)
+        start = torch.tensor([start_pos], device=self.device)
+        h = self.lm(embeds.to(self.device, self.dtype).unsqueeze(0), start, self.cache,
+                    attn_len=start_pos + n, slots=slots)[:, -1]
+        token = sample_tokens(self.lm.logp(h), self._rows(slot, slot + 1), self.eos)
+        self._record(slice(slot, slot + 1), token, torch.ones(1, dtype=torch.bool, device=self.device))
+        self.positions[slot] = start_pos + n
+        return int(token[0])
+
+    def _record(self, rows: slice, token: torch.Tensor, active: torch.Tensor) -> None:
+        # Rows that are not decoding (free, parked for text) keep their state untouched.
+        s = self.sampling
+        self.out[rows] = token
+        self.tokens[rows] = torch.where(active, token, self.tokens[rows])
+        s.steps[rows] += active.long()
+        rolled = torch.cat([s.history[rows][:, 1:], token.unsqueeze(1)], dim=1)
+        s.history[rows] = torch.where(active.unsqueeze(1), rolled, s.history[rows])
+
+    def set_active(self, slot: int, active: bool) -> None:
+        self.active[slot] = active
+
+    def set_min_len(self, slot: int, min_len: int) -> None:
+        self.sampling.min_len[slot] = min_len
+
+    def override_last_token(self, slot: int, token: int) -> None:
+        """The host replaced a sampled token (bistream's forced FILL): keep the RAS window truthful."""
+        self.sampling.history[slot, -1] = token
+        self.tokens[slot] = token
+
+    # ------------------------------------------------------------------ decode
+    def bucket_for(self, num_rows: int, max_position: int) -> tuple[int, int]:
+        b = next(b for b in self.batch_buckets if b >= num_rows)
+        n = next(n for n in self.len_buckets if n > max_position)
+        return b, n
+
+    def _step(self, b: int, attn_len: int) -> None:
+        emb = self.lm.speech_embedding(self.tokens[:b]).unsqueeze(1)
+        h = self.lm(emb, self.positions[:b], self.cache, attn_len=attn_len)[:, -1]
+        token = sample_tokens(self.lm.logp(h), self._rows(0, b), self.eos)
+        active = self.active[:b]
+        self._record(slice(0, b), token, active)
+        # Inactive rows wrote garbage K/V at their next free position; it is overwritten before it is read.
+        self.positions[:b] = torch.clamp(self.positions[:b] + active.long(), max=self.max_len - 1)
+
+    @torch.inference_mode()
+    def decode(self, num_rows: int, max_position: int) -> list[int]:
+        """One step for rows [0, num_rows): returns each row's new token (host ints)."""
+        b, attn_len = self.bucket_for(num_rows, max_position)
+        if self.use_graphs:
+            graph = self.graphs.get((b, attn_len)) or self._capture(b, attn_len)
+            graph.replay()
+        else:
+            self._step(b, attn_len)
+        host = self._host_tokens[:num_rows]
+        host.copy_(self.out[:num_rows], non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return host.tolist()
+
+    def _capture(self, b: int, attn_len: int) -> torch.cuda.CUDAGraph:
+        # Capturing runs the step twice: keep every row's small state; the K/V it writes lands at the
+        # rows' next free positions, which real steps overwrite before anything reads them.
+        saved = [t.clone() for t in self._state_tensors()]
+        graph = self._capture_unguarded(b, attn_len)
+        for t, old in zip(self._state_tensors(), saved, strict=True):
+            t.copy_(old)
+        return graph
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        return [self.tokens, self.positions, self.out] + [getattr(self.sampling, f)
+                                                          for f in SamplingBatch.__dataclass_fields__]
+
+    def _capture_unguarded(self, b: int, attn_len: int) -> torch.cuda.CUDAGraph:
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._step(b, attn_len)  # warm-up outside the graph (allocator, kernels selection)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._step(b, attn_len)
+        self._pool = graph.pool()
+        self.graphs[(b, attn_len)] = graph
+        return graph
+
+    def capture_all(self, max_position: int | None = None) -> int:
+        """Capture every (batch, length) bucket up front (server warm-up); returns the graph count."""
+        if not self.use_graphs:
+            return 0
+        for n in self.len_buckets:
+            if max_position is not None and n > max(max_position, self.len_buckets[0]):
+                break
+            for b in self.batch_buckets:
+                if (b, n) not in self.graphs:
+                    self._capture(b, n)
+        return len(self.graphs)

@@ -1,0 +1,185 @@
+"""Token2WavRunner: owns the flow and HiFT; turns ready chunks of several requests into audio.
+
+Per request it keeps the incremental flow state (only new frames are computed; models/flow_stream.py)
+and the vocoder's continuity cache (8 mel frames, 3840 source and speech samples, Hamming cross-fade:
+spec/streaming.md §3). A registered voice's encoded prompt is computed once and reused by every
+request in that voice. Chunks that add the same number of frames are batched through the estimator,
+and vocoder calls on equal-length mel are batched through HiFT.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from cosystream.config import EngineConfig
+from cosystream.engine.chunking import ChunkPlan
+from cosystream.models.flow_stream import FlowStream, FlowStreamState, PromptCache
+from cosystream.models.hift import MEL_CACHE_FRAMES, HiFTGenerator, crossfade, fade_window
+
+_NOISE_SEED = 20250101
+_NOISE_SAMPLES = 24000 * 20  # 20 s of noise rows, reused cyclically
+SourceOverride = Callable[[Any, int], "torch.Tensor | None"]
+
+
+@dataclass
+class Token2WavState:
+    """One segment's token-to-wave stream."""
+
+    flow: FlowStreamState
+    key: Any  # opaque id for test hooks
+    noise_offset: int = 0  # where this stream reads the shared source-noise table
+    speed: float = 1.0
+    chunk_index: int = 0
+    mel_cache: torch.Tensor | None = None  # [80, 8]
+    source_cache: torch.Tensor | None = None  # [1, 3840]
+    wav_cache: torch.Tensor | None = None  # [3840]
+    frames_done: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class Token2WavRunner:
+    def __init__(self, flow: Any, hift: HiFTGenerator, config: EngineConfig,
+                 source_override: SourceOverride | None = None, max_voice_caches: int = 16) -> None:
+        self.flow = flow
+        self.hift = hift
+        self.stream = FlowStream(flow, config.final_attention)
+        self.device = flow.input_embedding.weight.device
+        self.overlap = MEL_CACHE_FRAMES * hift.upsample_scale  # 3840 samples
+        self.window = fade_window(self.overlap, self.device)
+        self.source_override = source_override
+        self.voice_caches: OrderedDict[str, PromptCache] = OrderedDict()
+        self.max_voice_caches = max_voice_caches
+        self.sync = self.device.type == "cuda"
+        # The NSF source noise is read from one fixed table at a per-request offset, so a request's
+        # audio does not depend on which requests share its batch (the reference draws fresh noise).
+        gen = torch.Generator().manual_seed(_NOISE_SEED)
+        self.noise_table = torch.randn(_NOISE_SAMPLES, hift.m_source.num_harmonics, generator=gen).to(self.device)
+
+    # ------------------------------------------------------------------ per-voice and per-request state
+    def prompt_cache(self, inputs: Any, voice_key: str | None) -> PromptCache:
+        if voice_key is not None and voice_key in self.voice_caches:
+            self.voice_caches.move_to_end(voice_key)
+            return self.voice_caches[voice_key]
+        cache = self.stream.build_prompt_cache(inputs.flow_prompt_speech_tokens[None].to(self.device),
+                                               inputs.prompt_mel[None].to(self.device),
+                                               inputs.xvector[None].to(self.device))
+        if voice_key is not None:
+            self.voice_caches[voice_key] = cache
+            while len(self.voice_caches) > self.max_voice_caches:
+                self.voice_caches.popitem(last=False)
+        return cache
+
+    def forget_voice(self, voice_key: str) -> None:
+        self.voice_caches.pop(voice_key, None)
+
+    def start(self, inputs: Any, voice_key: str | None, key: Any = None, speed: float = 1.0,
+              max_target_tokens: int = 256, seed: int = 0) -> Token2WavState:
+        prompt = self.prompt_cache(inputs, voice_key)
+        offset = (seed * 2654435761) % _NOISE_SAMPLES
+        return Token2WavState(self.stream.start(prompt, max_target_tokens), key=key, speed=speed,
+                              noise_offset=offset)
+
+    # ------------------------------------------------------------------ chunks
+    @torch.inference_mode()
+    def run(self, jobs: Sequence[tuple[Token2WavState, list[int], ChunkPlan]]
+            ) -> list[tuple[np.ndarray, float, float]]:
+        """Audio for each job (state, all tokens of the segment so far, plan): (pcm, flow_s, vocoder_s)."""
+        t0 = time.perf_counter()
+        mels = self._flow(jobs)
+        t1 = self._now()
+        wavs = self._vocode([(st, mel, plan.is_final) for (st, _, plan), mel in zip(jobs, mels, strict=True)])
+        host = [w.float().cpu().numpy() for w in wavs]
+        t2 = time.perf_counter()
+        return [(pcm, t1 - t0, t2 - t1) for pcm in host]
+
+    def _now(self) -> float:
+        if self.sync:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _flow(self, jobs: Sequence[tuple[Token2WavState, list[int], ChunkPlan]]) -> list[torch.Tensor]:
+        """New target mel [80, F] per job; non-final chunks adding equal frame counts share one batch."""
+        mels: list[torch.Tensor | None] = [None] * len(jobs)
+        groups: dict[int, list[int]] = {}
+        for i, (st, _, plan) in enumerate(jobs):
+            if plan.is_final:
+                tokens = self._tokens(jobs[i][1][:plan.token_end])
+                mels[i] = self.stream.finish(st.flow, tokens)[0]
+            else:
+                new_tokens = st.flow.prompt.prompt_tokens.shape[0] + plan.offset + plan.num_new - st.flow.num_tokens
+                groups.setdefault(new_tokens, []).append(i)
+        for idx in groups.values():
+            states = [jobs[i][0].flow for i in idx]
+            tokens = [self._tokens(jobs[i][1][:jobs[i][2].token_end]) for i in idx]
+            for i, mel in zip(idx, self.stream.feed_batch(states, tokens), strict=True):
+                mels[i] = mel[0]
+        return mels  # type: ignore[return-value]
+
+    def _tokens(self, tokens: list[int]) -> torch.Tensor:
+        return torch.tensor(tokens, dtype=torch.long, device=self.device).unsqueeze(0)
+
+    def _vocode(self, items: list[tuple[Token2WavState, torch.Tensor, bool]]) -> list[torch.Tensor]:
+        """Continuity-cached HiFT per job; calls with equal mel length run as one batch."""
+        inputs = [self._vocoder_input(st, mel) for st, mel, _ in items]
+        out: list[torch.Tensor | None] = [None] * len(items)
+        groups: dict[tuple[int, bool], list[int]] = {}
+        for i, mel in enumerate(inputs):
+            groups.setdefault((mel.shape[-1], items[i][0].source_cache is None), []).append(i)
+        for idx in groups.values():
+            wavs, sources = self._hift_batch([items[i][0] for i in idx], [inputs[i] for i in idx])
+            for j, i in enumerate(idx):
+                st, _, final = items[i]
+                out[i] = self._continue(st, inputs[i], wavs[j], sources[j], final)
+        return out  # type: ignore[return-value]
+
+    def _vocoder_input(self, st: Token2WavState, mel: torch.Tensor) -> torch.Tensor:
+        mel = mel.to(self.hift.conv_pre.weight.dtype)
+        if st.speed != 1.0:  # offline only: time-stretch the mel (spec/hift.md §6)
+            mel = F.interpolate(mel[None], size=int(mel.shape[-1] / st.speed), mode="linear")[0]
+        return mel if st.mel_cache is None else torch.cat([st.mel_cache, mel], dim=-1)
+
+    def _hift_batch(self, states: list[Token2WavState], mels: list[torch.Tensor]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        mel = torch.stack(mels)
+        overrides = [self.source_override(st.key, st.chunk_index) if self.source_override else None
+                     for st in states]
+        if all(o is not None for o in overrides):
+            source = torch.stack([o.to(self.device).reshape(1, -1) for o in overrides])
+            return self.hift.decode(mel, source), source
+        cache = None if states[0].source_cache is None else torch.stack([st.source_cache for st in states])
+        noise = torch.stack([self._noise(st, mel.shape[-1]) for st in states])
+        return self.hift.inference(mel, cache, noise=noise)
+
+    def _noise(self, st: Token2WavState, num_frames: int) -> torch.Tensor:
+        """Noise rows for this call's samples, indexed by the stream's absolute sample position."""
+        first_frame = st.frames_done - (0 if st.mel_cache is None else st.mel_cache.shape[-1])
+        start = st.noise_offset + first_frame * self.hift.upsample_scale
+        idx = torch.arange(start, start + num_frames * self.hift.upsample_scale, device=self.device)
+        return self.noise_table[idx % _NOISE_SAMPLES]
+
+    def _continue(self, st: Token2WavState, mel: torch.Tensor, wav: torch.Tensor, source: torch.Tensor,
+                  final: bool) -> torch.Tensor:
+        """Cross-fade with the previous chunk's tail and keep this chunk's tail (spec/streaming.md §3)."""
+        if st.wav_cache is not None:
+            wav = crossfade(wav[None], st.wav_cache[None], self.window)[0]
+        st.chunk_index += 1
+        st.frames_done += mel.shape[-1] - (0 if st.mel_cache is None else st.mel_cache.shape[-1])
+        if final:
+            st.mel_cache = st.source_cache = st.wav_cache = None
+            return wav
+        st.mel_cache = mel[:, -MEL_CACHE_FRAMES:]
+        st.source_cache = source[:, -self.overlap:]
+        st.wav_cache = wav[-self.overlap:]
+        return wav[:-self.overlap]
+
+    def warmup(self) -> None:
+        """Nothing to capture yet on this path; kept so the server's warm-up has one entry point."""
+        return None

@@ -1,0 +1,263 @@
+"""CosyVoice2 flow estimator: the causal 1-D U-Net that predicts the CFM velocity (spec/flow.md §5).
+
+One code path serves the whole-sequence call and the incremental streaming step: `step` computes only
+the frames it is given, reading the left context of every causal conv from a per-row state and the
+keys/values of earlier frames from a cache that it also appends to. The whole-sequence `forward` is
+`step` over every frame with an empty state.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cosystream.checkpoint.hparams import EstimatorDims
+
+CONV_CONTEXT = 2  # left frames a kernel-3 causal conv needs (spec/flow.md §5.3)
+
+
+def masked_value(dtype: torch.dtype) -> float:
+    """The additive bias of a masked attention entry: -1e10 as the official mask_to_bias, finite in fp16."""
+    return max(-1.0e10, torch.finfo(dtype).min / 2)
+
+
+def chunk_attention_bias(q_pos: torch.Tensor, num_keys: int, chunk: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive attention bias [C, num_keys] for queries at absolute positions `q_pos` [C] (ascending).
+
+    Key j is visible to query i iff j <= q_pos[-1] (the key exists) and, when chunk > 0,
+    j < (i // chunk + 1) * chunk (static chunk mask, unlimited left context, spec/flow.md §2.6).
+    Computed on the device from integers: no host sync, so it works for padded cache views too.
+    """
+    k_pos = torch.arange(num_keys, device=q_pos.device)
+    visible = k_pos[None, :] <= q_pos[-1:, None]
+    if chunk > 0:
+        chunk_end = (torch.div(q_pos, chunk, rounding_mode="floor") + 1) * chunk
+        visible = visible & (k_pos[None, :] < chunk_end[:, None])
+    zero = torch.zeros((), device=q_pos.device, dtype=dtype)
+    return torch.where(visible, zero, torch.full((), masked_value(dtype), device=q_pos.device, dtype=dtype))
+
+
+class CausalConv(nn.Conv1d):
+    """Kernel-3 conv whose 2 left frames come from `conv_state` (zeros = the official left padding).
+
+    `conv_state` [R, total_channels, 2] holds the tails of every causal conv of the estimator; this
+    conv owns channels [state_offset, state_offset + in_channels) and overwrites them with its new tail.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, layout: list[int]) -> None:
+        super().__init__(in_channels, out_channels, CONV_CONTEXT + 1)
+        self.state_offset = layout[0]
+        layout[0] += in_channels
+
+    def forward(self, x: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        tail = conv_state[:, self.state_offset:self.state_offset + self.in_channels]
+        xx = torch.cat([tail, x], dim=2)
+        tail.copy_(xx[:, :, -CONV_CONTEXT:])
+        return super().forward(xx)
+
+
+class CausalBlock(nn.Module):
+    """Mish(LayerNorm_channels(CausalConv(x))); keys block.0 (conv) and block.2 (norm)."""
+
+    def __init__(self, in_channels: int, out_channels: int, layout: list[int]) -> None:
+        super().__init__()
+        self.block = nn.ModuleList([CausalConv(in_channels, out_channels, layout), nn.Identity(),
+                                    nn.LayerNorm(out_channels), nn.Identity(), nn.Mish()])
+
+    def forward(self, x: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
+        h = self.block[0](x, conv_state)
+        h = self.block[2](h.transpose(1, 2)).transpose(1, 2)
+        return self.block[4](h)
+
+
+class ResNet(nn.Module):
+    """Causal ResNet block with an additive time embedding (spec/flow.md §5.3)."""
+
+    def __init__(self, in_channels: int, out_channels: int, time_dim: int, layout: list[int]) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Mish(), nn.Linear(time_dim, out_channels))
+        self.block1 = CausalBlock(in_channels, out_channels, layout)
+        self.block2 = CausalBlock(out_channels, out_channels, layout)
+        self.res_conv = nn.Conv1d(in_channels, out_channels, 1)
+
+    def forward(self, x: torch.Tensor, t_emb: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
+        h = self.block1(x, conv_state)
+        h = h + self.mlp(t_emb).unsqueeze(-1)
+        h = self.block2(h, conv_state)
+        return h + self.res_conv(x)
+
+
+class Attention(nn.Module):
+    """Bias-free q/k/v self-attention over cached + new frames, one cache per group of rows."""
+
+    def __init__(self, dim: int, num_heads: int, head_dim: int) -> None:
+        super().__init__()
+        inner = num_heads * head_dim
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.to_q = nn.Linear(dim, inner, bias=False)
+        self.to_k = nn.Linear(dim, inner, bias=False)
+        self.to_v = nn.Linear(dim, inner, bias=False)
+        self.to_out = nn.ModuleList([nn.Linear(inner, dim), nn.Identity()])
+
+    def forward(self, x: torch.Tensor, kv: Sequence[torch.Tensor], write_idx: torch.Tensor,
+                attn_bias: Sequence[torch.Tensor]) -> torch.Tensor:
+        """x [R, C, dim]; kv[g] [2, rows_g, cap_g, inner] (rows of group g are consecutive in x);
+        write_idx [G, C] frame slots of the new keys; attn_bias[g] [C, L_g] (L_g keys are read)."""
+        q, k, v = self.to_q(x), self.to_k(x), self.to_v(x)
+        outs, row = [], 0
+        # PERF: one SDPA per group reads that request's own cache in place (no gather copy); the
+        # dense projections around it stay batched over all rows.
+        for g, cache in enumerate(kv):
+            rows = slice(row, row + cache.shape[1])
+            row += cache.shape[1]
+            cache[0].index_copy_(1, write_idx[g], k[rows])
+            cache[1].index_copy_(1, write_idx[g], v[rows])
+            num_keys = attn_bias[g].shape[-1]
+            outs.append(self._attend(q[rows], cache[0, :, :num_keys], cache[1, :, :num_keys], attn_bias[g]))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return self.to_out[0](out)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        rows, num_q, inner = q.shape
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.view(rows, -1, self.num_heads, self.head_dim).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), attn_mask=bias.to(q.dtype))
+        return out.transpose(1, 2).reshape(rows, num_q, inner)
+
+
+class GELUProj(nn.Module):
+    def __init__(self, dim: int, inner: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, inner)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.proj(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-LN self-attention + GELU feed-forward (diffusers BasicTransformerBlock, spec/flow.md §5.3)."""
+
+    def __init__(self, dim: int, num_heads: int, head_dim: int, cache_index: int) -> None:
+        super().__init__()
+        self.cache_index = cache_index
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn1 = Attention(dim, num_heads, head_dim)
+        self.norm3 = nn.LayerNorm(dim)
+        self.ff = nn.Module()
+        self.ff.net = nn.ModuleList([GELUProj(dim, 4 * dim), nn.Identity(), nn.Linear(4 * dim, dim)])
+
+    def forward(self, x: torch.Tensor, kv: Sequence[torch.Tensor], write_idx: torch.Tensor,
+                attn_bias: Sequence[torch.Tensor]) -> torch.Tensor:
+        x = x + self.attn1(self.norm1(x), [c[self.cache_index] for c in kv], write_idx, attn_bias)
+        return x + self.ff.net[2](self.ff.net[0](self.norm3(x)))
+
+
+class TimeMLP(nn.Module):
+    def __init__(self, in_dim: int, out_dim: int) -> None:
+        super().__init__()
+        self.linear_1 = nn.Linear(in_dim, out_dim)
+        self.linear_2 = nn.Linear(out_dim, out_dim)
+
+    def forward(self, s: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(F.silu(self.linear_1(s)))
+
+
+def timestep_sinusoid(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """[R] float32 times -> [R, dim] float32 (spec/flow.md §5.1)."""
+    half = dim // 2
+    freqs = torch.exp(torch.arange(half, device=t.device).float() * -(math.log(10000) / (half - 1)))
+    # PARITY: (1000 * t) first, then times the frequencies, as the official SinusoidalPosEmb.
+    arg = 1000 * t.float().unsqueeze(1) * freqs.unsqueeze(0)
+    return torch.cat([arg.sin(), arg.cos()], dim=-1)
+
+
+class Estimator(nn.Module):
+    """`CausalConditionalDecoder` with state-dict keys of `decoder.estimator.*` in flow.pt."""
+
+    def __init__(self, dims: EstimatorDims) -> None:
+        super().__init__()
+        c, n = dims.channels, dims.n_blocks
+        self.dims = dims
+        self.in_channels = dims.in_channels
+        self.inner_dim = dims.num_heads * dims.attention_head_dim
+        self.time_mlp = TimeMLP(dims.in_channels, 4 * c)
+        layout, num_blocks = [0], [0]  # running conv-state offset / attention-block count
+
+        def transformers() -> nn.ModuleList:
+            first = num_blocks[0]
+            num_blocks[0] += n
+            return nn.ModuleList([TransformerBlock(c, dims.num_heads, dims.attention_head_dim, first + i)
+                                  for i in range(n)])
+
+        # Built in forward order so conv-state offsets and cache indices follow the data.
+        down = [ResNet(dims.in_channels, c, 4 * c, layout), transformers(), CausalConv(c, c, layout)]
+        self.down_blocks = nn.ModuleList([nn.ModuleList(down)])
+        self.mid_blocks = nn.ModuleList([nn.ModuleList([ResNet(c, c, 4 * c, layout), transformers()])
+                                         for _ in range(dims.num_mid_blocks)])
+        up = [ResNet(2 * c, c, 4 * c, layout), transformers(), CausalConv(c, c, layout)]
+        self.up_blocks = nn.ModuleList([nn.ModuleList(up)])
+        self.final_block = CausalBlock(c, c, layout)
+        self.final_proj = nn.Conv1d(c, dims.out_channels, 1)
+        self.conv_state_channels = layout[0]
+        self.num_attention_blocks = num_blocks[0]
+
+    def new_cache(self, rows: int, num_frames: int, *, device: torch.device | None = None,
+                  dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Empty (kv [blocks, 2, rows, num_frames, inner], conv_state [rows, conv_channels, 2]), one step."""
+        p = self.final_proj.weight
+        kw = {"device": device or p.device, "dtype": dtype or p.dtype}
+        kv = torch.zeros(self.num_attention_blocks, 2, rows, num_frames, self.inner_dim, **kw)
+        return kv, torch.zeros(rows, self.conv_state_channels, CONV_CONTEXT, **kw)
+
+    def step(self, x: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor, t: torch.Tensor,
+             kv: Sequence[torch.Tensor], conv_state: torch.Tensor, write_idx: torch.Tensor,
+             attn_bias: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Velocity for C new frames of R rows, given everything before them.
+
+        x, mu, cond: [R, 80, C]; spks: [R, 80]; t: [R] float32. Rows are split into groups (requests),
+        group g owning the next kv[g].shape[2] rows. kv[g]: [blocks, 2, rows_g, cap_g, inner], the
+        group's keys/values for earlier frames; the new ones are written at frames write_idx[g] [C].
+        attn_bias[g]: [C, L_g] additive bias over the first L_g cached frames (chunk_attention_bias).
+        conv_state: [R, conv_state_channels, 2], read and updated in place. Returns v [R, 80, C].
+        No host syncs and no data-dependent Python control flow (CUDA-graph friendly).
+        """
+        dtype = self.final_proj.weight.dtype
+        t_emb = self.time_mlp(timestep_sinusoid(t, self.in_channels).to(dtype))
+        h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, x.shape[-1]), cond], dim=1).to(dtype)
+        resnet, blocks, conv = self.down_blocks[0]
+        h = self._transformers(blocks, resnet(h, t_emb, conv_state), kv, write_idx, attn_bias)
+        skip = h
+        h = conv(h, conv_state)
+        for resnet, blocks in self.mid_blocks:
+            h = self._transformers(blocks, resnet(h, t_emb, conv_state), kv, write_idx, attn_bias)
+        resnet, blocks, conv = self.up_blocks[0]
+        h = resnet(torch.cat([h, skip], dim=1), t_emb, conv_state)
+        h = conv(self._transformers(blocks, h, kv, write_idx, attn_bias), conv_state)
+        return self.final_proj(self.final_block(h, conv_state))
+
+    @staticmethod
+    def _transformers(blocks: nn.ModuleList, h: torch.Tensor, kv: Sequence[torch.Tensor],
+                      write_idx: torch.Tensor, attn_bias: Sequence[torch.Tensor]) -> torch.Tensor:
+        h = h.transpose(1, 2)
+        for block in blocks:
+            h = block(h, kv, write_idx, attn_bias)
+        return h.transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
+                t: torch.Tensor, streaming: bool) -> torch.Tensor:
+        """Whole-sequence call as the official estimator: x, mu, cond [R, 80, F]; spks [R, 80]; t [R].
+
+        Every row is independent; streaming selects the chunk mask (static_chunk_size frames).
+        """
+        num_frames = x.shape[-1]
+        kv, conv_state = self.new_cache(x.shape[0], num_frames)
+        pos = torch.arange(num_frames, device=x.device)
+        chunk = self.dims.static_chunk_size if streaming else 0
+        bias = chunk_attention_bias(pos, num_frames, chunk, kv.dtype)
+        return self.step(x, mu, spks, cond, t, [kv], conv_state, pos.unsqueeze(0), [bias])

@@ -1,0 +1,52 @@
+"""What the engine hands back: audio chunks (CPU float32 PCM) and per-request timings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+SAMPLE_RATE = 24000
+
+
+@dataclass
+class StageTimes:
+    """Seconds spent per stage of one request (wall clock, measured by the engine thread)."""
+
+    queue_s: float = 0.0  # submitted -> admitted to the LM
+    frontend_s: float = 0.0  # text normalisation, tokenisation, prompt audio features
+    llm_prefill_s: float = 0.0
+    first_token_s: float = 0.0  # admitted -> first speech token
+    first_chunk_flow_s: float = 0.0
+    first_chunk_vocoder_s: float = 0.0
+    first_audio_s: float = 0.0  # submitted -> first chunk ready
+    total_s: float = 0.0
+    num_tokens: int = 0
+    audio_s: float = 0.0
+
+    @property
+    def rtf(self) -> float:
+        return self.total_s / self.audio_s if self.audio_s > 0 else float("inf")
+
+    def as_dict(self) -> dict[str, float]:
+        out = {k: round(v, 6) if isinstance(v, float) else v for k, v in self.__dict__.items()}
+        out["rtf"] = round(self.rtf, 6) if self.audio_s > 0 else None
+        return out
+
+
+@dataclass
+class AudioChunk:
+    pcm: np.ndarray  # float32 [num_samples] at sample_rate, in [-1, 1]
+    index: int
+    is_final: bool = False
+    sample_rate: int = SAMPLE_RATE
+    times: StageTimes | None = None  # set on the final chunk
+    request_id: str = ""
+
+
+@dataclass
+class SynthesisResult:
+    pcm: np.ndarray
+    sample_rate: int = SAMPLE_RATE
+    times: StageTimes = field(default_factory=StageTimes)
+    num_chunks: int = 0

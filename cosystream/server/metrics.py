@@ -1,0 +1,92 @@
+"""Prometheus metrics of the server: request outcomes, latencies per stage, RTF, load and engine stats.
+
+Each app has its own registry (tests start several apps in one process). Engine gauges are read
+at scrape time from `engine.stats()` when the engine has it, else from `engine.core` attributes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from cosystream.outputs import StageTimes
+
+log = logging.getLogger("cosystream.server")
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# StageTimes field → `stage` label of cosystream_stage_seconds
+STAGES = {"queue_s": "queue", "frontend_s": "frontend", "llm_prefill_s": "llm_prefill",
+          "first_token_s": "first_token", "first_chunk_flow_s": "first_chunk_flow",
+          "first_chunk_vocoder_s": "first_chunk_vocoder", "first_audio_s": "first_audio", "total_s": "total"}
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0,
+                     30.0, 60.0)
+RTF_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
+
+
+class ServerMetrics:
+    def __init__(self, engine: Any) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("cosystream_requests", "finished synthesis requests by endpoint and outcome "
+                                "(ok, cancelled, or the error code)", ["endpoint", "outcome"], registry=r)
+        self.first_audio = Histogram("cosystream_first_audio_seconds", "request arrival to first audio bytes "
+                                     "handed to the connection", ["endpoint"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self.stages = Histogram("cosystream_stage_seconds", "engine time per stage of each finished request",
+                                ["stage"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self.rtf = Histogram("cosystream_rtf", "real-time factor (engine total time / audio seconds)",
+                             buckets=RTF_BUCKETS, registry=r)
+        self.audio_seconds = Counter("cosystream_audio_seconds", "seconds of audio produced", registry=r)
+        self.active_streams = Gauge("cosystream_active_streams", "synthesis responses being streamed now",
+                                    ["endpoint"], registry=r)
+        r.register(_EngineCollector(engine))
+
+    def observe_done(self, endpoint: str, times: StageTimes | None, server_first_audio_s: float | None) -> None:
+        if server_first_audio_s is not None:
+            self.first_audio.labels(endpoint).observe(server_first_audio_s)
+        if times is None:
+            return
+        for field, stage in STAGES.items():
+            value = getattr(times, field, None)
+            if isinstance(value, (int, float)):
+                self.stages.labels(stage).observe(value)
+        audio_s = getattr(times, "audio_s", 0.0)
+        if audio_s > 0:
+            self.audio_seconds.inc(audio_s)
+            self.rtf.observe(times.total_s / audio_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def engine_stats(engine: Any) -> dict[str, float]:
+    """Numeric engine stats: `engine.stats()` if it exists, else what `engine.core` exposes."""
+    stats_fn = getattr(engine, "stats", None)
+    if callable(stats_fn):
+        try:
+            raw = stats_fn()
+        except Exception as exc:  # a scrape must never fail because of the engine
+            log.warning("event=engine_stats_failed error=%r", exc)
+            raw = {}
+    else:
+        core = getattr(engine, "core", None)
+        raw = {"num_active": getattr(core, "num_active", None), "queue_depth": getattr(core, "queue_depth", None)}
+    return {k: float(v) for k, v in raw.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+class _EngineCollector(Collector):
+    """Gauges `cosystream_engine_<key>` for every numeric entry of engine_stats (read at scrape time)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        for key, value in sorted(engine_stats(self.engine).items()):
+            yield GaugeMetricFamily(f"cosystream_engine_{key}", f"engine stat {key} (engine.stats())", value=value)
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        return iter(())  # values come from the engine at scrape time; nothing to pre-declare

@@ -1,0 +1,180 @@
+"""POST /v1/tts (every engine knob, JSON or multipart with prompt/source wavs) and /v1/voices CRUD.
+
+/v1/tts streams raw audio by default; `?events=sse|ndjson` (or `Accept: text/event-stream` /
+`application/x-ndjson`) streams JSON events instead: `audio` chunks (base64), then `done` with the
+engine's per-stage timings, which raw HTTP audio has no reliable place for.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import APIRouter, File, Form, Query, Request, Response, UploadFile
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import UploadFile as StarletteUploadFile
+
+from cosystream.errors import UnknownVoice
+from cosystream.params import Mode, SamplingParams, SynthesisParams
+from cosystream.server.errors import ApiError, bad_input, from_validation_errors, to_api_error
+from cosystream.server.openai_speech import AUDIO_RESPONSES
+from cosystream.server.protocol import ErrorResponse, SynthesisOptions, TTSRequest, Voice, VoiceList
+from cosystream.server.session import (
+    NDJSON_MEDIA_TYPE,
+    SSE_MEDIA_TYPE,
+    SynthesisSession,
+    arrival_time,
+    audio_response,
+    check_text,
+    events_response,
+    log_event,
+    new_request_id,
+)
+from cosystream.server.state import get_state
+
+router = APIRouter()
+
+UPLOAD_FIELDS = ("prompt_wav", "source_wav")
+MAX_FORM_FIELDS = 64
+TOKENS_PER_S = 25  # speech token rate, for voice durations
+
+_TTS_BODY = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": {"$ref": "#/components/schemas/TTSRequest"}},
+    "multipart/form-data": {"schema": {"$ref": "#/components/schemas/TTSUpload"}}}}}
+_VOICE_ERRORS: dict = {
+    400: {"model": ErrorResponse, "description": "bad name or unreadable recording"},
+    404: {"model": ErrorResponse, "description": "no voice of that name"},
+}
+
+
+def options_to_params(opts: SynthesisOptions, text: Any, files: dict[str, bytes], request_id: str) -> SynthesisParams:
+    """Protocol options → engine params; shared by /v1/tts and the WebSocket (`text` may be an async iterator)."""
+    sampling = SamplingParams(top_p=opts.top_p, top_k=opts.top_k, win_size=opts.win_size, tau_r=opts.tau_r,
+                              seed=opts.seed, greedy=opts.greedy)
+    return SynthesisParams(
+        text=text, mode=opts.mode, voice=opts.voice, prompt_audio=files.get("prompt_wav"), prompt_text=opts.prompt_text,
+        instruct_text=opts.instruct_text, source_audio=files.get("source_wav"), sft_speaker=opts.sft_speaker,
+        stream=opts.stream, speed=opts.speed, first_hop=opts.first_hop, sampling=sampling,
+        force_tokens=opts.force_tokens, request_id=request_id)
+
+
+async def read_tts_body(request: Request) -> tuple[TTSRequest, dict[str, bytes]]:
+    """The TTSRequest from a JSON body or multipart form fields, plus the uploaded files' bytes."""
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    files: dict[str, bytes] = {}
+    if content_type in ("multipart/form-data", "application/x-www-form-urlencoded"):
+        form = await request.form(max_files=len(UPLOAD_FIELDS), max_fields=MAX_FORM_FIELDS)
+        data: Any = {}
+        for key, value in form.multi_items():
+            if isinstance(value, StarletteUploadFile):
+                if key not in UPLOAD_FIELDS:
+                    raise bad_input(f"{key}: unexpected file (files: {', '.join(UPLOAD_FIELDS)})")
+                files[key] = await value.read()
+            else:
+                data[key] = value
+    elif content_type in ("application/json", ""):
+        try:
+            data = json.loads(await request.body() or b"{}")
+        except ValueError as exc:
+            raise bad_input(f"body: invalid JSON ({exc})") from None
+    else:
+        raise ApiError(415, "unsupported_media_type", f"content-type {content_type!r}: send application/json "
+                       "or multipart/form-data")
+    if not isinstance(data, dict):
+        raise bad_input("body: expected a JSON object")
+    try:
+        return TTSRequest.model_validate(data), files
+    except ValidationError as exc:
+        raise from_validation_errors(exc.errors()) from None
+
+
+def choose_events(events: str | None, accept: str) -> str | None:
+    """'sse', 'ndjson' or None (raw audio) from ?events= and the Accept header."""
+    if events is not None:
+        value = events.strip().lower()
+        if value in ("true", "1", "sse"):
+            return "sse"
+        if value in ("false", "0", "none", ""):
+            return None
+        if value == "ndjson":
+            return "ndjson"
+        raise bad_input(f"events: expected sse, ndjson, true or false, got {events!r}")
+    if SSE_MEDIA_TYPE in accept:
+        return "sse"
+    return "ndjson" if NDJSON_MEDIA_TYPE in accept else None
+
+
+@router.post("/v1/tts", tags=["native"], openapi_extra=_TTS_BODY, responses=AUDIO_RESPONSES, response_class=Response,
+             summary="Text to speech with every engine setting; audio or timing events")
+async def tts(request: Request,
+              events: str | None = Query(None, description="sse | ndjson | true | false")) -> Response:
+    """Synthesise with any mode and voice (registered, or an uploaded prompt_wav + prompt_text).
+
+    Raw audio (`response_format`), or with `events` a stream of `audio` events and a final `done`
+    event holding the per-stage timings. `X-Request-Id` names the request in logs either way.
+    """
+    state = get_state(request)
+    state.check_ready()
+    events_mode = choose_events(events, request.headers.get("accept", ""))
+    body, files = await read_tts_body(request)
+    if body.mode != Mode.vc:
+        check_text(body.text, "text", state.max_text_chars)
+    params = options_to_params(body, body.text, files, new_request_id())
+    session = SynthesisSession(state, "tts", params, body.response_format, arrival_time(request))
+    await session.open()
+    if events_mode is None:
+        return audio_response(session)
+    return events_response(session, sse=events_mode == "sse")
+
+
+# ---------------------------------------------------------------- voices
+
+def voice_out(info: Any) -> Voice:
+    """Engine VoiceInfo (either the engine's or the store's shape) → protocol Voice."""
+    tokens = int(getattr(info, "num_prompt_tokens", 0))
+    seconds = getattr(info, "prompt_seconds", None)
+    return Voice(name=info.name, prompt_text=info.prompt_text, num_prompt_tokens=tokens,
+                 prompt_seconds=seconds if seconds is not None else tokens / TOKENS_PER_S,
+                 created_at=getattr(info, "created_at", None))
+
+
+@router.post("/v1/voices", tags=["voices"], status_code=201, response_model=Voice, responses=_VOICE_ERRORS,
+             summary="Register a voice from a prompt recording and its transcript")
+async def add_voice(request: Request, name: str = Form(..., description="1-64 of A-Z a-z 0-9 _ . -"),
+                    prompt_text: str = Form("", description="transcript ('' for cross_lingual/instruct2 only)"),
+                    prompt_wav: UploadFile = File(..., description="0.5-30 s of speech: wav/flac/mp3/ogg")) -> Voice:
+    state = get_state(request)
+    state.check_ready()
+    audio = await prompt_wav.read()
+    if not audio:
+        raise bad_input("prompt_wav: empty file")
+    info = await state.engine.add_voice(name, audio, prompt_text)
+    log_event("voice_added", name=name, num_prompt_tokens=getattr(info, "num_prompt_tokens", ""))
+    return voice_out(info)
+
+
+@router.get("/v1/voices", tags=["voices"], response_model=VoiceList, summary="List registered voices")
+async def list_voices(request: Request) -> VoiceList:
+    infos = await run_in_threadpool(get_state(request).engine.list_voices)  # SQLite read: off the loop
+    return VoiceList(voices=[voice_out(info) for info in infos])
+
+
+@router.get("/v1/voices/{name}", tags=["voices"], response_model=Voice, responses=_VOICE_ERRORS,
+            summary="One registered voice")
+async def get_voice(name: str, request: Request) -> Voice:
+    try:
+        return voice_out(await run_in_threadpool(get_state(request).engine.get_voice, name))
+    except UnknownVoice as exc:
+        raise to_api_error(exc, unknown_voice_status=404) from None
+
+
+@router.delete("/v1/voices/{name}", tags=["voices"], status_code=204, response_class=Response,
+               responses=_VOICE_ERRORS, summary="Delete a registered voice")
+async def delete_voice(name: str, request: Request) -> Response:
+    try:
+        await get_state(request).engine.delete_voice(name)
+    except UnknownVoice as exc:
+        raise to_api_error(exc, unknown_voice_status=404) from None
+    log_event("voice_deleted", name=name)
+    return Response(status_code=204)

@@ -1,0 +1,196 @@
+"""Pydantic schemas of every endpoint and WebSocket message (they generate the OpenAPI document).
+
+Wire names follow OpenAI where an OpenAI endpoint exists (`input`, `voice`, `response_format`) and
+the engine's SynthesisParams elsewhere (`text`, `mode`, `first_hop`, ...). docs/server.md has examples.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from cosystream.params import Mode
+from cosystream.server.encode import AudioFormat
+
+MIN_SPEED, MAX_SPEED = 0.25, 4.0  # OpenAI's range; the engine allows speed != 1 only with stream=false
+
+
+class ErrorDetail(BaseModel):
+    code: str = Field(description="stable machine code: bad_input, unknown_voice, voice_exists, payload_too_large, "
+                                  "overloaded, engine_dead, not_ready, not_found, internal, ...")
+    message: str = Field(description="human-readable; starts with the field name when one input is at fault")
+    field: str | None = Field(None, description="the offending input field, when there is one")
+
+
+class ErrorResponse(BaseModel):
+    """The body of every non-2xx response, and of WebSocket/stream `error` events."""
+
+    error: ErrorDetail
+
+
+# ---------------------------------------------------------------- OpenAI: POST /v1/audio/speech
+
+class SpeechRequest(BaseModel):
+    """OpenAI `audio.speech.create` body. `model` is accepted and ignored (one model is served)."""
+
+    model_config = ConfigDict(extra="ignore")  # newer OpenAI SDK fields must not break old servers
+
+    model: str = Field("cosyvoice2", description="ignored; any value is accepted")
+    input: str = Field(..., min_length=1, description="the text to speak")
+    voice: str = Field(..., description="a registered voice (POST /v1/voices)")
+    instructions: str | None = Field(None, description="style instruction: switches to instruct2 mode")
+    response_format: AudioFormat = AudioFormat.mp3
+    speed: float = Field(1.0, ge=MIN_SPEED, le=MAX_SPEED,
+                         description="playback speed; != 1 renders offline (stream=false) then sends")
+    stream: bool | None = Field(None, description="cosystream extension: engine chunked streaming "
+                                                  "(default: true unless speed != 1)")
+    stream_format: Literal["audio", "sse"] = Field("audio", description="sse: OpenAI speech.audio.delta events")
+    # cosystream extensions (OpenAI SDK: extra_body={...})
+    seed: int | None = Field(None, ge=0, lt=2**31, description="cosystream extension: sampling seed")
+    force_tokens: int | None = Field(None, ge=1, le=4000, description="cosystream extension (benchmarks): "
+                                                                      "exactly this many speech tokens")
+
+
+# ---------------------------------------------------------------- native: POST /v1/tts, WS /v1/tts/stream
+
+class SynthesisOptions(BaseModel):
+    """Every per-request knob of the engine (cosystream.params.SynthesisParams), flat."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelt knob must fail, not be silently dropped
+
+    mode: Mode = Mode.zero_shot
+    voice: str | None = Field(None, description="registered voice; or upload prompt_wav + prompt_text")
+    prompt_text: str = Field("", description="transcript of an uploaded prompt_wav")
+    instruct_text: str = Field("", description="instruct2: the instruction, e.g. 'Speak happily.'")
+    sft_speaker: str | None = Field(None, description="sft: a built-in speaker id of spk2info.pt")
+    response_format: AudioFormat = AudioFormat.wav
+    speed: float = Field(1.0, ge=MIN_SPEED, le=MAX_SPEED, description="!= 1 needs stream=false")
+    stream: bool = Field(True, description="engine chunked streaming; false renders the whole audio first")
+    first_hop: int | None = Field(None, ge=1, le=100, description="speech tokens in the first chunk")
+    force_tokens: int | None = Field(None, ge=1, le=4000,
+                                     description="benchmarks: exactly this many speech tokens (960 samples each)")
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=1)
+    win_size: int | None = Field(None, ge=1, description="RAS repetition window")
+    tau_r: float | None = Field(None, ge=0.0, description="RAS repetition threshold")
+    seed: int | None = Field(None, ge=0, lt=2**31)
+    greedy: bool = False
+
+
+class TTSRequest(SynthesisOptions):
+    """POST /v1/tts as JSON, or as multipart form fields plus files `prompt_wav` / `source_wav`."""
+
+    text: str = Field("", description="what to say (empty only for mode=vc)")
+
+
+class TTSUpload(TTSRequest):
+    """The multipart/form-data variant of TTSRequest (documentation schema)."""
+
+    prompt_wav: bytes | None = Field(None, json_schema_extra={"format": "binary"},
+                                     description="prompt recording (wav/flac/mp3/ogg) for an unregistered voice")
+    source_wav: bytes | None = Field(None, json_schema_extra={"format": "binary"},
+                                     description="vc: the speech to convert")
+
+
+class StageTimes(BaseModel):
+    """Per-request engine timings in seconds (cosystream.outputs.StageTimes)."""
+
+    model_config = ConfigDict(extra="allow")  # the engine may add stages
+
+    queue_s: float = 0.0
+    frontend_s: float = 0.0
+    llm_prefill_s: float = 0.0
+    first_token_s: float = 0.0
+    first_chunk_flow_s: float = 0.0
+    first_chunk_vocoder_s: float = 0.0
+    first_audio_s: float = 0.0
+    total_s: float = 0.0
+    num_tokens: int = 0
+    audio_s: float = 0.0
+    rtf: float | None = None
+
+
+class StartedEvent(BaseModel):
+    type: Literal["started"] = "started"
+    request_id: str
+    sample_rate: int
+    response_format: AudioFormat
+
+
+class AudioEvent(BaseModel):
+    """One audio chunk of an event stream: the next bytes of the response_format file, base64."""
+
+    type: Literal["audio"] = "audio"
+    index: int
+    audio: str = Field(description="base64 of the next encoded bytes (concatenate all to get the file)")
+    num_samples: int
+    elapsed_s: float = Field(description="seconds since the request arrived")
+
+
+class ChunkEvent(BaseModel):
+    """WebSocket: describes the binary frame sent just before it."""
+
+    type: Literal["chunk"] = "chunk"
+    index: int
+    num_samples: int
+    num_bytes: int
+    elapsed_s: float
+
+
+class DoneEvent(BaseModel):
+    type: Literal["done"] = "done"
+    request_id: str
+    num_chunks: int
+    num_samples: int
+    audio_s: float
+    times: StageTimes
+    server_first_audio_s: float | None = Field(None, description="request arrival → first audio bytes sent")
+
+
+class ErrorEvent(ErrorResponse):
+    type: Literal["error"] = "error"
+
+
+class WsStart(SynthesisOptions):
+    """WebSocket first message. `text` may hold the whole text; otherwise send `text` messages."""
+
+    type: Literal["start"]
+    text: str = ""
+    response_format: AudioFormat = AudioFormat.pcm
+
+
+class WsText(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
+class WsEnd(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["end"]
+
+
+# ---------------------------------------------------------------- voices
+
+class Voice(BaseModel):
+    name: str
+    prompt_text: str
+    num_prompt_tokens: int = Field(description="25 Hz speech tokens of the prompt")
+    prompt_seconds: float
+    created_at: float | None = Field(None, description="unix seconds")
+
+
+class VoiceList(BaseModel):
+    voices: list[Voice]
+
+
+class Health(BaseModel):
+    status: Literal["ok", "starting"]
+
+
+# Schemas not reachable from a route signature, added to the OpenAPI components by app.py.
+EXTRA_SCHEMAS: tuple[type[BaseModel], ...] = (
+    TTSRequest, TTSUpload, StartedEvent, AudioEvent, ChunkEvent, DoneEvent, ErrorEvent, WsStart, WsText, WsEnd)

@@ -1,0 +1,242 @@
+"""One synthesis request on the server: engine iterator → encoder, with its metrics and log line.
+
+Shared by the three synthesis endpoints. `open()` waits for the first chunk so that input errors
+(raised by the engine before any audio) still become a proper HTTP status; after that the response
+is committed and a failure can only end the stream. Closing a session closes the engine iterator,
+which aborts the request in the engine: every exit path (done, error, client gone) goes through it.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+import anyio
+from starlette.requests import HTTPConnection
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from cosystream.outputs import SAMPLE_RATE, AudioChunk
+from cosystream.params import SynthesisParams
+from cosystream.server.encode import MEDIA_TYPES, AudioFormat, build_encoder
+from cosystream.server.errors import ApiError, bad_input, to_api_error
+from cosystream.server.protocol import AudioEvent, DoneEvent, ErrorEvent, StageTimes
+from cosystream.server.state import ServerState
+
+log = logging.getLogger("cosystream.server")
+
+SSE_MEDIA_TYPE = "text/event-stream"
+NDJSON_MEDIA_TYPE = "application/x-ndjson"
+
+
+def new_request_id() -> str:
+    return "req_" + uuid.uuid4().hex[:16]
+
+
+def log_event(event: str, **fields: Any) -> None:
+    """One key=value log line; values with spaces are quoted so lines stay machine-splittable."""
+    parts = [f"event={event}"]
+    for key, value in fields.items():
+        if isinstance(value, float):
+            value = f"{value:.4f}"
+        text = str(value)
+        parts.append(f"{key}={json.dumps(text) if (' ' in text or not text) else text}")
+    log.info(" ".join(parts))
+
+
+def check_text(text: str, field: str, max_chars: int) -> None:
+    if not text.strip():
+        raise bad_input(f"{field}: empty")
+    if len(text) > max_chars:
+        raise bad_input(f"{field}: {len(text)} characters, more than the limit of {max_chars}")
+
+
+def arrival_time(conn: HTTPConnection) -> float:
+    """perf_counter() when the request arrived (stamped by the body-limit middleware), else now."""
+    return conn.scope.get("state", {}).get("t_arrival", time.perf_counter())
+
+
+class SynthesisSession:
+    def __init__(self, state: ServerState, endpoint: str, params: SynthesisParams, fmt: AudioFormat,
+                 t_arrival: float) -> None:
+        self.state = state
+        self.endpoint = endpoint
+        self.params = params
+        self.request_id = params.request_id or new_request_id()
+        self.fmt = AudioFormat(fmt)
+        self.t_arrival = t_arrival
+        self.encoder = build_encoder(self.fmt)
+        self.outcome = "cancelled"  # until proven otherwise: any exit we did not see through is a cancel
+        self.num_chunks = 0
+        self.num_samples = 0
+        self.times: Any = None
+        self.server_first_audio_s: float | None = None
+        self._iter: AsyncIterator[AudioChunk] | None = None
+        self._first: AudioChunk | None = None
+        self._is_open = False
+        self._closed = False
+        self.error: ApiError | None = None
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self.t_arrival
+
+    async def open(self) -> None:
+        """Submit to the engine and wait for the first chunk; engine errors raise ApiError (nothing sent yet)."""
+        self.state.metrics.active_streams.labels(self.endpoint).inc()
+        self._is_open = True
+        self._iter = self.state.engine.synthesize(self.params)
+        try:
+            self._first = await self._iter.__anext__()
+        except StopAsyncIteration:
+            error = ApiError(500, "engine_error", "the engine ended the request without audio")
+            self.fail(error)
+            await self.close()
+            raise error from None
+        except Exception as exc:
+            error = to_api_error(exc)
+            self.fail(error)
+            await self.close()
+            raise error from exc
+        except BaseException:
+            await self.close()
+            raise
+
+    def fail(self, error: ApiError) -> None:
+        """Record the failure that ends this request (its outcome label)."""
+        self.error = error
+        self.outcome = error.code
+
+    async def chunks(self) -> AsyncIterator[tuple[AudioChunk, bytes]]:
+        """(chunk, encoded bytes) from the first to the final chunk. Use inside `aclosing`."""
+        assert self._iter is not None and self._first is not None, "open() first"
+        try:
+            chunk = self._first
+            while True:
+                data = self.encoder.encode(chunk.pcm, chunk.is_final)
+                self._account(chunk)
+                yield chunk, data
+                if chunk.is_final:
+                    self.outcome = "ok"
+                    return
+                try:
+                    chunk = await self._iter.__anext__()
+                except StopAsyncIteration:  # no final flag: the stream still ended cleanly
+                    self.outcome = "ok"
+                    return
+        except Exception as exc:
+            self.fail(to_api_error(exc))
+            raise
+        finally:
+            await self.close()
+
+    def _account(self, chunk: AudioChunk) -> None:
+        if self.server_first_audio_s is None:
+            self.server_first_audio_s = self.elapsed_s
+        self.num_chunks += 1
+        self.num_samples += int(chunk.pcm.shape[0])
+        if chunk.is_final:
+            self.times = chunk.times
+
+    async def close(self) -> None:
+        """Idempotent: abort in the engine if unfinished, release the encoder, record the outcome."""
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):  # runs while the request is being cancelled
+            if self._iter is not None and hasattr(self._iter, "aclose"):
+                await self._iter.aclose()
+        self.encoder.close()
+        m = self.state.metrics
+        if self._is_open:
+            m.active_streams.labels(self.endpoint).dec()
+        m.requests.labels(self.endpoint, self.outcome).inc()
+        if self.outcome == "ok":
+            m.observe_done(self.endpoint, self.times, self.server_first_audio_s)
+        log_event("request_done", request_id=self.request_id, endpoint=self.endpoint, outcome=self.outcome,
+                  format=self.fmt.value, chunks=self.num_chunks, audio_s=self.num_samples / SAMPLE_RATE,
+                  first_audio_s=self.server_first_audio_s if self.server_first_audio_s is not None else "",
+                  total_s=self.elapsed_s)
+
+    def done_event(self) -> DoneEvent:
+        times = self.times.as_dict() if hasattr(self.times, "as_dict") else {}
+        return DoneEvent(request_id=self.request_id, num_chunks=self.num_chunks, num_samples=self.num_samples,
+                         audio_s=self.num_samples / SAMPLE_RATE, times=StageTimes(**times),
+                         server_first_audio_s=self.server_first_audio_s)
+
+
+class AudioStreamResponse(StreamingResponse):
+    """A StreamingResponse that always closes its body iterator, so a client that leaves between two
+    chunks aborts the engine request now rather than when the generator is garbage-collected.
+    """
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+async def audio_body(session: SynthesisSession) -> AsyncIterator[bytes]:
+    """Raw audio bytes. A failure mid-stream raises, so the server drops the connection before the
+    final chunk terminator and the client sees a truncated transfer instead of a short "complete" file."""
+    async with aclosing(session.chunks()) as chunks:
+        async for _, data in chunks:
+            if data:
+                yield data
+
+
+def _frame(event: dict, sse: bool) -> bytes:
+    line = json.dumps(event, separators=(",", ":"))
+    return f"data: {line}\n\n".encode() if sse else (line + "\n").encode()
+
+
+async def event_body(session: SynthesisSession, sse: bool) -> AsyncIterator[bytes]:
+    """`audio` events (base64 of the next encoded bytes), then `done` with the stage breakdown, or `error`."""
+    try:
+        async with aclosing(session.chunks()) as chunks:
+            async for chunk, data in chunks:
+                if data or chunk.is_final:
+                    event = AudioEvent(index=session.num_chunks - 1, audio=base64.b64encode(data).decode(),
+                                       num_samples=int(chunk.pcm.shape[0]), elapsed_s=round(session.elapsed_s, 6))
+                    yield _frame(event.model_dump(), sse)
+        yield _frame(session.done_event().model_dump(), sse)
+    except Exception as exc:
+        yield _frame(ErrorEvent(**to_api_error(exc).body()).model_dump(), sse)
+
+
+async def openai_sse_body(session: SynthesisSession, input_chars: int) -> AsyncIterator[bytes]:
+    """OpenAI `stream_format="sse"`: speech.audio.delta events, then speech.audio.done with usage."""
+    try:
+        async with aclosing(session.chunks()) as chunks:
+            async for _, data in chunks:
+                if data:
+                    yield _frame({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()}, True)
+        num_tokens = int(getattr(session.times, "num_tokens", 0) or 0)
+        usage = {"input_tokens": input_chars, "output_tokens": num_tokens, "total_tokens": input_chars + num_tokens}
+        yield _frame({"type": "speech.audio.done", "usage": usage}, True)
+    except Exception as exc:
+        yield _frame(ErrorEvent(**to_api_error(exc).body()).model_dump(), True)
+
+
+def audio_response(session: SynthesisSession) -> AudioStreamResponse:
+    return AudioStreamResponse(audio_body(session), media_type=MEDIA_TYPES[session.fmt],
+                               headers=_headers(session))
+
+
+def events_response(session: SynthesisSession, sse: bool) -> AudioStreamResponse:
+    return AudioStreamResponse(event_body(session, sse), media_type=SSE_MEDIA_TYPE if sse else NDJSON_MEDIA_TYPE,
+                               headers=_headers(session))
+
+
+def _headers(session: SynthesisSession) -> dict[str, str]:
+    # no-transform/X-Accel-Buffering: proxies must pass chunks through as they come
+    return {"X-Request-Id": session.request_id, "X-Sample-Rate": str(SAMPLE_RATE),
+            "Cache-Control": "no-store, no-transform", "X-Accel-Buffering": "no"}

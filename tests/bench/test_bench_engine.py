@@ -1,0 +1,75 @@
+"""benchmarks/bench_engine.py against a fake engine: voice registration, levels, refusals, the shared report."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cosystream.errors import Overloaded, UnknownVoice
+from cosystream.outputs import AudioChunk, StageTimes
+from cosystream.params import SynthesisParams
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def bench_engine():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import bench_engine as module
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    return module
+
+
+class FakeEngine:
+    """Streams force_tokens * 960 samples in 3 chunks; every 4th request is refused as overloaded."""
+
+    def __init__(self) -> None:
+        self.voices: dict[str, tuple[str, str]] = {}
+        self.params: list[SynthesisParams] = []
+
+    def get_voice(self, name: str) -> tuple[str, str]:
+        if name not in self.voices:
+            raise UnknownVoice(f"voice: no voice named {name!r}")
+        return self.voices[name]
+
+    async def add_voice(self, name: str, audio: str, prompt_text: str) -> None:
+        self.voices[name] = (audio, prompt_text)
+
+    async def synthesize(self, params: SynthesisParams) -> AsyncIterator[AudioChunk]:
+        self.params.append(params)
+        if len(self.params) % 4 == 0:
+            raise Overloaded("queue full", retry_after_s=0.5)
+        num_samples = params.force_tokens * 960
+        for index, size in enumerate((num_samples // 4, num_samples // 4, num_samples - num_samples // 2)):
+            await asyncio.sleep(0.005)
+            final = index == 2
+            times = StageTimes(total_s=0.015, audio_s=num_samples / 24000) if final else None
+            yield AudioChunk(pcm=np.zeros(size, np.float32), index=index, is_final=final, times=times)
+
+
+async def test_engine_bench_registers_voice_and_reports(bench_engine, tmp_path: Path) -> None:
+    args = bench_engine.build_parser().parse_args(
+        ["--model-dir", "unused", "--concurrency", "1,2", "--requests-per-level", "4", "--warmup-requests", "0",
+         "--force-tokens", "25", "--first-hop", "15"])
+    engine = FakeEngine()
+    wav = tmp_path / "voice.wav"
+    records, summaries = await bench_engine.run(engine, args, wav)
+    assert engine.voices == {"bench_voice": (str(wav), "the sun rose slowly.")}
+    assert [s.level for s in summaries] == ["c=1", "c=2"]
+    for s in summaries:
+        assert (s.num_requests, s.num_ok, s.num_refused, s.num_errors, s.num_short_audio) == (4, 3, 1, 0, 0)
+        assert s.first_audio_s is not None and s.aggregate_rtf > 0
+    ok = [r for r in records if r.ok]
+    assert all(r.audio_s == 1.0 and r.server["total_s"] == 0.015 for r in ok)
+    assert sum(r.refused and r.retry_after_s == 0.5 for r in records) == 2
+    params = engine.params[0]
+    assert (params.voice, params.force_tokens, params.first_hop, params.stream) == ("bench_voice", 25, 15, True)
+    assert params.text == "a quiet river flows past the green mill."
+    assert await bench_engine.ensure_voice(engine, "bench_voice", wav, "x") == "exists"

@@ -1,0 +1,210 @@
+"""The load generator against the fake server of conftest.py, and the arrival schedules with fake senders."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cosystream.bench.cli import add_bench_parser
+from cosystream.bench.clients import HttpClient, PcmCounter, RequestSpec, build_body, endpoint_url, ws_messages
+from cosystream.bench.loadgen import LevelPlan, build_plans, run_closed, run_level, run_open
+from cosystream.bench.report import RequestRecord, Timeline
+
+FakeServer = Any  # conftest.FakeServer; conftest modules are not imported by name
+
+
+def run_cli(*argv: str) -> int:
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", *argv])
+    return args.handler(args)
+
+
+def write_workload(tmp_path: Path, texts: list[str]) -> Path:
+    (tmp_path / "voice.wav").write_bytes(b"RIFF-not-really-a-wav")
+    path = tmp_path / "workload.json"
+    path.write_text(json.dumps({"texts": texts, "voice": "bench_voice", "prompt_text": "hello there.",
+                                "prompt_wav": "voice.wav", "force_tokens": 25}))
+    return path
+
+
+# ---- end to end through the CLI -------------------------------------------------------------------------
+
+
+def test_tts_target_counts_underruns_and_refusals(fake_server: FakeServer, tmp_path: Path) -> None:
+    workload = write_workload(tmp_path, ["fast one.", "slow one.", "busy one."])
+    out, plot = tmp_path / "results.json", tmp_path / "results.png"
+    status = run_cli("--url", fake_server.url, "--workload", str(workload), "--concurrency", "1,3",
+                     "--requests-per-level", "6", "--warmup-requests", "1", "--out", str(out), "--plot", str(plot))
+    assert status == 0
+    results = json.loads(out.read_text())
+    assert results["schema"] == "cosystream-bench/1" and results["meta"]["target"] == "tts"
+    for level in results["levels"]:  # requests 0..5 cycle fast, slow, busy
+        assert (level["num_requests"], level["num_ok"], level["num_refused"], level["num_errors"]) == (6, 4, 2, 0)
+        assert level["underrun_requests"] == 2  # the two slow ones
+        assert level["num_short_audio"] == 2  # slow ones bring 0.2 s, 25 forced tokens are 1.0 s
+        assert level["first_audio_s"]["p50"] < 1.0 and level["aggregate_rtf"] > 0
+    by_text: dict[str, list[dict]] = {}
+    for rec in results["requests"]:
+        kind = "warmup" if rec["level"] == "warmup" else ["fast", "slow", "busy"][rec["index"] % 3]
+        by_text.setdefault(kind, []).append(rec)
+    assert all(r["underruns"] == 0 and r["audio_s"] == fake_server.FAST_NUM_SAMPLES / 24000 for r in by_text["fast"])
+    assert all(1 <= r["underruns"] <= fake_server.SLOW_PIECES - 1 and r["underrun_s"] > 0 for r in by_text["slow"])
+    assert all(r["refused"] and r["status"] == 503 and r["retry_after_s"] == 2.0 for r in by_text["busy"])
+    assert len(by_text["warmup"]) == 1
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+
+    voices = [r for r in fake_server.requests if r["path"] == "/v1/voices"]
+    assert voices and b'name="name"' in voices[-1]["body"] and b"bench_voice" in voices[-1]["body"]
+    body = next(r["json"] for r in reversed(fake_server.requests) if r["path"] == "/v1/tts")
+    assert body["voice"] == "bench_voice" and body["response_format"] == "pcm" and body["stream"] is True
+    assert body["force_tokens"] == 25 and body["sampling"] == {"seed": 0}
+
+
+def test_openai_target_errors_and_wav_header(fake_server: FakeServer, tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    status = run_cli("--url", fake_server.url, "--target", "openai", "--voice", "alloy", "--text", "fast.",
+                     "--text", "broken.", "--text", "wav fast.", "--requests-per-level", "3",
+                     "--warmup-requests", "0", "--out", str(out))
+    assert status == 0
+    results = json.loads(out.read_text())
+    level = results["levels"][0]
+    assert (level["num_ok"], level["num_errors"], level["num_refused"]) == (2, 1, 0)
+    fast, broken, wav = sorted(results["requests"], key=lambda r: r["index"])
+    assert broken["status"] == 500 and broken["error"].startswith("HTTP 500: internal error")
+    assert fast["audio_s"] == wav["audio_s"] == fake_server.FAST_NUM_SAMPLES / 24000  # header bytes are not audio
+    body = next(r["json"] for r in reversed(fake_server.requests) if r["path"] == "/v1/audio/speech")
+    assert body == {"model": "cosyvoice2", "input": "wav fast.", "response_format": "pcm", "stream": True,
+                    "voice": "alloy"}
+
+
+def test_ws_target(fake_server: FakeServer, tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    status = run_cli("--url", fake_server.ws_url, "--target", "ws", "--voice", "v", "--text", "slow.",
+                     "--text", "busy.", "--concurrency", "2", "--requests-per-level", "2", "--warmup-requests", "0",
+                     "--force-tokens", "5", "--out", str(out))
+    assert status == 0
+    slow, busy = sorted(json.loads(out.read_text())["requests"], key=lambda r: r["index"])
+    assert slow["audio_s"] == fake_server.SLOW_PIECES * 1200 / 24000 and slow["underruns"] >= 1
+    assert slow["server"] == {"timings": {"first_audio_s": 0.01}}
+    assert busy["refused"] and busy["status"] == 503
+    session = next(r for r in reversed(fake_server.requests) if r["path"] == "ws")
+    assert [m["type"] for m in session["messages"]] == ["start", "text", "end"]
+    assert session["messages"][0]["force_tokens"] == 5 and "text" not in session["messages"][0]
+
+
+def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_cli("--concurrency", "1") == 2  # no text
+    assert "--text" in capsys.readouterr().err
+    assert run_cli("--text", "x.", "--concurrency", "0") == 2
+
+
+async def test_request_timeout_keeps_partial_audio(fake_server: FakeServer) -> None:
+    client = HttpClient(fake_server.url, "tts", RequestSpec(texts=("hang.",)), timeout_s=0.3,
+                        origin_s=time.perf_counter())
+    try:
+        t0 = time.perf_counter()
+        rec = await client.send("c=1", 0)
+    finally:
+        await client.aclose()
+    assert time.perf_counter() - t0 < 2.0
+    assert rec.error == "timeout after 0.3 s" and rec.first_audio_s is not None and rec.audio_s == 0.1
+
+
+# ---- request building -----------------------------------------------------------------------------------
+
+
+def test_endpoint_urls_and_bodies() -> None:
+    assert endpoint_url("http://127.0.0.1:8000", "tts") == "http://127.0.0.1:8000/v1/tts"
+    assert endpoint_url("127.0.0.1:8000/", "ws") == "ws://127.0.0.1:8000/v1/tts/stream"
+    assert endpoint_url("https://api.example.com/v1/audio/speech", "openai") == "https://api.example.com/v1/audio/speech"
+    spec = RequestSpec(texts=("a.", "b."), voice="v", force_tokens=10, first_hop=15, seed=3)
+    assert build_body("tts", spec, 1) == {"text": "b.", "voice": "v", "mode": "zero_shot", "stream": True,
+                                          "response_format": "pcm", "force_tokens": 10, "first_hop": 15,
+                                          "sampling": {"seed": 3}}
+    start, text, end = ws_messages(spec, 0)
+    assert start["type"] == "start" and "text" not in start and text == {"type": "text", "text": "a."}
+    assert end == {"type": "end"}
+    assert "force_tokens" not in build_body("tts", RequestSpec(texts=("a.",)), 0)
+    assert spec.expected_audio_s == pytest.approx(0.4)
+
+
+def test_pcm_counter_splits_samples_and_wav_headers() -> None:
+    raw = PcmCounter()
+    assert [raw.add(b) for b in (b"\x01", b"\x02\x03", b"\x04\x05\x06")] == [0, 1, 2]
+    # RIFF header with a LIST chunk before "data" (as ffmpeg writes), fed 7 bytes at a time
+    fmt = b"fmt " + (16).to_bytes(4, "little") + b"\x01\x00\x01\x00" + (24000).to_bytes(4, "little") + bytes(8)
+    listing = b"LIST" + (3).to_bytes(4, "little") + b"abc\x00"  # odd size: one pad byte
+    wav = PcmCounter()
+    data = b"RIFF" + bytes(4) + b"WAVE" + fmt + listing + b"data" + bytes(4) + b"\x00" * 10
+    assert sum(wav.add(data[i:i + 7]) for i in range(0, len(data), 7)) == 5
+    short = PcmCounter()
+    assert short.add(b"RI") == 0 and short.add(b"FX") == 2  # not RIFF after all: all four bytes are audio
+
+
+# ---- arrival schedules ----------------------------------------------------------------------------------
+
+
+def fake_sender(delay_s: float, in_flight: list[int]):
+    origin = time.perf_counter()
+
+    async def send(level: str, index: int) -> RequestRecord:
+        timeline = Timeline(level, index, origin)
+        in_flight[0] += 1
+        in_flight[1] = max(in_flight[1], in_flight[0])
+        try:
+            await asyncio.sleep(delay_s)
+            timeline.audio(2400)
+        finally:
+            in_flight[0] -= 1
+        return timeline.finish()
+
+    return send
+
+
+async def test_closed_loop_keeps_concurrency_and_count() -> None:
+    in_flight = [0, 0]
+    records, interrupted = await run_closed(fake_sender(0.01, in_flight), LevelPlan("concurrency", 3, 10),
+                                            asyncio.Event())
+    assert not interrupted and [r.index for r in records] == list(range(10)) and in_flight[1] == 3
+
+
+async def test_closed_loop_duration_bound() -> None:
+    t0 = time.perf_counter()
+    records, _ = await run_closed(fake_sender(0.02, [0, 0]), LevelPlan("concurrency", 2, None, 0.1), asyncio.Event())
+    assert time.perf_counter() - t0 < 0.5 and 4 <= len(records) <= 14
+
+
+async def test_open_loop_poisson_arrivals() -> None:
+    records, interrupted = await run_open(fake_sender(0.05, [0, 0]), LevelPlan("rate", 200, 20), asyncio.Event(),
+                                          seed=1)
+    assert not interrupted and len(records) == 20
+    starts = sorted(r.start_s for r in records)
+    assert starts[-1] - starts[0] < 1.0  # 20 arrivals at 200/s: ~0.1 s, not a sequential 1 s
+    records, _ = await run_open(fake_sender(0.0, [0, 0]), LevelPlan("rate", 50, None, 0.2), asyncio.Event())
+    assert 1 <= len(records) <= 40
+
+
+async def test_stop_event_ends_a_level_at_once() -> None:
+    stop = asyncio.Event()
+    asyncio.get_running_loop().call_later(0.1, stop.set)
+    t0 = time.perf_counter()
+    records, interrupted = await run_level(fake_sender(10.0, [0, 0]), LevelPlan("concurrency", 4, 8), stop)
+    assert interrupted and records == [] and time.perf_counter() - t0 < 1.0
+    records, interrupted = await run_level(fake_sender(10.0, [0, 0]), LevelPlan("rate", 1, 5), stop)
+    assert interrupted and records == []
+
+
+def test_default_plans_are_bounded() -> None:
+    plans = build_plans([1, 16], [0.5])
+    assert [(p.label, p.max_requests) for p in plans] == [("c=1", 8), ("c=16", 64), ("rate=0.5", 15)]
+    with pytest.raises(ValueError):
+        LevelPlan("concurrency", 2)
+    with pytest.raises(ValueError):
+        LevelPlan("concurrency", 1.5, 4)

@@ -1,0 +1,154 @@
+"""bench/report.py: percentile and summary math against hand-computed values, the playback clock, outputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cosystream.bench.report import (
+    RequestRecord,
+    Timeline,
+    build_results,
+    distribution,
+    format_table,
+    percentile,
+    playback_underruns,
+    summarize,
+    write_json,
+    write_plot,
+)
+
+# ---- percentiles ----------------------------------------------------------------------------------------
+
+
+def test_percentile_interpolates_between_order_statistics() -> None:
+    values = [7, 3, 1, 9, 5, 2, 10, 4, 8, 6]  # 1..10, unsorted
+    # rank = (n - 1) * q / 100 = 9q/100: p50 -> 4.5 -> 5.5; p90 -> 8.1 -> 9.1; p95 -> 8.55; p99 -> 8.91
+    assert percentile(values, 50) == pytest.approx(5.5)
+    assert percentile(values, 90) == pytest.approx(9.1)
+    assert percentile(values, 95) == pytest.approx(9.55)
+    assert percentile(values, 99) == pytest.approx(9.91)
+    assert percentile(values, 0) == 1
+    assert percentile(values, 100) == 10
+
+
+def test_percentile_small_inputs() -> None:
+    assert percentile([4.0], 99) == 4.0
+    assert percentile([10.0, 0.0, 20.0], 25) == pytest.approx(5.0)  # rank 0.5 between 0 and 10
+    with pytest.raises(ValueError):
+        percentile([], 50)
+
+
+def test_distribution() -> None:
+    stats = distribution([0.1, 0.3])
+    assert stats == pytest.approx({"avg": 0.2, "p50": 0.2, "p90": 0.28, "p95": 0.29, "p99": 0.298, "max": 0.3})
+    assert distribution([]) is None
+
+
+# ---- playback clock -------------------------------------------------------------------------------------
+
+
+def test_on_time_stream_has_no_underrun() -> None:
+    # 1 s of audio at 0, plays until 1.0; the next second arrives at 0.5; plays until 2.0; the last at 1.9
+    assert playback_underruns([(0.0, 24000), (0.5, 24000), (1.9, 24000)]) == (0, 0.0)
+
+
+def test_late_pieces_are_underruns_and_playback_resumes_at_arrival() -> None:
+    # 0.5 s plays until 0.5; arrives 0.8 (stall 0.3), plays until 1.3; arrives 1.5 (stall 0.2)
+    count, stalled_s = playback_underruns([(0.0, 12000), (0.8, 12000), (1.5, 2400)])
+    assert count == 2
+    assert stalled_s == pytest.approx(0.5)
+
+
+def test_arrival_exactly_at_the_end_of_buffered_audio_is_on_time() -> None:
+    assert playback_underruns([(0.0, 12000), (0.5, 12000), (1.0, 12000)]) == (0, 0.0)
+    count, stalled_s = playback_underruns([(0.0, 12000), (0.5 + 1e-6, 12000)])
+    assert count == 1
+    assert stalled_s == pytest.approx(1e-6)
+
+
+def test_first_audio_delay_and_empty_pieces_are_not_underruns() -> None:
+    assert playback_underruns([(5.0, 2400), (5.05, 0), (5.1, 2400)]) == (0, 0.0)
+    assert playback_underruns([]) == (0, 0.0)
+    assert playback_underruns([(0.0, 2400), (0.2, 2400)], sample_rate=16000) == (1, pytest.approx(0.05))
+
+
+class FakeClock:
+    def __init__(self, *times: float) -> None:
+        self.times = list(times)
+
+    def __call__(self) -> float:
+        return self.times.pop(0)
+
+
+def test_timeline_builds_a_record() -> None:
+    # clock reads: send 10.0, pieces at 10.2 and 11.0, end 11.1 (origin 9.0)
+    timeline = Timeline("c=1", 3, origin_s=9.0, expected_audio_s=1.0, clock=FakeClock(10.0, 10.2, 11.0, 11.1))
+    timeline.audio(12000)
+    timeline.audio(0)  # ignored: no clock read
+    timeline.audio(12000)
+    rec = timeline.finish()
+    assert (rec.start_s, rec.end_s) == (pytest.approx(1.0), pytest.approx(2.1))
+    assert rec.first_audio_s == pytest.approx(0.2)
+    assert rec.total_s == pytest.approx(1.1)
+    assert rec.audio_s == 1.0
+    assert (rec.underruns, rec.underrun_s) == (1, pytest.approx(0.3))  # 0.5 s buffered until 0.7, next at 1.0
+    assert rec.ok and rec.rtf == pytest.approx(1.1)
+
+
+def test_timeline_refusal_and_failure() -> None:
+    refused = Timeline("c=1", 0, 0.0, clock=FakeClock(1.0, 1.5)).refuse(503, 2.0)
+    assert refused.refused and not refused.ok and refused.retry_after_s == 2.0 and refused.rtf is None
+    failed = Timeline("c=1", 0, 0.0, clock=FakeClock(1.0, 2.0)).fail("HTTP 500: x", 500)
+    assert failed.error == "HTTP 500: x" and failed.status == 500 and failed.total_s is None
+    silent = Timeline("c=1", 0, 0.0, clock=FakeClock(1.0, 2.0)).finish()
+    assert silent.error == "no audio"
+
+
+# ---- level summary --------------------------------------------------------------------------------------
+
+
+def _records() -> list[RequestRecord]:
+    return [
+        RequestRecord("c=2", 0, start_s=0.0, end_s=2.0, first_audio_s=0.1, total_s=2.0, audio_s=4.0),
+        RequestRecord("c=2", 1, start_s=0.0, end_s=3.0, first_audio_s=0.3, total_s=3.0, audio_s=2.0,
+                      expected_audio_s=4.0, underruns=2, underrun_s=0.5),
+        RequestRecord("c=2", 2, start_s=1.0, end_s=1.01, refused=True, status=503),
+        RequestRecord("c=2", 3, start_s=2.0, end_s=4.0, first_audio_s=0.2, audio_s=1.0, error="boom"),
+    ]
+
+
+def test_summary_against_hand_computed_values() -> None:
+    s = summarize(_records(), "c=2", "concurrency", 2)
+    assert (s.num_requests, s.num_ok, s.num_errors, s.num_refused) == (4, 2, 1, 1)
+    assert s.wall_s == pytest.approx(4.0)  # first send 0.0 -> last end 4.0
+    assert s.aggregate_rtf == pytest.approx((4.0 + 2.0 + 0.0 + 1.0) / 4.0)  # every audio second produced
+    assert s.achieved_rate == pytest.approx(2 / 4.0)
+    assert s.first_audio_s["avg"] == pytest.approx(0.2)  # successful requests only: 0.1, 0.3
+    assert s.first_audio_s["p90"] == pytest.approx(0.28)
+    assert s.total_s["p50"] == pytest.approx(2.5)
+    assert s.rtf["avg"] == pytest.approx((0.5 + 1.5) / 2)  # 2.0/4.0 and 3.0/2.0
+    assert (s.underrun_requests, s.underruns, s.underrun_s) == (1, 2, pytest.approx(0.5))
+    assert s.num_short_audio == 1
+    assert s.errors == {"boom": 1}
+
+
+def test_summary_of_nothing() -> None:
+    s = summarize([], "c=1", "concurrency", 1, interrupted=True)
+    assert s.num_requests == 0 and s.first_audio_s is None and s.aggregate_rtf == 0.0 and s.interrupted
+
+
+def test_table_json_and_plot(tmp_path) -> None:
+    records = _records()
+    summaries = [summarize(records, "c=2", "concurrency", 2), summarize([], "c=4", "concurrency", 4)]
+    table = format_table(summaries).splitlines()
+    assert len(table) == 4 and table[0].count("|") == table[1].count("|") == table[2].count("|")
+    assert "| c=2 | 4 | 2 | 1 | 1 | 200 / 200 / 280 / 298 |" in table[2]
+    results = build_results({"target": "tts"}, summaries, records)
+    loaded = json.loads(write_json(tmp_path / "r.json", results).read_text())
+    assert loaded["schema"] == "cosystream-bench/1"
+    assert [level["level"] for level in loaded["levels"]] == ["c=2", "c=4"]
+    assert loaded["requests"][1]["underruns"] == 2 and loaded["requests"][2]["refused"] is True
+    png = write_plot(tmp_path / "r.png", summaries, title="test")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,126 @@
+"""The engine end to end on the CPU (tiny fixture model): concurrency, cancellation, text streaming."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+from cosystream.errors import BadInput
+from cosystream.params import Mode, SamplingParams, SynthesisParams
+
+TEXTS = ["hello there.", "good morning to you.", "a short line.", "the quick brown fox.",
+         "one more sentence here.", "speech engines batch well.", "tiny model test.", "last one."]
+
+
+def _params(fixture_dir, text: str, **kw) -> SynthesisParams:
+    return SynthesisParams(text=text, prompt_audio=str(fixture_dir / "prompt_24k.wav"),
+                           prompt_text="Hello there. This is a short synthetic prompt.",
+                           sampling=SamplingParams(greedy=True, seed=7), **kw)
+
+
+@pytest.fixture(scope="module")
+def voice(engine, fixture_dir):
+    engine.run(engine.async_engine.add_voice("fixture", str(fixture_dir / "prompt_24k.wav"),
+                                             "Hello there. This is a short synthetic prompt."))
+    return "fixture"
+
+
+def test_concurrent_requests_equal_requests_run_alone(engine, voice):
+    params = [SynthesisParams(text=t, voice=voice, sampling=SamplingParams(greedy=True, seed=i))
+              for i, t in enumerate(TEXTS)]
+    alone = [engine.synthesize(p) for p in params]
+    results: list = [None] * len(params)
+
+    def worker(i: int) -> None:
+        results[i] = engine.synthesize(params[i])
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(params))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    for a, b in zip(alone, results, strict=True):
+        assert b is not None and a.num_chunks == b.num_chunks
+        assert a.times.num_tokens == b.times.num_tokens > 0
+        # batched GEMMs round differently: the same audio up to float32 noise (the mel tolerance is 1e-4)
+        np.testing.assert_allclose(b.pcm, a.pcm, atol=5e-4, rtol=0)
+    assert len({a.times.num_tokens for a in alone}) > 1  # different texts, different lengths
+
+
+def test_streamed_audio_length_and_timings(engine, voice):
+    chunks = list(engine.stream(SynthesisParams(text=TEXTS[0], voice=voice, force_tokens=80)))
+    assert len(chunks) >= 2 and chunks[-1].is_final and not any(c.is_final for c in chunks[:-1])
+    assert sum(c.pcm.shape[0] for c in chunks) == 960 * 80
+    t = chunks[-1].times
+    assert t.num_tokens == 80 and abs(t.audio_s - 3.2) < 1e-6
+    assert 0 < t.first_audio_s <= t.total_s and t.first_chunk_flow_s > 0 and t.llm_prefill_s > 0
+
+
+def test_non_streaming_is_one_chunk_and_speed_changes_length(engine, voice):
+    normal = engine.synthesize(SynthesisParams(text=TEXTS[1], voice=voice, stream=False, force_tokens=50))
+    fast = engine.synthesize(SynthesisParams(text=TEXTS[1], voice=voice, stream=False, force_tokens=50,
+                                             speed=2.0))
+    assert normal.num_chunks == 1 and normal.pcm.shape[0] == 960 * 50
+    assert fast.pcm.shape[0] == 480 * 50
+
+
+def test_cancelled_request_frees_its_slot(engine, voice):
+    core = engine.async_engine.core
+    stream = engine.stream(SynthesisParams(text=TEXTS[2], voice=voice, force_tokens=1500))
+    first = next(stream)
+    assert first.pcm.shape[0] > 0
+    stream.close()  # the client goes away
+    steps = core.call(lambda: core.num_steps)  # runs after the abort message on the engine thread
+    assert core.call(lambda: len(core.slot_owner)) == 0 and core.num_active == 0
+    assert core.call(lambda: core.num_steps) == steps  # no step was taken for it afterwards
+
+
+def test_text_streaming_gives_audio_before_the_text_ends(engine, voice):
+    async def scenario() -> tuple[bool, int]:
+        first_audio = asyncio.Event()
+        sent_all = False
+
+        async def pieces():
+            nonlocal sent_all
+            for word in "this sentence arrives word by word from an upstream language model".split():
+                yield word + " "
+            await asyncio.wait_for(first_audio.wait(), timeout=300)
+            yield "and this is the end."
+            sent_all = True
+
+        params = SynthesisParams(text=pieces(), voice=voice, sampling=SamplingParams(seed=3))
+        audio_before_end, total = False, 0
+        async for chunk in engine.async_engine.synthesize(params):
+            if not first_audio.is_set():
+                audio_before_end = not sent_all
+                first_audio.set()
+            total += chunk.pcm.shape[0]
+        return audio_before_end, total
+
+    audio_before_end, total = engine.run(scenario())
+    assert audio_before_end and total > 0
+
+
+def test_bad_requests_are_refused_with_a_named_field(engine, voice, fixture_dir):
+    with pytest.raises(BadInput, match="text"):
+        engine.synthesize(SynthesisParams(text="...!?", voice=voice))
+    with pytest.raises(BadInput, match="voice"):
+        engine.synthesize(SynthesisParams(text="hi", voice="nobody"))
+    with pytest.raises(BadInput, match="speed"):
+        engine.synthesize(SynthesisParams(text="hi", voice=voice, speed=2.0, stream=True))
+    ok = engine.synthesize(SynthesisParams(text="still alive.", voice=voice, force_tokens=30))
+    assert ok.pcm.shape[0] == 960 * 30
+
+
+def test_modes(engine, voice, fixture_dir):
+    cross = engine.synthesize(SynthesisParams(text="cross lingual.", voice=voice, mode=Mode.cross_lingual,
+                                              force_tokens=30))
+    instruct = engine.synthesize(SynthesisParams(text="say it slowly.", voice=voice, mode=Mode.instruct2,
+                                                 instruct_text="speak slowly", force_tokens=30))
+    vc = engine.synthesize(SynthesisParams(voice=voice, mode=Mode.vc,
+                                           source_audio=str(fixture_dir / "prompt_16k.wav")))
+    assert cross.pcm.shape[0] == instruct.pcm.shape[0] == 960 * 30
+    assert vc.pcm.shape[0] > 0 and vc.times.num_tokens > 0

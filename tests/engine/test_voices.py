@@ -1,0 +1,297 @@
+"""VoiceStore (SQLite + safetensors) and the `cosystream voices` CLI."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from cosystream import cli_voices
+from cosystream.engine import voices
+from cosystream.engine.voices import VoiceStore, default_db_path
+from cosystream.errors import BadInput, UnknownVoice, VoiceExists
+from cosystream.frontend.prompt import VoicePrompt
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def make_prompt(num_tokens: int = 12, seed: int = 0) -> VoicePrompt:
+    generator = torch.Generator().manual_seed(seed)
+    return VoicePrompt(
+        prompt_text_ids=torch.randint(0, 1500, (7,), generator=generator, dtype=torch.int32),
+        prompt_speech_tokens=torch.randint(0, 6561, (num_tokens,), generator=generator, dtype=torch.int32),
+        prompt_mel=torch.randn(2 * num_tokens, 80, generator=generator),
+        xvector=torch.randn(192, generator=generator),
+    )
+
+
+def assert_same_prompt(a: VoicePrompt, b: VoicePrompt) -> None:
+    for name, tensor in a.tensors().items():
+        assert torch.equal(tensor, b.tensors()[name]), name
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    with VoiceStore(tmp_path / "voices.db") as opened:
+        yield opened
+
+
+# basic operations
+
+def test_add_then_get_round_trips_every_tensor(store):
+    prompt, extras = make_prompt(), {"flow_cache": torch.randn(3, 4).to(torch.bfloat16)}
+    info = store.add("alice", prompt, "hello there", extras)
+    record = store.get("alice")
+    assert record.name == "alice" and record.prompt_text == "hello there"
+    assert info.num_prompt_tokens == record.info.num_prompt_tokens == 12
+    assert_same_prompt(record.prompt, prompt)
+    assert torch.equal(record.extras["flow_cache"], extras["flow_cache"])
+    assert record.extras["flow_cache"].dtype == torch.bfloat16
+
+
+def test_list_is_sorted_and_has_no_tensors(store):
+    for name in ("zed", "amy", "Bob"):
+        store.add(name, make_prompt(), f"{name} speaking")
+    listed = store.list()
+    assert [info.name for info in listed] == sorted(["zed", "amy", "Bob"])
+    assert all(info.created_at == info.updated_at for info in listed)
+
+
+def test_delete_removes_the_voice_and_its_blobs(store):
+    store.add("alice", make_prompt(), "hi")
+    store.delete("alice")
+    assert "alice" not in store and store.list() == []
+    with pytest.raises(UnknownVoice):
+        store.get("alice")
+    with pytest.raises(UnknownVoice, match="'alice'"):
+        store.delete("alice")
+    assert sqlite3.connect(store.path).execute("SELECT COUNT(*) FROM voice_blobs").fetchone()[0] == 0
+
+
+def test_duplicate_names_are_refused(store):
+    store.add("alice", make_prompt(), "first")
+    with pytest.raises(VoiceExists, match="'alice'"):
+        store.add("alice", make_prompt(seed=1), "second")
+    assert store.get("alice").prompt_text == "first"
+
+
+@pytest.mark.parametrize("name", ["", "x" * 65, "bad/name", "naïve", "two words", "../up", None, 7])
+def test_bad_names_are_bad_input(store, name):
+    with pytest.raises(BadInput, match="^name: "):
+        store.add(name, make_prompt(), "text")
+    assert name not in store
+
+
+@pytest.mark.parametrize("name", ["a", "A-b_c.1", "x" * 64])
+def test_allowed_names(store, name):
+    store.add(name, make_prompt(), "text")
+    assert name in store
+
+
+def test_bad_arguments_are_bad_input(store):
+    with pytest.raises(BadInput, match="^prompt: "):
+        store.add("alice", {"not": "a prompt"}, "text")  # type: ignore[arg-type]
+    with pytest.raises(BadInput, match="^extras: "):
+        store.add("alice", make_prompt(), "text", {"x": [1, 2]})  # type: ignore[dict-item]
+    assert "alice" not in store
+
+
+def test_set_extras_replaces_the_extras(store):
+    store.add("alice", make_prompt(), "hi", {"old": torch.ones(2)})
+    created = store.get("alice").info
+    store.set_extras("alice", {"new": torch.zeros(5)})
+    record = store.get("alice")
+    assert list(record.extras) == ["new"] and record.info.updated_at >= created.updated_at
+    assert record.info.created_at == created.created_at
+    with pytest.raises(UnknownVoice):
+        store.set_extras("bob", {})
+
+
+def test_voices_persist_across_reopen(tmp_path):
+    path = tmp_path / "voices.db"
+    prompt = make_prompt()
+    with VoiceStore(path) as first:
+        first.add("alice", prompt, "hi", {"cache": torch.arange(4)})
+    with VoiceStore(path) as second:
+        assert_same_prompt(second.get("alice").prompt, prompt)
+        assert torch.equal(second.get("alice").extras["cache"], torch.arange(4))
+
+
+def test_two_open_stores_see_each_others_writes(tmp_path):
+    with VoiceStore(tmp_path / "v.db") as server, VoiceStore(tmp_path / "v.db") as cli:
+        cli.add("alice", make_prompt(), "hi")
+        assert "alice" in server
+        server.delete("alice")
+        assert cli.list() == []
+
+
+def test_a_newer_schema_is_refused(tmp_path):
+    path = tmp_path / "v.db"
+    sqlite3.connect(path).execute(f"PRAGMA user_version={voices.SCHEMA_VERSION + 1}")
+    with pytest.raises(BadInput, match="^db: .*schema version"):
+        VoiceStore(path)
+
+
+def test_default_location(monkeypatch, tmp_path):
+    monkeypatch.setenv("COSYSTREAM_HOME", str(tmp_path / "home"))
+    assert default_db_path() == tmp_path / "home" / "voices.db"
+    monkeypatch.delenv("COSYSTREAM_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert default_db_path() == tmp_path / ".cache" / "cosystream" / "voices.db"
+    with VoiceStore() as store:
+        assert store.path == tmp_path / ".cache" / "cosystream" / "voices.db" and store.path.is_file()
+
+
+# atomicity and concurrency
+
+def _fail_on_call(monkeypatch, call_index: int) -> None:
+    real, calls = voices.encode_tensors, []
+
+    def failing(tensors):
+        calls.append(1)
+        if len(calls) == call_index:
+            raise OSError("disk full (simulated)")
+        return real(tensors)
+
+    monkeypatch.setattr(voices, "encode_tensors", failing)
+
+
+def test_a_failed_add_leaves_nothing_behind(tmp_path, monkeypatch):
+    path = tmp_path / "v.db"
+    with VoiceStore(path) as store:
+        store.add("keeper", make_prompt(), "kept")
+        _fail_on_call(monkeypatch, 2)  # the voice row and its prompt are written, the extras fail
+        with pytest.raises(OSError, match="simulated"):
+            store.add("alice", make_prompt(), "lost", {"x": torch.ones(1)})
+        monkeypatch.undo()
+        store.add("other", make_prompt(), "still writable")
+    with VoiceStore(path) as reopened:
+        assert [info.name for info in reopened.list()] == ["keeper", "other"]
+
+
+def test_a_failed_set_extras_keeps_the_old_extras(tmp_path, monkeypatch):
+    path = tmp_path / "v.db"
+    with VoiceStore(path) as store:
+        store.add("alice", make_prompt(), "hi", {"old": torch.ones(3)})
+        before = store.get("alice").info
+        _fail_on_call(monkeypatch, 1)  # after updated_at has been written
+        with pytest.raises(OSError):
+            store.set_extras("alice", {"new": torch.zeros(1)})
+    with VoiceStore(path) as reopened:
+        record = reopened.get("alice")
+        assert list(record.extras) == ["old"] and record.info == before
+
+
+def test_a_process_killed_mid_write_leaves_the_old_state(tmp_path):
+    path = tmp_path / "v.db"
+    with VoiceStore(path) as store:
+        store.add("keeper", make_prompt(), "kept")
+    script = textwrap.dedent(f"""
+        import os, torch
+        from cosystream.engine import voices
+        from cosystream.frontend.prompt import VoicePrompt
+        prompt = VoicePrompt(torch.zeros(2, dtype=torch.int32), torch.zeros(4, dtype=torch.int32),
+                             torch.zeros(8, 80), torch.zeros(192))
+        real, calls = voices.encode_tensors, []
+        def dying(tensors):
+            calls.append(1)
+            if len(calls) == 2:
+                os._exit(17)  # no rollback, no close: as if the power went out
+            return real(tensors)
+        voices.encode_tensors = dying
+        voices.VoiceStore({str(path)!r}).add("crashy", prompt, "never committed")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 17, result.stderr
+    with VoiceStore(path) as reopened:
+        assert [info.name for info in reopened.list()] == ["keeper"]
+        reopened.add("crashy", make_prompt(), "now it works")
+
+
+def test_concurrent_threads(store):
+    errors: list[BaseException] = []
+
+    def work(worker: int) -> None:
+        try:
+            for i in range(5):
+                name = f"w{worker}-{i}"
+                store.add(name, make_prompt(seed=worker), name)
+                assert store.get(name).prompt_text == name
+                store.set_extras(name, {"i": torch.tensor([i])})
+        except BaseException as exc:  # surfaced below; a thread's exception is otherwise lost
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == [] and len(store.list()) == 40
+
+
+def test_voices_module_imports_no_cuda_and_no_model_code():
+    tree = ast.parse((REPO / "cosystream" / "engine" / "voices.py").read_text())
+    imported = [node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+    imported += [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
+    assert not [name for name in imported if "cuda" in name or name.startswith("cosystream.models")]
+
+
+# CLI
+
+@pytest.fixture
+def cli(tmp_path):
+    parser = argparse.ArgumentParser(prog="cosystream")
+    cli_voices.add_parser(parser.add_subparsers(dest="command", required=True))
+    db = tmp_path / "cli.db"
+
+    def run(*argv: str) -> int:
+        args = parser.parse_args(["voices", *argv, "--db", str(db)])
+        return args.handler(args)
+
+    return run
+
+
+@pytest.fixture
+def prompt_file(fixture_dir, manifest) -> Path:
+    return fixture_dir / manifest["frontend"]["prompt_wav_passed"]
+
+
+def test_cli_add_list_delete(cli, capsys, model_dir, prompt_file, manifest):
+    text = manifest["frontend"]["prompt_text_input"]
+    assert cli("add", "alice", "--model-dir", str(model_dir), "--prompt-wav", str(prompt_file),
+               "--prompt-text", text) == 0
+    assert "added voice 'alice'" in capsys.readouterr().out
+    assert cli("list") == 0
+    listing = capsys.readouterr().out
+    assert "alice" in listing and text[:20] in listing
+    assert cli("delete", "alice") == 0 and cli("list") == 0
+    assert "no voices" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("argv", "flag"), [
+    (["add", "bad/name", "--model-dir", "M", "--prompt-wav", "W", "--prompt-text", "t"], "NAME"),
+    (["add", "bob", "--model-dir", "/nonexistent/model", "--prompt-wav", "W", "--prompt-text", "t"], "--model-dir"),
+    (["add", "bob", "--model-dir", "MODEL", "--prompt-wav", "/nonexistent.wav", "--prompt-text", "t"], "--prompt-wav"),
+    (["delete", "nobody"], "NAME"),
+])
+def test_cli_errors_are_one_line_naming_the_flag(cli, capsys, model_dir, argv, flag):
+    argv = [str(model_dir) if arg == "MODEL" else arg for arg in argv]
+    assert cli(*argv) == cli_voices.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"error: {flag}: " in err
+
+
+def test_cli_add_rejects_a_text_file_as_prompt(cli, capsys, model_dir, tmp_path):
+    fake = tmp_path / "fake.wav"
+    fake.write_text("not audio\n" * 100)
+    assert cli("add", "bob", "--model-dir", str(model_dir), "--prompt-wav", str(fake), "--prompt-text", "t") == 2
+    assert "--prompt-wav: " in capsys.readouterr().err and cli("list") == 0
