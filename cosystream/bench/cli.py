@@ -109,6 +109,8 @@ def load_workload(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"--workload: {path}: expected a JSON object")
     if "text" in data and "texts" not in data:
         data["texts"] = [data.pop("text")]
+    if isinstance(data.get("texts"), str):
+        data["texts"] = [data["texts"]]
     if data.get("prompt_wav"):
         data["prompt_wav"] = str((path.parent / data["prompt_wav"]).resolve())
     return data
@@ -125,7 +127,8 @@ def _spec_from_args(args: argparse.Namespace) -> tuple[RequestSpec, VoiceUpload 
         first_hop=_first(args.first_hop, workload.get("first_hop")), seed=args.seed, model=args.model,
         sample_rate=args.sample_rate)
     upload = None
-    if workload.get("prompt_wav") and spec.voice and not args.no_register_voice:
+    # only the workload's own voice is uploaded: a --voice override names a voice the server already has
+    if workload.get("prompt_wav") and spec.voice == workload.get("voice") and not args.no_register_voice:
         upload = VoiceUpload(spec.voice, workload.get("prompt_text", ""), Path(workload["prompt_wav"]))
     return spec, upload
 
@@ -135,8 +138,12 @@ def _first(*values: Any) -> Any:
 
 
 def _plans_from_args(args: argparse.Namespace) -> list[LevelPlan]:
-    concurrency = [int(v) for v in _split(args.concurrency)]
-    rates = [float(v) for v in _split(args.rate)]
+    try:
+        concurrency = [int(v) for v in _split(args.concurrency)]
+        rates = [float(v) for v in _split(args.rate)]
+    except ValueError:
+        given = f"{args.concurrency!r}, {args.rate!r}"
+        raise ValueError(f"--concurrency/--rate: comma-separated numbers, got {given}") from None
     if not concurrency and not rates:
         concurrency = [1]
     if args.requests_per_level is not None and args.requests_per_level < 1:
@@ -183,9 +190,7 @@ async def _register(url: str, upload: VoiceUpload, timeout_s: float) -> None:
     try:
         outcome = await register_voice(url, upload.name, upload.prompt_text, upload.prompt_wav, timeout_s)
         _log(f"voice {upload.name!r}: {outcome}")
-    except (RuntimeError, OSError, ValueError) as exc:
-        _log(f"warning: could not register voice {upload.name!r}: {exc}")
-    except Exception as exc:  # httpx transport errors
+    except Exception as exc:  # HTTP answers, transport errors, an unreadable wav: all the same warning
         _log(f"warning: could not register voice {upload.name!r}: {type(exc).__name__}: {exc}")
 
 

@@ -176,7 +176,7 @@ class LevelSummary:
     underrun_requests: int  # successful requests with at least one underrun
     underruns: int
     underrun_s: float
-    num_short_audio: int = 0  # successful requests with less audio than forced
+    num_wrong_length: int = 0  # successful requests whose audio length is not the forced length
     interrupted: bool = False  # stopped early (Ctrl-C); the level is incomplete
     errors: dict[str, int] = field(default_factory=dict)  # error message -> count (first 80 chars)
 
@@ -201,12 +201,12 @@ def summarize(records: Sequence[RequestRecord], level: str, kind: str, value: fl
         achieved_rate=len(ok) / wall_s if wall_s > 0 else 0.0,
         underrun_requests=sum(r.underruns > 0 for r in ok),
         underruns=sum(r.underruns for r in ok), underrun_s=sum(r.underrun_s for r in ok),
-        num_short_audio=sum(_is_short(r) for r in ok), interrupted=interrupted, errors=errors)
+        num_wrong_length=sum(_is_wrong_length(r) for r in ok), interrupted=interrupted, errors=errors)
 
 
-def _is_short(r: RequestRecord) -> bool:
+def _is_wrong_length(r: RequestRecord) -> bool:
     # half a sample of slack for the float conversion of integer sample counts
-    return r.expected_audio_s is not None and r.audio_s + 0.5 / SAMPLE_RATE < r.expected_audio_s
+    return r.expected_audio_s is not None and abs(r.audio_s - r.expected_audio_s) > 0.5 / SAMPLE_RATE
 
 
 # ---- output ---------------------------------------------------------------------------------------------
@@ -215,8 +215,19 @@ def _is_short(r: RequestRecord) -> bool:
 def build_results(meta: dict[str, Any], summaries: Sequence[LevelSummary],
                   records: Sequence[RequestRecord]) -> dict[str, Any]:
     """The JSON document: {schema, meta, levels: [LevelSummary], requests: [RequestRecord]}."""
-    return {"schema": SCHEMA, "meta": meta, "levels": [asdict(s) for s in summaries],
-            "requests": [asdict(r) for r in records]}
+    return {"schema": SCHEMA, "meta": meta, "levels": [_rounded(asdict(s)) for s in summaries],
+            "requests": [_rounded(asdict(r)) for r in records]}
+
+
+def _rounded(value: Any) -> Any:
+    # microseconds are below what a client clock can resolve; the JSON stays readable
+    if isinstance(value, float):
+        return round(value, 6)
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    return value
 
 
 def write_json(path: str | Path, results: dict[str, Any]) -> Path:

@@ -252,7 +252,7 @@ class EngineCore:
         elif feed == Feed.done:
             self._lm_done(req, seg)
         else:
-            if bs.final_stage:
+            if bs.final_stage and req.force_tokens is None:
                 self.lm_runner.set_min_len(seg.slot, 0)  # EOS allowed once the text has ended
             embeds = bs.take_pending()
             if seg.pos + embeds.shape[0] >= self.lm_runner.max_len - 1:
@@ -286,7 +286,8 @@ class EngineCore:
         is_stop = token >= self.lm.dims.speech_token_size
         if bs.on_token(token, is_stop):
             seg.tokens.append(token)
-        if seg.pos >= self.lm_runner.max_len - 1 or (bs.final_stage and is_stop):
+        forced_done = req.force_tokens is not None and len(seg.tokens) >= req.force_tokens
+        if forced_done or seg.pos >= self.lm_runner.max_len - 1 or (bs.final_stage and is_stop):
             self._lm_done(req, seg)
         elif not bs.decoding:
             self._bistream_advance(req, seg)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from cosystream.config import EngineConfig
 from cosystream.engine.chunking import ChunkPlan
+from cosystream.engine.graphs import GraphCache, bucket
 from cosystream.models.flow_stream import FlowStream, FlowStreamState, PromptCache
 from cosystream.models.hift import MEL_CACHE_FRAMES, HiFTGenerator, crossfade, fade_window
 
@@ -62,6 +63,11 @@ class Token2WavRunner:
         # audio does not depend on which requests share its batch (the reference draws fresh noise).
         gen = torch.Generator().manual_seed(_NOISE_SEED)
         self.noise_table = torch.randn(_NOISE_SAMPLES, hift.m_source.num_harmonics, generator=gen).to(self.device)
+        # PERF: HiFT is launch-bound in eager mode; one graph per (batch bucket, mel length, cached?).
+        self.hift_first = GraphCache(lambda mel, noise: self.hift.inference(mel, None, noise=noise), self.device,
+                                     config.cuda_graphs)
+        self.hift_next = GraphCache(lambda mel, cache, noise: self.hift.inference(mel, cache, noise=noise),
+                                    self.device, config.cuda_graphs)
 
     # ------------------------------------------------------------------ per-voice and per-request state
     def prompt_cache(self, inputs: Any, voice_key: str | None) -> PromptCache:
@@ -154,9 +160,17 @@ class Token2WavRunner:
         if all(o is not None for o in overrides):
             source = torch.stack([o.to(self.device).reshape(1, -1) for o in overrides])
             return self.hift.decode(mel, source), source
-        cache = None if states[0].source_cache is None else torch.stack([st.source_cache for st in states])
         noise = torch.stack([self._noise(st, mel.shape[-1]) for st in states])
-        return self.hift.inference(mel, cache, noise=noise)
+        rows = len(states)
+        padded = bucket(rows)
+        mel, noise = _pad_rows(mel, padded), _pad_rows(noise, padded)
+        if states[0].source_cache is None:
+            wav, source = self.hift_first.run((padded, mel.shape[-1]), [mel, noise])
+        else:
+            cache = _pad_rows(torch.stack([st.source_cache for st in states]), padded)
+            wav, source = self.hift_next.run((padded, mel.shape[-1]), [mel, cache, noise])
+        # graph outputs are reused by the next replay: keep copies
+        return wav[:rows].clone(), source[:rows].clone()
 
     def _noise(self, st: Token2WavState, num_frames: int) -> torch.Tensor:
         """Noise rows for this call's samples, indexed by the stream's absolute sample position."""
@@ -183,3 +197,10 @@ class Token2WavRunner:
     def warmup(self) -> None:
         """Nothing to capture yet on this path; kept so the server's warm-up has one entry point."""
         return None
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """Zero rows appended up to `rows` (a batch bucket); rows are independent in every model here."""
+    if x.shape[0] >= rows:
+        return x
+    return torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])

@@ -40,7 +40,7 @@ def cosine_schedule(num_steps: int) -> tuple[list[float], list[float]]:
     PARITY: t is accumulated in float32 (t += dt) and dt re-derived from the grid minus that
     running t, as the official solver does, so t_k differs from the grid by rounding (dbg_est_t_all).
     """
-    grid = torch.linspace(0, 1, num_steps + 1, dtype=torch.float32)
+    grid = torch.linspace(0, 1, num_steps + 1, dtype=torch.float32, device="cpu")  # also under a meta device
     grid = 1 - torch.cos(grid * 0.5 * torch.pi)
     t, dt = grid[0], grid[1] - grid[0]
     ts, dts = [], []

@@ -14,10 +14,9 @@ import contextlib
 import json
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import Annotated
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
-from pydantic import Field, TypeAdapter, ValidationError
+from pydantic import ValidationError
 
 from cosystream.params import Mode
 from cosystream.server.errors import ApiError, bad_input, from_validation_errors, to_api_error
@@ -31,7 +30,7 @@ router = APIRouter()
 CLOSE_NORMAL = 1000
 CLOSE_ERROR_BASE = 4000  # application close codes: 4000 + the HTTP status of the error
 
-_MESSAGE = TypeAdapter(Annotated[WsStart | WsText | WsEnd, Field(discriminator="type")])
+_MESSAGES: dict[str, type[WsStart | WsText | WsEnd]] = {"start": WsStart, "text": WsText, "end": WsEnd}
 
 
 def parse_message(raw: str) -> WsStart | WsText | WsEnd:
@@ -39,8 +38,11 @@ def parse_message(raw: str) -> WsStart | WsText | WsEnd:
         data = json.loads(raw)
     except ValueError as exc:
         raise bad_input(f"message: invalid JSON ({exc})") from None
+    model = _MESSAGES.get(data.get("type")) if isinstance(data, dict) else None
+    if model is None:
+        raise bad_input(f"type: expected a JSON object with type {', '.join(_MESSAGES)}")
     try:
-        return _MESSAGE.validate_python(data)
+        return model.model_validate(data)
     except ValidationError as exc:
         raise from_validation_errors(exc.errors()) from None
 

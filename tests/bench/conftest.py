@@ -3,7 +3,7 @@
 It runs on its own event loop in a background thread, so sync tests can call the CLI (which runs
 asyncio.run) and async tests can talk to it too. What it streams depends on words in the request text:
 
-    fast    0.5 s of audio at once, then 3 x 0.2 s every 20 ms: always ahead of playback
+    fast    0.5 s of audio at once, then 3 x 1/6 s every 20 ms (1.0 s in all): always ahead of playback
     slow    4 x 0.05 s of audio, 0.1 s apart: playback runs dry before each later piece (3 underruns)
     busy    503 with Retry-After: 2 (HTTP) / an error event with status 503 (WebSocket)
     broken  500 with a text body
@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from websockets.asyncio.server import serve
 
-FAST_NUM_SAMPLES = 12000 + 3 * 4800
+FAST_NUM_SAMPLES = 12000 + 3 * 4000  # 25 speech tokens of 960 samples
 SLOW_PIECES = 4
 
 
@@ -40,7 +40,7 @@ def pieces_for(text: str) -> list[tuple[float, bytes]]:
         return [(0.0 if i == 0 else 0.1, b"\x01\x00" * 1200) for i in range(SLOW_PIECES)]
     if "hang" in text:
         return [(0.0, b"\x01\x00" * 2400), (10.0, b"\x01\x00" * 2400)]
-    return [(0.0, b"\x01\x00" * 12000)] + [(0.02, b"\x01\x00" * 4800)] * 3
+    return [(0.0, b"\x01\x00" * 12000)] + [(0.02, b"\x01\x00" * 4000)] * 3
 
 
 @dataclass

@@ -64,7 +64,7 @@ async def test_engine_bench_registers_voice_and_reports(bench_engine, tmp_path: 
     assert engine.voices == {"bench_voice": (str(wav), "the sun rose slowly.")}
     assert [s.level for s in summaries] == ["c=1", "c=2"]
     for s in summaries:
-        assert (s.num_requests, s.num_ok, s.num_refused, s.num_errors, s.num_short_audio) == (4, 3, 1, 0, 0)
+        assert (s.num_requests, s.num_ok, s.num_refused, s.num_errors, s.num_wrong_length) == (4, 3, 1, 0, 0)
         assert s.first_audio_s is not None and s.aggregate_rtf > 0
     ok = [r for r in records if r.ok]
     assert all(r.audio_s == 1.0 and r.server["total_s"] == 0.015 for r in ok)

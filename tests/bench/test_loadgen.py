@@ -48,7 +48,7 @@ def test_tts_target_counts_underruns_and_refusals(fake_server: FakeServer, tmp_p
     for level in results["levels"]:  # requests 0..5 cycle fast, slow, busy
         assert (level["num_requests"], level["num_ok"], level["num_refused"], level["num_errors"]) == (6, 4, 2, 0)
         assert level["underrun_requests"] == 2  # the two slow ones
-        assert level["num_short_audio"] == 2  # slow ones bring 0.2 s, 25 forced tokens are 1.0 s
+        assert level["num_wrong_length"] == 2  # slow ones bring 0.2 s; fast ones the forced 25 tokens, 1.0 s
         assert level["first_audio_s"]["p50"] < 1.0 and level["aggregate_rtf"] > 0
     by_text: dict[str, list[dict]] = {}
     for rec in results["requests"]:
@@ -64,7 +64,7 @@ def test_tts_target_counts_underruns_and_refusals(fake_server: FakeServer, tmp_p
     assert voices and b'name="name"' in voices[-1]["body"] and b"bench_voice" in voices[-1]["body"]
     body = next(r["json"] for r in reversed(fake_server.requests) if r["path"] == "/v1/tts")
     assert body["voice"] == "bench_voice" and body["response_format"] == "pcm" and body["stream"] is True
-    assert body["force_tokens"] == 25 and body["sampling"] == {"seed": 0}
+    assert body["force_tokens"] == 25 and "seed" not in body  # no --seed: the server's own
 
 
 def test_openai_target_errors_and_wav_header(fake_server: FakeServer, tmp_path: Path) -> None:
@@ -126,13 +126,24 @@ def test_endpoint_urls_and_bodies() -> None:
     assert endpoint_url("https://api.example.com/v1/audio/speech", "openai") == "https://api.example.com/v1/audio/speech"
     spec = RequestSpec(texts=("a.", "b."), voice="v", force_tokens=10, first_hop=15, seed=3)
     assert build_body("tts", spec, 1) == {"text": "b.", "voice": "v", "mode": "zero_shot", "stream": True,
-                                          "response_format": "pcm", "force_tokens": 10, "first_hop": 15,
-                                          "sampling": {"seed": 3}}
+                                          "response_format": "pcm", "force_tokens": 10, "first_hop": 15, "seed": 3}
     start, text, end = ws_messages(spec, 0)
     assert start["type"] == "start" and "text" not in start and text == {"type": "text", "text": "a."}
     assert end == {"type": "end"}
     assert "force_tokens" not in build_body("tts", RequestSpec(texts=("a.",)), 0)
     assert spec.expected_audio_s == pytest.approx(0.4)
+
+
+def test_bodies_validate_against_the_server_protocol() -> None:
+    protocol = pytest.importorskip("cosystream.server.protocol")
+    spec = RequestSpec(texts=("hello.",), voice="v", force_tokens=10, first_hop=15, seed=3, greedy=True)
+    assert protocol.TTSRequest.model_validate(build_body("tts", spec, 0)).force_tokens == 10
+    start, text, end = ws_messages(spec, 0)
+    assert protocol.WsStart.model_validate(start).first_hop == 15
+    protocol.WsText.model_validate(text)
+    protocol.WsEnd.model_validate(end)
+    speech = protocol.SpeechRequest.model_validate(build_body("openai", spec, 0))
+    assert (speech.input, speech.response_format.value, speech.seed, speech.force_tokens) == ("hello.", "pcm", 3, 10)
 
 
 def test_pcm_counter_splits_samples_and_wav_headers() -> None:

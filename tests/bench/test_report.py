@@ -130,8 +130,15 @@ def test_summary_against_hand_computed_values() -> None:
     assert s.total_s["p50"] == pytest.approx(2.5)
     assert s.rtf["avg"] == pytest.approx((0.5 + 1.5) / 2)  # 2.0/4.0 and 3.0/2.0
     assert (s.underrun_requests, s.underruns, s.underrun_s) == (1, 2, pytest.approx(0.5))
-    assert s.num_short_audio == 1
+    assert s.num_wrong_length == 1
     assert s.errors == {"boom": 1}
+
+
+def test_wrong_length_counts_both_directions() -> None:
+    def rec(audio_s: float) -> RequestRecord:
+        return RequestRecord("c=1", 0, 0.0, 1.0, 0.1, 1.0, audio_s=audio_s, expected_audio_s=2.0)
+
+    assert summarize([rec(2.0), rec(1.96), rec(73.44)], "c=1", "concurrency", 1).num_wrong_length == 2
 
 
 def test_summary_of_nothing() -> None:

@@ -124,3 +124,15 @@ def test_modes(engine, voice, fixture_dir):
                                            source_audio=str(fixture_dir / "prompt_16k.wav")))
     assert cross.pcm.shape[0] == instruct.pcm.shape[0] == 960 * 30
     assert vc.pcm.shape[0] > 0 and vc.times.num_tokens > 0
+
+
+def test_text_streaming_honours_forced_length(engine, voice):
+    async def scenario() -> int:
+        async def pieces():
+            for word in ["a few words ", "streamed in ", "for a benchmark."]:
+                yield word
+
+        params = SynthesisParams(text=pieces(), voice=voice, force_tokens=40)
+        return sum([c.pcm.shape[0] async for c in engine.async_engine.synthesize(params)])
+
+    assert engine.run(scenario()) == 960 * 40

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from cosystream.checkpoint import check_and_load
 from cosystream.models.cfm import build_noise_table
 from cosystream.models.estimator import chunk_attention_bias
 from cosystream.models.flow import Flow
-from cosystream.models.flow_stream import FlowStream, PromptCache, cache_bytes_per_frame
+from cosystream.models.flow_stream import FlowStream, FlowStreamState, PromptCache, cache_bytes_per_frame
 
 pytestmark = pytest.mark.parity
 ATOL_MEL = 1e-4
@@ -66,46 +67,87 @@ def _ends(num_prompt: int, hops: list[int], chunk: int) -> list[int]:
     return ends
 
 
-@pytest.mark.parametrize("final_attention", ["full", "chunk"])
-def test_incremental_matches_official_schedule(flow, s, manifest, final_attention):
-    stream = FlowStream(flow, final_attention=final_attention)
-    voice = stream.build_prompt_cache(s["prompt_token"], s["prompt_feat"], s["embedding"])
-    assert voice.num_tokens == stream.prompt_cache_tokens(s["prompt_token"].shape[1])
-    state = stream.start(voice, max_target_tokens=s["token"].shape[1])
-    for i, call in enumerate(manifest["stream"]["schedule"]):
-        tokens = s["token"][:, :call["n_tokens"]]
-        if not call["flow_finalize"]:
-            _close(stream.feed(state, tokens), s[f"call{i}_flow_mel_sliced"])
-            continue
-        mel = stream.finish(state, tokens)
-        if final_attention == "full":
-            _close(mel, s[f"call{i}_flow_mel_sliced"])
-        else:  # chunk masks for the tail: equals the official streaming=True, finalize=True call
-            ref = flow.inference(tokens, s["prompt_token"], s["prompt_feat"], s["embedding"], True, True)
-            _close(mel, ref[:, :, ref.shape[2] - mel.shape[2]:])
-            assert mel.shape[2] == s[f"call{i}_flow_mel_sliced"].shape[2]
+@dataclass
+class Run:
+    """A request streamed up to its final chunk: the state before `finish` and what it emitted."""
+
+    state: FlowStreamState
+    mels: list[torch.Tensor]
+    ends: list[int]  # target-token offset after each non-final chunk
+    tokens: torch.Tensor  # all target tokens; the final chunk uses them all
+    prompt: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # prompt tokens, prompt mel, x-vector
+
+
+def _stream(flow: Flow, prompt: tuple[torch.Tensor, ...], ends: list[int], tokens: torch.Tensor) -> Run:
+    stream = FlowStream(flow)
+    voice = stream.build_prompt_cache(*prompt)
+    assert voice.num_tokens == stream.prompt_cache_tokens(prompt[0].shape[1])
+    state = stream.start(voice, max_target_tokens=tokens.shape[1] // 2)  # the caches must grow once
+    mels = [stream.feed(state, tokens[:, :end + 3]) for end in ends]
+    return Run(state, mels, ends, tokens, prompt)
+
+
+def _finish(flow: Flow, run: Run, final_attention: str) -> torch.Tensor:
+    state = copy.deepcopy(run.state)
+    mel = FlowStream(flow, final_attention).finish(state, run.tokens)
     assert state.is_finished
+    return mel
 
 
-@pytest.mark.parametrize("final_attention", ["full", "chunk"])
-def test_incremental_equals_recomputation_other_schedule(flow_long, s, final_attention):
-    flow = flow_long
-    num_prompt = _other_prompt_len(s["prompt_token"].shape[1])
-    prompt, prompt_mel = s["prompt_token"][:, :num_prompt], s["prompt_feat"][:, :2 * num_prompt]
-    stream = FlowStream(flow, final_attention=final_attention)
-    hop = stream.chunk_tokens
+@pytest.fixture(scope="module")
+def official_run(flow, s, manifest) -> Run:
+    """The recorded official schedule (manifest stream.schedule), streamed incrementally."""
+    schedule = manifest["stream"]["schedule"]
+    assert schedule[-1]["flow_finalize"] and not any(c["flow_finalize"] for c in schedule[:-1])
+    ends = [c["n_tokens"] - 3 for c in schedule[:-1]]
+    tokens = s["token"][:, :schedule[-1]["n_tokens"]]
+    return _stream(flow, (s["prompt_token"], s["prompt_feat"], s["embedding"]), ends, tokens)
+
+
+def test_incremental_chunks_match_official_calls(official_run, s):
+    for i, mel in enumerate(official_run.mels):
+        _close(mel, s[f"call{i}_flow_mel_sliced"])
+
+
+def test_incremental_final_full_attention_matches_official_final_call(flow, official_run, s):
+    last = len(official_run.mels)
+    _close(_finish(flow, official_run, "full"), s[f"call{last}_flow_mel_sliced"])
+
+
+def test_incremental_final_chunk_attention_equals_streaming_finalize_call(flow, official_run, s):
+    """The documented deviation: chunk masks for the tail == the official streaming=True, finalize=True."""
+    mel = _finish(flow, official_run, "chunk")
+    assert mel.shape == s[f"call{len(official_run.mels)}_flow_mel_sliced"].shape
+    ref = flow.inference(official_run.tokens, *official_run.prompt, streaming=True, finalize=True)
+    _close(mel, ref[:, :, 2 * official_run.ends[-1]:])
+
+
+@pytest.fixture(scope="module", params=["shorter_prompt", "no_prompt"])
+def other_run(request, flow_long, s) -> Run:
+    """Hops of one chunk each after a padded first hop, with a prompt length that is not a multiple of 25
+    (or no prompt at all); the caches start too small and must grow."""
+    num_prompt = _other_prompt_len(s["prompt_token"].shape[1]) if request.param == "shorter_prompt" else 0
+    prompt = (s["prompt_token"][:, :num_prompt], s["prompt_feat"][:, :2 * num_prompt], s["embedding"])
+    hop = flow_long.dims.encoder.static_chunk_size
     ends = _ends(num_prompt, [hop, hop, hop], hop)
-    tokens = _tokens(s, ends[-1] + 3 + 11)
-    state = stream.start(stream.build_prompt_cache(prompt, prompt_mel, s["embedding"]))  # caches grow
+    return _stream(flow_long, prompt, ends, _tokens(s, ends[-1] + 3 + 11))
+
+
+def test_incremental_chunks_equal_recomputation(flow_long, other_run):
     offset = 0
-    for end in ends:
-        mel = stream.feed(state, tokens[:, :end + 3])
-        ref = flow.inference(tokens[:, :end + 3], prompt, prompt_mel, s["embedding"], True, False)
+    for end, mel in zip(other_run.ends, other_run.mels, strict=True):
+        tokens = other_run.tokens[:, :end + 3]
+        ref = flow_long.inference(tokens, *other_run.prompt, streaming=True, finalize=False)
         assert mel.shape[2] == 2 * (end - offset)
         _close(mel, ref[:, :, 2 * offset:])
         offset = end
-    ref = flow.inference(tokens, prompt, prompt_mel, s["embedding"], final_attention == "chunk", True)
-    _close(stream.finish(state, tokens), ref[:, :, 2 * offset:])
+
+
+@pytest.mark.parametrize("final_attention", ["full", "chunk"])
+def test_incremental_final_equals_recomputation(flow_long, other_run, final_attention):
+    ref = flow_long.inference(other_run.tokens, *other_run.prompt, streaming=final_attention == "chunk",
+                              finalize=True)
+    _close(_finish(flow_long, other_run, final_attention), ref[:, :, 2 * other_run.ends[-1]:])
 
 
 def test_batched_chunks_equal_each_alone(flow_long, s):
@@ -118,6 +160,7 @@ def test_batched_chunks_equal_each_alone(flow_long, s):
     hop = stream.chunk_tokens
     firsts = [_ends(num_prompt, [hop], hop)[0], _ends(num_prompt - 3, [3 * hop], hop)[0]]
     ends = [[f, f + hop, f + 2 * hop] for f in firsts]
+    assert num_prompt + firsts[0] != num_prompt - 3 + firsts[1]
     tokens = _tokens(s, max(firsts) + 2 * hop + 3)
     token_sets = [tokens, tokens.flip(1)]
 
@@ -125,8 +168,8 @@ def test_batched_chunks_equal_each_alone(flow_long, s):
         states = [stream.start(stream.build_prompt_cache(*p)) for p in prompts]
         outs = [[stream.feed(st, tok[:, :e[0] + 3])]
                 for st, tok, e in zip(states, token_sets, ends, strict=True)]
-        for hop in (1, 2):
-            chunks = [tok[:, :e[hop] + 3] for tok, e in zip(token_sets, ends, strict=True)]
+        for idx in (1, 2):
+            chunks = [tok[:, :e[idx] + 3] for tok, e in zip(token_sets, ends, strict=True)]
             mels = (stream.feed_batch(states, chunks) if batched
                     else [stream.feed(st, c) for st, c in zip(states, chunks, strict=True)])
             for out, mel in zip(outs, mels, strict=True):
@@ -182,8 +225,9 @@ def test_padded_cache_view_with_validity_bias_equals_exact_view(flow):
     start, num_new, pad = 70, 30, 17
     kv = torch.randn(est.num_attention_blocks, 2, 2, start + num_new + pad, est.inner_dim, generator=gen)
     conv = torch.randn(2, est.conv_state_channels, 2, generator=gen)
-    x, mu, cond = (torch.randn(2, 80, num_new, generator=gen) for _ in range(3))
-    spks, t = torch.randn(2, 80, generator=gen), torch.full((2,), 0.4)
+    bins = flow.dims.output_size
+    x, mu, cond = (torch.randn(2, bins, num_new, generator=gen) for _ in range(3))
+    spks, t = torch.randn(2, bins, generator=gen), torch.full((2,), 0.4)
     pos = torch.arange(start, start + num_new)
     outs = []
     with torch.no_grad():

@@ -107,3 +107,26 @@ class Live:
         return value or 0.0
 
 
+
+
+class EngineProxy:
+    """The real engine with `synthesize` replaced: injects failures the tiny model cannot produce on demand."""
+
+    def __init__(self, engine: Any, synthesize: Any) -> None:
+        self._engine = engine
+        self.synthesize = synthesize
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
+@contextmanager
+def engine_swapped(live: Live, synthesize: Any) -> Iterator[None]:
+    """Serve through EngineProxy(live.engine, synthesize) for the duration of the block."""
+    state = live.state
+    real = state.engine
+    state.engine = EngineProxy(real, synthesize)
+    try:
+        yield
+    finally:
+        state.engine = real

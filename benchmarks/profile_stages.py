@@ -1,0 +1,135 @@
+"""Time each hot path of the engine in isolation (LM decode step, flow chunk, HiFT chunk, LM prefill).
+
+    python benchmarks/profile_stages.py --model-dir /tmp/cv2-0.5b --device cuda --dtype bfloat16
+
+Prints one markdown table; every number is the median of `--iters` timed runs after warm-up, measured
+with CUDA events (host clock on CPU). Used for docs/benchmarks.md "stage times" and "floor" rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from cosystream.checkpoint import load_checkpoint
+from cosystream.config import ChunkSchedule, EngineConfig
+from cosystream.engine.chunking import ChunkPlanner
+from cosystream.engine.lm_runner import LMRunner, RowSampling
+from cosystream.engine.loader import load_flow, load_hift, load_llm
+from cosystream.engine.token2wav import Token2WavRunner
+from cosystream.frontend import ModelInputs
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def timed(fn, device: torch.device, iters: int, warmup: int = 3) -> float:
+    """Median milliseconds of fn()."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def bench_lm(ckpt, device, dtype, batches, iters, graphs: bool) -> dict:
+    lm = load_llm(ckpt, device, dtype)
+    runner = LMRunner(lm, max_slots=max(batches), max_len=1024, use_graphs=graphs)
+    d = lm.dims
+    sampling = RowSampling(seed=0, top_p=d.top_p, top_k=d.top_k, win_size=d.win_size, tau_r=d.tau_r,
+                           min_len=10_000, ban_special=True)
+    prompt = torch.randn(212, d.hidden_size, device=device, dtype=dtype) * 0.02
+    out = {}
+    for slot in range(max(batches)):
+        runner.set_row_sampling(slot, sampling)
+    out["prefill_212_ms"] = timed(lambda: runner.prefill(0, prompt), device, iters)
+    for slot in range(max(batches)):
+        runner.prefill(slot, prompt)
+        runner.set_active(slot, True)
+    for b in batches:
+        out[f"decode_b{b}_ms"] = timed(lambda b=b: runner.decode(b, 500), device, iters)
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in lm.named_parameters()
+                       if not n.startswith("text_embedding"))
+    out["decode_weight_bytes"] = weight_bytes
+    del runner, lm
+    return out
+
+
+def bench_token2wav(ckpt, device, dtype, batches, iters, prompt_tokens: int = 150) -> dict:
+    flow, hift = load_flow(ckpt, device, dtype), load_hift(ckpt, device, dtype)
+    runner = Token2WavRunner(flow, hift, EngineConfig(device=str(device)))
+    g = torch.Generator().manual_seed(0)
+    inputs = ModelInputs(mode="vc", text_ids=torch.zeros(0, dtype=torch.int32),
+                         xvector=torch.randn(192, generator=g),
+                         flow_prompt_speech_tokens=torch.randint(0, 6561, (prompt_tokens,), generator=g,
+                                                                 dtype=torch.int32),
+                         prompt_mel=torch.randn(2 * prompt_tokens, 80, generator=g) - 5,
+                         source_speech_tokens=torch.zeros(0, dtype=torch.int32))
+    tokens = torch.randint(0, 6561, (300,), generator=g).tolist()
+    out = {"prompt_cache_ms": timed(lambda: runner.prompt_cache(inputs, None), device, max(iters // 4, 2))}
+    runner.prompt_cache(inputs, "voice")
+    for b in batches:
+        def first_chunk(b=b):
+            states = [runner.start(inputs, "voice", seed=i) for i in range(b)]
+            planners = [ChunkPlanner(ChunkSchedule(), prompt_tokens) for _ in range(b)]
+            plans = [p.next_plan(len(tokens), False) for p in planners]
+            return runner.run([(s, tokens, p) for s, p in zip(states, plans, strict=True)])
+        out[f"first_chunk_b{b}_ms"] = timed(first_chunk, device, iters)
+        mel = torch.randn(b, 80, 108, device=device, dtype=dtype) - 5
+        out[f"hift_108_b{b}_ms"] = timed(lambda mel=mel: hift.inference(mel), device, iters)
+    mel = torch.randn(1, 80, 800, device=device, dtype=dtype)
+    mu = torch.randn(1, 80, 800, device=device, dtype=dtype)
+    out["flow_offline_800_frames_ms"] = timed(
+        lambda: flow.decoder.sample(mu, torch.randn(1, 80, device=device, dtype=dtype), mel, False), device,
+        max(iters // 4, 2))
+    return out
+
+
+def _report(results: dict, new: dict) -> None:
+    results.update(new)
+    for k, v in new.items():
+        print(f"| {k} | {v:.3f} |" if isinstance(v, float) else f"| {k} | {v} |", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--only", default="lm,t2w")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    batches = [int(b) for b in args.batches.split(",")]
+    ckpt = load_checkpoint(args.model_dir)
+    results = {}
+    print("| measure | value |\n|---|---|", flush=True)
+    with torch.inference_mode():
+        if "lm" in args.only:
+            _report(results, bench_lm(ckpt, device, dtype, batches, args.iters, not args.no_graphs))
+        if "t2w" in args.only:
+            _report(results, bench_token2wav(ckpt, device, dtype, batches, args.iters))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""POST /v1/tts (JSON, multipart, event streams, every mode) and /v1/voices CRUD on the live server."""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+
+import pytest
+from server_live import SAMPLES_PER_TOKEN, VOICE, decode, make_wav
+
+TEXT = "Hello world."
+STAGES = ("queue_s", "frontend_s", "llm_prefill_s", "first_token_s", "first_chunk_flow_s", "first_chunk_vocoder_s",
+          "first_audio_s", "total_s")
+
+
+def ndjson(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line]
+
+
+def sse(text: str) -> list[dict]:
+    return [json.loads(line[len("data: "):]) for line in text.splitlines() if line.startswith("data: ")]
+
+
+def joined_audio(events: list[dict]) -> bytes:
+    return b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "audio")
+
+
+def test_json_request_streams_exact_wav(client):
+    response = client.post("/v1/tts", json={"text": TEXT, "voice": VOICE, "force_tokens": 7})
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"] == "audio/wav"
+    assert response.headers["x-request-id"].startswith("req_")
+    assert decode(response.content, "wav").shape == (7 * SAMPLES_PER_TOKEN,)
+
+
+def test_multipart_prompt_upload_with_sampling_settings_and_ndjson_events(client):
+    form = {"text": TEXT, "prompt_text": "A transcript of the prompt.", "response_format": "pcm", "force_tokens": "40",
+            "first_hop": "25", "top_p": "0.7", "top_k": "20", "win_size": "8", "tau_r": "0.2", "seed": "7"}
+    response = client.post("/v1/tts?events=ndjson", data=form,
+                           files={"prompt_wav": ("p.wav", make_wav(seed=3), "audio/wav")})
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("application/x-ndjson")
+    events = ndjson(response.text)
+    audio_events, done = events[:-1], events[-1]
+    assert len(audio_events) > 1  # 40 tokens: two chunks, each sent as it was ready
+    assert [e["index"] for e in audio_events] == list(range(len(audio_events)))
+    assert decode(joined_audio(events), "pcm").shape == (40 * SAMPLES_PER_TOKEN,)
+    assert done["type"] == "done" and done["num_samples"] == 40 * SAMPLES_PER_TOKEN
+    assert done["num_chunks"] == len(audio_events) and done["times"]["num_tokens"] == 40
+    assert all(done["times"][stage] >= 0 for stage in STAGES) and done["server_first_audio_s"] > 0
+
+
+def test_accept_event_stream_gives_sse_with_the_stage_breakdown(client):
+    response = client.post("/v1/tts", json={"text": TEXT, "voice": VOICE, "force_tokens": 5, "response_format": "wav"},
+                           headers={"Accept": "text/event-stream"})
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = sse(response.text)
+    assert events[-1]["type"] == "done" and set(STAGES) <= set(events[-1]["times"])
+    assert decode(joined_audio(events), "wav").shape == (5 * SAMPLES_PER_TOKEN,)
+
+
+@pytest.mark.parametrize("extra", [{"mode": "cross_lingual"}, {"mode": "instruct2", "instruct_text": "Speak slowly."},
+                                   {"greedy": True}, {"stream": False}, {"stream": False, "speed": 1.5}])
+def test_modes_and_settings(client, extra):
+    response = client.post("/v1/tts", json={"text": TEXT, "voice": VOICE, "force_tokens": 6, "response_format": "pcm",
+                                            **extra})
+    assert response.status_code == 200, response.text
+    num_samples = decode(response.content, "pcm").shape[0]
+    expected = 6 * SAMPLES_PER_TOKEN / extra.get("speed", 1.0)
+    assert abs(num_samples - expected) <= (SAMPLES_PER_TOKEN if "speed" in extra else 0)
+
+
+def test_non_streaming_wav_has_exact_header_sizes(client):
+    response = client.post("/v1/tts", json={"text": TEXT, "voice": VOICE, "force_tokens": 3, "stream": False})
+    riff_size, = struct.unpack("<I", response.content[4:8])
+    data_size, = struct.unpack("<I", response.content[40:44])
+    assert data_size == 3 * SAMPLES_PER_TOKEN * 2 and riff_size == 36 + data_size == len(response.content) - 8
+
+
+def test_voice_conversion_of_an_uploaded_source(client):
+    response = client.post("/v1/tts", data={"mode": "vc", "voice": VOICE, "response_format": "wav"},
+                           files={"source_wav": ("src.wav", make_wav(seconds=1.0, seed=5), "audio/wav")})
+    assert response.status_code == 200, response.text
+    assert decode(response.content, "wav").shape[0] > 0
+
+
+def test_same_seed_same_audio(client):
+    body = {"text": TEXT, "voice": VOICE, "force_tokens": 4, "response_format": "pcm", "seed": 1234}
+    assert client.post("/v1/tts", json=body).content == client.post("/v1/tts", json=body).content
+
+
+# ---------------------------------------------------------------- voices
+
+def test_voice_lifecycle(client):
+    created = client.post("/v1/voices", data={"name": "bob", "prompt_text": "Bob speaking."},
+                          files={"prompt_wav": ("bob.wav", make_wav(seed=9), "audio/wav")})
+    assert created.status_code == 201, created.text
+    assert created.json()["name"] == "bob" and created.json()["num_prompt_tokens"] > 0
+    assert client.get("/v1/voices/bob").json()["prompt_text"] == "Bob speaking."
+    assert {"alice", "bob"} <= {v["name"] for v in client.get("/v1/voices").json()["voices"]}
+    spoken = client.post("/v1/tts", json={"text": TEXT, "voice": "bob", "force_tokens": 2, "response_format": "pcm"})
+    assert decode(spoken.content, "pcm").shape == (2 * SAMPLES_PER_TOKEN,)
+    duplicate = client.post("/v1/voices", data={"name": "bob", "prompt_text": "again"},
+                            files={"prompt_wav": ("bob.wav", make_wav(seed=9), "audio/wav")})
+    assert duplicate.status_code == 409 and duplicate.json()["error"]["code"] == "voice_exists"
+    assert client.delete("/v1/voices/bob").status_code == 204
+    missing = client.get("/v1/voices/bob")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "unknown_voice"
+    assert client.delete("/v1/voices/bob").status_code == 404
+
+
+def test_failed_registration_leaves_existing_voices_intact(client):
+    before = client.get(f"/v1/voices/{VOICE}").json()
+    broken = client.post("/v1/voices", data={"name": VOICE, "prompt_text": "replaced?"},
+                         files={"prompt_wav": ("x.wav", b"not audio at all", "audio/wav")})
+    assert broken.status_code in (400, 409) and "error" in broken.json()
+    assert client.get(f"/v1/voices/{VOICE}").json() == before
+    spoken = client.post("/v1/tts", json={"text": TEXT, "voice": VOICE, "force_tokens": 2, "response_format": "pcm"})
+    assert spoken.status_code == 200
