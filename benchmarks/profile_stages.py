@@ -65,7 +65,6 @@ def bench_lm(ckpt, device, dtype, batches, iters, graphs: bool) -> dict:
     weight_bytes = sum(p.numel() * p.element_size() for n, p in lm.named_parameters()
                        if not n.startswith("text_embedding"))
     out["decode_weight_bytes"] = weight_bytes
-    del runner, lm
     return out
 
 
