@@ -85,7 +85,8 @@ def test_text_streaming_gives_audio_before_the_text_ends(engine, voice):
 
         async def pieces():
             nonlocal sent_all
-            for word in ["this", "sentence", "arrives", "word", "by", "word", "from", "an", "upstream", "language", "model"]:
+            words = ["this", "sentence", "arrives", "word", "by", "word", "from", "an", "upstream", "model"]
+            for word in words:
                 yield word + " "
             await asyncio.wait_for(first_audio.wait(), timeout=300)
             yield "and this is the end."
