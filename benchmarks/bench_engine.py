@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--max-streams", type=int, default=None, help="EngineConfig.max_streams (default: the engine's)")
+    p.add_argument("--config", action="append", default=[], metavar="FIELD=VALUE",
+                   help="any other EngineConfig field, e.g. final_attention=chunk or flow_slots=24")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run eagerly")
     p.add_argument("--voices-db", default=None, help="voice database (default: a temporary one)")
     p.add_argument("--voice", default=workload.VOICE_NAME)
@@ -154,6 +156,9 @@ async def _amain(args: argparse.Namespace, tmp: Path) -> tuple[list[RequestRecor
                               "voices_db": args.voices_db or str(tmp / "voices.db")}
     if args.max_streams is not None:
         config["max_streams"] = args.max_streams
+    for item in args.config:
+        key, _, value = item.partition("=")
+        config[key] = int(value) if value.lstrip("-").isdigit() else value
     engine = AsyncEngine.from_pretrained(args.model_dir, **config)
     try:
         await asyncio.to_thread(engine.warmup)  # graph capture is not part of any request's latency

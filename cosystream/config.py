@@ -43,6 +43,10 @@ class EngineConfig:
     cuda_graphs: bool = True  # capture decode/flow/vocoder steps on CUDA
     schedule: ChunkSchedule = ChunkSchedule()
     final_attention: str = "full"  # "full": official final chunk; "chunk": incremental, cheaper
+    # incremental-flow pool on CUDA: streams voiced at once x frames each (prompt included);
+    # ≈ 2.3 MB per frame for CosyVoice2-0.5B in bf16, so 16 x 1024 frames ≈ 38 GB. 0 disables the pool.
+    flow_slots: int = 16
+    flow_frames: int = 1024
     max_text_chars: int = 5000  # longer inputs are refused with BadInput
     voices_db: str | None = None  # None: $COSYSTREAM_HOME/voices.db or ~/.cache/cosystream/voices.db
     frontend_threads: int = 2

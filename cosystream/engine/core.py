@@ -378,6 +378,8 @@ class EngineCore:
     def _finish(self, req: RequestState) -> None:
         for seg in req.segments:
             self._release_slot(seg)
+            if seg.t2w is not None:
+                self.t2w.release(seg.t2w)
             seg.t2w = None
         self.requests.pop(req.request_id, None)
         if req in self.waiting:

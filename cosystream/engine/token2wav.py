@@ -21,7 +21,9 @@ import torch.nn.functional as F
 
 from cosystream.config import EngineConfig
 from cosystream.engine.chunking import ChunkPlan
+from cosystream.engine.flow_runner import FlowRunner, PooledStream
 from cosystream.engine.graphs import GraphCache, bucket
+from cosystream.models.flow import UPSAMPLE
 from cosystream.models.flow_stream import FlowStream, FlowStreamState, PromptCache
 from cosystream.models.hift import MEL_CACHE_FRAMES, HiFTGenerator, crossfade, fade_window
 
@@ -34,7 +36,7 @@ SourceOverride = Callable[[Any, int], "torch.Tensor | None"]
 class Token2WavState:
     """One segment's token-to-wave stream."""
 
-    flow: FlowStreamState
+    flow: FlowStreamState | PooledStream
     key: Any  # opaque id for test hooks
     noise_offset: int = 0  # where this stream reads the shared source-noise table
     speed: float = 1.0
@@ -52,6 +54,9 @@ class Token2WavRunner:
         self.flow = flow
         self.hift = hift
         self.stream = FlowStream(flow, config.final_attention)
+        self.final_attention = config.final_attention
+        pooled = config.flow_slots > 0 and flow.input_embedding.weight.device.type == "cuda"
+        self.pool = FlowRunner(flow, config.flow_slots, config.flow_frames, config.cuda_graphs) if pooled else None
         self.device = flow.input_embedding.weight.device
         self.overlap = MEL_CACHE_FRAMES * hift.upsample_scale  # 3840 samples
         self.window = fade_window(self.overlap, self.device)
@@ -90,8 +95,16 @@ class Token2WavRunner:
               max_target_tokens: int = 256, seed: int = 0) -> Token2WavState:
         prompt = self.prompt_cache(inputs, voice_key)
         offset = (seed * 2654435761) % _NOISE_SAMPLES
-        return Token2WavState(self.stream.start(prompt, max_target_tokens), key=key, speed=speed,
-                              noise_offset=offset)
+        if self.pool is not None and self.pool.fits(prompt, max_target_tokens):
+            flow_state = self.pool.open(prompt)
+        else:
+            flow_state = self.stream.start(prompt, max_target_tokens)
+        return Token2WavState(flow_state, key=key, speed=speed, noise_offset=offset)
+
+    def release(self, state: Token2WavState) -> None:
+        """Give a finished or abandoned stream's pool slot back."""
+        if isinstance(state.flow, PooledStream) and self.pool is not None:
+            self.pool.close(state.flow)
 
     # ------------------------------------------------------------------ chunks
     @torch.inference_mode()
@@ -112,22 +125,49 @@ class Token2WavRunner:
         return time.perf_counter()
 
     def _flow(self, jobs: Sequence[tuple[Token2WavState, list[int], ChunkPlan]]) -> list[torch.Tensor]:
-        """New target mel [80, F] per job; non-final chunks adding equal frame counts share one batch."""
+        """New target mel [80, F] per job; chunks adding equal frame counts share one batch."""
         mels: list[torch.Tensor | None] = [None] * len(jobs)
-        groups: dict[int, list[int]] = {}
-        for i, (st, _, plan) in enumerate(jobs):
-            if plan.is_final:
-                tokens = self._tokens(jobs[i][1][:plan.token_end])
-                mels[i] = self.stream.finish(st.flow, tokens)[0]
+        groups: dict[tuple[bool, int], list[int]] = {}
+        for i, (st, tokens, plan) in enumerate(jobs):
+            ids = self._tokens(tokens[:plan.token_end])
+            window = self.stream._window(st.flow, ids, finalize=plan.is_final)
+            self._spill_if_full(st, window[0].shape[0])
+            pooled = isinstance(st.flow, PooledStream)
+            if plan.is_final and window[0].shape[0] == 0 and self.final_attention == "chunk":
+                mels[i] = torch.zeros(self.flow.dims.output_size, 0, device=self.device)
+                st.flow.is_finished = True
+                self.release(st)
+            elif plan.is_final and (self.final_attention == "full" or not pooled):
+                mels[i] = self._finish_eager(st, ids)
             else:
-                new_tokens = st.flow.prompt.prompt_tokens.shape[0] + plan.offset + plan.num_new - st.flow.num_tokens
-                groups.setdefault(new_tokens, []).append(i)
-        for idx in groups.values():
-            states = [jobs[i][0].flow for i in idx]
-            tokens = [self._tokens(jobs[i][1][:jobs[i][2].token_end]) for i in idx]
-            for i, mel in zip(idx, self.stream.feed_batch(states, tokens), strict=True):
-                mels[i] = mel[0]
+                groups.setdefault((pooled, window[0].shape[0], plan.is_final), []).append((i, ids, window))
+        for (pooled, _, final), members in groups.items():
+            states = [jobs[i][0] for i, _, _ in members]
+            if pooled:
+                starts = [st.flow.num_frames for st in states]
+                out = self.pool.advance([st.flow for st in states], [w for _, _, w in members])
+                out = [self.stream._target_frames(st.flow, m[None], f0)[0]
+                       for st, m, f0 in zip(states, out, starts, strict=True)]
+                if final:
+                    for st in states:
+                        st.flow.is_finished = True
+                        self.release(st)
+            else:
+                out = [m[0] for m in self.stream.feed_batch([st.flow for st in states], [t for _, t, _ in members])]
+            for (i, _, _), mel in zip(members, out, strict=True):
+                mels[i] = mel
         return mels  # type: ignore[return-value]
+
+    def _finish_eager(self, st: Token2WavState, ids: torch.Tensor) -> torch.Tensor:
+        mel = self.stream.finish(st.flow, ids)[0]
+        self.release(st)
+        return mel
+
+    def _spill_if_full(self, st: Token2WavState, new_tokens: int) -> None:
+        """A pooled stream about to outgrow its slot continues on the eager path."""
+        if isinstance(st.flow, PooledStream) and \
+                UPSAMPLE * (st.flow.num_tokens + new_tokens) > self.pool.max_frames:
+            st.flow = self.pool.to_flow_state(st.flow)
 
     def _tokens(self, tokens: list[int]) -> torch.Tensor:
         return torch.tensor(tokens, dtype=torch.long, device=self.device).unsqueeze(0)

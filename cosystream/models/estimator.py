@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,30 @@ def chunk_attention_bias(q_pos: torch.Tensor, num_keys: int, chunk: int, dtype: 
         visible = visible & (k_pos[None, :] < chunk_end[:, None])
     zero = torch.zeros((), device=q_pos.device, dtype=dtype)
     return torch.where(visible, zero, torch.full((), masked_value(dtype), device=q_pos.device, dtype=dtype))
+
+
+@dataclass
+class PooledKV:
+    """Keys/values of many streams in one static pool (the engine's batched, CUDA-graphed path).
+
+    pool [blocks, 2, pool_rows, L_max, inner] for one Euler step; batch row r lives in pool row
+    rows[r] and writes its new frames at write_pos[r] [C]; bias [R, 1, C, L] covers the first L
+    frames of each row (L is static for a graph).
+    """
+
+    pool: torch.Tensor
+    rows: torch.Tensor
+    write_pos: torch.Tensor
+    bias: torch.Tensor
+
+    def __getitem__(self, block: int) -> PooledBlock:
+        return PooledBlock(self, block)
+
+
+@dataclass
+class PooledBlock:
+    parent: PooledKV
+    block: int
 
 
 class CausalConv(nn.Conv1d):
@@ -108,6 +133,8 @@ class Attention(nn.Module):
         """x [R, C, dim]; kv[g] [2, rows_g, cap_g, inner] (rows of group g are consecutive in x);
         write_idx [G, C] frame slots of the new keys; attn_bias[g] [C, L_g] (L_g keys are read)."""
         q, k, v = self.to_q(x), self.to_k(x), self.to_v(x)
+        if isinstance(kv[0], PooledBlock):
+            return self.to_out[0](self._pooled(q, k, v, kv[0]))
         outs, row = [], 0
         # PERF: one SDPA per group reads that request's own cache in place (no gather copy); the
         # dense projections around it stay batched over all rows.
@@ -120,6 +147,15 @@ class Attention(nn.Module):
             outs.append(self._attend(q[rows], cache[0, :, :num_keys], cache[1, :, :num_keys], attn_bias[g]))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return self.to_out[0](out)
+
+    def _pooled(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, view: PooledBlock) -> torch.Tensor:
+        """All rows at once: write the new keys into the pool, gather each row's first L frames, attend."""
+        p = view.parent
+        pool_k, pool_v = p.pool[view.block, 0], p.pool[view.block, 1]
+        pool_k[p.rows.unsqueeze(1), p.write_pos] = k
+        pool_v[p.rows.unsqueeze(1), p.write_pos] = v
+        num_keys = p.bias.shape[-1]
+        return self._attend(q, pool_k[p.rows, :num_keys], pool_v[p.rows, :num_keys], p.bias)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         rows, num_q, inner = q.shape

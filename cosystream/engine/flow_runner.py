@@ -1,0 +1,163 @@
+"""FlowRunner: the incremental flow of many streams batched through one CUDA-graphed ODE.
+
+Each stream holds a slot of a static pool that keeps, for every Euler step, the estimator's keys/values
+of its finished frames and its causal-conv tails (models/flow_stream.py explains why that is exact). A
+batch of chunks that add the same number of frames runs the whole 10-step ODE as one graph replay,
+keyed by (batch bucket, new frames, attended-length bucket); the per-request encoder step runs before
+it. Pool memory: models.flow_stream.cache_bytes_per_frame × slots × frames (≈ 2.3 MB per frame for
+CosyVoice2-0.5B in bf16), so the pool is sized by EngineConfig.flow_slots × flow_frames; a stream that
+does not fit runs on the eager per-request path instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cosystream.engine.graphs import GraphCache, bucket
+from cosystream.models.estimator import PooledKV, masked_value
+from cosystream.models.flow import UPSAMPLE, EncoderState, Flow
+from cosystream.models.flow_stream import PromptCache
+
+_LEN_BUCKET = 128  # attended frames are rounded up to a multiple of this (fewer graphs, little waste)
+
+
+@dataclass
+class PooledStream:
+    """A stream's place in the pool: its slot, encoder state and how many frames are final."""
+
+    slot: int
+    prompt: PromptCache
+    encoder: EncoderState
+    is_finished: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return self.encoder.num_tokens
+
+    @property
+    def num_frames(self) -> int:
+        return UPSAMPLE * self.encoder.num_tokens
+
+
+class FlowRunner:
+    def __init__(self, flow: Flow, num_slots: int, max_frames: int, use_graphs: bool = True) -> None:
+        self.flow = flow
+        self.cfm = flow.decoder
+        est = flow.decoder.estimator
+        w = est.final_proj.weight
+        self.device, self.dtype = w.device, w.dtype
+        rows = 2 * (num_slots + 1)  # two CFG rows per slot, plus a scratch slot for padding rows
+        steps = self.cfm.num_steps
+        self.kv = torch.zeros(steps, est.num_attention_blocks, 2, rows, max_frames, est.inner_dim,
+                              device=self.device, dtype=self.dtype)
+        self.conv = torch.zeros(steps, rows, est.conv_state_channels, 2, device=self.device, dtype=self.dtype)
+        self.max_frames = max_frames
+        self.free = list(range(num_slots))
+        self.scratch = num_slots
+        self.chunk = est.dims.static_chunk_size
+        self.graphs = GraphCache(self._ode, self.device, use_graphs)
+
+    # ------------------------------------------------------------------ slots
+    def fits(self, prompt: PromptCache, target_tokens: int) -> bool:
+        frames = UPSAMPLE * (prompt.prompt_tokens.shape[0] + target_tokens)
+        return bool(self.free) and frames <= self.max_frames
+
+    def open(self, prompt: PromptCache) -> PooledStream:
+        """Take a slot and copy the voice's prompt state into it (≈ 0.6 GB for a 6 s prompt, one copy)."""
+        slot = self.free.pop(0)
+        rows = slice(2 * slot, 2 * slot + 2)
+        n = prompt.kv.shape[-2]
+        self.kv[:, :, :, rows, :n] = prompt.kv
+        self.conv[:, rows] = prompt.conv
+        capacity = self.max_frames // UPSAMPLE
+        encoder = self.flow.encoder.new_state(capacity)
+        m = prompt.num_tokens
+        encoder.kv_tokens[:, :, :m] = prompt.encoder.kv_tokens
+        encoder.kv_frames[:, :, :UPSAMPLE * m] = prompt.encoder.kv_frames
+        encoder.lookahead_tail = prompt.encoder.lookahead_tail.clone()
+        encoder.up_tail = prompt.encoder.up_tail.clone()
+        encoder.num_tokens = m
+        return PooledStream(slot, prompt, encoder)
+
+    def close(self, stream: PooledStream) -> None:
+        if stream.slot not in self.free:
+            self.free.append(stream.slot)
+            self.free.sort()
+
+    # ------------------------------------------------------------------ chunks
+    @torch.inference_mode()
+    def advance(self, streams: Sequence[PooledStream], windows: Sequence[tuple[torch.Tensor, torch.Tensor | None]]
+                ) -> list[torch.Tensor]:
+        """Encode each stream's new tokens, then integrate every stream's new frames in one graph.
+
+        windows[i] = (new position ids [n], look-ahead ids [3] or None); all n must be equal.
+        Returns each stream's new frames [80, 2n] (float32), prompt frames included.
+        """
+        starts = [s.num_frames for s in streams]
+        mus = [self.flow.encode_step(ids, ctx, s.encoder, streaming=True) for s, (ids, ctx) in
+               zip(streams, windows, strict=True)]
+        num_new = mus[0].shape[1]
+        b, padded = len(streams), bucket(len(streams))
+        attn_len = -(-(max(starts) + num_new) // _LEN_BUCKET) * _LEN_BUCKET
+        attn_len = min(attn_len, self.max_frames)
+        z = torch.zeros(padded, self.cfm.num_bins, num_new, device=self.device)
+        z[:b] = torch.cat([self.cfm.noise(f0, num_new) for f0 in starts]).to(self.device)
+        mu = torch.zeros(padded, self.cfm.num_bins, num_new, device=self.device, dtype=self.dtype)
+        mu[:b] = torch.stack(mus)
+        cond = torch.zeros_like(mu)
+        for i, (s, f0) in enumerate(zip(streams, starts, strict=True)):
+            cond[i] = _prompt_cond(s.prompt, f0, num_new)
+        spks = torch.zeros(padded, self.cfm.num_bins, device=self.device, dtype=self.dtype)
+        spks[:b] = torch.stack([s.prompt.spks for s in streams])
+        slots = torch.full((padded,), self.scratch, device=self.device, dtype=torch.long)
+        slots[:b] = torch.tensor([s.slot for s in streams], device=self.device)
+        start_t = torch.zeros(padded, device=self.device, dtype=torch.long)
+        start_t[:b] = torch.tensor(starts, device=self.device)
+        marker = torch.empty(attn_len, device=self.device, dtype=torch.int8)
+        (x,) = self.graphs.run((padded, num_new, attn_len), [z, mu, spks, cond, slots, start_t, marker])
+        return [x[i].clone() for i in range(b)]
+
+    def _ode(self, z, mu, spks, cond, slots, starts, marker) -> tuple[torch.Tensor]:
+        """The 10-step CFG Euler ODE for a padded batch (graph body: static shapes, no host syncs)."""
+        num_new, attn_len = z.shape[-1], marker.shape[0]
+        rows = torch.stack([2 * slots, 2 * slots + 1], dim=1).flatten()  # [2B]: (cond, uncond) per stream
+        q_pos = starts.unsqueeze(1) + torch.arange(num_new, device=z.device)  # [B, C]
+        k_pos = torch.arange(attn_len, device=z.device)
+        chunk_end = (torch.div(q_pos, self.chunk, rounding_mode="floor") + 1) * self.chunk
+        visible = (k_pos < chunk_end.unsqueeze(-1)) & (k_pos <= q_pos[:, -1:].unsqueeze(-1))
+        bias = torch.where(visible, 0.0, masked_value(self.dtype)).to(self.dtype)
+        bias = bias.repeat_interleave(2, dim=0).unsqueeze(1)  # [2B, 1, C, L]
+        write_pos = q_pos.repeat_interleave(2, dim=0)
+        est = self.cfm.estimator
+
+        def velocity(k: int, x, mu_in, spks_in, cond_in, t):
+            conv = self.conv[k][rows]
+            pooled = PooledKV(self.kv[k], rows, write_pos, bias)
+            v = est.step(x, mu_in, spks_in, cond_in, t, [pooled], conv, write_pos, [bias])
+            self.conv[k][rows] = conv
+            return v
+
+        return (self.cfm.solve(z, mu, spks, cond, velocity),)
+
+    def to_flow_state(self, stream: PooledStream):
+        """Copy a pooled stream out into a standalone FlowStreamState (when it outgrows its slot)."""
+        from cosystream.models.flow_stream import FlowStreamState
+
+        rows = slice(2 * stream.slot, 2 * stream.slot + 2)
+        n = stream.num_frames
+        state = FlowStreamState(stream.prompt, stream.encoder, self.kv[:, :, :, rows, :n].clone(),
+                                self.conv[:, rows].clone())
+        self.close(stream)
+        return state
+
+
+def _prompt_cond(prompt: PromptCache, start: int, num_new: int) -> torch.Tensor:
+    """cond [80, num_new] for frames [start, start + num_new): the prompt mel where it exists, else 0."""
+    mel = prompt.prompt_mel
+    cond = mel.new_zeros(mel.shape[1], num_new)
+    m = min(max(mel.shape[0] - start, 0), num_new)
+    cond[:, :m] = mel[start:start + m].T
+    return cond
