@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cosystream.engine.graphs import GraphCache, bucket
+from cosystream.engine.graphs import GraphCache, bucket, maybe_compile
 from cosystream.models.estimator import PooledKV, masked_value
 from cosystream.models.flow import UPSAMPLE, EncoderState, Flow
 from cosystream.models.flow_stream import PromptCache
@@ -43,7 +43,8 @@ class PooledStream:
 
 
 class FlowRunner:
-    def __init__(self, flow: Flow, num_slots: int, max_frames: int, use_graphs: bool = True) -> None:
+    def __init__(self, flow: Flow, num_slots: int, max_frames: int, use_graphs: bool = True,
+                 compile: bool = False) -> None:
         self.flow = flow
         self.cfm = flow.decoder
         est = flow.decoder.estimator
@@ -59,6 +60,7 @@ class FlowRunner:
         self.scratch = num_slots
         self.chunk = est.dims.static_chunk_size
         self.graphs = GraphCache(self._ode, self.device, use_graphs)
+        self._step = maybe_compile(est.step, compile)
 
     # ------------------------------------------------------------------ slots
     def fits(self, prompt: PromptCache, target_tokens: int) -> bool:
@@ -131,12 +133,10 @@ class FlowRunner:
         bias = torch.where(visible, 0.0, masked_value(self.dtype)).to(self.dtype)
         bias = bias.repeat_interleave(2, dim=0).unsqueeze(1)  # [2B, 1, C, L]
         write_pos = q_pos.repeat_interleave(2, dim=0)
-        est = self.cfm.estimator
-
         def velocity(k: int, x, mu_in, spks_in, cond_in, t):
             conv = self.conv[k][rows]
             pooled = PooledKV(self.kv[k], rows, write_pos, bias)
-            v = est.step(x, mu_in, spks_in, cond_in, t, [pooled], conv, write_pos, [bias])
+            v = self._step(x, mu_in, spks_in, cond_in, t, [pooled], conv, write_pos, [bias])
             self.conv[k][rows] = conv
             return v
 

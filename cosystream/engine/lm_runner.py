@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cosystream.engine.graphs import maybe_compile
 from cosystream.models.qwen2 import KVCache, SpeechLM
 from cosystream.models.sampling import SamplingBatch, sample_tokens
 
@@ -36,7 +37,8 @@ class RowSampling:
 
 
 class LMRunner:
-    def __init__(self, lm: SpeechLM, max_slots: int, max_len: int, use_graphs: bool = True) -> None:
+    def __init__(self, lm: SpeechLM, max_slots: int, max_len: int, use_graphs: bool = True,
+                 compile: bool = False) -> None:
         param = next(lm.parameters())
         self.lm, self.device, self.dtype = lm, param.device, param.dtype
         self.dims = lm.dims
@@ -46,6 +48,8 @@ class LMRunner:
         self.eos = lm.dims.eos_token
         self._alloc_state(max_slots)
         self.use_graphs = use_graphs and self.device.type == "cuda"
+        self._forward = maybe_compile(lm.forward, compile)
+        self._sample = maybe_compile(sample_tokens, compile)
         self.batch_buckets = [b for b in _BATCH_BUCKETS if b < max_slots] + [max_slots]
         self.len_buckets = [n for n in _LEN_BUCKETS if n < max_len] + [max_len]
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -90,9 +94,9 @@ class LMRunner:
             raise ValueError(f"prompt of {start_pos + n} positions exceeds max_len {self.max_len}")
         slots = torch.tensor([slot], device=self.device)
         start = torch.tensor([start_pos], device=self.device)
-        h = self.lm(embeds.to(self.device, self.dtype).unsqueeze(0), start, self.cache,
-                    attn_len=start_pos + n, slots=slots)[:, -1]
-        token = sample_tokens(self.lm.logp(h), self._rows(slot, slot + 1), self.eos)
+        h = self._forward(embeds.to(self.device, self.dtype).unsqueeze(0), start, self.cache,
+                          attn_len=start_pos + n, slots=slots)[:, -1]
+        token = self._sample(self.lm.logp(h), self._rows(slot, slot + 1), self.eos)
         self._record(slice(slot, slot + 1), token, torch.ones(1, dtype=torch.bool, device=self.device))
         self.positions[slot] = start_pos + n
         return int(token[0])
@@ -125,8 +129,8 @@ class LMRunner:
 
     def _step(self, b: int, attn_len: int) -> None:
         emb = self.lm.speech_embedding(self.tokens[:b]).unsqueeze(1)
-        h = self.lm(emb, self.positions[:b], self.cache, attn_len=attn_len)[:, -1]
-        token = sample_tokens(self.lm.logp(h), self._rows(0, b), self.eos)
+        h = self._forward(emb, self.positions[:b], self.cache, attn_len=attn_len)[:, -1]
+        token = self._sample(self.lm.logp(h), self._rows(0, b), self.eos)
         active = self.active[:b]
         self._record(slice(0, b), token, active)
         # Inactive rows wrote garbage K/V at their next free position; it is overwritten before it is read.

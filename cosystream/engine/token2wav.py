@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from cosystream.config import EngineConfig
 from cosystream.engine.chunking import ChunkPlan
 from cosystream.engine.flow_runner import FlowRunner, PooledStream
-from cosystream.engine.graphs import GraphCache, bucket
+from cosystream.engine.graphs import GraphCache, bucket, maybe_compile
 from cosystream.models.flow import UPSAMPLE
 from cosystream.models.flow_stream import FlowStream, FlowStreamState, PromptCache
 from cosystream.models.hift import MEL_CACHE_FRAMES, HiFTGenerator, crossfade, fade_window
@@ -56,7 +56,8 @@ class Token2WavRunner:
         self.stream = FlowStream(flow, config.final_attention)
         self.final_attention = config.final_attention
         pooled = config.flow_slots > 0 and flow.input_embedding.weight.device.type == "cuda"
-        self.pool = FlowRunner(flow, config.flow_slots, config.flow_frames, config.cuda_graphs) if pooled else None
+        self.pool = FlowRunner(flow, config.flow_slots, config.flow_frames, config.cuda_graphs,
+                               config.compile) if pooled else None
         self.device = flow.input_embedding.weight.device
         self.overlap = MEL_CACHE_FRAMES * hift.upsample_scale  # 3840 samples
         self.window = fade_window(self.overlap, self.device)
@@ -69,9 +70,10 @@ class Token2WavRunner:
         gen = torch.Generator().manual_seed(_NOISE_SEED)
         self.noise_table = torch.randn(_NOISE_SAMPLES, hift.m_source.num_harmonics, generator=gen).to(self.device)
         # PERF: HiFT is launch-bound in eager mode; one graph per (batch bucket, mel length, cached?).
-        self.hift_first = GraphCache(lambda mel, noise: self.hift.inference(mel, None, noise=noise), self.device,
+        vocode = maybe_compile(self.hift.inference, config.compile)
+        self.hift_first = GraphCache(lambda mel, noise: vocode(mel, None, noise=noise), self.device,
                                      config.cuda_graphs)
-        self.hift_next = GraphCache(lambda mel, cache, noise: self.hift.inference(mel, cache, noise=noise),
+        self.hift_next = GraphCache(lambda mel, cache, noise: vocode(mel, cache, noise=noise),
                                     self.device, config.cuda_graphs)
 
     # ------------------------------------------------------------------ per-voice and per-request state

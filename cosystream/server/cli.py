@@ -6,10 +6,13 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
+from cosystream.errors import CosyStreamError
 from cosystream.server.state import ServerSettings
 
 MIB = 1024 * 1024
+EXIT_USAGE = 2  # as argparse and `cosystream voices`
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -35,6 +38,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
     settings = ServerSettings(max_upload_bytes=int(args.max_upload_mb * MIB), warmup=not args.no_warmup)
     engine_kwargs = {"max_streams": args.max_streams} if args.max_streams is not None else {}
-    serve(args.model_dir, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
-          voices_db=args.voices_db, settings=settings, log_level=args.log_level, **engine_kwargs)
+    try:
+        serve(args.model_dir, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
+              voices_db=args.voices_db, settings=settings, log_level=args.log_level, **engine_kwargs)
+    except (CosyStreamError, ValueError) as exc:  # bad model dir or engine setting: one line, not a traceback
+        print(f"cosystream serve: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     return 0

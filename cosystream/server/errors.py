@@ -17,13 +17,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import HTTPConnection
 
 from cosystream.errors import BadInput, CosyStreamError, EngineDead, Overloaded, UnknownVoice, VoiceExists
 
 log = logging.getLogger("cosystream.server")
 
 _FIELD = re.compile(r"([A-Za-z_][A-Za-z0-9_.\[\]]*): ")
-_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large", 415: "unsupported_media_type"}
+_HTTP_CODES = {400: "bad_input", 404: "not_found", 405: "method_not_allowed", 413: "payload_too_large",
+               415: "unsupported_media_type"}
+# synthesis routes → the `endpoint` label of cosystream_requests_total
+ENDPOINTS = {"/v1/audio/speech": "speech", "/v1/tts": "tts", "/v1/tts/stream": "ws"}
 
 
 class ApiError(Exception):
@@ -37,6 +41,7 @@ class ApiError(Exception):
         self.message = message
         self.field = field
         self.retry_after_s = retry_after_s
+        self.is_recorded = False  # a SynthesisSession already counted and logged it
 
     def body(self) -> dict:
         return {"error": {"code": self.code, "message": self.message, "field": self.field}}
@@ -90,20 +95,36 @@ def from_validation_errors(errors: list | tuple) -> ApiError:
     return ApiError(400, "bad_input", f"{field}: {message}", field=field)
 
 
+def record(conn: HTTPConnection, error: ApiError) -> None:
+    """Count and log an error no SynthesisSession saw (rejected before synthesis started)."""
+    if error.is_recorded:
+        return
+    error.is_recorded = True
+    endpoint = ENDPOINTS.get(conn.url.path)
+    if endpoint is not None:
+        conn.app.state.server.metrics.requests.labels(endpoint, error.code).inc()
+    log.info("event=request_error path=%s status=%d code=%s field=%s", conn.url.path, error.status, error.code,
+             error.field or "")
+
+
 def install_handlers(app: FastAPI) -> None:
     """Route every error through ApiError so no endpoint answers in another shape."""
 
+    def respond(request: Request, error: ApiError) -> JSONResponse:
+        record(request, error)
+        return error.response()
+
     async def api_error(request: Request, exc: Exception) -> JSONResponse:
-        return to_api_error(exc).response()
+        return respond(request, to_api_error(exc))
 
     async def validation(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
-        return from_validation_errors(exc.errors()).response()
+        return respond(request, from_validation_errors(exc.errors()))
 
     async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
         code = _HTTP_CODES.get(exc.status_code, "http_error")
-        return ApiError(exc.status_code, code, str(exc.detail)).response()
+        return respond(request, ApiError(exc.status_code, code, str(exc.detail)))
 
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(CosyStreamError, api_error)

@@ -109,7 +109,8 @@ class SynthesisSession:
             raise
 
     def fail(self, error: ApiError) -> None:
-        """Record the failure that ends this request (its outcome label)."""
+        """Record the failure that ends this request (its outcome label; close() counts and logs it)."""
+        error.is_recorded = True
         self.error = error
         self.outcome = error.code
 

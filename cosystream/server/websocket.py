@@ -19,7 +19,7 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
 from cosystream.params import Mode
-from cosystream.server.errors import ApiError, bad_input, from_validation_errors, to_api_error
+from cosystream.server.errors import ApiError, bad_input, from_validation_errors, record, to_api_error
 from cosystream.server.native import options_to_params
 from cosystream.server.protocol import ChunkEvent, ErrorEvent, StartedEvent, WsEnd, WsStart, WsText
 from cosystream.server.session import SynthesisSession, arrival_time, log_event, new_request_id
@@ -123,7 +123,7 @@ class WsSession:
         await session.open()
         async with aclosing(session.chunks()) as chunks:
             async for chunk, data in chunks:
-                if data:
+                if data:  # flac has bytes only at the end: its earlier chunk events say num_bytes 0
                     await self.ws.send_bytes(data)
                 event = ChunkEvent(index=session.num_chunks - 1, num_samples=int(chunk.pcm.shape[0]),
                                    num_bytes=len(data), elapsed_s=round(session.elapsed_s, 6))
@@ -158,7 +158,9 @@ async def tts_stream(ws: WebSocket) -> None:
         log_event("ws_disconnect")
         return
     except Exception as exc:
-        await send_error(ws, to_api_error(exc))
+        error = to_api_error(exc)
+        record(ws, error)
+        await send_error(ws, error)
         return
     with contextlib.suppress(Exception):
         await ws.close(CLOSE_NORMAL)

@@ -1,0 +1,68 @@
+"""GET /metrics and /health on the live server: counters, stage histograms and engine gauges move as documented."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from server_live import VOICE
+
+STAGES = ("queue", "frontend", "llm_prefill", "first_token", "first_chunk_flow", "first_chunk_vocoder", "first_audio",
+          "total")
+
+
+def scrape(client) -> dict[tuple[str, tuple], float]:
+    response = client.get("/metrics")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(response.text) for sample in family.samples}
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_a_finished_request_moves_every_series(client):
+    before = scrape(client)
+    response = client.post("/v1/tts", json={"text": "Hi there.", "voice": VOICE, "force_tokens": 5,
+                                            "response_format": "pcm"})
+    assert response.status_code == 200
+    after = scrape(client)
+    assert value(after, "cosystream_requests_total", endpoint="tts", outcome="ok") == \
+        value(before, "cosystream_requests_total", endpoint="tts", outcome="ok") + 1
+    for stage in STAGES:
+        assert value(after, "cosystream_stage_seconds_count", stage=stage) == \
+            value(before, "cosystream_stage_seconds_count", stage=stage) + 1
+    assert value(after, "cosystream_first_audio_seconds_count", endpoint="tts") == \
+        value(before, "cosystream_first_audio_seconds_count", endpoint="tts") + 1
+    assert value(after, "cosystream_rtf_count") == value(before, "cosystream_rtf_count") + 1
+    assert value(after, "cosystream_audio_seconds_total") - value(before, "cosystream_audio_seconds_total") == \
+        pytest.approx(5 / 25)
+    assert value(after, "cosystream_active_streams", endpoint="tts") == 0
+    assert ("cosystream_engine_num_active", ()) in after and ("cosystream_engine_queue_depth", ()) in after
+
+
+def test_rejected_requests_are_counted_by_code(client):
+    before = scrape(client)
+    assert client.post("/v1/audio/speech", json={"model": "x", "input": "", "voice": VOICE}).status_code == 400
+    assert client.post("/v1/tts", json={"text": "Hi.", "voice": "nobody"}).status_code == 400
+    after = scrape(client)
+    for endpoint, code in (("speech", "bad_input"), ("tts", "unknown_voice")):
+        assert value(after, "cosystream_requests_total", endpoint=endpoint, outcome=code) == \
+            value(before, "cosystream_requests_total", endpoint=endpoint, outcome=code) + 1
+
+
+def test_health_and_ready(client):
+    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/ready").json() == {"status": "ok"}
+
+
+def test_openapi_documents_every_endpoint_and_message(client):
+    schema = client.get("/openapi.json").json()
+    assert {"/v1/audio/speech", "/v1/tts", "/v1/tts/stream", "/v1/voices", "/v1/voices/{name}", "/health", "/ready",
+            "/metrics"} <= set(schema["paths"])
+    models = {"SpeechRequest", "TTSRequest", "TTSUpload", "ErrorResponse", "DoneEvent", "AudioEvent", "WsStart",
+              "WsText", "WsEnd", "ChunkEvent", "StartedEvent", "Voice", "VoiceList"}
+    assert models <= set(schema["components"]["schemas"])
+    tts_body = schema["paths"]["/v1/tts"]["post"]["requestBody"]["content"]
+    assert {"application/json", "multipart/form-data"} <= set(tts_body)
+    assert "422" not in schema["paths"]["/v1/audio/speech"]["post"]["responses"]
