@@ -91,9 +91,12 @@ class BodyLimitMiddleware:
 ops = APIRouter(tags=["ops"])
 
 
-@ops.get("/health", response_model=Health, summary="Liveness: the process is up")
+@ops.get("/health", response_model=Health, responses={503: {"model": ErrorResponse}},
+         summary="Liveness: the process is up and its engine loop runs (503 engine_dead: restart it)")
 async def health(request: Request) -> Health:
-    return Health(status="ok" if get_state(request).is_ready else "starting")
+    state = get_state(request)
+    state.check_alive()
+    return Health(status="ok" if state.is_ready else "starting")
 
 
 @ops.get("/ready", response_model=Health, responses={503: {"model": ErrorResponse}},

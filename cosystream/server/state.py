@@ -42,10 +42,21 @@ class ServerState:
     def is_ready(self) -> bool:
         return self.ready_event.is_set() and self.warmup_error is None
 
+    def engine_error(self) -> BaseException | None:
+        """Why the engine loop stopped, or None while it runs (read from `engine.core.error`)."""
+        return getattr(getattr(self.engine, "core", None), "error", None)
+
+    def check_alive(self) -> None:
+        """503 engine_dead once the engine loop has stopped: only a restart helps then."""
+        error = self.engine_error()
+        if error is not None:
+            raise ApiError(503, "engine_dead", f"the engine stopped: {error!r}")
+
     def check_ready(self) -> None:
-        """503 not_ready (with Retry-After) until warm-up finished; engine_dead if it failed."""
+        """503 not_ready (with Retry-After) until warm-up finished; engine_dead if it failed or the engine stopped."""
         if self.warmup_error is not None:
             raise ApiError(503, "engine_dead", f"warm-up failed: {self.warmup_error!r}")
+        self.check_alive()
         if not self.is_ready:
             raise ApiError(503, "not_ready", "the engine is warming up", retry_after_s=self.settings.not_ready_retry_s)
 

@@ -189,13 +189,13 @@ class SlowWarmupEngine:
     def __init__(self) -> None:
         self.release = threading.Event()
         self.config = SimpleNamespace(max_text_chars=100)
-        self.core = SimpleNamespace(num_active=0, queue_depth=0)
+        self.core = SimpleNamespace(num_active=0, queue_depth=0, error=None)
 
     def warmup(self) -> None:
         assert self.release.wait(60)
 
 
-def test_ready_is_503_until_warmup_finished():
+def test_ready_is_503_until_warmup_finished_and_health_fails_once_the_engine_stopped():
     engine = SlowWarmupEngine()
     app = build_app(engine, ServerSettings(close_engine=False))
     with run_server(app) as base_url, httpx.Client(base_url=base_url, timeout=30) as c:
@@ -208,3 +208,6 @@ def test_ready_is_503_until_warmup_finished():
         assert app.state.server.ready_event.wait(30)
         assert c.get("/ready").json() == {"status": "ok"}
         assert "cosystream_engine_queue_depth 0.0" in c.get("/metrics").text
+        engine.core.error = RuntimeError("device lost")  # what EngineCore records when its loop dies
+        assert_error(c.get("/health"), 503, "engine_dead")
+        assert_error(c.get("/ready"), 503, "engine_dead")

@@ -118,3 +118,13 @@ def test_failed_registration_leaves_existing_voices_intact(client):
     assert client.get(f"/v1/voices/{VOICE}").json() == before
     spoken = client.post("/v1/tts", json={"text": TEXT, "voice": VOICE, "force_tokens": 2, "response_format": "pcm"})
     assert spoken.status_code == 200
+
+
+def test_audio_arrives_while_the_engine_is_still_working(live, client):
+    body = {"text": TEXT, "voice": VOICE, "force_tokens": 300, "response_format": "pcm"}
+    with client.stream("POST", "/v1/tts", json=body) as response:
+        pieces = response.iter_raw()
+        first = next(pieces)
+        assert live.engine.core.num_active == 1  # streamed: the request is still being synthesised
+        rest = b"".join(pieces)
+    assert decode(first + rest, "pcm").shape == (300 * SAMPLES_PER_TOKEN,)
