@@ -22,7 +22,7 @@ import torch
 from cosystream.engine.bistream import BistreamState, Feed
 from cosystream.engine.lm_runner import LMRunner, RowSampling
 from cosystream.engine.request import LMStatus, RequestState, Segment
-from cosystream.errors import EngineDead
+from cosystream.errors import BadInput, EngineDead
 from cosystream.outputs import AudioChunk
 
 log = logging.getLogger("cosystream.engine")
@@ -72,12 +72,16 @@ class EngineCore:
     def end_text(self, request_id: str) -> None:
         self.inbox.put(_Message("text_end", request_id))
 
-    def call(self, fn, *args) -> Any:
+    def call(self, fn, *args, timeout_s: float = 600.0) -> Any:
         """Run fn(*args) on the engine thread (GPU jobs such as voice caches) and wait for it."""
         self._check_alive()
         done, box = threading.Event(), {}
         self.inbox.put(_Message("call", (fn, args, done, box)))
-        done.wait()
+        while not done.wait(timeout=1.0):
+            self._check_alive()
+            timeout_s -= 1.0
+            if timeout_s <= 0:
+                raise EngineDead("engine did not answer in time")
         if "error" in box:
             raise box["error"]
         return box.get("result")
@@ -85,6 +89,18 @@ class EngineCore:
     def _check_alive(self) -> None:
         if self.error is not None or not self._thread.is_alive():
             raise EngineDead(f"engine thread is not running ({self.error!r})")
+
+    def stats(self) -> dict[str, float]:
+        """Gauges for /metrics (read from any thread; approximate by design)."""
+        out = {"num_active": float(len(self.requests)), "queue_depth": float(len(self.waiting)),
+               "num_free_slots": float(len(self.free_slots)), "num_steps": float(self.num_steps),
+               "alive": float(self.error is None and self._thread.is_alive())}
+        device = self.lm_runner.device
+        if device.type == "cuda":
+            out["gpu_memory_allocated_bytes"] = float(torch.cuda.memory_allocated(device))
+            out["gpu_memory_reserved_bytes"] = float(torch.cuda.memory_reserved(device))
+            out["gpu_memory_total_bytes"] = float(torch.cuda.get_device_properties(device).total_memory)
+        return out
 
     @property
     def num_active(self) -> int:
@@ -99,14 +115,34 @@ class EngineCore:
         try:
             torch.set_grad_enabled(False)
             while self._drain():
-                self._admit()
-                self._decode()
+                self._guarded(self._admit, self._admitting)
+                self._guarded(self._decode, self._decoding)
                 self._token2wav()
         except BaseException as e:  # the engine is dead: tell every waiting client
             log.exception("engine loop failed")
             self.error = e
             for req in list(self.requests.values()):
                 req.emit(EngineDead(f"engine failed: {e!r}"))
+
+    def _guarded(self, step, affected) -> None:
+        """Run one phase; if it fails, fail only the requests it was working on and go on serving."""
+        try:
+            step()
+        except Exception as e:
+            log.exception("engine step %s failed", step.__name__)
+            for req in affected():
+                self._fail(req, e)
+
+    def _fail(self, req: RequestState, error: Exception) -> None:
+        req.emit(error if isinstance(error, BadInput) else RuntimeError(f"synthesis failed: {error!r}"))
+        req.cancelled = True
+        self._finish(req)
+
+    def _admitting(self) -> list[RequestState]:
+        return [r for r in self.slot_owner.values() if r.lm_segment is not None and r.t_first_token is None]
+
+    def _decoding(self) -> list[RequestState]:
+        return list({id(r): r for r in self.slot_owner.values()}.values())
 
     def _busy(self) -> bool:
         """Is there work that needs no new message? (Rows parked for text are not work.)"""
@@ -349,7 +385,13 @@ class EngineCore:
                 seg.t2w = self.t2w.start(seg.inputs, req.voice_key, key=(req.request_id, req.audio_index),
                                          speed=req.speed, max_target_tokens=min(expected, 1024),
                                          seed=req.sampling.seed + req.audio_index)
-        results = self.t2w.run([(seg.t2w, seg.tokens, plan) for _, seg, plan in jobs])
+        try:
+            results = self.t2w.run([(seg.t2w, seg.tokens, plan) for _, seg, plan in jobs])
+        except Exception as e:
+            log.exception("token-to-wave batch failed")
+            for req, _, _ in jobs:
+                self._fail(req, e)
+            return
         now = time.perf_counter()
         for (req, seg, plan), (pcm, flow_s, vocoder_s) in zip(jobs, results, strict=True):
             self._emit(req, seg, plan, pcm, flow_s, vocoder_s, now)

@@ -13,12 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
-from cosystream.engine.graphs import maybe_compile
+from cosystream.engine.graphs import GraphCache, maybe_compile
 from cosystream.models.qwen2 import KVCache, SpeechLM
 from cosystream.models.sampling import SamplingBatch, sample_tokens
 
 _BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512)
 _LEN_BUCKETS = (256, 512, 1024, 2048, 4096, 8192)
+_PREFILL_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 1024, 1536, 2048)
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class LMRunner:
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self._forward = maybe_compile(lm.forward, compile)
         self._sample = maybe_compile(sample_tokens, compile)
+        self.prefill_graphs = GraphCache(self._prefill_core, self.device, self.use_graphs)
         self.batch_buckets = [b for b in _BATCH_BUCKETS if b < max_slots] + [max_slots]
         self.len_buckets = [n for n in _LEN_BUCKETS if n < max_len] + [max_len]
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -92,6 +94,8 @@ class LMRunner:
         n = embeds.shape[0]
         if start_pos + n >= self.max_len:
             raise ValueError(f"prompt of {start_pos + n} positions exceeds max_len {self.max_len}")
+        if self.use_graphs and start_pos == 0:
+            return self._prefill_graphed(slot, embeds)
         slots = torch.tensor([slot], device=self.device)
         start = torch.tensor([start_pos], device=self.device)
         h = self._forward(embeds.to(self.device, self.dtype).unsqueeze(0), start, self.cache,
@@ -100,6 +104,33 @@ class LMRunner:
         self._record(slice(slot, slot + 1), token, torch.ones(1, dtype=torch.bool, device=self.device))
         self.positions[slot] = start_pos + n
         return int(token[0])
+
+    def _prefill_graphed(self, slot: int, embeds: torch.Tensor) -> int:
+        """PERF: a new stream's prompt runs as one graph replay at a padded length bucket; the padding
+        sits after the prompt, so causal attention never lets the prompt see it, and its keys land at
+        positions the stream overwrites before reading them."""
+        n = embeds.shape[0]
+        padded = next(b for b in _PREFILL_BUCKETS + (self.max_len,) if b >= n)
+        padded = min(padded, self.max_len)
+        x = torch.zeros(1, padded, embeds.shape[1], device=self.device, dtype=self.dtype)
+        x[0, :n] = embeds.to(self.device, self.dtype)
+        slot_t = torch.tensor([slot], device=self.device)
+        last_t = torch.tensor([n - 1], device=self.device)
+        (token,) = self.prefill_graphs.run(padded, [x, slot_t, last_t])
+        return int(token[0])
+
+    def _prefill_core(self, x: torch.Tensor, slot: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor]:
+        zero = torch.zeros(1, device=self.device, dtype=torch.long)
+        h = self._forward(x, zero, self.cache, attn_len=x.shape[1], slots=slot)[0].index_select(0, last)
+        s = self.sampling
+        rows = SamplingBatch(*(getattr(s, f).index_select(0, slot) for f in SamplingBatch.__dataclass_fields__))
+        token = self._sample(self.lm.logp(h), rows, self.eos)
+        self.tokens.index_copy_(0, slot, token)
+        self.out.index_copy_(0, slot, token)
+        s.steps.index_copy_(0, slot, rows.steps + 1)
+        s.history.index_copy_(0, slot, torch.cat([rows.history[:, 1:], token.unsqueeze(1)], dim=1))
+        self.positions.index_copy_(0, slot, last + 1)
+        return (token,)
 
     def _record(self, rows: slice, token: torch.Tensor, active: torch.Tensor) -> None:
         # Rows that are not decoding (free, parked for text) keep their state untouched.

@@ -25,10 +25,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # PARITY: normalise in float32 then cast back (spec/llm.md §1).
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # PARITY: normalise in float32 then cast back (spec/llm.md §1); PERF: one fused kernel.
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 class KVCache(nn.Module):
@@ -88,11 +86,11 @@ class DecoderLayer(nn.Module):
         d = self.dims
         batch, n, _ = a.shape
         groups = d.num_heads // d.num_kv_heads
-        q, k, v = self.qkv_proj(a).split(
-            [d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim, d.num_kv_heads * d.head_dim], dim=-1)
-        q = apply_rope(q.view(batch, n, d.num_heads, d.head_dim), *rope)
-        k = apply_rope(k.view(batch, n, d.num_kv_heads, d.head_dim), *rope)
-        v = v.view(batch, n, d.num_kv_heads, d.head_dim)
+        qkv = self.qkv_proj(a).view(batch, n, d.num_heads + 2 * d.num_kv_heads, d.head_dim)
+        # PERF: rotate q and k heads in one pass
+        qk = apply_rope(qkv[:, :, :d.num_heads + d.num_kv_heads], *rope)
+        q, k = qk[:, :, :d.num_heads], qk[:, :, d.num_heads:]
+        v = qkv[:, :, d.num_heads + d.num_kv_heads:]
         rows, cols = write  # [B, n] each: cache row and position of every new token
         cache_k[rows, :, cols] = k
         cache_v[rows, :, cols] = v

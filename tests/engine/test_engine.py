@@ -137,3 +137,24 @@ def test_text_streaming_honours_forced_length(engine, voice):
         return sum([c.pcm.shape[0] async for c in engine.async_engine.synthesize(params)])
 
     assert engine.run(scenario()) == 960 * 40
+
+
+def test_a_failing_chunk_fails_only_its_request(engine, voice):
+    t2w = engine.async_engine.token2wav
+    original = t2w.run
+
+    def broken(jobs):
+        t2w.run = original  # fail once
+        raise RuntimeError("simulated device fault")
+
+    t2w.run = broken
+    with pytest.raises(RuntimeError, match="simulated device fault"):
+        engine.synthesize(SynthesisParams(text="this one breaks.", voice=voice, force_tokens=30))
+    ok = engine.synthesize(SynthesisParams(text="this one works.", voice=voice, force_tokens=30))
+    assert ok.pcm.shape[0] == 960 * 30
+    assert engine.async_engine.stats()["alive"] == 1.0
+
+
+def test_unaligned_first_hop_is_refused(engine, voice):
+    with pytest.raises(BadInput, match="first_hop"):
+        engine.synthesize(SynthesisParams(text="short hop.", voice=voice, first_hop=15))
