@@ -215,10 +215,12 @@ class AsyncEngine:
         return self.voices.get(name).info
 
     # ------------------------------------------------------------------ warm-up
-    def warmup(self) -> None:
-        """Capture CUDA graphs and run one request through every stage before serving."""
-        self.core.call(self.token2wav.warmup)
-        self.core.call(self.core.lm_runner.capture_all)
+    def warmup(self, prompt_tokens: int = 150, target_tokens: int = 250) -> int:
+        """Capture CUDA graphs before serving: every LM decode bucket, and the flow/HiFT shapes of the
+        chunk schedule for a prompt of `prompt_tokens` and `target_tokens` generated tokens at every
+        batch size. Other shapes are captured on first use. Returns the number of graphs."""
+        n = self.core.call(self.token2wav.warmup, prompt_tokens, target_tokens, self.config.schedule)
+        return n + self.core.call(self.core.lm_runner.capture_all)
 
 
 def _instruction(text: str) -> str:

@@ -359,15 +359,23 @@ class EngineCore:
     # ------------------------------------------------------------------ token -> wave
     def _has_audio_work(self, req: RequestState) -> bool:
         seg = req.audio_segment
-        if seg is None or req.cancelled:
+        if seg is None or req.cancelled or not self._can_voice(req, seg):
             return False
         return seg.lm_status == LMStatus.done or len(seg.tokens) >= seg.planner.tokens_needed()
+
+    def _can_voice(self, req: RequestState, seg: Segment) -> bool:
+        """A segment that has not started its audio needs a flow slot first."""
+        return seg.t2w is not None or self.t2w.can_start(seg.inputs, self._expected_tokens(req, seg))
+
+    @staticmethod
+    def _expected_tokens(req: RequestState, seg: Segment) -> int:
+        return min(req.force_tokens or seg.max_len, 1024)
 
     def _token2wav(self) -> None:
         jobs = []
         for req in self.requests.values():
             seg = req.audio_segment
-            if seg is None or req.cancelled:
+            if seg is None or req.cancelled or not self._can_voice(req, seg):
                 continue
             plan = seg.planner.next_plan(len(seg.tokens), seg.lm_status == LMStatus.done)
             if plan is not None:
@@ -381,9 +389,8 @@ class EngineCore:
     def _run_chunks(self, jobs: list) -> None:
         for req, seg, _ in jobs:
             if seg.t2w is None:
-                expected = req.force_tokens or seg.max_len
                 seg.t2w = self.t2w.start(seg.inputs, req.voice_key, key=(req.request_id, req.audio_index),
-                                         speed=req.speed, max_target_tokens=min(expected, 1024),
+                                         speed=req.speed, max_target_tokens=self._expected_tokens(req, seg),
                                          seed=req.sampling.seed + req.audio_index)
         try:
             results = self.t2w.run([(seg.t2w, seg.tokens, plan) for _, seg, plan in jobs])

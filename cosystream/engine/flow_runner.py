@@ -103,8 +103,7 @@ class FlowRunner:
                zip(streams, windows, strict=True)]
         num_new = mus[0].shape[1]
         b, padded = len(streams), bucket(len(streams))
-        attn_len = -(-(max(starts) + num_new) // _LEN_BUCKET) * _LEN_BUCKET
-        attn_len = min(attn_len, self.max_frames)
+        attn_len = self.attn_len_for(max(starts) + num_new)
         z = torch.zeros(padded, self.cfm.num_bins, num_new, device=self.device)
         z[:b] = torch.cat([self.cfm.noise(f0, num_new) for f0 in starts]).to(self.device)
         mu = torch.zeros(padded, self.cfm.num_bins, num_new, device=self.device, dtype=self.dtype)
@@ -121,6 +120,22 @@ class FlowRunner:
         marker = torch.empty(attn_len, device=self.device, dtype=torch.int8)
         (x,) = self.graphs.run((padded, num_new, attn_len), [z, mu, spks, cond, slots, start_t, marker])
         return [x[i].clone() for i in range(b)]
+
+    def capture(self, batch: int, num_new: int, attn_len: int) -> None:
+        """Capture the graph for one shape ahead of traffic, on the scratch slot (warm-up)."""
+        if (batch, num_new, attn_len) in self.graphs.graphs or not self.graphs.enabled:
+            return
+        bins, dev = self.cfm.num_bins, self.device
+        z = torch.zeros(batch, bins, num_new, device=dev)
+        mu = torch.zeros(batch, bins, num_new, device=dev, dtype=self.dtype)
+        slots = torch.full((batch,), self.scratch, device=dev, dtype=torch.long)
+        starts = torch.zeros(batch, device=dev, dtype=torch.long)
+        marker = torch.empty(attn_len, device=dev, dtype=torch.int8)
+        spks = torch.zeros(batch, bins, device=dev, dtype=self.dtype)
+        self.graphs.run((batch, num_new, attn_len), [z, mu, spks, torch.zeros_like(mu), slots, starts, marker])
+
+    def attn_len_for(self, end_frame: int) -> int:
+        return min(-(-end_frame // _LEN_BUCKET) * _LEN_BUCKET, self.max_frames)
 
     def _ode(self, z, mu, spks, cond, slots, starts, marker) -> tuple[torch.Tensor]:
         """The 10-step CFG Euler ODE for a padded batch (graph body: static shapes, no host syncs)."""

@@ -236,9 +236,49 @@ class Token2WavRunner:
         st.wav_cache = wav[-self.overlap:]
         return wav[:-self.overlap]
 
-    def warmup(self) -> None:
-        """Nothing to capture yet on this path; kept so the server's warm-up has one entry point."""
-        return None
+    def can_start(self, inputs: Any, max_target_tokens: int) -> bool:
+        """False while a stream that would fit the pool must wait for a free slot (the eager path is
+        for streams too long for any slot: it is an order of magnitude slower)."""
+        if self.pool is None:
+            return True
+        frames = UPSAMPLE * (int(inputs.flow_prompt_speech_tokens.shape[0]) + max_target_tokens)
+        return bool(self.pool.free) or frames > self.pool.max_frames
+
+    @torch.inference_mode()
+    def warmup(self, prompt_tokens: int = 150, target_tokens: int = 250, schedule=None) -> int:
+        """Capture the flow and HiFT graphs a steady stream of requests with this prompt and length
+        will use, for every batch bucket up to the pool size; returns the number of graphs."""
+        if self.pool is None or not self.pool.graphs.enabled:
+            return 0
+        from cosystream.config import ChunkSchedule
+        from cosystream.engine.chunking import ChunkPlanner
+
+        planner = ChunkPlanner(schedule or ChunkSchedule(), prompt_tokens)
+        frame = UPSAMPLE * self.stream.prompt_cache_tokens(prompt_tokens)
+        shapes, mel_lengths, cached = [], [], False
+        while (plan := planner.next_plan(target_tokens, done=True)) is not None:
+            end = UPSAMPLE * (prompt_tokens + plan.offset + plan.num_new)
+            if not plan.is_final or self.final_attention == "chunk":
+                shapes.append((end - frame, self.pool.attn_len_for(end)))
+            mel_lengths.append((2 * plan.num_new + (MEL_CACHE_FRAMES if cached else 0), cached))
+            frame, cached = end, True
+        batches = [b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64) if b <= bucket(len(self.pool.free))]
+        for b in batches:
+            for num_new, attn_len in shapes:
+                self.pool.capture(b, num_new, attn_len)
+            for frames, has_cache in mel_lengths:
+                self._capture_hift(b, frames, has_cache)
+        return len(self.pool.graphs.graphs) + len(self.hift_first.graphs) + len(self.hift_next.graphs)
+
+    def _capture_hift(self, batch: int, frames: int, has_cache: bool) -> None:
+        mel = torch.zeros(batch, self.hift.conv_pre.weight.shape[1], frames, device=self.device,
+                          dtype=self.hift.conv_pre.weight.dtype)
+        noise = torch.zeros(batch, frames * self.hift.upsample_scale, self.hift.m_source.num_harmonics,
+                            device=self.device)
+        if has_cache:
+            self.hift_next.run((batch, frames), [mel, torch.zeros(batch, 1, self.overlap, device=self.device), noise])
+        else:
+            self.hift_first.run((batch, frames), [mel, noise])
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
