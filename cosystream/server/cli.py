@@ -27,6 +27,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     serve.add_argument("--voices-db", default=None, help="voice database (default: $COSYSTREAM_HOME/voices.db)")
     serve.add_argument("--max-streams", type=int, default=None, help="concurrent streams (EngineConfig.max_streams)")
     serve.add_argument("--max-upload-mb", type=float, default=20.0, help="largest request body, MiB (413 above)")
+    serve.add_argument("--config", action="append", default=[], metavar="FIELD=VALUE",
+                       help="any EngineConfig field, e.g. final_attention=chunk, flow_slots=28, flow_frames=832")
     serve.add_argument("--no-warmup", action="store_true", help="skip CUDA graph capture at start (debugging)")
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     serve.set_defaults(handler=run_serve)
@@ -37,11 +39,18 @@ def run_serve(args: argparse.Namespace) -> int:
     from cosystream.server.app import serve
 
     settings = ServerSettings(max_upload_bytes=int(args.max_upload_mb * MIB), warmup=not args.no_warmup)
-    engine_kwargs = {"max_streams": args.max_streams} if args.max_streams is not None else {}
+    engine_kwargs: dict = {"max_streams": args.max_streams} if args.max_streams is not None else {}
+    for item in args.config:
+        key, sep, value = item.partition("=")
+        if not sep:
+            print(f"cosystream serve: error: --config {item!r}: expected FIELD=VALUE",
+                  file=sys.stderr)
+            return EXIT_USAGE
+        engine_kwargs[key] = int(value) if value.lstrip("-").isdigit() else value
     try:
         serve(args.model_dir, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
               voices_db=args.voices_db, settings=settings, log_level=args.log_level, **engine_kwargs)
-    except (CosyStreamError, ValueError) as exc:  # bad model dir or engine setting: one line, not a traceback
+    except (CosyStreamError, ValueError, TypeError) as exc:  # bad model dir or setting: one line, no traceback
         print(f"cosystream serve: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     return 0
