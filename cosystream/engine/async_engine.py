@@ -235,8 +235,7 @@ def _check_params(p: SynthesisParams) -> None:
         raise BadInput(f"speed: must be in (0, 4], got {p.speed}")
     if p.speed != 1.0 and p.stream:
         raise BadInput("speed: changing speed needs stream=false (the official model allows it offline only)")
-    if p.first_hop is not None and (p.first_hop % 25 or not 25 <= p.first_hop <= 100):
-        # The incremental flow is exact only when chunks end on its 25-token attention blocks.
-        raise BadInput(f"first_hop: must be 25, 50, 75 or 100 speech tokens, got {p.first_hop}")
+    if p.first_hop is not None and not 1 <= p.first_hop <= 100:
+        raise BadInput(f"first_hop: must be in [1, 100] speech tokens, got {p.first_hop}")
     if p.force_tokens is not None and not 1 <= p.force_tokens <= 4000:
         raise BadInput(f"force_tokens: must be in [1, 4000], got {p.force_tokens}")

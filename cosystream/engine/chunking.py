@@ -22,6 +22,7 @@ class ChunkPlan:
     num_new: int
     token_end: int
     is_final: bool
+    provisional: bool = False  # ends inside an attention block: computed but not kept as final state
 
 
 class ChunkPlanner:
@@ -32,15 +33,23 @@ class ChunkPlanner:
         self.growth = schedule.growth
         self.stream = stream
         self.hop = first_hop or schedule.first_hop
+        self.prompt_len, self.block = prompt_len, block
         # PARITY: pad the first hop so prompt + first hop ends on an attention-block boundary.
         self.pad = (math.ceil(prompt_len / block) * block - prompt_len) if schedule.pad_prompt else 0
+        if (prompt_len + self.hop + self.pad) % block:
+            # A short first hop chosen for latency: no padding; the chunk is provisional and every
+            # later chunk ends on a block boundary again.
+            self.pad = 0
         self.offset = 0
         self.index = 0
         self.finished = False
 
     @property
     def this_hop(self) -> int:
-        return self.hop + self.pad if self.offset == 0 else self.hop
+        if self.offset == 0:
+            return self.hop + self.pad
+        end = math.ceil((self.prompt_len + self.offset + self.hop) / self.block) * self.block
+        return end - self.prompt_len - self.offset
 
     def tokens_needed(self) -> int:
         """Tokens that must exist before the next non-final chunk is ready."""
@@ -52,7 +61,9 @@ class ChunkPlanner:
         if self.finished:
             return None
         if self.stream and available >= self.tokens_needed():
-            plan = ChunkPlan(self.index, self.offset, self.this_hop, self.tokens_needed(), is_final=False)
+            provisional = (self.prompt_len + self.offset + self.this_hop) % self.block != 0
+            plan = ChunkPlan(self.index, self.offset, self.this_hop, self.tokens_needed(), is_final=False,
+                             provisional=provisional)
             self.offset += self.this_hop
             self.hop = min(self.max_hop, int(self.hop * self.growth))
             self.index += 1

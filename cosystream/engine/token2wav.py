@@ -129,9 +129,12 @@ class Token2WavRunner:
     def _flow(self, jobs: Sequence[tuple[Token2WavState, list[int], ChunkPlan]]) -> list[torch.Tensor]:
         """New target mel [80, F] per job; chunks adding equal frame counts share one batch."""
         mels: list[torch.Tensor | None] = [None] * len(jobs)
-        groups: dict[tuple[bool, int], list[int]] = {}
+        groups: dict[tuple[bool, int, bool], list[tuple[int, tuple]]] = {}
         for i, (st, tokens, plan) in enumerate(jobs):
             ids = self._tokens(tokens[:plan.token_end])
+            if plan.provisional:
+                mels[i] = self._provisional(st, ids, plan)
+                continue
             window = self.stream._window(st.flow, ids, finalize=plan.is_final)
             self._spill_if_full(st, window[0].shape[0])
             pooled = isinstance(st.flow, PooledStream)
@@ -140,30 +143,57 @@ class Token2WavRunner:
                 st.flow.is_finished = True
                 self.release(st)
             elif plan.is_final and (self.final_attention == "full" or not pooled):
-                mels[i] = self._finish_eager(st, ids)
+                mels[i] = self._finish_eager(st, ids, plan)
             else:
-                groups.setdefault((pooled, window[0].shape[0], plan.is_final), []).append((i, ids, window))
+                groups.setdefault((pooled, window[0].shape[0], plan.is_final), []).append((i, window))
         for (pooled, _, final), members in groups.items():
-            states = [jobs[i][0] for i, _, _ in members]
+            states = [jobs[i][0] for i, _ in members]
+            starts = [st.flow.num_frames for st in states]
+            windows = [w for _, w in members]
             if pooled:
-                starts = [st.flow.num_frames for st in states]
-                out = self.pool.advance([st.flow for st in states], [w for _, _, w in members])
-                out = [self.stream._target_frames(st.flow, m[None], f0)[0]
-                       for st, m, f0 in zip(states, out, starts, strict=True)]
-                if final:
-                    for st in states:
-                        st.flow.is_finished = True
-                        self.release(st)
+                out = self.pool.advance([st.flow for st in states], windows)
             else:
-                out = [m[0] for m in self.stream.feed_batch([st.flow for st in states], [t for _, t, _ in members])]
-            for (i, _, _), mel in zip(members, out, strict=True):
-                mels[i] = mel
+                out = [m[0] for m in self.stream._advance([st.flow for st in states], windows, streaming=True)]
+            for (i, _), st, m, f0 in zip(members, states, out, starts, strict=True):
+                mels[i] = m[:, self._emitted_from(st, jobs[i][2]) - f0:]
+                if final:
+                    st.flow.is_finished = True
+                    self.release(st)
         return mels  # type: ignore[return-value]
 
-    def _finish_eager(self, st: Token2WavState, ids: torch.Tensor) -> torch.Tensor:
+    def _emitted_from(self, st: Token2WavState, plan: ChunkPlan) -> int:
+        """Absolute frame where this chunk's audio starts (frames before it were already voiced)."""
+        return UPSAMPLE * (st.flow.prompt.prompt_tokens.shape[0] + plan.offset)
+
+    def _provisional(self, st: Token2WavState, ids: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
+        """A chunk that ends inside an attention block (a short first hop): computed like any chunk,
+        then the stream's state is put back, so the next, block-aligned chunk recomputes these frames
+        exactly and only their audio comes from here."""
+        flow = st.flow
+        p = flow.prompt.prompt_tokens
+        all_ids = torch.cat([p, ids[0].to(p.device, torch.long)])
+        end = all_ids.shape[0] - self.stream.lookahead
+        window = (all_ids[flow.num_tokens:end], all_ids[end:])
+        enc = flow.encoder
+        saved = (enc.num_tokens, enc.lookahead_tail.clone(), enc.up_tail.clone())
+        start = flow.num_frames
+        if isinstance(flow, PooledStream):
+            rows = slice(2 * flow.slot, 2 * flow.slot + 2)
+            conv = self.pool.conv[:, rows].clone()
+            mel = self.pool.advance([flow], [window])[0]
+            self.pool.conv[:, rows] = conv
+        else:
+            conv = flow.conv.clone()
+            mel = self.stream._advance([flow], [window], streaming=True)[0][0]
+            flow.conv = conv
+        enc.num_tokens, enc.lookahead_tail, enc.up_tail = saved
+        return mel[:, self._emitted_from(st, plan) - start:]
+
+    def _finish_eager(self, st: Token2WavState, ids: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
+        first_returned = max(UPSAMPLE * st.flow.prompt.prompt_tokens.shape[0], st.flow.num_frames)
         mel = self.stream.finish(st.flow, ids)[0]
         self.release(st)
-        return mel
+        return mel[:, self._emitted_from(st, plan) - first_returned:]
 
     def _spill_if_full(self, st: Token2WavState, new_tokens: int) -> None:
         """A pooled stream about to outgrow its slot continues on the eager path."""

@@ -54,3 +54,12 @@ def test_non_streaming_is_one_final_chunk():
 def test_bad_schedule_is_rejected():
     with pytest.raises(ValueError, match="first_hop"):
         ChunkSchedule(first_hop=0).validate()
+
+
+def test_short_first_hop_is_provisional_and_later_chunks_realign():
+    plans = _run(ChunkPlanner(ChunkSchedule(), prompt_len=150, first_hop=15), total=300)
+    assert (plans[0].offset, plans[0].num_new, plans[0].token_end, plans[0].provisional) == (0, 15, 18, True)
+    for p in plans[1:-1]:
+        assert not p.provisional and (150 + p.offset + p.num_new) % 25 == 0
+    assert plans[1].num_new == 35  # 15 -> 30 grown, then extended to the block boundary at 200
+    assert sum(p.num_new for p in plans) == 300

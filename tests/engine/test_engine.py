@@ -155,6 +155,10 @@ def test_a_failing_chunk_fails_only_its_request(engine, voice):
     assert engine.async_engine.stats()["alive"] == 1.0
 
 
-def test_unaligned_first_hop_is_refused(engine, voice):
+def test_short_first_hops_stream_every_sample_once(engine, voice):
+    for hop in (5, 15):
+        chunks = list(engine.stream(SynthesisParams(text="short hop.", voice=voice, first_hop=hop, force_tokens=60)))
+        assert sum(c.pcm.shape[0] for c in chunks) == 960 * 60
+        assert chunks[0].pcm.shape[0] == 960 * hop - 3840  # the first chunk holds back 8 mel frames
     with pytest.raises(BadInput, match="first_hop"):
-        engine.synthesize(SynthesisParams(text="short hop.", voice=voice, first_hop=15))
+        engine.synthesize(SynthesisParams(text="short hop.", voice=voice, first_hop=0))

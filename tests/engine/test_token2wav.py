@@ -87,3 +87,26 @@ def test_batched_chunks_equal_chunks_run_alone(models, load_fixture):
     for name in ("a", "b"):
         for alone, together in zip(results[name], batched[name], strict=True):
             torch.testing.assert_close(together, alone, atol=ATOL, rtol=0)
+
+
+def test_short_first_hop(models, load_fixture):
+    """first_hop 15: the first chunk is provisional; the next one recomputes the block exactly, so its
+    frames equal the official streaming flow over the same tokens, and nothing is voiced twice."""
+    f = load_fixture("stream")
+    flow, _ = models
+    runner = Token2WavRunner(*models, EngineConfig())
+    tokens = f["token"][0].tolist()[:120]
+    prompt_len = f["prompt_token"].shape[1]
+    planner = ChunkPlanner(ChunkSchedule(), prompt_len, first_hop=15)
+    state = runner.start(_inputs(f), None)
+    plans, mels = [], []
+    while (plan := planner.next_plan(len(tokens), done=True)) is not None:
+        plans.append(plan)
+        mels.append(runner._flow([(state, tokens, plan)])[0])
+    assert plans[0].provisional and plans[0].num_new == 15 and not plans[1].provisional
+    assert [m.shape[-1] for m in mels] == [2 * p.num_new for p in plans]
+    second = plans[1]
+    official = flow.inference(torch.tensor([tokens[:second.token_end]]), f["prompt_token"], f["prompt_feat"],
+                              f["embedding"], streaming=True, finalize=False)
+    torch.testing.assert_close(mels[1], official[0, :, 2 * second.offset:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(mels[0], official[0, :, :30], atol=0.5, rtol=0)  # same region, partial block
