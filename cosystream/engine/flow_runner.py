@@ -60,6 +60,7 @@ class FlowRunner:
         self.scratch = num_slots
         self.chunk = est.dims.static_chunk_size
         self.graphs = GraphCache(self._ode, self.device, use_graphs)
+        self.full_graphs = GraphCache(self._ode_full, self.device, use_graphs)
         self._step = maybe_compile(est.step, compile)
 
     # ------------------------------------------------------------------ slots
@@ -134,17 +135,68 @@ class FlowRunner:
         spks = torch.zeros(batch, bins, device=dev, dtype=self.dtype)
         self.graphs.run((batch, num_new, attn_len), [z, mu, spks, torch.zeros_like(mu), slots, starts, marker])
 
+    def capture_full(self, num_frames: int) -> None:
+        """Capture the full-attention final pass for `num_frames` (prompt included) ahead of traffic."""
+        padded = -(-num_frames // _LEN_BUCKET) * _LEN_BUCKET
+        if padded > self.max_frames or padded in self.full_graphs.graphs or not self.full_graphs.enabled:
+            return
+        bins, dev = self.cfm.num_bins, self.device
+        mu = torch.zeros(1, bins, padded, device=dev, dtype=self.dtype)
+        slots = torch.full((1,), self.scratch, device=dev, dtype=torch.long)
+        valid = torch.full((1,), num_frames, device=dev, dtype=torch.long)
+        self.full_graphs.run(padded, [torch.zeros(1, bins, padded, device=dev), mu, torch.zeros(1, bins, device=dev,
+                             dtype=self.dtype), torch.zeros_like(mu), slots, valid,
+                             torch.empty(padded, device=dev, dtype=torch.int8)])
+
     def attn_len_for(self, end_frame: int) -> int:
         return min(-(-end_frame // _LEN_BUCKET) * _LEN_BUCKET, self.max_frames)
+
+    @torch.inference_mode()
+    def full_pass(self, prompt: PromptCache, target_ids: torch.Tensor) -> torch.Tensor | None:
+        """The official final call (full attention, zero look-ahead) over prompt + every target token, as
+        one graph on the scratch slot at a padded length. Returns mel [80, F] (prompt frames included),
+        or None when it does not fit the pool (the caller then runs it eagerly)."""
+        all_ids = torch.cat([prompt.prompt_tokens, target_ids.to(prompt.prompt_tokens.device, torch.long)])
+        frames = UPSAMPLE * all_ids.shape[0]
+        padded = -(-frames // _LEN_BUCKET) * _LEN_BUCKET
+        if padded > self.max_frames:
+            return None
+        h = self.flow.encode(all_ids[None], streaming=False, finalize=True)
+        bins, dev = self.cfm.num_bins, self.device
+        mu = torch.zeros(1, bins, padded, device=dev, dtype=self.dtype)
+        mu[0, :, :frames] = self.flow.encoder_proj(h)[0].T
+        z = torch.zeros(1, bins, padded, device=dev)
+        z[:, :, :frames] = self.cfm.noise(0, frames).to(dev)
+        cond = torch.zeros_like(mu)
+        cond[0, :, :prompt.prompt_mel.shape[0]] = prompt.prompt_mel.T
+        slots = torch.full((1,), self.scratch, device=dev, dtype=torch.long)
+        valid = torch.full((1,), frames, device=dev, dtype=torch.long)
+        marker = torch.empty(padded, device=dev, dtype=torch.int8)
+        (x,) = self.full_graphs.run(padded, [z, mu, prompt.spks[None].to(self.dtype), cond, slots, valid, marker])
+        return x[0, :, :frames].clone()
+
+    def _ode_full(self, z, mu, spks, cond, slots, valid, marker) -> tuple[torch.Tensor]:
+        """Full attention over the first `valid` frames; the scratch rows start with zero conv tails."""
+        rows = torch.stack([2 * slots, 2 * slots + 1], dim=1).flatten()
+        self.conv[:, rows] = 0
+        k_pos = torch.arange(marker.shape[0], device=z.device)
+        visible = (k_pos < valid.view(-1, 1, 1)).expand(-1, z.shape[-1], -1)
+        starts = torch.zeros_like(valid)
+        return self._integrate(z, mu, spks, cond, slots, starts, visible)
 
     def _ode(self, z, mu, spks, cond, slots, starts, marker) -> tuple[torch.Tensor]:
         """The 10-step CFG Euler ODE for a padded batch (graph body: static shapes, no host syncs)."""
         num_new, attn_len = z.shape[-1], marker.shape[0]
-        rows = torch.stack([2 * slots, 2 * slots + 1], dim=1).flatten()  # [2B]: (cond, uncond) per stream
         q_pos = starts.unsqueeze(1) + torch.arange(num_new, device=z.device)  # [B, C]
         k_pos = torch.arange(attn_len, device=z.device)
         chunk_end = (torch.div(q_pos, self.chunk, rounding_mode="floor") + 1) * self.chunk
         visible = (k_pos < chunk_end.unsqueeze(-1)) & (k_pos <= q_pos[:, -1:].unsqueeze(-1))
+        return self._integrate(z, mu, spks, cond, slots, starts, visible)
+
+    def _integrate(self, z, mu, spks, cond, slots, starts, visible) -> tuple[torch.Tensor]:
+        num_new = z.shape[-1]
+        rows = torch.stack([2 * slots, 2 * slots + 1], dim=1).flatten()  # [2B]: (cond, uncond) per stream
+        q_pos = starts.unsqueeze(1) + torch.arange(num_new, device=z.device)  # [B, C]
         bias = torch.where(visible, 0.0, masked_value(self.dtype)).to(self.dtype)
         bias = bias.repeat_interleave(2, dim=0).unsqueeze(1)  # [2B, 1, C, L]
         write_pos = q_pos.repeat_interleave(2, dim=0)

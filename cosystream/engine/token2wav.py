@@ -190,6 +190,12 @@ class Token2WavRunner:
         return mel[:, self._emitted_from(st, plan) - start:]
 
     def _finish_eager(self, st: Token2WavState, ids: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
+        if self.pool is not None:
+            mel = self.pool.full_pass(st.flow.prompt, ids[0])
+            if mel is not None:
+                st.flow.is_finished = True
+                self.release(st)
+                return mel[:, self._emitted_from(st, plan):]
         first_returned = max(UPSAMPLE * st.flow.prompt.prompt_tokens.shape[0], st.flow.num_frames)
         mel = self.stream.finish(st.flow, ids)[0]
         self.release(st)
@@ -292,13 +298,16 @@ class Token2WavRunner:
                 shapes.append((end - frame, self.pool.attn_len_for(end)))
             mel_lengths.append((2 * plan.num_new + (MEL_CACHE_FRAMES if cached else 0), cached))
             frame, cached = end, True
+        if self.final_attention == "full":
+            self.pool.capture_full(UPSAMPLE * (prompt_tokens + target_tokens))
         batches = [b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64) if b <= bucket(len(self.pool.free))]
         for b in batches:
             for num_new, attn_len in shapes:
                 self.pool.capture(b, num_new, attn_len)
             for frames, has_cache in mel_lengths:
                 self._capture_hift(b, frames, has_cache)
-        return len(self.pool.graphs.graphs) + len(self.hift_first.graphs) + len(self.hift_next.graphs)
+        return (len(self.pool.graphs.graphs) + len(self.pool.full_graphs.graphs) + len(self.hift_first.graphs)
+                + len(self.hift_next.graphs))
 
     def _capture_hift(self, batch: int, frames: int, has_cache: bool) -> None:
         mel = torch.zeros(batch, self.hift.conv_pre.weight.shape[1], frames, device=self.device,
