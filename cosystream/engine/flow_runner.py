@@ -137,8 +137,10 @@ class FlowRunner:
 
     def capture_full(self, num_frames: int) -> None:
         """Capture the full-attention final pass for `num_frames` (prompt included) ahead of traffic."""
-        padded = -(-num_frames // _LEN_BUCKET) * _LEN_BUCKET
-        if padded > self.max_frames or padded in self.full_graphs.graphs or not self.full_graphs.enabled:
+        if num_frames > self.max_frames or not self.full_graphs.enabled:
+            return
+        padded = self._full_length(num_frames)
+        if padded in self.full_graphs.graphs:
             return
         bins, dev = self.cfm.num_bins, self.device
         mu = torch.zeros(1, bins, padded, device=dev, dtype=self.dtype)
@@ -147,6 +149,9 @@ class FlowRunner:
         self.full_graphs.run(padded, [torch.zeros(1, bins, padded, device=dev), mu, torch.zeros(1, bins, device=dev,
                              dtype=self.dtype), torch.zeros_like(mu), slots, valid,
                              torch.empty(padded, device=dev, dtype=torch.int8)])
+
+    def _full_length(self, num_frames: int) -> int:
+        return min(-(-num_frames // _LEN_BUCKET) * _LEN_BUCKET, self.max_frames)
 
     def attn_len_for(self, end_frame: int) -> int:
         return min(-(-end_frame // _LEN_BUCKET) * _LEN_BUCKET, self.max_frames)
@@ -158,9 +163,9 @@ class FlowRunner:
         or None when it does not fit the pool (the caller then runs it eagerly)."""
         all_ids = torch.cat([prompt.prompt_tokens, target_ids.to(prompt.prompt_tokens.device, torch.long)])
         frames = UPSAMPLE * all_ids.shape[0]
-        padded = -(-frames // _LEN_BUCKET) * _LEN_BUCKET
-        if padded > self.max_frames:
+        if frames > self.max_frames:
             return None
+        padded = self._full_length(frames)
         h = self.flow.encode(all_ids[None], streaming=False, finalize=True)
         bins, dev = self.cfm.num_bins, self.device
         mu = torch.zeros(1, bins, padded, device=dev, dtype=self.dtype)
