@@ -183,7 +183,7 @@ class FlowRunner:
     def _ode_full(self, z, mu, spks, cond, slots, valid, marker) -> tuple[torch.Tensor]:
         """Full attention over the first `valid` frames; the scratch rows start with zero conv tails."""
         rows = torch.stack([2 * slots, 2 * slots + 1], dim=1).flatten()
-        self.conv[:, rows] = 0
+        self.conv.index_fill_(1, rows, 0)
         k_pos = torch.arange(marker.shape[0], device=z.device)
         visible = (k_pos < valid.view(-1, 1, 1)).expand(-1, z.shape[-1], -1)
         starts = torch.zeros_like(valid)
