@@ -139,6 +139,11 @@ def test_real_size_parameter_counts_match_cosyvoice2_0_5b():
     (folder / "config.json").write_text(json.dumps(qwen_config(SIZES["0.5b"])))
     hp = load_hparams(folder / "cosyvoice2.yaml", folder / "config.json")
     with torch.device("meta"):
-        counts = [sum(p.numel() for p in m.parameters()) for m in (SpeechLM(hp.llm), Flow(hp.flow),
-                                                                   HiFTGenerator(hp.hift))]
+        lm, flow, hift = SpeechLM(hp.llm), Flow(hp.flow), HiFTGenerator(hp.hift)
+    # the official file stores each weight-normalised conv as g [d0, 1, 1] and v: d0 more values than ours
+    from cosystream.models.hift import is_weight_norm_key
+
+    hift_official = sum(p.numel() for p in hift.parameters()) + sum(
+        p.shape[0] for k, p in hift.state_dict().items() if is_weight_norm_key(k))
+    counts = [sum(p.numel() for p in m.parameters()) for m in (lm, flow)] + [hift_official]
     assert counts == [505_803_812, 112_549_360, 20_821_295]
