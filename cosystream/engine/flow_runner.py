@@ -19,7 +19,7 @@ import torch
 from cosystream.engine.graphs import GraphCache, bucket, maybe_compile
 from cosystream.models.estimator import PooledKV, masked_value
 from cosystream.models.flow import UPSAMPLE, EncoderState, Flow
-from cosystream.models.flow_stream import PromptCache
+from cosystream.models.flow_stream import FlowStream, PromptCache
 
 _LEN_BUCKET = 128  # attended frames are rounded up to a multiple of this (fewer graphs, little waste)
 
@@ -75,14 +75,7 @@ class FlowRunner:
         n = prompt.kv.shape[-2]
         self.kv[:, :, :, rows, :n] = prompt.kv
         self.conv[:, rows] = prompt.conv
-        capacity = self.max_frames // UPSAMPLE
-        encoder = self.flow.encoder.new_state(capacity)
-        m = prompt.num_tokens
-        encoder.kv_tokens[:, :, :m] = prompt.encoder.kv_tokens
-        encoder.kv_frames[:, :, :UPSAMPLE * m] = prompt.encoder.kv_frames
-        encoder.lookahead_tail = prompt.encoder.lookahead_tail.clone()
-        encoder.up_tail = prompt.encoder.up_tail.clone()
-        encoder.num_tokens = m
+        encoder = FlowStream(self.flow).encoder_from_prompt(prompt, self.max_frames // UPSAMPLE)
         return PooledStream(slot, prompt, encoder)
 
     def close(self, stream: PooledStream) -> None:

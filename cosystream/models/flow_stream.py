@@ -161,16 +161,22 @@ class FlowStream:
         return PromptCache(empty.prompt_tokens, empty.prompt_mel, empty.spks, state.encoder.trimmed(),
                            state.kv[..., :state.num_frames, :].clone(), state.conv.clone())
 
-    def start(self, prompt: PromptCache, max_target_tokens: int = 0) -> FlowStreamState:
-        """A request's state, with caches sized for prompt + max_target_tokens (they grow if exceeded)."""
-        capacity = prompt.prompt_tokens.shape[0] + max_target_tokens
-        encoder = self.flow.encoder.new_state(capacity)
+    def encoder_from_prompt(self, prompt: PromptCache, capacity_tokens: int) -> EncoderState:
+        """A fresh encoder state of `capacity_tokens` that continues right after the voice's prompt."""
+        encoder = self.flow.encoder.new_state(capacity_tokens)
         n = prompt.num_tokens
         encoder.kv_tokens[:, :, :n] = prompt.encoder.kv_tokens
         encoder.kv_frames[:, :, :UPSAMPLE * n] = prompt.encoder.kv_frames
         encoder.lookahead_tail = prompt.encoder.lookahead_tail.clone()
         encoder.up_tail = prompt.encoder.up_tail.clone()
         encoder.num_tokens = n
+        return encoder
+
+    def start(self, prompt: PromptCache, max_target_tokens: int = 0) -> FlowStreamState:
+        """A request's state, with caches sized for prompt + max_target_tokens (they grow if exceeded)."""
+        capacity = prompt.prompt_tokens.shape[0] + max_target_tokens
+        encoder = self.encoder_from_prompt(prompt, capacity)
+        n = prompt.num_tokens
         kv = prompt.kv.new_zeros(*prompt.kv.shape[:4], UPSAMPLE * capacity, prompt.kv.shape[-1])
         kv[..., :UPSAMPLE * n, :] = prompt.kv
         return FlowStreamState(prompt, encoder, kv, prompt.conv.clone())
