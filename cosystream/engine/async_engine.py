@@ -28,11 +28,12 @@ from cosystream.engine.loader import load_flow, load_hift, load_llm
 from cosystream.engine.request import RequestState, Segment
 from cosystream.engine.token2wav import Token2WavRunner
 from cosystream.engine.voices import VoiceInfo, VoiceStore, check_voice_name, default_db_path
-from cosystream.errors import BadInput, Overloaded, VoiceExists
+from cosystream.errors import BadInput, CosyStreamError, Overloaded, VoiceExists
 from cosystream.frontend import Frontend, ModelInputs, VoicePrompt
 from cosystream.outputs import AudioChunk
 from cosystream.params import Mode, SynthesisParams
 
+_CACHE_PREFIX = "flow_prompt_cache."  # voice-record extras holding the encoded flow prompt
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -52,6 +53,10 @@ class AsyncEngine:
         self.core = EngineCore(lm_runner, t2w, self.lm)
         self.pool = ThreadPoolExecutor(max_workers=config.frontend_threads, thread_name_prefix="frontend")
         self._voice_prompts: dict[str, VoicePrompt] = {}
+        self._voice_caches: dict[str, dict[str, torch.Tensor]] = {}  # stored flow prompt caches (CPU)
+        persist = config.persist_voice_caches
+        if persist or (persist is None and device.type == "cpu"):
+            t2w.on_new_voice_cache = self._store_voice_cache
         self.core.start()
 
     @classmethod
@@ -120,6 +125,7 @@ class AsyncEngine:
         return RequestState(
             request_id=params.request_id or uuid.uuid4().hex, segments=segments,
             sampling=self._row_sampling(params), emit=emit, voice_key=voice_key, voice=voice,
+            voice_cache=self._voice_caches.get(voice_key) if voice_key else None,
             force_tokens=params.force_tokens, speed=params.speed)
 
     def _model_inputs(self, params: SynthesisParams, voice: VoicePrompt | None) -> list[ModelInputs]:
@@ -187,8 +193,24 @@ class AsyncEngine:
     # ------------------------------------------------------------------ voices
     def voice_prompt(self, name: str) -> VoicePrompt:
         if name not in self._voice_prompts:
-            self._voice_prompts[name] = self.voices.get(name).prompt
+            record = self.voices.get(name)
+            cache = {k[len(_CACHE_PREFIX):]: v for k, v in record.extras.items() if k.startswith(_CACHE_PREFIX)}
+            if cache:
+                self._voice_caches[name] = cache
+            self._voice_prompts[name] = record.prompt
         return self._voice_prompts[name]
+
+    def _store_voice_cache(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Engine thread: hand the encoded prompt to a frontend thread to write into the voice record."""
+        self.pool.submit(self._write_voice_cache, name, tensors)
+
+    def _write_voice_cache(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
+        try:
+            extras = {k: v for k, v in self.voices.get(name).extras.items() if not k.startswith(_CACHE_PREFIX)}
+            self.voices.set_extras(name, {**extras, **{_CACHE_PREFIX + k: v for k, v in tensors.items()}})
+            self._voice_caches[name] = tensors
+        except CosyStreamError:  # the voice was deleted meanwhile: nothing to keep
+            pass
 
     async def add_voice(self, name: str, audio: Any, prompt_text: str) -> VoiceInfo:
         """Analyse the prompt once and store it; the name is checked before any audio work."""
@@ -203,6 +225,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self.pool, self.voices.delete, name)
         self._voice_prompts.pop(name, None)
+        self._voice_caches.pop(name, None)
         await loop.run_in_executor(self.pool, self.core.call, self.token2wav.forget_voice, name)
 
     def stats(self) -> dict[str, float]:

@@ -391,7 +391,7 @@ class EngineCore:
             if seg.t2w is None:
                 seg.t2w = self.t2w.start(seg.inputs, req.voice_key, key=(req.request_id, req.audio_index),
                                          speed=req.speed, max_target_tokens=self._expected_tokens(req, seg),
-                                         seed=req.sampling.seed + req.audio_index)
+                                         seed=req.sampling.seed + req.audio_index, stored=req.voice_cache)
         try:
             results = self.t2w.run([(seg.t2w, seg.tokens, plan) for _, seg, plan in jobs])
         except Exception as e:

@@ -55,6 +55,7 @@ class RequestState:
     emit: Callable[[AudioChunk | BaseException], None]
     voice_key: str | None = None  # registered voice: its prompt caches are reused
     voice: Any = None  # frontend.VoicePrompt (flow prompt of every segment)
+    voice_cache: dict | None = None  # the voice's stored flow prompt cache (CPU tensors), if any
     force_tokens: int | None = None
     speed: float = 1.0
     lm_index: int = 0  # the segment the LM works on

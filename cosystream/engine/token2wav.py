@@ -27,6 +27,7 @@ from cosystream.models.flow import UPSAMPLE
 from cosystream.models.flow_stream import FlowStream, FlowStreamState, PromptCache
 from cosystream.models.hift import MEL_CACHE_FRAMES, HiFTGenerator, crossfade, fade_window
 
+_FINGERPRINT = "model"  # which flow (dims and dtype) a stored prompt cache belongs to
 _NOISE_SEED = 20250101
 _NOISE_SAMPLES = 24000 * 20  # 20 s of noise rows, reused cyclically
 SourceOverride = Callable[[Any, int], "torch.Tensor | None"]
@@ -63,6 +64,9 @@ class Token2WavRunner:
         self.window = fade_window(self.overlap, self.device)
         self.source_override = source_override
         self.voice_caches: OrderedDict[str, PromptCache] = OrderedDict()
+        # Called (engine thread) with CPU tensors when a registered voice's prompt is encoded.
+        self.on_new_voice_cache: Callable[[str, dict[str, torch.Tensor]], None] | None = None
+        self.fingerprint = f"{flow.dims}|{flow.input_embedding.weight.dtype}"
         self.max_voice_caches = max_voice_caches
         self.sync = self.device.type == "cuda"
         # The NSF source noise is read from one fixed table at a per-request offset, so a request's
@@ -77,25 +81,45 @@ class Token2WavRunner:
                                     self.device, config.cuda_graphs)
 
     # ------------------------------------------------------------------ per-voice and per-request state
-    def prompt_cache(self, inputs: Any, voice_key: str | None) -> PromptCache:
+    def prompt_cache(self, inputs: Any, voice_key: str | None, stored: dict[str, torch.Tensor] | None = None
+                     ) -> PromptCache:
+        """A voice's encoded prompt: from memory, else from its stored record, else computed (once)."""
         if voice_key is not None and voice_key in self.voice_caches:
             self.voice_caches.move_to_end(voice_key)
             return self.voice_caches[voice_key]
-        cache = self.stream.build_prompt_cache(inputs.flow_prompt_speech_tokens[None].to(self.device),
-                                               inputs.prompt_mel[None].to(self.device),
-                                               inputs.xvector[None].to(self.device))
+        cache = self._from_store(stored)
+        if cache is None:
+            cache = self.stream.build_prompt_cache(inputs.flow_prompt_speech_tokens[None].to(self.device),
+                                                   inputs.prompt_mel[None].to(self.device),
+                                                   inputs.xvector[None].to(self.device))
+            if voice_key is not None and self.on_new_voice_cache is not None:
+                tensors = {k: v.to("cpu") for k, v in cache.to_tensors().items()}
+                self.on_new_voice_cache(voice_key, {**tensors, **self._fingerprint_tensor()})
         if voice_key is not None:
             self.voice_caches[voice_key] = cache
             while len(self.voice_caches) > self.max_voice_caches:
                 self.voice_caches.popitem(last=False)
         return cache
 
+    def _fingerprint_tensor(self) -> dict[str, torch.Tensor]:
+        return {_FINGERPRINT: torch.tensor(list(self.fingerprint.encode()), dtype=torch.uint8)}
+
+    def _from_store(self, stored: dict[str, torch.Tensor] | None) -> PromptCache | None:
+        """The stored cache if it was made by this very model and dtype (else None: rebuild)."""
+        if not stored or _FINGERPRINT not in stored:
+            return None
+        if bytes(stored[_FINGERPRINT].tolist()).decode(errors="replace") != self.fingerprint:
+            return None
+        dtype = self.flow.input_embedding.weight.dtype
+        return PromptCache.from_tensors({k: v.to(self.device, dtype if v.is_floating_point() else v.dtype)
+                                         for k, v in stored.items() if k != _FINGERPRINT})
+
     def forget_voice(self, voice_key: str) -> None:
         self.voice_caches.pop(voice_key, None)
 
     def start(self, inputs: Any, voice_key: str | None, key: Any = None, speed: float = 1.0,
-              max_target_tokens: int = 256, seed: int = 0) -> Token2WavState:
-        prompt = self.prompt_cache(inputs, voice_key)
+              max_target_tokens: int = 256, seed: int = 0, stored: dict | None = None) -> Token2WavState:
+        prompt = self.prompt_cache(inputs, voice_key, stored)
         offset = (seed * 2654435761) % _NOISE_SAMPLES
         if self.pool is not None and self.pool.fits(prompt, max_target_tokens):
             flow_state = self.pool.open(prompt)
