@@ -47,10 +47,19 @@ def parse_message(raw: str) -> WsStart | WsText | WsEnd:
         raise from_validation_errors(exc.errors()) from None
 
 
+async def _with_timeout(awaitable, timeout_s: float):
+    # asyncio.wait_for of Python 3.11 can swallow a cancellation that races with the message it is
+    # waiting for; asyncio.timeout (3.11+) cannot, so a cancelled reader really stops.
+    if hasattr(asyncio, "timeout"):
+        async with asyncio.timeout(timeout_s):
+            return await awaitable
+    return await asyncio.wait_for(awaitable, timeout_s)
+
+
 async def receive_message(ws: WebSocket, timeout_s: float) -> WsStart | WsText | WsEnd:
     """Next client message; WebSocketDisconnect when the client is gone, ApiError when it is unusable."""
     try:
-        message = await asyncio.wait_for(ws.receive(), timeout_s)
+        message = await _with_timeout(ws.receive(), timeout_s)
     except asyncio.TimeoutError:
         raise bad_input(f"message: nothing received for {timeout_s:.0f} s", status=408, code="timeout") from None
     if message["type"] == "websocket.disconnect":
@@ -58,6 +67,9 @@ async def receive_message(ws: WebSocket, timeout_s: float) -> WsStart | WsText |
     if message.get("text") is None:
         raise bad_input("message: expected a JSON text message, got binary")
     return parse_message(message["text"])
+
+
+_CANCEL_GRACE_S = 2.0
 
 
 class WsSession:
@@ -95,7 +107,8 @@ class WsSession:
             self.pieces.put_nowait(None)  # unblock the engine's read of the text
             for task in (reader, synth):
                 task.cancel()
-            await asyncio.gather(reader, synth, return_exceptions=True)
+            # Bounded: a reader that still waits for the client ends when the socket is closed below.
+            await asyncio.wait({reader, synth}, timeout=_CANCEL_GRACE_S)
             await self.session.close()  # no-op when the synthesis task already closed it
 
     async def _read(self) -> None:
