@@ -246,6 +246,10 @@ class AsyncEngine:
         return n + self.core.call(self.core.lm_runner.capture_all)
 
 
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _instruction(text: str) -> str:
     text = text.strip()
     if not text:

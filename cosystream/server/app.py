@@ -200,15 +200,16 @@ def configure_logging(level: str = "info") -> None:
     root.propagate = False
 
 
-def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, device: str = "cuda",
+def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, device: str | None = None,
           dtype: str | None = None, voices_db: str | None = None, settings: ServerSettings | None = None,
           log_level: str = "info", **engine_kwargs: Any) -> None:
     """Load the engine (any EngineConfig field as a keyword), then serve until interrupted."""
     import uvicorn
 
-    from cosystream.engine.async_engine import AsyncEngine
+    from cosystream.engine.async_engine import AsyncEngine, default_device
 
     configure_logging(log_level)
+    device = device or default_device()
     dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
     t0 = time.perf_counter()
     engine = AsyncEngine.from_pretrained(model_dir, device=device, dtype=dtype, voices_db=voices_db, **engine_kwargs)

@@ -21,7 +21,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     serve.add_argument("--model-dir", required=True, help="CosyVoice2 model directory (official layout)")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 for every interface)")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
+    serve.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
     serve.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                        help="default: bfloat16 on GPU, float32 on CPU")
     serve.add_argument("--voices-db", default=None, help="voice database (default: $COSYSTREAM_HOME/voices.db)")
