@@ -4,6 +4,9 @@ Each loop iteration: take new messages (blocking only when idle: no polling), ad
 segments into free LM slots (prefill), run one batched decode step for every decoding stream, then
 run the token-to-wave chunks that became ready, first chunks of new requests ahead of later chunks
 of older ones, several requests per batch (spec/streaming.md §2 for the schedule).
+
+Over the 400-line budget on purpose: the text-streaming (bistream) methods drive an LM row directly and
+share the admission and token bookkeeping, so they stay beside them rather than in a mixin.
 """
 
 from __future__ import annotations
