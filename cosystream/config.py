@@ -45,8 +45,9 @@ class EngineConfig:
     schedule: ChunkSchedule = ChunkSchedule()
     final_attention: str = "full"  # "full": official final chunk; "chunk": incremental, cheaper
     # incremental-flow pool on CUDA: streams voiced at once x frames each (prompt included);
-    # ≈ 2.3 MB per frame for CosyVoice2-0.5B in bf16, so 16 x 1024 frames ≈ 38 GB. 0 disables the pool.
-    flow_slots: int = 16
+    # ≈ 2.3 MB per frame for CosyVoice2-0.5B in bf16, so 16 x 1024 frames ≈ 38 GB. None: as many slots
+    # as 60% of the GPU memory left after loading the models holds (at least 1, at most 64); 0: no pool.
+    flow_slots: int | None = None
     flow_frames: int = 1024
     # Keep a registered voice's encoded flow prompt in its voice record (survives restarts). None: on
     # the CPU only, where rebuilding it is slow; on a GPU one flow pass (~50 ms for a 6 s prompt) is

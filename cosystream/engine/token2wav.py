@@ -24,7 +24,7 @@ from cosystream.engine.chunking import ChunkPlan
 from cosystream.engine.flow_runner import FlowRunner, PooledStream
 from cosystream.engine.graphs import GraphCache, bucket, maybe_compile
 from cosystream.models.flow import UPSAMPLE
-from cosystream.models.flow_stream import FlowStream, FlowStreamState, PromptCache
+from cosystream.models.flow_stream import FlowStream, FlowStreamState, PromptCache, cache_bytes_per_frame
 from cosystream.models.hift import MEL_CACHE_FRAMES, HiFTGenerator, crossfade, fade_window
 
 _FINGERPRINT = "model"  # which flow (dims and dtype) a stored prompt cache belongs to
@@ -56,9 +56,8 @@ class Token2WavRunner:
         self.hift = hift
         self.stream = FlowStream(flow, config.final_attention)
         self.final_attention = config.final_attention
-        pooled = config.flow_slots > 0 and flow.input_embedding.weight.device.type == "cuda"
-        self.pool = FlowRunner(flow, config.flow_slots, config.flow_frames, config.cuda_graphs,
-                               config.compile) if pooled else None
+        slots = _pool_slots(flow, config) if self.device.type == "cuda" else 0
+        self.pool = FlowRunner(flow, slots, config.flow_frames, config.cuda_graphs, config.compile) if slots else None
         self.device = flow.input_embedding.weight.device
         self.overlap = MEL_CACHE_FRAMES * hift.upsample_scale  # 3840 samples
         self.window = fade_window(self.overlap, self.device)
@@ -342,6 +341,15 @@ class Token2WavRunner:
             self.hift_next.run((batch, frames), [mel, torch.zeros(batch, 1, self.overlap, device=self.device), noise])
         else:
             self.hift_first.run((batch, frames), [mel, noise])
+
+
+def _pool_slots(flow: Any, config: EngineConfig, share: float = 0.6) -> int:
+    """Flow-pool slots: the configured number, or what `share` of the free GPU memory holds."""
+    if config.flow_slots is not None:
+        return config.flow_slots
+    free_bytes, _ = torch.cuda.mem_get_info(flow.input_embedding.weight.device)
+    per_slot = cache_bytes_per_frame(flow.dims, flow.input_embedding.weight.dtype) * config.flow_frames
+    return max(1, min(64, int(share * free_bytes // per_slot) - 1))  # one slot is the scratch slot
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
