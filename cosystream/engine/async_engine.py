@@ -124,7 +124,7 @@ class AsyncEngine:
             segments = [self._text_stream_segment(params, voice)]
         return RequestState(
             request_id=params.request_id or uuid.uuid4().hex, segments=segments,
-            sampling=self._row_sampling(params), emit=emit, voice_key=voice_key, voice=voice,
+            sampling=self._row_sampling(params), emit=emit, voice_key=voice_key,
             voice_cache=self._voice_caches.get(voice_key) if voice_key else None,
             force_tokens=params.force_tokens, speed=params.speed)
 

@@ -54,7 +54,6 @@ class RequestState:
     sampling: Any  # RowSampling template (seed is per segment)
     emit: Callable[[AudioChunk | BaseException], None]
     voice_key: str | None = None  # registered voice: its prompt caches are reused
-    voice: Any = None  # frontend.VoicePrompt (flow prompt of every segment)
     voice_cache: dict | None = None  # the voice's stored flow prompt cache (CPU tensors), if any
     force_tokens: int | None = None
     speed: float = 1.0

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -46,7 +46,6 @@ class Token2WavState:
     source_cache: torch.Tensor | None = None  # [1, 3840]
     wav_cache: torch.Tensor | None = None  # [3840]
     frames_done: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class Token2WavRunner:
