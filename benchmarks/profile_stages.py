@@ -46,10 +46,31 @@ def timed(fn, device: torch.device, iters: int, warmup: int = 3) -> float:
     return statistics.median(samples)
 
 
-def bench_lm(ckpt, device, dtype, batches, iters, graphs: bool, compile: bool = False) -> dict:
+def count_kernels(fn, device: torch.device, show: int = 0) -> int:
+    """GPU kernels one eager call of fn launches (what a CUDA graph of it replays); `show` prints the
+    most frequent kernel names."""
+    if device.type != "cuda":
+        return 0
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = Counter(e.name[:90] for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    for name, n in names.most_common(show):
+        print(f"  {n:5d}  {name}", flush=True)
+    return sum(names.values())
+
+
+def bench_lm(ckpt, device, dtype, batches, iters, graphs: bool, compile: bool = False, fused: bool = True) -> dict:
     lm = load_llm(ckpt, device, dtype)
     t0 = time.perf_counter()
-    runner = LMRunner(lm, max_slots=max(batches), max_len=1024, use_graphs=graphs, compile=compile)
+    runner = LMRunner(lm, max_slots=max(batches), max_len=1024, use_graphs=graphs, compile=compile,
+                      fused_kernels=fused)
     d = lm.dims
     sampling = RowSampling(seed=0, top_p=d.top_p, top_k=d.top_k, win_size=d.win_size, tau_r=d.tau_r,
                            min_len=10_000, ban_special=True)
@@ -65,6 +86,7 @@ def bench_lm(ckpt, device, dtype, batches, iters, graphs: bool, compile: bool = 
         runner.set_active(slot, True)
     for b in batches:
         out[f"decode_b{b}_ms"] = timed(lambda b=b: runner.decode(b, 500), device, iters)
+    out["decode_kernels_per_step"] = count_kernels(lambda: runner._step(1, 512), device, show=25)
     weight_bytes = sum(p.numel() * p.element_size() for n, p in lm.named_parameters()
                        if not n.startswith("text_embedding"))
     out["decode_weight_bytes"] = weight_bytes
@@ -116,6 +138,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--no-fused", action="store_true", help="the unfused torch decode step (A/B)")
     ap.add_argument("--only", default="lm,t2w")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -127,7 +150,7 @@ def main() -> None:
     with torch.inference_mode():
         if "lm" in args.only:
             _report(results, bench_lm(ckpt, device, dtype, batches, args.iters, not args.no_graphs,
-                                          args.compile))
+                                      args.compile, fused=not args.no_fused))
         if "t2w" in args.only:
             _report(results, bench_token2wav(ckpt, device, dtype, batches, args.iters))
     if args.json:

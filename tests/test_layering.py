@@ -17,6 +17,7 @@ FORBIDDEN = {
     "frontend": {"models", "engine", "server", "bench", "cli"},
     "models": {"frontend", "engine", "server", "bench", "cli"},
     "engine": {"server", "bench", "cli"},
+    "kernels": {"checkpoint", "frontend", "models", "engine", "server", "bench", "cli"},
     "server": {"models", "frontend", "checkpoint", "bench"},
     "bench": {"engine", "models", "frontend", "checkpoint"},
 }

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from cosystream.engine.graphs import GraphCache, maybe_compile
+from cosystream.kernels import decode as decode_ops
+from cosystream.kernels import reference as reference_ops
+from cosystream.kernels import triton_usable
 from cosystream.models.qwen2 import KVCache, SpeechLM
 from cosystream.models.sampling import SamplingBatch, sample_tokens
 
@@ -39,7 +42,7 @@ class RowSampling:
 
 class LMRunner:
     def __init__(self, lm: SpeechLM, max_slots: int, max_len: int, use_graphs: bool = True,
-                 compile: bool = False) -> None:
+                 compile: bool = False, fused_kernels: bool = True) -> None:
         param = next(lm.parameters())
         self.lm, self.device, self.dtype = lm, param.device, param.dtype
         self.dims = lm.dims
@@ -51,6 +54,11 @@ class LMRunner:
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self._forward = maybe_compile(lm.forward, compile)
         self._sample = maybe_compile(sample_tokens, compile)
+        # The decode step goes through the fused-op path: Triton kernels on CUDA, their torch statements
+        # elsewhere (the same structure runs in CI); fused_kernels=False keeps the unfused forward.
+        self.fused = fused_kernels and not compile
+        self.ops = decode_ops if triton_usable(self.device) else reference_ops
+        lm.rope_table(max_len, self.device)  # built outside any graph capture
         self.prefill_graphs = GraphCache(self._prefill_core, self.device, self.use_graphs)
         self.batch_buckets = [b for b in _BATCH_BUCKETS if b < max_slots] + [max_slots]
         self.len_buckets = [n for n in _LEN_BUCKETS if n < max_len] + [max_len]
@@ -159,8 +167,11 @@ class LMRunner:
         return b, n
 
     def _step(self, b: int, attn_len: int) -> None:
-        emb = self.lm.speech_embedding(self.tokens[:b]).unsqueeze(1)
-        h = self._forward(emb, self.positions[:b], self.cache, attn_len=attn_len)[:, -1]
+        emb = self.lm.speech_embedding(self.tokens[:b])
+        if self.fused:
+            h = self.lm.decode(emb, self.positions[:b], self.cache, attn_len, self.ops)
+        else:
+            h = self._forward(emb.unsqueeze(1), self.positions[:b], self.cache, attn_len=attn_len)[:, -1]
         token = self._sample(self.lm.logp(h), self._rows(0, b), self.eos)
         active = self.active[:b]
         self._record(slice(0, b), token, active)

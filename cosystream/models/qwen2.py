@@ -7,6 +7,8 @@ the decode step has static shapes and can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -121,6 +123,8 @@ class SpeechLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(dims) for _ in range(dims.num_layers))
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
         self.llm_decoder = nn.Linear(dims.hidden_size, dims.num_speech_classes, bias=True)
+        self._rope_key: tuple[int, str] | None = None
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ input assembly (spec/llm.md §3)
     def embed_prompt(self, text_ids: torch.Tensor, speech_tokens: torch.Tensor,
@@ -160,6 +164,37 @@ class SpeechLM(nn.Module):
         for i, layer in enumerate(self.layers):
             h = layer(h, rope, cache.k[i], cache.v[i], write, attn_bias, slots)
         return self.norm(h)
+
+    def decode(self, embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache, attn_len: int,
+               ops: ModuleType) -> torch.Tensor:
+        """One new token for each of rows [0, B) (cache rows [0, B)), through fused ops: -> hidden [B, d].
+
+        embeds [B, d]; positions [B] (where each row's token goes). `ops` is `cosystream.kernels.decode`
+        (Triton, CUDA) or `cosystream.kernels.reference` (torch); both compute `forward`'s numbers.
+        PERF: the residual add rides in the next norm's kernel, RoPE and the cache write are one kernel.
+        """
+        d = self.dims
+        cos, sin = self.rope_table(cache.max_len, embeds.device)
+        h, residual = embeds, None
+        for i, layer in enumerate(self.layers):
+            a, residual = ops.add_rms_norm(h, residual, layer.input_layernorm.weight, d.rms_norm_eps)
+            q = ops.rope_write_kv(layer.qkv_proj(a), positions, cos, sin, cache.k[i], cache.v[i],
+                                  d.num_heads, d.num_kv_heads)
+            attn = layer.o_proj(ops.decode_attention(q, cache.k[i], cache.v[i], positions, attn_len))
+            m, residual = ops.add_rms_norm(attn, residual, layer.post_attention_layernorm.weight, d.rms_norm_eps)
+            h = layer.down_proj(ops.silu_mul(layer.gate_up_proj(m)))
+        out, _ = ops.add_rms_norm(h, residual, self.norm.weight, d.rms_norm_eps)
+        return out
+
+    def rope_table(self, max_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [max_len, head_dim / 2] float32 for every position (the same values `rope_tables` makes)."""
+        key = (max_len, str(device))
+        if self._rope_key != key:
+            cos, sin = rope_tables(self.dims, torch.arange(max_len, device=device))
+            half = self.dims.head_dim // 2
+            self._rope = (cos[:, :half].contiguous(), sin[:, :half].contiguous())
+            self._rope_key = key
+        return self._rope
 
     def logp(self, hidden: torch.Tensor) -> torch.Tensor:
         """log_softmax of the speech head in float32: [..., d] -> [..., num_speech_classes]."""

@@ -110,3 +110,27 @@ def test_batched_decode_rows_are_independent(lm, load_fixture):
         torch.testing.assert_close(logp[0], alone_a[i + 1], atol=ATOL_LOGP, rtol=0)
         torch.testing.assert_close(logp[1], alone_b[i + 1], atol=ATOL_LOGP, rtol=0)
         pos = [p + 1 for p in pos]
+
+
+def test_fused_decode_step_matches_fixture_logp(lm, load_fixture):
+    """The decode path of the engine (`SpeechLM.decode` over the fused ops' torch statements) reproduces
+    the official teacher-forced log-probs, with its two rows at different positions in one batch."""
+    from cosystream.kernels import reference
+
+    f = load_fixture("llm")
+    forced = f["forced_tokens"].tolist()
+    n0 = f["lm_input"].shape[1]
+    max_len = n0 + len(forced) + 8
+    cache = KVCache(lm.dims, max_slots=2, max_len=max_len, device="cpu", dtype=torch.float32)
+    lm(f["lm_input"], torch.tensor([0]), cache, attn_len=n0, slots=torch.tensor([0]))
+    lm(f["lm_input"][:, :n0 - 1], torch.tensor([0]), cache, attn_len=n0 - 1, slots=torch.tensor([1]))
+    # row 1 lags one position behind: it first re-feeds the prompt's last input, then follows row 0
+    feed_1 = [f["lm_input"][0, n0 - 1]] + [lm.speech_embedding.weight[t] for t in forced[:-2]]
+    logps = []
+    for step, token in enumerate(forced[:-1]):
+        emb = torch.stack([lm.speech_embedding.weight[token], feed_1[step]])
+        h = lm.decode(emb, torch.tensor([n0 + step, n0 - 1 + step]), cache, max_len, reference)
+        logps.append(lm.logp(h))
+    logp = torch.stack(logps)  # [steps, 2, V]
+    torch.testing.assert_close(logp[:, 0], f["step_logp"][1:], atol=ATOL_LOGP, rtol=0)
+    torch.testing.assert_close(logp[1:, 1], f["step_logp"][1:-1], atol=ATOL_LOGP, rtol=0)

@@ -1,0 +1,59 @@
+"""Plain-torch statements of the fused decode ops: the CPU path and the Triton kernels' test oracle.
+
+Shapes (decode: one new token per row; row b owns cache row b):
+    qkv [B, (H + 2·KV)·D]   positions [B] int64 (where the new token is written)
+    cache_k / cache_v [slots, KV, max_len, D] (one layer)   cos / sin tables [max_len, D/2] float32
+Rounding follows the unfused model step by step (bf16 after every op the model rounds after), so the
+fused step computes the same numbers as `SpeechLM.forward` up to summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight · rmsnorm(x + residual), x + residual); residual None means x alone is the stream."""
+    h = x if residual is None else x + residual
+    normed = F.rms_norm(h.float(), (h.shape[-1],), eps=eps).to(h.dtype)
+    return weight * normed, h
+
+
+def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  cache_k: torch.Tensor, cache_v: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """Rotate q and k (rotate-half RoPE at each row's position), store k and v in cache rows [0, B) at
+    `positions`, and return the rotated queries [B, H, D]."""
+    batch = qkv.shape[0]
+    head_dim = cache_k.shape[-1]
+    heads = qkv.view(batch, num_heads + 2 * num_kv_heads, head_dim)
+    c = torch.cat([cos[positions], cos[positions]], dim=-1).unsqueeze(1)
+    s = torch.cat([sin[positions], sin[positions]], dim=-1).unsqueeze(1)
+    qk = heads[:, :num_heads + num_kv_heads]
+    half = head_dim // 2
+    rotated = torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
+    qk = (qk.float() * c + rotated.float() * s).to(qkv.dtype)
+    rows = torch.arange(batch, device=qkv.device)
+    cache_k[rows, :, positions] = qk[:, num_heads:]
+    cache_v[rows, :, positions] = heads[:, num_heads + num_kv_heads:]
+    return qk[:, :num_heads].contiguous()
+
+
+def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, positions: torch.Tensor,
+                     attn_len: int) -> torch.Tensor:
+    """Causal attention of each row's one query over its cache positions [0, position]: [B, H·D]."""
+    batch, num_heads, head_dim = q.shape
+    kv_heads = cache_k.shape[1]
+    groups = num_heads // kv_heads
+    keys, values = cache_k[:batch, :, :attn_len], cache_v[:batch, :, :attn_len]
+    allowed = torch.arange(attn_len, device=q.device).view(1, 1, 1, attn_len) <= positions.view(batch, 1, 1, 1)
+    bias = torch.zeros(allowed.shape, device=q.device, dtype=q.dtype).masked_fill(~allowed, float("-inf"))
+    out = F.scaled_dot_product_attention(q.view(batch, kv_heads, groups, head_dim), keys, values, attn_mask=bias)
+    return out.reshape(batch, num_heads * head_dim)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up for gate_up = [gate | up] along the last dimension."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
