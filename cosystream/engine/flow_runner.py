@@ -17,7 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from cosystream.engine.graphs import GraphCache, bucket, maybe_compile
-from cosystream.models.estimator import PooledKV, masked_value
+from cosystream.kernels import flow as flow_kernels
+from cosystream.kernels import reference as reference_kernels
+from cosystream.kernels import triton_usable
+from cosystream.models.estimator import PooledKV
 from cosystream.models.flow import UPSAMPLE, EncoderState, Flow
 from cosystream.models.flow_stream import FlowStream, PromptCache
 
@@ -44,7 +47,7 @@ class PooledStream:
 
 class FlowRunner:
     def __init__(self, flow: Flow, num_slots: int, max_frames: int, use_graphs: bool = True,
-                 compile: bool = False) -> None:
+                 compile: bool = False, fused_kernels: bool = True) -> None:
         self.flow = flow
         self.cfm = flow.decoder
         est = flow.decoder.estimator
@@ -62,6 +65,7 @@ class FlowRunner:
         self.graphs = GraphCache(self._ode, self.device, use_graphs)
         self.full_graphs = GraphCache(self._ode_full, self.device, use_graphs)
         self._step = maybe_compile(est.step, compile)
+        self.attention_ops = flow_kernels if fused_kernels and triton_usable(self.device) else reference_kernels
 
     # ------------------------------------------------------------------ slots
     def fits(self, prompt: PromptCache, target_tokens: int) -> bool:
@@ -177,31 +181,27 @@ class FlowRunner:
         """Full attention over the first `valid` frames; the scratch rows start with zero conv tails."""
         rows = torch.stack([2 * slots, 2 * slots + 1], dim=1).flatten()
         self.conv.index_fill_(1, rows, 0)
-        k_pos = torch.arange(marker.shape[0], device=z.device)
-        visible = (k_pos < valid.view(-1, 1, 1)).expand(-1, z.shape[-1], -1)
         starts = torch.zeros_like(valid)
-        return self._integrate(z, mu, spks, cond, slots, starts, visible)
+        return self._integrate(z, mu, spks, cond, slots, starts, valid, 0, marker.shape[0])
 
     def _ode(self, z, mu, spks, cond, slots, starts, marker) -> tuple[torch.Tensor]:
-        """The 10-step CFG Euler ODE for a padded batch (graph body: static shapes, no host syncs)."""
-        num_new, attn_len = z.shape[-1], marker.shape[0]
-        q_pos = starts.unsqueeze(1) + torch.arange(num_new, device=z.device)  # [B, C]
-        k_pos = torch.arange(attn_len, device=z.device)
-        chunk_end = (torch.div(q_pos, self.chunk, rounding_mode="floor") + 1) * self.chunk
-        visible = (k_pos < chunk_end.unsqueeze(-1)) & (k_pos <= q_pos[:, -1:].unsqueeze(-1))
-        return self._integrate(z, mu, spks, cond, slots, starts, visible)
+        """The 10-step CFG Euler ODE for a padded batch (graph body: static shapes, no host syncs).
+        Each new frame sees its own chunk and everything before it, up to the batch's last new frame."""
+        key_limit = starts + z.shape[-1]
+        return self._integrate(z, mu, spks, cond, slots, starts, key_limit, self.chunk, marker.shape[0])
 
-    def _integrate(self, z, mu, spks, cond, slots, starts, visible) -> tuple[torch.Tensor]:
+    def _integrate(self, z, mu, spks, cond, slots, starts, key_limit, chunk: int, attn_len: int
+                   ) -> tuple[torch.Tensor]:
         num_new = z.shape[-1]
         rows = torch.stack([2 * slots, 2 * slots + 1], dim=1).flatten()  # [2B]: (cond, uncond) per stream
         q_pos = starts.unsqueeze(1) + torch.arange(num_new, device=z.device)  # [B, C]
-        bias = torch.where(visible, 0.0, masked_value(self.dtype)).to(self.dtype)
-        bias = bias.repeat_interleave(2, dim=0).unsqueeze(1)  # [2B, 1, C, L]
         write_pos = q_pos.repeat_interleave(2, dim=0)
+        limits = key_limit.repeat_interleave(2, dim=0)
+
         def velocity(k: int, x, mu_in, spks_in, cond_in, t):
             conv = self.conv[k][rows]
-            pooled = PooledKV(self.kv[k], rows, write_pos, bias)
-            v = self._step(x, mu_in, spks_in, cond_in, t, [pooled], conv, write_pos, [bias])
+            pooled = PooledKV(self.kv[k], rows, write_pos, limits, chunk, attn_len, self.attention_ops)
+            v = self._step(x, mu_in, spks_in, cond_in, t, [pooled], conv, write_pos, [])
             self.conv[k][rows] = conv
             return v
 

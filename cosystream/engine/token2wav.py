@@ -56,7 +56,8 @@ class Token2WavRunner:
         self.stream = FlowStream(flow, config.final_attention)
         self.final_attention = config.final_attention
         slots = _pool_slots(flow, config) if flow.input_embedding.weight.device.type == "cuda" else 0
-        self.pool = FlowRunner(flow, slots, config.flow_frames, config.cuda_graphs, config.compile) if slots else None
+        self.pool = (FlowRunner(flow, slots, config.flow_frames, config.cuda_graphs, config.compile,
+                                config.fused_kernels) if slots else None)
         self.device = flow.input_embedding.weight.device
         self.overlap = MEL_CACHE_FRAMES * hift.upsample_scale  # 3840 samples
         self.window = fade_window(self.overlap, self.device)

@@ -57,3 +57,29 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) · up for gate_up = [gate | up] along the last dimension."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def pooled_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, rows: torch.Tensor,
+                     q_pos: torch.Tensor, key_limit: torch.Tensor, chunk: int, attn_len: int,
+                     num_heads: int) -> torch.Tensor:
+    """Attention of the flow estimator's new frames over a static K/V pool (keys already written).
+
+    q [R, C, inner] (any strides with a unit last stride); pool_k / pool_v [pool_rows, L_max, inner];
+    batch row r reads pool row rows[r]. Query c of row r sits at frame q_pos[r, c] and sees key j iff
+    j < key_limit[r] and, when chunk > 0, j < (q_pos[r, c] // chunk + 1) · chunk. Returns [R, C, inner].
+    """
+    batch, num_q, inner = q.shape
+    head_dim = inner // num_heads
+    k_pos = torch.arange(attn_len, device=q.device)
+    visible = k_pos.view(1, 1, -1) < key_limit.view(-1, 1, 1)
+    if chunk > 0:
+        chunk_end = (torch.div(q_pos, chunk, rounding_mode="floor") + 1) * chunk
+        visible = visible & (k_pos.view(1, 1, -1) < chunk_end.unsqueeze(-1))
+    bias = torch.zeros(visible.shape, device=q.device, dtype=q.dtype).masked_fill(~visible, float("-inf"))
+
+    def heads(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(batch, -1, num_heads, head_dim).transpose(1, 2)
+
+    keys, values = pool_k[rows, :attn_len], pool_v[rows, :attn_len]
+    out = F.scaled_dot_product_attention(heads(q), heads(keys), heads(values), attn_mask=bias.unsqueeze(1))
+    return out.transpose(1, 2).reshape(batch, num_q, inner)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -47,14 +48,19 @@ class PooledKV:
     """Keys/values of many streams in one static pool (the engine's batched, CUDA-graphed path).
 
     pool [blocks, 2, pool_rows, L_max, inner] for one Euler step; batch row r lives in pool row
-    rows[r] and writes its new frames at write_pos[r] [C]; bias [R, 1, C, L] covers the first L
-    frames of each row (L is static for a graph).
+    rows[r] and writes its new frames at write_pos[r] [C]. Query c of row r sees key j iff
+    j < key_limit[r] and, when chunk > 0, j < (write_pos[r, c] // chunk + 1) · chunk; at most the first
+    attn_len frames are read (static for a graph). `ops` computes the attention: the Triton kernel
+    (`cosystream.kernels.flow`) or its torch statement (`cosystream.kernels.reference`).
     """
 
     pool: torch.Tensor
     rows: torch.Tensor
     write_pos: torch.Tensor
-    bias: torch.Tensor
+    key_limit: torch.Tensor
+    chunk: int
+    attn_len: int
+    ops: ModuleType
 
     def __getitem__(self, block: int) -> PooledBlock:
         return PooledBlock(self, block)
@@ -127,12 +133,13 @@ class Attention(nn.Module):
         self.to_k = nn.Linear(dim, inner, bias=False)
         self.to_v = nn.Linear(dim, inner, bias=False)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim), nn.Identity()])
+        self.qkv_weight: torch.Tensor | None = None  # set by fuse_projections (not a state-dict key)
 
     def forward(self, x: torch.Tensor, kv: Sequence[torch.Tensor], write_idx: torch.Tensor,
                 attn_bias: Sequence[torch.Tensor]) -> torch.Tensor:
         """x [R, C, dim]; kv[g] [2, rows_g, cap_g, inner] (rows of group g are consecutive in x);
         write_idx [G, C] frame slots of the new keys; attn_bias[g] [C, L_g] (L_g keys are read)."""
-        q, k, v = self.to_q(x), self.to_k(x), self.to_v(x)
+        q, k, v = self._project(x)
         if isinstance(kv[0], PooledBlock):
             return self.to_out[0](self._pooled(q, k, v, kv[0]))
         outs, row = [], 0
@@ -148,20 +155,31 @@ class Attention(nn.Module):
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return self.to_out[0](out)
 
+    def fuse_projections(self) -> None:
+        """PERF: one q/k/v GEMM instead of three (call after the weights are loaded and cast)."""
+        self.qkv_weight = torch.cat([self.to_q.weight, self.to_k.weight, self.to_v.weight])
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.qkv_weight is None:
+            return self.to_q(x), self.to_k(x), self.to_v(x)
+        inner = self.num_heads * self.head_dim
+        qkv = F.linear(x, self.qkv_weight)
+        return qkv[..., :inner], qkv[..., inner:2 * inner], qkv[..., 2 * inner:]
+
     def _pooled(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, view: PooledBlock) -> torch.Tensor:
-        """All rows at once: write the new keys into the pool, gather each row's first L frames, attend."""
+        """All rows at once: write the new keys into the pool, then attend over each row's pool row."""
         p = view.parent
         pool_k, pool_v = p.pool[view.block, 0], p.pool[view.block, 1]
         pool_k[p.rows.unsqueeze(1), p.write_pos] = k
         pool_v[p.rows.unsqueeze(1), p.write_pos] = v
-        num_keys = p.bias.shape[-1]
-        return self._attend(q, pool_k[p.rows, :num_keys], pool_v[p.rows, :num_keys], p.bias)
+        return p.ops.pooled_attention(q, pool_k, pool_v, p.rows, p.write_pos, p.key_limit, p.chunk, p.attn_len,
+                                      self.num_heads)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         rows, num_q, inner = q.shape
 
         def heads(t: torch.Tensor) -> torch.Tensor:
-            return t.view(rows, -1, self.num_heads, self.head_dim).transpose(1, 2)
+            return t.reshape(rows, -1, self.num_heads, self.head_dim).transpose(1, 2)
 
         out = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), attn_mask=bias.to(q.dtype))
         return out.transpose(1, 2).reshape(rows, num_q, inner)
@@ -242,6 +260,12 @@ class Estimator(nn.Module):
         self.final_proj = nn.Conv1d(c, dims.out_channels, 1)
         self.conv_state_channels = layout[0]
         self.num_attention_blocks = num_blocks[0]
+
+    def fuse_projections(self) -> None:
+        """Fuse every attention's q/k/v weights (after loading and casting; see Attention.fuse_projections)."""
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.fuse_projections()
 
     def new_cache(self, rows: int, num_frames: int, *, device: torch.device | None = None,
                   dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
