@@ -93,9 +93,10 @@ def bench_lm(ckpt, device, dtype, batches, iters, graphs: bool, compile: bool = 
     return out
 
 
-def bench_token2wav(ckpt, device, dtype, batches, iters, prompt_tokens: int = 150) -> dict:
+def bench_token2wav(ckpt, device, dtype, batches, iters, prompt_tokens: int = 150, fused: bool = True) -> dict:
     flow, hift = load_flow(ckpt, device, dtype), load_hift(ckpt, device, dtype)
-    runner = Token2WavRunner(flow, hift, EngineConfig(device=str(device)))
+    runner = Token2WavRunner(flow, hift, EngineConfig(device=str(device), fused_kernels=fused,
+                                                      flow_slots=max(batches) + 2, flow_frames=832))
     g = torch.Generator().manual_seed(0)
     inputs = ModelInputs(mode="vc", text_ids=torch.zeros(0, dtype=torch.int32),
                          xvector=torch.randn(192, generator=g),
@@ -113,6 +114,17 @@ def bench_token2wav(ckpt, device, dtype, batches, iters, prompt_tokens: int = 15
             plans = [p.next_plan(len(tokens), False) for p in planners]
             return runner.run([(s, tokens, p) for s, p in zip(states, plans, strict=True)])
         out[f"first_chunk_b{b}_ms"] = timed(first_chunk, device, iters)
+        if runner.pool is not None and device.type == "cuda":
+            runner.pool.profile = True
+            first_chunk()
+            e = runner.pool.last_timing
+            e[2].synchronize()
+            out[f"first_chunk_b{b}_encoder_ms"] = e[0].elapsed_time(e[1])
+            out[f"first_chunk_b{b}_ode_ms"] = e[1].elapsed_time(e[2])
+            runner.pool.profile = False
+            if b == batches[0]:
+                key, (_, static_in, _) = next(iter(runner.pool.graphs.graphs.items()))
+                out[f"ode_kernels_{key}"] = count_kernels(lambda s=static_in: runner.pool._ode(*s), device, show=20)
         mel = torch.randn(b, 80, 108, device=device, dtype=dtype) - 5
         out[f"hift_108_b{b}_ms"] = timed(lambda mel=mel: hift.inference(mel), device, iters)
     mel = torch.randn(1, 80, 800, device=device, dtype=dtype)
@@ -152,7 +164,7 @@ def main() -> None:
             _report(results, bench_lm(ckpt, device, dtype, batches, args.iters, not args.no_graphs,
                                       args.compile, fused=not args.no_fused))
         if "t2w" in args.only:
-            _report(results, bench_token2wav(ckpt, device, dtype, batches, args.iters))
+            _report(results, bench_token2wav(ckpt, device, dtype, batches, args.iters, fused=not args.no_fused))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

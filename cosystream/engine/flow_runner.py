@@ -65,6 +65,8 @@ class FlowRunner:
         self.graphs = GraphCache(self._ode, self.device, use_graphs)
         self.full_graphs = GraphCache(self._ode_full, self.device, use_graphs)
         self._step = maybe_compile(est.step, compile)
+        self.profile = False  # record CUDA events around the encoder and the ODE (last_timing)
+        self.last_timing: list[torch.cuda.Event] | None = None
         self.attention_ops = flow_kernels if fused_kernels and triton_usable(self.device) else reference_kernels
 
     # ------------------------------------------------------------------ slots
@@ -96,6 +98,7 @@ class FlowRunner:
         windows[i] = (new position ids [n], look-ahead ids [3] or None); all n must be equal.
         Returns each stream's new frames [80, 2n] (float32), prompt frames included.
         """
+        timing = self._events() if self.profile else None
         starts = [s.num_frames for s in streams]
         mus = [self.flow.encode_step(ids, ctx, s.encoder, streaming=True) for s, (ids, ctx) in
                zip(streams, windows, strict=True)]
@@ -116,8 +119,21 @@ class FlowRunner:
         start_t = torch.zeros(padded, device=self.device, dtype=torch.long)
         start_t[:b] = torch.tensor(starts, device=self.device)
         marker = torch.empty(attn_len, device=self.device, dtype=torch.int8)
+        if timing:
+            timing[1].record()
         (x,) = self.graphs.run((padded, num_new, attn_len), [z, mu, spks, cond, slots, start_t, marker])
+        if timing:
+            timing[2].record()
+            self.last_timing = timing
         return [x[i].clone() for i in range(b)]
+
+    def _events(self) -> list[torch.cuda.Event] | None:
+        """benchmarks/profile_stages.py: CUDA events before the encoder, before the ODE and after it."""
+        if self.device.type != "cuda":
+            return None
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        events[0].record()
+        return events
 
     def capture(self, batch: int, num_new: int, attn_len: int) -> None:
         """Capture the graph for one shape ahead of traffic, on the scratch slot (warm-up)."""
