@@ -124,6 +124,12 @@ class LMRunner:
         x[0, :n] = embeds.to(self.device, self.dtype)
         slot_t = torch.tensor([slot], device=self.device)
         last_t = torch.tensor([n - 1], device=self.device)
+        if padded not in self.prefill_graphs.graphs:
+            # capturing also runs the step (warm-up + replay): undo what that did to the rows' state
+            saved = [t.clone() for t in self._state_tensors()]
+            self.prefill_graphs.run(padded, [x, slot_t, last_t])
+            for t, old in zip(self._state_tensors(), saved, strict=True):
+                t.copy_(old)
         (token,) = self.prefill_graphs.run(padded, [x, slot_t, last_t])
         return int(token[0])
 

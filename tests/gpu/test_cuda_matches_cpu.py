@@ -1,0 +1,100 @@
+"""On a GPU: the CUDA paths (graphs, Triton kernels) compute what the CPU paths compute.
+
+These tests need CUDA, so CI (CPU only) does not run them; they run on the lent GPU (docs/benchmarks.md
+says when and on which commit). The CPU paths they compare against are checked against the official
+fixtures by the parity tests.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cosystream.config import ChunkSchedule
+from cosystream.engine.chunking import ChunkPlanner
+from cosystream.engine.flow_runner import FlowRunner
+from cosystream.engine.lm_runner import LMRunner, RowSampling
+from cosystream.engine.loader import load_flow, load_llm
+from cosystream.kernels import decode, reference
+from cosystream.models.flow_stream import FlowStream
+from cosystream.models.qwen2 import KVCache
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _greedy(lm, prompts: dict[int, torch.Tensor], steps: int, use_graphs: bool) -> dict[int, list[int]]:
+    runner = LMRunner(lm, max_slots=4, max_len=512, use_graphs=use_graphs)
+    out = {}
+    for slot, prompt in prompts.items():
+        runner.set_row_sampling(slot, RowSampling(seed=slot, top_p=0.8, top_k=25, win_size=10, tau_r=0.1,
+                                                  min_len=1000, greedy=True, ban_special=True))
+        out[slot] = [runner.prefill(slot, prompt)]
+        runner.set_active(slot, True)
+    for _ in range(steps):
+        tokens = runner.decode(max(prompts) + 1, 200)
+        for slot in prompts:
+            out[slot].append(tokens[slot])
+    return out
+
+
+def test_graphed_triton_decode_gives_the_cpu_greedy_tokens(checkpoint):
+    g = torch.Generator().manual_seed(0)
+    lm_cpu = load_llm(checkpoint)
+    prompts = {0: torch.randn(37, lm_cpu.dims.hidden_size, generator=g) * 0.5,
+               2: torch.randn(70, lm_cpu.dims.hidden_size, generator=g) * 0.5}
+    want = _greedy(lm_cpu, prompts, steps=40, use_graphs=False)
+    got = _greedy(load_llm(checkpoint, "cuda"), {k: v.cuda() for k, v in prompts.items()}, 40, use_graphs=True)
+    assert got == want
+
+
+def test_bf16_triton_decode_log_probs_close_to_cpu_float32(checkpoint, load_fixture):
+    f = load_fixture("llm")
+    forced = f["forced_tokens"].tolist()
+    results = {}
+    for device, dtype, ops in (("cpu", torch.float32, reference), ("cuda", torch.bfloat16, decode)):
+        lm = load_llm(checkpoint, device, dtype)
+        n0 = f["lm_input"].shape[1]
+        cache = KVCache(lm.dims, 1, n0 + len(forced) + 8, device, dtype)
+        lm(f["lm_input"].to(device, dtype), torch.tensor([0], device=device), cache, attn_len=n0,
+           slots=torch.tensor([0], device=device))
+        probs = []
+        for step, token in enumerate(forced[:-1]):
+            emb = lm.speech_embedding.weight[token][None]
+            h = lm.decode(emb, torch.tensor([n0 + step], device=device), cache, cache.max_len, ops)
+            probs.append(lm.logp(h).exp().float().cpu())
+        results[device] = torch.cat(probs)
+    # total-variation distance between the bf16 GPU and float32 CPU next-token distributions
+    tv = 0.5 * (results["cuda"] - results["cpu"]).abs().sum(-1)
+    assert float(tv.max()) < 0.05
+
+
+def test_graphed_pooled_flow_with_triton_attention_matches_cpu(checkpoint, load_fixture):
+    f = load_fixture("stream")
+    cpu_flow = load_flow(checkpoint)
+    stream = FlowStream(cpu_flow, final_attention="chunk")
+    prompt = stream.build_prompt_cache(f["prompt_token"], f["prompt_feat"], f["embedding"])
+    gpu_flow = load_flow(checkpoint, "cuda")
+    gpu_stream = FlowStream(gpu_flow, final_attention="chunk")
+    gpu_prompt = gpu_stream.build_prompt_cache(f["prompt_token"].cuda(), f["prompt_feat"].cuda(),
+                                               f["embedding"].cuda())
+    runner = FlowRunner(gpu_flow, num_slots=3, max_frames=512, use_graphs=True)
+    assert runner.attention_ops is not reference
+    token_sets = [f["token"][0][:100], (f["token"][0][:100] * 5 + 11) % 6561]
+    pooled = [runner.open(gpu_prompt) for _ in token_sets]
+    alone = [stream.start(prompt, 100) for _ in token_sets]
+    planners = [ChunkPlanner(ChunkSchedule(), f["prompt_token"].shape[1]) for _ in token_sets]
+    chunks = 0
+    while True:
+        plans = [p.next_plan(100, done=True) for p in planners]
+        if plans[0] is None or plans[0].is_final:
+            break
+        ids = [t[: plans[0].token_end].unsqueeze(0) for t in token_sets]
+        windows = [gpu_stream._window(s, i.cuda(), finalize=False) for s, i in zip(pooled, ids, strict=True)]
+        starts = [s.num_frames for s in pooled]
+        got = runner.advance(pooled, windows)
+        for b in range(2):
+            want = stream.feed(alone[b], ids[b])
+            mel = gpu_stream._target_frames(pooled[b], got[b][None], starts[b]).cpu()
+            torch.testing.assert_close(mel, want, atol=5e-3, rtol=0)  # tf32 products inside the Triton dots
+        chunks += 1
+    assert chunks >= 2 and len(runner.encoder_graphs.graphs) >= 2  # the encoder step ran as graphs
