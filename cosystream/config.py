@@ -41,6 +41,7 @@ class EngineConfig:
     max_len: int = 2048  # LM positions per stream (prompt + text + generated speech tokens)
     max_queue: int = 256  # waiting requests beyond which new ones are refused (Overloaded)
     cuda_graphs: bool = True  # capture decode/flow/vocoder steps on CUDA
+    overlap_token2wav: bool = True  # flow/HiFT batches on a second thread + CUDA stream, beside LM decode
     fused_kernels: bool = True  # CUDA: Triton kernels for the LM decode step (False: the unfused torch step)
     compile: bool = False  # torch.compile the hot steps (fewer, fused kernels; minutes of compile at start)
     schedule: ChunkSchedule = ChunkSchedule()

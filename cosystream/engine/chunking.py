@@ -57,6 +57,10 @@ class ChunkPlanner:
             return 1 << 40  # only the final chunk, once the LM is done
         return self.offset + self.this_hop + self.lookahead
 
+    def has_plan(self, available: int, done: bool) -> bool:
+        """Would next_plan(available, done) return a chunk? (It does not change the planner.)"""
+        return not self.finished and ((self.stream and available >= self.tokens_needed()) or done)
+
     def next_plan(self, available: int, done: bool) -> ChunkPlan | None:
         if self.finished:
             return None

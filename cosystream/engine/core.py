@@ -34,12 +34,13 @@ _NEVER = 1 << 40  # a min_len that is never reached
 
 @dataclass
 class _Message:
-    kind: str  # "add" | "abort" | "text" | "text_end" | "call" | "stop"
+    kind: str  # "add" | "abort" | "text" | "text_end" | "call" | "chunks_done" | "stop"
     payload: Any = None
 
 
 class EngineCore:
-    def __init__(self, lm_runner: LMRunner, token2wav: Any, lm: Any, max_chunk_batch: int = 64) -> None:
+    def __init__(self, lm_runner: LMRunner, token2wav: Any, lm: Any, max_chunk_batch: int = 64,
+                 overlap: bool = True) -> None:
         self.lm_runner = lm_runner
         self.t2w = token2wav
         self.lm = lm
@@ -52,14 +53,24 @@ class EngineCore:
         self.num_steps = 0
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="cosystream-engine", daemon=True)
+        # PERF: token-to-wave batches run on a second thread and CUDA stream, so LM decode steps go on
+        # while a flow/HiFT batch computes. One batch is in flight at a time; the engine thread still
+        # plans every batch (first chunks first) and owns every request's state.
+        self._chunks: _ChunkWorker | None = _ChunkWorker(self) if overlap else None
+        self._in_flight: list | None = None  # the jobs of the batch on the worker
+        self._release_later: list[Any] = []  # t2w states of requests finished while their batch ran
 
     # ------------------------------------------------------------------ thread-safe API
     def start(self) -> None:
         self._thread.start()
+        if self._chunks is not None:
+            self._chunks.start()
 
     def stop(self) -> None:
         self.inbox.put(_Message("stop"))
         self._thread.join(timeout=30)
+        if self._chunks is not None:
+            self._chunks.stop()
 
     def submit(self, req: RequestState) -> None:
         self._check_alive()
@@ -152,7 +163,10 @@ class EngineCore:
         decoding = any(r.lm_segment is not None and r.lm_segment.lm_status == LMStatus.decoding
                        for r in self.slot_owner.values())
         admittable = bool(self.waiting) and bool(self.free_slots)
-        return decoding or admittable or any(self._has_audio_work(r) for r in self.requests.values())
+        if decoding or admittable:
+            return True
+        # while a batch is on the worker, its "chunks_done" message wakes the loop
+        return self._in_flight is None and any(self._has_audio_work(r) for r in self.requests.values())
 
     def _drain(self) -> bool:
         """Handle every queued message; block for one only when there is nothing else to do."""
@@ -188,6 +202,8 @@ class EngineCore:
             self._on_text(*msg.payload)
         elif msg.kind == "text_end":
             self._on_text_end(msg.payload)
+        elif msg.kind == "chunks_done":
+            self._chunks_done(*msg.payload)
 
     # ------------------------------------------------------------------ LM side
     def _queue_lm(self, req: RequestState) -> None:
@@ -375,36 +391,75 @@ class EngineCore:
         return min(req.force_tokens or seg.max_len, 1024)
 
     def _token2wav(self) -> None:
-        jobs = []
+        if self._in_flight is not None:
+            return
+        ready = []
         for req in self.requests.values():
             seg = req.audio_segment
             if seg is None or req.cancelled or not self._can_voice(req, seg):
                 continue
-            plan = seg.planner.next_plan(len(seg.tokens), seg.lm_status == LMStatus.done)
-            if plan is not None:
-                jobs.append((req, seg, plan))
-        if not jobs:
+            if seg.planner.has_plan(len(seg.tokens), seg.lm_status == LMStatus.done):
+                ready.append((req, seg))
+        if not ready:
             return
-        jobs.sort(key=lambda j: (not j[0].is_first_chunk, j[0].t_submit))  # first chunks first
-        for start in range(0, len(jobs), self.max_chunk_batch):
-            self._run_chunks(jobs[start:start + self.max_chunk_batch])
+        ready.sort(key=lambda j: (not j[0].is_first_chunk, j[0].t_submit))  # first chunks first
+        if self._chunks is not None:
+            ready = ready[:self.max_chunk_batch]  # the rest waits for the next batch, plans untouched
+        jobs = [(req, seg, seg.planner.next_plan(len(seg.tokens), seg.lm_status == LMStatus.done))
+                for req, seg in ready]
+        if self._chunks is None:
+            for start in range(0, len(jobs), self.max_chunk_batch):
+                self._run_chunks(jobs[start:start + self.max_chunk_batch])
+            return
+        jobs = self._start_t2w(jobs)
+        if jobs:
+            self._in_flight = jobs
+            self._chunks.submit(jobs)
+
+    def _start_t2w(self, jobs: list) -> list:
+        """Give segments that start their audio their token-to-wave state; a request whose state cannot
+        be made fails alone. Returns the jobs that can run."""
+        runnable = []
+        for req, seg, plan in jobs:
+            if seg.t2w is None:
+                try:
+                    seg.t2w = self.t2w.start(
+                        seg.inputs, req.voice_key, key=(req.request_id, req.audio_index), speed=req.speed,
+                        max_target_tokens=self._expected_tokens(req, seg), seed=req.sampling.seed + req.audio_index,
+                        stored=req.voice_cache)
+                except Exception as e:
+                    log.exception("token-to-wave start failed")
+                    self._fail(req, e)
+                    continue
+            runnable.append((req, seg, plan))
+        return runnable
 
     def _run_chunks(self, jobs: list) -> None:
-        for req, seg, _ in jobs:
-            if seg.t2w is None:
-                seg.t2w = self.t2w.start(seg.inputs, req.voice_key, key=(req.request_id, req.audio_index),
-                                         speed=req.speed, max_target_tokens=self._expected_tokens(req, seg),
-                                         seed=req.sampling.seed + req.audio_index, stored=req.voice_cache)
+        jobs = self._start_t2w(jobs)
+        if not jobs:
+            return
         try:
             results = self.t2w.run([(seg.t2w, seg.tokens, plan) for _, seg, plan in jobs])
         except Exception as e:
-            log.exception("token-to-wave batch failed")
-            for req, _, _ in jobs:
-                self._fail(req, e)
+            self._chunks_done(jobs, None, e, time.perf_counter())
             return
-        now = time.perf_counter()
+        self._chunks_done(jobs, results, None, time.perf_counter())
+
+    def _chunks_done(self, jobs: list, results: list | None, error: BaseException | None, now: float) -> None:
+        """A batch came back (from the worker or inline): emit its audio, or fail its requests alone."""
+        self._in_flight = None
+        for state in self._release_later:
+            self.t2w.release(state)
+        self._release_later.clear()
+        if error is not None:
+            log.error("token-to-wave batch failed: %r", error)
+            for req, _, _ in jobs:
+                if req.request_id in self.requests:
+                    self._fail(req, error if isinstance(error, Exception) else RuntimeError(repr(error)))
+            return
         for (req, seg, plan), (pcm, flow_s, vocoder_s) in zip(jobs, results, strict=True):
-            self._emit(req, seg, plan, pcm, flow_s, vocoder_s, now)
+            if req.request_id in self.requests and not req.cancelled:
+                self._emit(req, seg, plan, pcm, flow_s, vocoder_s, now)
 
     def _emit(self, req: RequestState, seg: Segment, plan, pcm: np.ndarray, flow_s: float, vocoder_s: float,
               now: float) -> None:
@@ -428,14 +483,59 @@ class EngineCore:
             self._finish(req)
 
     def _finish(self, req: RequestState) -> None:
+        busy = self._in_flight is not None and any(r is req for r, _, _ in self._in_flight)
         for seg in req.segments:
             self._release_slot(seg)
             if seg.t2w is not None:
-                self.t2w.release(seg.t2w)
+                if busy:  # the worker is using it: give its flow slot back when the batch returns
+                    self._release_later.append(seg.t2w)
+                else:
+                    self.t2w.release(seg.t2w)
             seg.t2w = None
         self.requests.pop(req.request_id, None)
         if req in self.waiting:
             self.waiting.remove(req)
+
+
+class _ChunkWorker:
+    """The token-to-wave thread: runs one batch at a time on its own CUDA stream and posts the result
+    to the engine's inbox. It never touches request state (the engine thread does)."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.jobs: queue.Queue[list | None] = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="cosystream-token2wav", daemon=True)
+        device = core.lm_runner.device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.jobs.put(None)
+        self.thread.join(timeout=30)
+
+    def submit(self, jobs: list) -> None:
+        self.jobs.put(jobs)
+
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        while (jobs := self.jobs.get()) is not None:
+            results, error = None, None
+            try:
+                results = self._compute(jobs)
+            except BaseException as e:  # reported with the batch; the engine thread decides
+                error = e
+            self.core.inbox.put(_Message("chunks_done", (jobs, results, error, time.perf_counter())))
+
+    def _compute(self, jobs: list) -> list:
+        work = [(seg.t2w, seg.tokens[:], plan) for _, seg, plan in jobs]
+        if self.stream is None:
+            return self.core.t2w.run(work)
+        # the batch may read what the engine thread just wrote on its stream (new voices' pool slots)
+        self.stream.wait_stream(torch.cuda.default_stream(self.stream.device))
+        with torch.cuda.stream(self.stream):
+            return self.core.t2w.run(work)
 
 
 __all__ = ["EngineCore", "RowSampling"]

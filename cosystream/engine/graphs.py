@@ -59,7 +59,8 @@ class GraphCache:
             self.fn(*static_in)  # warm-up: kernel selection and allocator state outside the graph
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: the other engine thread may call CUDA (e.g. synchronize) during a capture
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             static_out = self.fn(*static_in)
         self._pool = graph.pool()
         return graph, static_in, static_out

@@ -219,7 +219,8 @@ class LMRunner:
             self._step(b, attn_len)  # warm-up outside the graph (allocator, kernels selection)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: the other engine thread may call CUDA (e.g. synchronize) during a capture
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             self._step(b, attn_len)
         self._pool = graph.pool()
         self.graphs[(b, attn_len)] = graph

@@ -145,8 +145,8 @@ class Token2WavRunner:
         return [(pcm, t1 - t0, t2 - t1) for pcm in host]
 
     def _now(self) -> float:
-        if self.sync:
-            torch.cuda.synchronize(self.device)
+        if self.sync:  # this thread's stream only: the LM runs on another one meanwhile
+            torch.cuda.current_stream(self.device).synchronize()
         return time.perf_counter()
 
     def _flow(self, jobs: Sequence[tuple[Token2WavState, list[int], ChunkPlan]]) -> list[torch.Tensor]:
