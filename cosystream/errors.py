@@ -34,3 +34,17 @@ class Overloaded(CosyStreamError):
 
 class EngineDead(CosyStreamError):
     """The engine loop stopped; no request can be served."""
+
+
+class SynthesisFailed(CosyStreamError, RuntimeError):
+    """One request failed inside the engine while the engine itself goes on serving.
+
+    `code` says why: "non_finite_output" (a model produced NaN/inf for this request), "out_of_memory"
+    (the device ran out of memory on a batch holding it: retrying later may work) or "engine_fault"
+    (any other failure of a batch holding it) or "aborted" (cancelled in the engine by someone other than
+    its reader). A RuntimeError too, for callers that caught that before.
+    """
+
+    def __init__(self, message: str, code: str = "engine_fault") -> None:
+        super().__init__(message)
+        self.code = code

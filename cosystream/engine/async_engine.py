@@ -21,6 +21,7 @@ import torch
 
 from cosystream.checkpoint import load_checkpoint
 from cosystream.config import EngineConfig
+from cosystream.engine import accounting
 from cosystream.engine.chunking import ChunkPlanner
 from cosystream.engine.core import EngineCore
 from cosystream.engine.lm_runner import LMRunner, RowSampling
@@ -78,6 +79,7 @@ class AsyncEngine:
         queue: asyncio.Queue[AudioChunk | BaseException] = asyncio.Queue()
         req = await loop.run_in_executor(self.pool, self._build_request, params,
                                          lambda item: loop.call_soon_threadsafe(queue.put_nowait, item))
+        req.emit = self._emit_or_abort(req.request_id, req.emit)
         req.times.frontend_s = loop.time() - t_submit
         req.t_submit -= req.times.frontend_s  # the request's clock starts at submission
         self.core.submit(req)
@@ -97,6 +99,16 @@ class AsyncEngine:
                 pump.cancel()
             if not req.finished:
                 self.core.abort(req.request_id)
+
+    def _emit_or_abort(self, request_id: str, emit: Any) -> Any:
+        """The request's emit, made safe for the engine thread: if the caller's event loop has closed, nobody
+        will read or abort the request any more, so it is aborted here instead of raising on the engine thread."""
+        def deliver(item: AudioChunk | BaseException) -> None:
+            try:
+                emit(item)
+            except RuntimeError:  # call_soon_threadsafe on a closed loop
+                self.core.abort(request_id)
+        return deliver
 
     async def _pump_text(self, request_id: str, pieces: AsyncIterator[str], out: asyncio.Queue) -> None:
         """Forward text pieces as they arrive (tokenised one by one, not normalised: spec/frontend.md §2)."""
@@ -229,7 +241,7 @@ class AsyncEngine:
         await loop.run_in_executor(self.pool, self.core.call, self.token2wav.forget_voice, name)
 
     def stats(self) -> dict[str, float]:
-        return self.core.stats()
+        return {**self.core.stats(), **accounting.gauges(self)}
 
     def list_voices(self) -> list[VoiceInfo]:
         return self.voices.list()

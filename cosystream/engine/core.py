@@ -22,10 +22,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from cosystream.engine import faults
 from cosystream.engine.bistream import BistreamState, Feed
 from cosystream.engine.lm_runner import LMRunner, RowSampling
 from cosystream.engine.request import LMStatus, RequestState, Segment
-from cosystream.errors import BadInput, EngineDead
+from cosystream.errors import EngineDead
 from cosystream.outputs import AudioChunk
 
 log = logging.getLogger("cosystream.engine")
@@ -131,7 +132,7 @@ class EngineCore:
             while self._drain():
                 self._guarded(self._admit, self._admitting)
                 self._guarded(self._decode, self._decoding)
-                self._token2wav()
+                self._guarded(self._token2wav, self._voicing)
         except BaseException as e:  # the engine is dead: tell every waiting client
             log.exception("engine loop failed")
             self.error = e
@@ -144,13 +145,26 @@ class EngineCore:
             step()
         except Exception as e:
             log.exception("engine step %s failed", step.__name__)
+            faults.release_device_memory(e, self.lm_runner.device)
             for req in affected():
                 self._fail(req, e)
 
     def _fail(self, req: RequestState, error: Exception) -> None:
-        req.emit(error if isinstance(error, BadInput) else RuntimeError(f"synthesis failed: {error!r}"))
+        req.emit(faults.to_request_error(error))
         req.cancelled = True
+        self._scrub(req)
         self._finish(req)
+
+    def _scrub(self, req: RequestState) -> None:
+        """A failed request's slots may hold NaN: zero them before another stream reuses them."""
+        for seg in req.segments:
+            if seg.slot >= 0:
+                faults.scrub_lm_slot(self.lm_runner, seg.slot)
+            if seg.t2w is not None:
+                faults.scrub_flow_slot(self.t2w, seg.t2w)
+
+    def _voicing(self) -> list[RequestState]:
+        return [r for r in self.requests.values() if self._has_audio_work(r)]
 
     def _admitting(self) -> list[RequestState]:
         return [r for r in self.slot_owner.values() if r.lm_segment is not None and r.t_first_token is None]
@@ -189,6 +203,7 @@ class EngineCore:
         elif msg.kind == "abort":
             req = self.requests.get(msg.payload)
             if req is not None:
+                req.emit(faults.aborted())  # a reader that did not ask for the abort stops waiting
                 req.cancelled = True
                 self._finish(req)
         elif msg.kind == "call":
@@ -223,7 +238,17 @@ class EngineCore:
                 continue
             self.free_slots.sort()
             slot = self.free_slots.pop(0)  # lowest free slot keeps the decode bucket small
-            self._prefill(req, req.lm_segment, slot)
+            try:
+                self._prefill(req, req.lm_segment, slot)
+            except Exception as e:  # this prompt failed (e.g. out of memory): fail it alone, admit the rest
+                self._prefill_failed(req, slot, e)
+
+    def _prefill_failed(self, req: RequestState, slot: int, error: Exception) -> None:
+        log.exception("prefill of %s failed", req.request_id)
+        faults.release_device_memory(error, self.lm_runner.device)
+        if slot not in self.slot_owner and slot not in self.free_slots:
+            self.free_slots.append(slot)  # it failed before the slot was recorded as taken
+        self._fail(req, error)
 
     def _prefill(self, req: RequestState, seg: Segment, slot: int) -> None:
         t0 = time.perf_counter()
@@ -269,6 +294,9 @@ class EngineCore:
             self._accept_token(req, seg, tokens[slot])
 
     def _accept_token(self, req: RequestState, seg: Segment, token: int) -> None:
+        if token == faults.NON_FINITE_TOKEN:  # this row's logits held NaN/inf; the other rows are fine
+            self._fail(req, faults.non_finite("speech LM"))
+            return
         if req.t_first_token is None:
             req.t_first_token = time.perf_counter()
             req.times.first_token_s = req.t_first_token - (req.t_admit or req.t_submit)
@@ -417,22 +445,8 @@ class EngineCore:
             self._chunks.submit(jobs)
 
     def _start_t2w(self, jobs: list) -> list:
-        """Give segments that start their audio their token-to-wave state; a request whose state cannot
-        be made fails alone. Returns the jobs that can run."""
-        runnable = []
-        for req, seg, plan in jobs:
-            if seg.t2w is None:
-                try:
-                    seg.t2w = self.t2w.start(
-                        seg.inputs, req.voice_key, key=(req.request_id, req.audio_index), speed=req.speed,
-                        max_target_tokens=self._expected_tokens(req, seg), seed=req.sampling.seed + req.audio_index,
-                        stored=req.voice_cache)
-                except Exception as e:
-                    log.exception("token-to-wave start failed")
-                    self._fail(req, e)
-                    continue
-            runnable.append((req, seg, plan))
-        return runnable
+        """The jobs whose token-to-wave stream is open (a request whose stream cannot open fails alone)."""
+        return [job for job in jobs if self._start_audio(*job)]
 
     def _run_chunks(self, jobs: list) -> None:
         jobs = self._start_t2w(jobs)
@@ -446,20 +460,42 @@ class EngineCore:
         self._chunks_done(jobs, results, None, time.perf_counter())
 
     def _chunks_done(self, jobs: list, results: list | None, error: BaseException | None, now: float) -> None:
-        """A batch came back (from the worker or inline): emit its audio, or fail its requests alone."""
+        """A batch came back (from the worker or inline): emit its audio, or fail its requests alone
+        (the batch failed: its requests fail, the others never were in it)."""
         self._in_flight = None
         for state in self._release_later:
             self.t2w.release(state)
         self._release_later.clear()
         if error is not None:
             log.error("token-to-wave batch failed: %r", error)
+            err = error if isinstance(error, Exception) else RuntimeError(repr(error))
+            faults.release_device_memory(err, self.lm_runner.device)
             for req, _, _ in jobs:
                 if req.request_id in self.requests:
-                    self._fail(req, error if isinstance(error, Exception) else RuntimeError(repr(error)))
+                    self._fail(req, err)
             return
         for (req, seg, plan), (pcm, flow_s, vocoder_s) in zip(jobs, results, strict=True):
-            if req.request_id in self.requests and not req.cancelled:
+            if req.request_id not in self.requests or req.cancelled:
+                continue
+            if faults.is_finite_audio(pcm):  # the chunk is on the host already: checking it is cheap
                 self._emit(req, seg, plan, pcm, flow_s, vocoder_s, now)
+            else:
+                self._fail(req, faults.non_finite("flow or vocoder"))
+
+    def _start_audio(self, req: RequestState, seg: Segment, plan: Any) -> bool:
+        """Open the segment's token-to-wave stream at its first chunk; False (request failed) if that fails."""
+        if seg.t2w is not None:
+            return True
+        try:
+            seg.t2w = self.t2w.start(seg.inputs, req.voice_key, key=(req.request_id, req.audio_index),
+                                     speed=req.speed, max_target_tokens=self._expected_tokens(req, seg),
+                                     seed=req.sampling.seed + req.audio_index, stored=req.voice_cache)
+        except Exception as e:  # e.g. out of memory building the voice's prompt state
+            log.exception("token-to-wave start of %s failed", req.request_id)
+            faults.release_device_memory(e, self.lm_runner.device)
+            self._fail(req, e)
+            return False
+        return True
 
     def _emit(self, req: RequestState, seg: Segment, plan, pcm: np.ndarray, flow_s: float, vocoder_s: float,
               now: float) -> None:

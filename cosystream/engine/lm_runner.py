@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cosystream.engine.faults import mark_non_finite
 from cosystream.engine.graphs import GraphCache, maybe_compile
 from cosystream.kernels import decode as decode_ops
 from cosystream.kernels import reference as reference_ops
@@ -108,10 +109,11 @@ class LMRunner:
         start = torch.tensor([start_pos], device=self.device)
         h = self._forward(embeds.to(self.device, self.dtype).unsqueeze(0), start, self.cache,
                           attn_len=start_pos + n, slots=slots)[:, -1]
-        token = self._sample(self.lm.logp(h), self._rows(slot, slot + 1), self.eos)
+        logp = self.lm.logp(h)
+        token = self._sample(logp, self._rows(slot, slot + 1), self.eos)
         self._record(slice(slot, slot + 1), token, torch.ones(1, dtype=torch.bool, device=self.device))
         self.positions[slot] = start_pos + n
-        return int(token[0])
+        return int(mark_non_finite(logp, token)[0])
 
     def _prefill_graphed(self, slot: int, embeds: torch.Tensor) -> int:
         """PERF: a new stream's prompt runs as one graph replay at a padded length bucket; the padding
@@ -138,13 +140,14 @@ class LMRunner:
         h = self._forward(x, zero, self.cache, attn_len=x.shape[1], slots=slot)[0].index_select(0, last)
         s = self.sampling
         rows = SamplingBatch(*(getattr(s, f).index_select(0, slot) for f in SamplingBatch.__dataclass_fields__))
-        token = self._sample(self.lm.logp(h), rows, self.eos)
+        logp = self.lm.logp(h)
+        token = self._sample(logp, rows, self.eos)
         self.tokens.index_copy_(0, slot, token)
         self.out.index_copy_(0, slot, token)
         s.steps.index_copy_(0, slot, rows.steps + 1)
         s.history.index_copy_(0, slot, torch.cat([rows.history[:, 1:], token.unsqueeze(1)], dim=1))
         self.positions.index_copy_(0, slot, last + 1)
-        return (token,)
+        return (mark_non_finite(logp, token),)
 
     def _record(self, rows: slice, token: torch.Tensor, active: torch.Tensor) -> None:
         # Rows that are not decoding (free, parked for text) keep their state untouched.
@@ -178,9 +181,11 @@ class LMRunner:
             h = self.lm.decode(emb, self.positions[:b], self.cache, attn_len, self.ops)
         else:
             h = self._forward(emb.unsqueeze(1), self.positions[:b], self.cache, attn_len=attn_len)[:, -1]
-        token = self._sample(self.lm.logp(h), self._rows(0, b), self.eos)
+        logp = self.lm.logp(h)
+        token = self._sample(logp, self._rows(0, b), self.eos)
         active = self.active[:b]
         self._record(slice(0, b), token, active)
+        self.out[:b] = mark_non_finite(logp, token)  # a row's fault reaches the host with its token
         # Inactive rows wrote garbage K/V at their next free position; it is overwritten before it is read.
         self.positions[:b] = torch.clamp(self.positions[:b] + active.long(), max=self.max_len - 1)
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -295,3 +296,85 @@ def test_cli_add_rejects_a_text_file_as_prompt(cli, capsys, model_dir, tmp_path)
     fake.write_text("not audio\n" * 100)
     assert cli("add", "bob", "--model-dir", str(model_dir), "--prompt-wav", str(fake), "--prompt-text", "t") == 2
     assert "--prompt-wav: " in capsys.readouterr().err and cli("list") == 0
+
+
+# several processes at once, and processes killed mid-write
+
+_CLIENT = textwrap.dedent("""
+    import random, sys, torch
+    from cosystream.engine.voices import VoiceStore
+    from cosystream.errors import UnknownVoice, VoiceExists
+    from cosystream.frontend.prompt import VoicePrompt
+    path, worker, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    rng = random.Random(worker)
+    store = VoiceStore(path)
+    print("ready", flush=True)
+    for _ in range(rounds):
+        name, n = f"v{rng.randrange(4)}", rng.randrange(8, 40)  # four names, so clients collide
+        prompt = VoicePrompt(torch.zeros(3, dtype=torch.int32), torch.full((n,), worker, dtype=torch.int32),
+                             torch.full((2 * n, 80), float(worker)), torch.full((192,), float(n)))
+        op = rng.random()
+        try:
+            if op < 0.4:
+                store.add(name, prompt, f"{worker}:{n}", {"cache": torch.full((n, 16), float(n))})
+            elif op < 0.7:
+                store.delete(name)
+            elif op < 0.85:
+                store.set_extras(name, {"cache": torch.full((n + 1, 16), float(n + 1))})
+            else:
+                store.get(name)
+        except (UnknownVoice, VoiceExists):  # another client got there first: expected
+            pass
+    print("done", flush=True)
+""")
+
+
+def _start_clients(path: Path, num_clients: int, rounds: int) -> list[subprocess.Popen]:
+    procs = [subprocess.Popen([sys.executable, "-c", _CLIENT, str(path), str(w), str(rounds)], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for w in range(num_clients)]
+    for proc in procs:
+        assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
+    return procs
+
+
+def _assert_consistent(path: Path) -> None:
+    """Every listed voice loads whole, all of its parts from one write; no blob without its voice."""
+    with VoiceStore(path) as store:
+        for info in store.list():
+            record = store.get(info.name)
+            worker, n = (int(x) for x in info.prompt_text.split(":"))
+            prompt = record.prompt
+            assert info.num_prompt_tokens == n == prompt.prompt_speech_tokens.shape[0] == int(prompt.xvector[0])
+            assert torch.equal(prompt.prompt_speech_tokens, torch.full((n,), worker, dtype=torch.int32))
+            cache = record.extras["cache"]  # from add or a later set_extras: [m, 16] filled with m
+            assert cache.shape == (int(cache[0, 0]), 16) and bool((cache == cache[0, 0]).all())
+        store.add("after", make_prompt(), "still writable")
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    orphans = conn.execute("SELECT COUNT(*) FROM voice_blobs WHERE name NOT IN (SELECT name FROM voices)").fetchone()
+    per_voice = conn.execute("SELECT COUNT(*) FROM voices v WHERE (SELECT COUNT(*) FROM voice_blobs b "
+                             "WHERE b.name = v.name) != 2").fetchone()
+    assert orphans[0] == 0 and per_voice[0] == 0
+    conn.close()
+
+
+def test_concurrent_processes_leave_a_consistent_store(tmp_path):
+    path = tmp_path / "v.db"
+    VoiceStore(path).close()  # created once, as a server would before clients arrive
+    procs = _start_clients(path, num_clients=4, rounds=60)
+    for proc in procs:
+        proc.wait(timeout=120)
+        out, err = proc.stdout.read(), proc.stderr.read()  # the pipes' buffers, not communicate(): "ready" was read
+        assert proc.returncode == 0 and out.strip() == "done", err  # no "database is locked", no other error
+    _assert_consistent(path)
+
+
+def test_clients_killed_mid_write_leave_a_consistent_store(tmp_path):
+    path = tmp_path / "v.db"
+    VoiceStore(path).close()
+    procs = _start_clients(path, num_clients=3, rounds=100_000)  # still writing when they are killed
+    time.sleep(1.0)
+    for proc in procs:
+        proc.kill()  # SIGKILL: no rollback, no close, WAL and locks left as they are
+        assert proc.wait(timeout=30) == -9, proc.stderr.read()
+    _assert_consistent(path)
