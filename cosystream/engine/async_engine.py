@@ -162,7 +162,13 @@ class AsyncEngine:
         min_len, max_len = 2 * num_text, 20 * num_text  # PARITY: spec/llm.md §4
         if params.force_tokens is not None:
             min_len = max_len = params.force_tokens
-        return Segment(inputs=inputs, planner=planner, min_len=min_len, max_len=max_len)
+        segment = Segment(inputs=inputs, planner=planner, min_len=min_len, max_len=max_len)
+        # sos + prompt text + text + task id + prompt speech must fit the LM context, or prefill fails
+        num_prompt = 2 + num_text + int(inputs.prompt_text_ids.shape[0]) + int(inputs.llm_prompt_speech_tokens.shape[0])
+        if not segment.skips_lm and num_prompt >= self.config.max_len:
+            raise BadInput(f"text: a sentence of {num_text} tokens does not fit the model's context of "
+                           f"{self.config.max_len} positions with this voice; split it with punctuation")
+        return segment
 
     def _text_stream_segment(self, params: SynthesisParams, voice: VoicePrompt | None) -> Segment:
         mode = Mode(params.mode)

@@ -250,7 +250,8 @@ class Token2WavRunner:
     def _vocoder_input(self, st: Token2WavState, mel: torch.Tensor) -> torch.Tensor:
         mel = mel.to(self.hift.conv_pre.weight.dtype)
         if st.speed != 1.0:  # offline only: time-stretch the mel (spec/hift.md §6)
-            mel = F.interpolate(mel[None], size=int(mel.shape[-1] / st.speed), mode="linear")[0]
+            # at least one frame: a very short utterance at high speed would otherwise shrink to none
+            mel = F.interpolate(mel[None], size=max(1, int(mel.shape[-1] / st.speed)), mode="linear")[0]
         return mel if st.mel_cache is None else torch.cat([st.mel_cache, mel], dim=-1)
 
     def _hift_batch(self, states: list[Token2WavState], mels: list[torch.Tensor]

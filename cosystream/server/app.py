@@ -24,6 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cosystream.server import native, openai_speech, websocket
+from cosystream.server.auth import install_access
 from cosystream.server.errors import ApiError, install_handlers
 from cosystream.server.metrics import CONTENT_TYPE
 from cosystream.server.protocol import (
@@ -149,6 +150,7 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     app.state.server = ServerState(engine, settings)
     install_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_upload_bytes)
+    install_access(app, settings.api_keys, settings.auth_exempt_paths, settings.cors_origins)
     for router in (openai_speech.router, native.router, websocket.router, ops):
         app.include_router(router)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
@@ -172,8 +174,24 @@ def _openapi(app: FastAPI) -> dict:
         for name in ("HTTPValidationError", "ValidationError"):
             components.pop(name, None)
         schema["paths"]["/v1/tts/stream"] = _WEBSOCKET_DOC
+        _document_auth(schema, app.state.server.settings)
         app.openapi_schema = schema
     return app.openapi_schema
+
+
+def _document_auth(schema: dict, settings: ServerSettings) -> None:
+    """With API keys on, mark every operation but the exempt ones as needing the bearer token."""
+    if not settings.api_keys:
+        return
+    schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    for path, operations in schema["paths"].items():
+        if path in settings.auth_exempt_paths:
+            continue
+        for operation in operations.values():
+            operation["security"] = [{"bearer": []}]
+            operation.setdefault("responses", {}).setdefault("401", {"description": "missing or unknown API key",
+                                                                     "content": {"application/json": {
+                                                                         "schema": _ref(ErrorResponse)}}})
 
 
 def _ref(model: type) -> dict:
@@ -214,4 +232,9 @@ def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, devi
     t0 = time.perf_counter()
     engine = AsyncEngine.from_pretrained(model_dir, device=device, dtype=dtype, voices_db=voices_db, **engine_kwargs)
     log_event("engine_loaded", model_dir=str(model_dir), device=device, dtype=dtype, load_s=time.perf_counter() - t0)
-    uvicorn.run(build_app(engine, settings), host=host, port=port, log_level=log_level, ws_ping_interval=20.0)
+    settings = settings or ServerSettings()
+    # the protocol layer drops frames far over the limit before buffering them (close 1009); frames up to
+    # 4x the limit still reach the app, which answers them with an error event and close 4413
+    ws_max_size = max(4 * settings.ws_max_message_bytes, 64 * 1024)
+    uvicorn.run(build_app(engine, settings), host=host, port=port, log_level=log_level, ws_ping_interval=20.0,
+                ws_max_size=ws_max_size)

@@ -6,13 +6,17 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 from cosystream.errors import CosyStreamError
 from cosystream.server.state import ServerSettings
 
 MIB = 1024 * 1024
 EXIT_USAGE = 2  # as argparse and `cosystream voices`
+API_KEYS_ENV = "COSYSTREAM_API_KEYS"  # comma-separated; keeps keys out of the process list
+_DEFAULTS = ServerSettings()
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -26,19 +30,68 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                        help="default: bfloat16 on GPU, float32 on CPU")
     serve.add_argument("--voices-db", default=None, help="voice database (default: $COSYSTREAM_HOME/voices.db)")
     serve.add_argument("--max-streams", type=int, default=None, help="concurrent streams (EngineConfig.max_streams)")
-    serve.add_argument("--max-upload-mb", type=float, default=20.0, help="largest request body, MiB (413 above)")
     serve.add_argument("--config", action="append", default=[], metavar="FIELD=VALUE",
                        help="any EngineConfig field, e.g. final_attention=chunk, flow_slots=28, flow_frames=832")
     serve.add_argument("--no-warmup", action="store_true", help="skip CUDA graph capture at start (debugging)")
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    _add_limit_flags(serve)
+    _add_access_flags(serve)
     serve.set_defaults(handler=run_serve)
     return serve
+
+
+def _add_limit_flags(serve: argparse.ArgumentParser) -> None:
+    limits = serve.add_argument_group("limits (docs/reliability.md)")
+    limits.add_argument("--max-upload-mb", type=float, default=_DEFAULTS.max_upload_bytes / MIB,
+                        help="largest request body, MiB (413 above)")
+    limits.add_argument("--max-audio-s", type=float, default=_DEFAULTS.max_audio_s,
+                        help="longest uploaded prompt_wav/source_wav, seconds (400 above)")
+    limits.add_argument("--first-audio-budget-s", type=float, default=None,
+                        help="refuse new streams (503 overloaded) whose expected first audio is later (default: off)")
+    limits.add_argument("--max-streams-per-client", type=int, default=None,
+                        help="open streams per API key, or per address without keys (429 above; default: off)")
+    limits.add_argument("--request-timeout-s", type=float, default=_DEFAULTS.request_timeout_s,
+                        help="longest synthesis request, arrival to last byte (504 / close 4504); 0: none")
+    limits.add_argument("--ws-max-message-kb", type=float, default=_DEFAULTS.ws_max_message_bytes / 1024,
+                        help="largest WebSocket client message, KiB (close 4413 above)")
+    limits.add_argument("--ws-max-messages-per-s", type=float, default=_DEFAULTS.ws_max_messages_per_s,
+                        help="sustained WebSocket client message rate (close 4429 above)")
+
+
+def _add_access_flags(serve: argparse.ArgumentParser) -> None:
+    access = serve.add_argument_group("access")
+    access.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                        help=f"accept this bearer token (repeatable; also ${API_KEYS_ENV}=k1,k2 or --api-keys-file); "
+                             "any key set turns authentication on")
+    access.add_argument("--api-keys-file", default=None, metavar="PATH", help="bearer tokens, one per line")
+    access.add_argument("--auth-exempt", action="append", default=None, metavar="PATH",
+                        help="a path that needs no key (repeatable; default: /health and /ready)")
+    access.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                        help="allow browser calls from this origin, e.g. https://app.example.com, or * (repeatable)")
+
+
+def api_keys_from(args: argparse.Namespace, environ: dict[str, str] | os._Environ = os.environ) -> frozenset[str]:
+    keys = [*args.api_key, *environ.get(API_KEYS_ENV, "").split(",")]
+    if args.api_keys_file:
+        keys += Path(args.api_keys_file).read_text().splitlines()
+    return frozenset(key.strip() for key in keys if key.strip())
+
+
+def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | os._Environ = os.environ
+                       ) -> ServerSettings:
+    """ServerSettings from `serve` flags and the environment; ValueError for an impossible value."""
+    return ServerSettings(
+        max_upload_bytes=int(args.max_upload_mb * MIB), max_audio_s=args.max_audio_s,
+        first_audio_budget_s=args.first_audio_budget_s, max_streams_per_client=args.max_streams_per_client,
+        request_timeout_s=args.request_timeout_s or None, ws_max_message_bytes=int(args.ws_max_message_kb * 1024),
+        ws_max_messages_per_s=args.ws_max_messages_per_s, api_keys=api_keys_from(args, environ),
+        auth_exempt_paths=tuple(args.auth_exempt) if args.auth_exempt is not None else _DEFAULTS.auth_exempt_paths,
+        cors_origins=tuple(args.cors_origin), warmup=not args.no_warmup)
 
 
 def run_serve(args: argparse.Namespace) -> int:
     from cosystream.server.app import serve
 
-    settings = ServerSettings(max_upload_bytes=int(args.max_upload_mb * MIB), warmup=not args.no_warmup)
     engine_kwargs: dict = {"max_streams": args.max_streams} if args.max_streams is not None else {}
     for item in args.config:
         key, sep, value = item.partition("=")
@@ -48,9 +101,10 @@ def run_serve(args: argparse.Namespace) -> int:
             return EXIT_USAGE
         engine_kwargs[key] = int(value) if value.lstrip("-").isdigit() else value
     try:
+        settings = settings_from_args(args)
         serve(args.model_dir, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
               voices_db=args.voices_db, settings=settings, log_level=args.log_level, **engine_kwargs)
-    except (CosyStreamError, ValueError, TypeError) as exc:  # bad model dir or setting: one line, no traceback
+    except (CosyStreamError, ValueError, TypeError, OSError) as exc:  # bad model dir or setting: one line
         print(f"cosystream serve: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     return 0

@@ -24,8 +24,8 @@ from cosystream.errors import BadInput, CosyStreamError, EngineDead, Overloaded,
 log = logging.getLogger("cosystream.server")
 
 _FIELD = re.compile(r"([A-Za-z_][A-Za-z0-9_.\[\]]*): ")
-_HTTP_CODES = {400: "bad_input", 404: "not_found", 405: "method_not_allowed", 413: "payload_too_large",
-               415: "unsupported_media_type"}
+_HTTP_CODES = {400: "bad_input", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
+               413: "payload_too_large", 415: "unsupported_media_type"}
 # synthesis routes → the `endpoint` label of cosystream_requests_total
 ENDPOINTS = {"/v1/audio/speech": "speech", "/v1/tts": "tts", "/v1/tts/stream": "ws"}
 
@@ -124,6 +124,8 @@ def install_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
         code = _HTTP_CODES.get(exc.status_code, "http_error")
+        if exc.status_code == 400:  # FastAPI/Starlette raise it for a body (JSON, form) they cannot parse
+            return respond(request, ApiError(400, code, f"body: {exc.detail}", field="body"))
         return respond(request, ApiError(exc.status_code, code, str(exc.detail)))
 
     app.add_exception_handler(ApiError, api_error)

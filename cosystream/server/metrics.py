@@ -1,7 +1,8 @@
 """Prometheus metrics of the server: request outcomes, latencies per stage, RTF, load and engine stats.
 
 Each app has its own registry (tests start several apps in one process). Engine gauges are read
-at scrape time from `engine.stats()` when the engine has it, else from `engine.core` attributes.
+at scrape time from `engine.stats()` when the engine has it, else from `engine.core` attributes;
+admission gauges likewise from the server's Admission (server/admission.py).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ RTF_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 
 
 
 class ServerMetrics:
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, admission: Any = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("cosystream_requests", "finished synthesis requests by endpoint and outcome "
@@ -43,7 +44,11 @@ class ServerMetrics:
         self.audio_seconds = Counter("cosystream_audio_seconds", "seconds of audio produced", registry=r)
         self.active_streams = Gauge("cosystream_active_streams", "synthesis responses being streamed now",
                                     ["endpoint"], registry=r)
+        self.unauthorized = Counter("cosystream_unauthorized", "requests refused for a missing or wrong API key",
+                                    registry=r)
         r.register(_EngineCollector(engine))
+        if admission is not None:
+            r.register(_AdmissionCollector(admission))
 
     def observe_done(self, endpoint: str, times: StageTimes | None, server_first_audio_s: float | None) -> None:
         if server_first_audio_s is not None:
@@ -90,3 +95,21 @@ class _EngineCollector(Collector):
 
     def describe(self) -> Iterator[GaugeMetricFamily]:
         return iter(())  # values come from the engine at scrape time; nothing to pre-declare
+
+
+class _AdmissionCollector(Collector):
+    """Gauges of admission control: streams in flight and the first-audio latency a new stream can expect."""
+
+    def __init__(self, admission: Any) -> None:
+        self.admission = admission
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily("cosystream_admission_in_flight", "synthesis streams admitted and not finished",
+                                value=self.admission.num_in_flight)
+        expected_s = self.admission.expected_first_audio_s()
+        if expected_s is not None:  # absent until a request has finished
+            yield GaugeMetricFamily("cosystream_admission_expected_first_audio_seconds",
+                                    "estimated engine first-audio latency of a stream admitted now", value=expected_s)
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        return iter(())

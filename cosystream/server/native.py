@@ -7,10 +7,9 @@ engine's per-stage timings, which raw HTTP audio has no reliable place for.
 
 from __future__ import annotations
 
-import json
-from typing import Any
+from typing import Any, Literal
 
-from fastapi import APIRouter, File, Form, Query, Request, Response, UploadFile
+from fastapi import APIRouter, Depends, File, Form, Path, Query, Request, Response, UploadFile
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile as StarletteUploadFile
@@ -18,6 +17,16 @@ from starlette.datastructures import UploadFile as StarletteUploadFile
 from cosystream.errors import UnknownVoice
 from cosystream.params import Mode, SamplingParams, SynthesisParams
 from cosystream.server.errors import ApiError, bad_input, from_validation_errors, to_api_error
+from cosystream.server.inputs import (
+    MAX_VOICE_NAME_CHARS,
+    check_audio_duration,
+    check_length,
+    check_text,
+    check_voice_name,
+    decode_json_object,
+    is_json,
+    media_type,
+)
 from cosystream.server.openai_speech import AUDIO_RESPONSES
 from cosystream.server.protocol import ErrorResponse, SynthesisOptions, TTSRequest, Voice, VoiceList
 from cosystream.server.session import (
@@ -26,12 +35,11 @@ from cosystream.server.session import (
     SynthesisSession,
     arrival_time,
     audio_response,
-    check_text,
     events_response,
     log_event,
     new_request_id,
 )
-from cosystream.server.state import get_state
+from cosystream.server.state import client_id, get_state
 
 router = APIRouter()
 
@@ -42,9 +50,15 @@ TOKENS_PER_S = 25  # speech token rate, for voice durations
 _TTS_BODY = {"requestBody": {"required": True, "content": {
     "application/json": {"schema": {"$ref": "#/components/schemas/TTSRequest"}},
     "multipart/form-data": {"schema": {"$ref": "#/components/schemas/TTSUpload"}}}}}
+# /v1/tts answers like the OpenAI endpoint, and can also stream ndjson events
+_TTS_RESPONSES: dict = {**AUDIO_RESPONSES, 200: {**AUDIO_RESPONSES[200], "content": {
+    **AUDIO_RESPONSES[200]["content"], NDJSON_MEDIA_TYPE: {}}}}
 _VOICE_ERRORS: dict = {
     400: {"model": ErrorResponse, "description": "bad name or unreadable recording"},
+    401: {"model": ErrorResponse, "description": "API keys are configured and the bearer token is missing or wrong"},
     404: {"model": ErrorResponse, "description": "no voice of that name"},
+    413: {"model": ErrorResponse, "description": "request body over the upload limit"},
+    415: {"model": ErrorResponse, "description": "registration needs multipart/form-data"},
 }
 
 
@@ -59,56 +73,58 @@ def options_to_params(opts: SynthesisOptions, text: Any, files: dict[str, bytes]
         force_tokens=opts.force_tokens, request_id=request_id)
 
 
-async def read_tts_body(request: Request) -> tuple[TTSRequest, dict[str, bytes]]:
+async def read_tts_body(request: Request, max_audio_s: float) -> tuple[TTSRequest, dict[str, bytes]]:
     """The TTSRequest from a JSON body or multipart form fields, plus the uploaded files' bytes."""
-    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    content_type = media_type(request)
     files: dict[str, bytes] = {}
+    data: dict[str, Any] = {}
     if content_type in ("multipart/form-data", "application/x-www-form-urlencoded"):
         form = await request.form(max_files=len(UPLOAD_FIELDS), max_fields=MAX_FORM_FIELDS)
-        data: Any = {}
         for key, value in form.multi_items():
             if isinstance(value, StarletteUploadFile):
                 if key not in UPLOAD_FIELDS:
                     raise bad_input(f"{key}: unexpected file (files: {', '.join(UPLOAD_FIELDS)})")
                 files[key] = await value.read()
+                check_audio_duration(files[key], key, max_audio_s)
             else:
                 data[key] = value
-    elif content_type in ("application/json", ""):
-        try:
-            data = json.loads(await request.body() or b"{}")
-        except ValueError as exc:
-            raise bad_input(f"body: invalid JSON ({exc})") from None
+    elif is_json(content_type):
+        data = decode_json_object(await request.body() or b"{}", "body")
     else:
         raise ApiError(415, "unsupported_media_type", f"content-type {content_type!r}: send application/json "
                        "or multipart/form-data")
-    if not isinstance(data, dict):
-        raise bad_input("body: expected a JSON object")
     try:
         return TTSRequest.model_validate(data), files
     except ValidationError as exc:
         raise from_validation_errors(exc.errors()) from None
 
 
-def choose_events(events: str | None, accept: str) -> str | None:
+def check_options(opts: SynthesisOptions, max_chars: int) -> None:
+    """What the schema cannot say: voice names and the length of the texts besides `text`."""
+    for field in ("voice", "sft_speaker"):
+        name = getattr(opts, field)
+        if name is not None:
+            check_voice_name(name, field)
+    for field in ("prompt_text", "instruct_text"):
+        check_length(getattr(opts, field), field, max_chars)
+
+
+EventsParam = Literal["sse", "ndjson", "true", "false", "1", "0", "none"]
+
+
+def choose_events(events: EventsParam | None, accept: str) -> str | None:
     """'sse', 'ndjson' or None (raw audio) from ?events= and the Accept header."""
     if events is not None:
-        value = events.strip().lower()
-        if value in ("true", "1", "sse"):
-            return "sse"
-        if value in ("false", "0", "none", ""):
-            return None
-        if value == "ndjson":
-            return "ndjson"
-        raise bad_input(f"events: expected sse, ndjson, true or false, got {events!r}")
+        return {"ndjson": "ndjson", "sse": "sse", "true": "sse", "1": "sse"}.get(events)
     if SSE_MEDIA_TYPE in accept:
         return "sse"
     return "ndjson" if NDJSON_MEDIA_TYPE in accept else None
 
 
-@router.post("/v1/tts", tags=["native"], openapi_extra=_TTS_BODY, responses=AUDIO_RESPONSES, response_class=Response,
+@router.post("/v1/tts", tags=["native"], openapi_extra=_TTS_BODY, responses=_TTS_RESPONSES, response_class=Response,
              summary="Text to speech with every engine setting; audio or timing events")
 async def tts(request: Request,
-              events: str | None = Query(None, description="sse | ndjson | true | false")) -> Response:
+              events: EventsParam | None = Query(None, description="sse | ndjson | true (= sse) | false")) -> Response:
     """Synthesise with any mode and voice (registered, or an uploaded prompt_wav + prompt_text).
 
     Raw audio (`response_format`), or with `events` a stream of `audio` events and a final `done`
@@ -117,11 +133,12 @@ async def tts(request: Request,
     state = get_state(request)
     state.check_ready()
     events_mode = choose_events(events, request.headers.get("accept", ""))
-    body, files = await read_tts_body(request)
+    body, files = await read_tts_body(request, state.settings.max_audio_s)
+    check_options(body, state.max_text_chars)
     if body.mode != Mode.vc:
         check_text(body.text, "text", state.max_text_chars)
     params = options_to_params(body, body.text, files, new_request_id())
-    session = SynthesisSession(state, "tts", params, body.response_format, arrival_time(request))
+    session = SynthesisSession(state, "tts", params, body.response_format, arrival_time(request), client_id(request))
     await session.open()
     if events_mode is None:
         return audio_response(session)
@@ -139,16 +156,31 @@ def voice_out(info: Any) -> Voice:
                  created_at=getattr(info, "created_at", None))
 
 
+VOICE_NAME_PATH = Path(..., min_length=1, max_length=MAX_VOICE_NAME_CHARS, description="a registered voice")
+
+
+def require_form(request: Request) -> None:
+    """415 for a body that is not a form (FastAPI would report each form field as missing instead)."""
+    if media_type(request) not in ("multipart/form-data", "application/x-www-form-urlencoded"):
+        raise ApiError(415, "unsupported_media_type", f"content-type {media_type(request)!r}: send "
+                       "multipart/form-data with name, prompt_text and the prompt_wav file")
+
+
 @router.post("/v1/voices", tags=["voices"], status_code=201, response_model=Voice, responses=_VOICE_ERRORS,
+             dependencies=[Depends(require_form)],
              summary="Register a voice from a prompt recording and its transcript")
-async def add_voice(request: Request, name: str = Form(..., description="1-64 of A-Z a-z 0-9 _ . -"),
+async def add_voice(request: Request, name: str = Form(..., min_length=1, max_length=MAX_VOICE_NAME_CHARS,
+                                                      description="1-64 of A-Z a-z 0-9 _ . -"),
                     prompt_text: str = Form("", description="transcript ('' for cross_lingual/instruct2 only)"),
                     prompt_wav: UploadFile = File(..., description="0.5-30 s of speech: wav/flac/mp3/ogg")) -> Voice:
     state = get_state(request)
     state.check_ready()
+    check_voice_name(name, "name")
+    check_length(prompt_text, "prompt_text", state.max_text_chars)
     audio = await prompt_wav.read()
     if not audio:
         raise bad_input("prompt_wav: empty file")
+    check_audio_duration(audio, "prompt_wav", state.settings.max_audio_s)
     info = await state.engine.add_voice(name, audio, prompt_text)
     log_event("voice_added", name=name, num_prompt_tokens=getattr(info, "num_prompt_tokens", ""))
     return voice_out(info)
@@ -162,7 +194,8 @@ async def list_voices(request: Request) -> VoiceList:
 
 @router.get("/v1/voices/{name}", tags=["voices"], response_model=Voice, responses=_VOICE_ERRORS,
             summary="One registered voice")
-async def get_voice(name: str, request: Request) -> Voice:
+async def get_voice(request: Request, name: str = VOICE_NAME_PATH) -> Voice:
+    check_voice_name(name, "name")
     try:
         return voice_out(await run_in_threadpool(get_state(request).engine.get_voice, name))
     except UnknownVoice as exc:
@@ -171,7 +204,8 @@ async def get_voice(name: str, request: Request) -> Voice:
 
 @router.delete("/v1/voices/{name}", tags=["voices"], status_code=204, response_class=Response,
                responses=_VOICE_ERRORS, summary="Delete a registered voice")
-async def delete_voice(name: str, request: Request) -> Response:
+async def delete_voice(request: Request, name: str = VOICE_NAME_PATH) -> Response:
+    check_voice_name(name, "name")
     try:
         await get_state(request).engine.delete_voice(name)
     except UnknownVoice as exc:

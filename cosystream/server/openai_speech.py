@@ -7,21 +7,22 @@ The OpenAI SDK works unchanged against it (`client.audio.speech.create`, `with_s
 from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
+from pydantic import ValidationError
 
 from cosystream.params import Mode, SamplingParams, SynthesisParams
 from cosystream.server.encode import MEDIA_TYPES
+from cosystream.server.errors import from_validation_errors
+from cosystream.server.inputs import check_length, check_text, check_voice_name, read_json_object
 from cosystream.server.protocol import ErrorResponse, SpeechRequest
 from cosystream.server.session import (
     SSE_MEDIA_TYPE,
-    AudioStreamResponse,
     SynthesisSession,
     arrival_time,
     audio_response,
-    check_text,
     new_request_id,
-    openai_sse_body,
+    openai_sse_response,
 )
-from cosystream.server.state import get_state
+from cosystream.server.state import client_id, get_state
 
 router = APIRouter(tags=["OpenAI-compatible"])
 
@@ -29,13 +30,31 @@ AUDIO_RESPONSES: dict = {
     200: {"description": "the audio, streamed as it is produced (chunked transfer)",
           "content": {**{media: {} for media in MEDIA_TYPES.values()}, SSE_MEDIA_TYPE: {}}},
     400: {"model": ErrorResponse, "description": "bad input (text, voice, format, speed, ...)"},
+    401: {"model": ErrorResponse, "description": "API keys are configured and the bearer token is missing or wrong"},
     413: {"model": ErrorResponse, "description": "request body over the upload limit"},
+    415: {"model": ErrorResponse, "description": "a body that is not JSON (or, on /v1/tts, not a form)"},
+    429: {"model": ErrorResponse, "description": "too many streams open for this client; see Retry-After"},
     503: {"model": ErrorResponse, "description": "overloaded or warming up; see Retry-After"},
+    504: {"model": ErrorResponse, "description": "the request timed out before its first audio"},
 }
+_SPEECH_BODY = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": {"$ref": "#/components/schemas/SpeechRequest"}}}}}
+
+
+async def read_speech_request(request: Request) -> SpeechRequest:
+    # read by hand rather than as a FastAPI body parameter: a wrong media type is then 415, not a 400
+    # about a missing object, and JSON errors name the body like on every other endpoint
+    data = await read_json_object(request)
+    try:
+        return SpeechRequest.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation_errors(exc.errors()) from None
 
 
 def to_params(body: SpeechRequest, request_id: str, max_text_chars: int) -> SynthesisParams:
     check_text(body.input, "input", max_text_chars)
+    check_voice_name(body.voice, "voice")
+    check_length(body.instructions or "", "instructions", max_text_chars)
     # speed != 1 is an offline transform in the model, so it needs the non-streaming path
     stream = body.stream if body.stream is not None else body.speed == 1.0
     return SynthesisParams(
@@ -44,19 +63,20 @@ def to_params(body: SpeechRequest, request_id: str, max_text_chars: int) -> Synt
         sampling=SamplingParams(seed=body.seed), force_tokens=body.force_tokens)
 
 
-@router.post("/v1/audio/speech", responses=AUDIO_RESPONSES, response_class=Response,
+@router.post("/v1/audio/speech", responses=AUDIO_RESPONSES, response_class=Response, openapi_extra=_SPEECH_BODY,
              summary="Text to speech (OpenAI audio.speech.create)")
-async def create_speech(body: SpeechRequest, request: Request) -> Response:
+async def create_speech(request: Request) -> Response:
     """Speak `input` in a registered `voice`; audio bytes are sent as each chunk is synthesised.
 
     `stream_format="sse"` answers with OpenAI's `speech.audio.delta` / `speech.audio.done` events instead.
     """
     state = get_state(request)
     state.check_ready()
+    body = await read_speech_request(request)
     params = to_params(body, new_request_id(), state.max_text_chars)
-    session = SynthesisSession(state, "speech", params, body.response_format, arrival_time(request))
+    session = SynthesisSession(state, "speech", params, body.response_format, arrival_time(request),
+                               client_id(request))
     await session.open()
     if body.stream_format == "sse":
-        return AudioStreamResponse(openai_sse_body(session, len(body.input)), media_type=SSE_MEDIA_TYPE,
-                                   headers={"X-Request-Id": session.request_id})
+        return openai_sse_response(session, len(body.input))
     return audio_response(session)

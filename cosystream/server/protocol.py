@@ -14,11 +14,16 @@ from cosystream.params import Mode
 from cosystream.server.encode import AudioFormat
 
 MIN_SPEED, MAX_SPEED = 0.25, 4.0  # OpenAI's range; the engine allows speed != 1 only with stream=false
+# Upper bounds on sampling knobs: far beyond any useful value (the speech vocabulary has 6,561 tokens),
+# low enough that no value overflows the engine's int64/float32 tensors.
+MAX_TOP_K, MAX_WIN_SIZE, MAX_TAU_R = 10_000, 1_000, 100.0
 
 
 class ErrorDetail(BaseModel):
     code: str = Field(description="stable machine code: bad_input, unknown_voice, voice_exists, payload_too_large, "
-                                  "overloaded, engine_dead, not_ready, not_found, internal, ...")
+                                  "unsupported_media_type, unauthorized, too_many_streams, rate_limited, "
+                                  "overloaded, deadline_exceeded, timeout, engine_dead, not_ready, not_found, "
+                                  "internal, ...")
     message: str = Field(description="human-readable; starts with the field name when one input is at fault")
     field: str | None = Field(None, description="the offending input field, when there is one")
 
@@ -34,7 +39,8 @@ class ErrorResponse(BaseModel):
 class SpeechRequest(BaseModel):
     """OpenAI `audio.speech.create` body. `model` is accepted and ignored (one model is served)."""
 
-    model_config = ConfigDict(extra="ignore")  # newer OpenAI SDK fields must not break old servers
+    # newer OpenAI SDK fields must not break old servers; NaN/inf are never a meaningful number here
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str = Field("cosyvoice2", description="ignored; any value is accepted")
     input: str = Field(..., min_length=1, description="the text to speak")
@@ -57,7 +63,8 @@ class SpeechRequest(BaseModel):
 class SynthesisOptions(BaseModel):
     """Every per-request knob of the engine (cosystream.params.SynthesisParams), flat."""
 
-    model_config = ConfigDict(extra="forbid")  # a misspelt knob must fail, not be silently dropped
+    # a misspelt knob must fail, not be silently dropped; NaN/inf are never a meaningful number here
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     mode: Mode = Mode.zero_shot
     voice: str | None = Field(None, description="registered voice; or upload prompt_wav + prompt_text")
@@ -71,9 +78,9 @@ class SynthesisOptions(BaseModel):
     force_tokens: int | None = Field(None, ge=1, le=4000,
                                      description="benchmarks: exactly this many speech tokens (960 samples each)")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=1)
-    win_size: int | None = Field(None, ge=1, description="RAS repetition window")
-    tau_r: float | None = Field(None, ge=0.0, description="RAS repetition threshold")
+    top_k: int | None = Field(None, ge=1, le=MAX_TOP_K)
+    win_size: int | None = Field(None, ge=1, le=MAX_WIN_SIZE, description="RAS repetition window")
+    tau_r: float | None = Field(None, ge=0.0, le=MAX_TAU_R, description="RAS repetition threshold")
     seed: int | None = Field(None, ge=0, lt=2**31)
     greedy: bool = False
 
@@ -193,4 +200,5 @@ class Health(BaseModel):
 
 # Schemas not reachable from a route signature, added to the OpenAPI components by app.py.
 EXTRA_SCHEMAS: tuple[type[BaseModel], ...] = (
-    TTSRequest, TTSUpload, StartedEvent, AudioEvent, ChunkEvent, DoneEvent, ErrorEvent, WsStart, WsText, WsEnd)
+    SpeechRequest, TTSRequest, TTSUpload, StartedEvent, AudioEvent, ChunkEvent, DoneEvent, ErrorEvent, WsStart,
+    WsText, WsEnd)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -25,7 +26,7 @@ from starlette.types import Receive, Scope, Send
 from cosystream.outputs import SAMPLE_RATE, AudioChunk
 from cosystream.params import SynthesisParams
 from cosystream.server.encode import MEDIA_TYPES, AudioFormat, build_encoder
-from cosystream.server.errors import ApiError, bad_input, to_api_error
+from cosystream.server.errors import ApiError, to_api_error
 from cosystream.server.protocol import AudioEvent, DoneEvent, ErrorEvent, StageTimes
 from cosystream.server.state import ServerState
 
@@ -33,6 +34,7 @@ log = logging.getLogger("cosystream.server")
 
 SSE_MEDIA_TYPE = "text/event-stream"
 NDJSON_MEDIA_TYPE = "application/x-ndjson"
+_SEND_GRACE_S = 1.0  # after the request timeout, before a response stuck on a non-reading client is cut
 
 
 def new_request_id() -> str:
@@ -50,13 +52,6 @@ def log_event(event: str, **fields: Any) -> None:
     log.info(" ".join(parts))
 
 
-def check_text(text: str, field: str, max_chars: int) -> None:
-    if not text.strip():
-        raise bad_input(f"{field}: empty")
-    if len(text) > max_chars:
-        raise bad_input(f"{field}: {len(text)} characters, more than the limit of {max_chars}")
-
-
 def arrival_time(conn: HTTPConnection) -> float:
     """perf_counter() when the request arrived (stamped by the body-limit middleware), else now."""
     return conn.scope.get("state", {}).get("t_arrival", time.perf_counter())
@@ -64,13 +59,16 @@ def arrival_time(conn: HTTPConnection) -> float:
 
 class SynthesisSession:
     def __init__(self, state: ServerState, endpoint: str, params: SynthesisParams, fmt: AudioFormat,
-                 t_arrival: float) -> None:
+                 t_arrival: float, client: str = "ip:unknown") -> None:
         self.state = state
         self.endpoint = endpoint
         self.params = params
         self.request_id = params.request_id or new_request_id()
         self.fmt = AudioFormat(fmt)
         self.t_arrival = t_arrival
+        self.client = client
+        timeout_s = state.settings.request_timeout_s
+        self.deadline = t_arrival + timeout_s if timeout_s is not None else math.inf  # perf_counter() seconds
         self.encoder = build_encoder(self.fmt)
         self.outcome = "cancelled"  # until proven otherwise: any exit we did not see through is a cancel
         self.num_chunks = 0
@@ -80,6 +78,7 @@ class SynthesisSession:
         self._iter: AsyncIterator[AudioChunk] | None = None
         self._first: AudioChunk | None = None
         self._is_open = False
+        self._is_admitted = False
         self._closed = False
         self.error: ApiError | None = None
 
@@ -87,13 +86,43 @@ class SynthesisSession:
     def elapsed_s(self) -> float:
         return time.perf_counter() - self.t_arrival
 
+    @property
+    def remaining_s(self) -> float:
+        """Seconds left before the request timeout (inf without one)."""
+        return max(0.0, self.deadline - time.perf_counter())
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def deadline_error(self) -> ApiError:
+        return ApiError(504, "deadline_exceeded", f"the request took longer than the server's limit of "
+                        f"{self.state.settings.request_timeout_s:g} s")
+
+    async def _next_chunk(self) -> AudioChunk:
+        """The engine's next chunk, or ApiError deadline_exceeded when the request timeout comes first."""
+        assert self._iter is not None
+        try:
+            with anyio.fail_after(self.remaining_s):  # inf: no timeout
+                return await self._iter.__anext__()
+        except TimeoutError:
+            raise self.deadline_error() from None
+
     async def open(self) -> None:
-        """Submit to the engine and wait for the first chunk; engine errors raise ApiError (nothing sent yet)."""
+        """Admit, submit to the engine and wait for the first chunk; refusals and engine errors raise ApiError
+        (nothing sent yet)."""
+        try:
+            self.state.admission.admit(self.client)
+        except ApiError as error:
+            self.fail(error)
+            await self.close()
+            raise
+        self._is_admitted = True
         self.state.metrics.active_streams.labels(self.endpoint).inc()
         self._is_open = True
         self._iter = self.state.engine.synthesize(self.params)
         try:
-            self._first = await self._iter.__anext__()
+            self._first = await self._next_chunk()
         except StopAsyncIteration:
             error = ApiError(500, "engine_error", "the engine ended the request without audio")
             self.fail(error)
@@ -127,7 +156,7 @@ class SynthesisSession:
                     self.outcome = "ok"
                     return
                 try:
-                    chunk = await self._iter.__anext__()
+                    chunk = await self._next_chunk()
                 except StopAsyncIteration:  # no final flag: the stream still ended cleanly
                     self.outcome = "ok"
                     return
@@ -155,11 +184,15 @@ class SynthesisSession:
                 await self._iter.aclose()
         self.encoder.close()
         m = self.state.metrics
+        if self._is_admitted:
+            self.state.admission.release(self.client)
         if self._is_open:
             m.active_streams.labels(self.endpoint).dec()
         m.requests.labels(self.endpoint, self.outcome).inc()
         if self.outcome == "ok":
             m.observe_done(self.endpoint, self.times, self.server_first_audio_s)
+            if self.times is not None:
+                self.state.admission.observe(self.times)
         log_event("request_done", request_id=self.request_id, endpoint=self.endpoint, outcome=self.outcome,
                   format=self.fmt.value, chunks=self.num_chunks, audio_s=self.num_samples / SAMPLE_RATE,
                   first_audio_s=self.server_first_audio_s if self.server_first_audio_s is not None else "",
@@ -175,11 +208,24 @@ class SynthesisSession:
 class AudioStreamResponse(StreamingResponse):
     """A StreamingResponse that always closes its body iterator, so a client that leaves between two
     chunks aborts the engine request now rather than when the generator is garbage-collected.
+
+    It also enforces the request timeout while sending: a client that stops reading blocks the send, never
+    the engine wait where SynthesisSession checks the deadline, so the response is cut here (the client sees
+    an incomplete transfer) a grace period after the deadline, which leaves the session time to end an
+    event stream with its `error` event first.
     """
+
+    def __init__(self, content: AsyncIterator[bytes], session: SynthesisSession, media_type: str,
+                 headers: dict[str, str]) -> None:
+        super().__init__(content, media_type=media_type, headers=headers)
+        self.session = session
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            with anyio.move_on_after(self.session.remaining_s + _SEND_GRACE_S) as timer:
+                await super().__call__(scope, receive, send)
+            if timer.cancelled_caught and not self.session.is_closed:
+                self.session.fail(self.session.deadline_error())
         finally:
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()  # type: ignore[attr-defined]
@@ -228,13 +274,18 @@ async def openai_sse_body(session: SynthesisSession, input_chars: int) -> AsyncI
 
 
 def audio_response(session: SynthesisSession) -> AudioStreamResponse:
-    return AudioStreamResponse(audio_body(session), media_type=MEDIA_TYPES[session.fmt],
+    return AudioStreamResponse(audio_body(session), session, media_type=MEDIA_TYPES[session.fmt],
                                headers=_headers(session))
 
 
 def events_response(session: SynthesisSession, sse: bool) -> AudioStreamResponse:
-    return AudioStreamResponse(event_body(session, sse), media_type=SSE_MEDIA_TYPE if sse else NDJSON_MEDIA_TYPE,
-                               headers=_headers(session))
+    return AudioStreamResponse(event_body(session, sse), session,
+                               media_type=SSE_MEDIA_TYPE if sse else NDJSON_MEDIA_TYPE, headers=_headers(session))
+
+
+def openai_sse_response(session: SynthesisSession, input_chars: int) -> AudioStreamResponse:
+    return AudioStreamResponse(openai_sse_body(session, input_chars), session, media_type=SSE_MEDIA_TYPE,
+                               headers={"X-Request-Id": session.request_id})
 
 
 def _headers(session: SynthesisSession) -> dict[str, str]:

@@ -8,6 +8,7 @@ from typing import Any
 
 from starlette.requests import HTTPConnection
 
+from cosystream.server.admission import Admission
 from cosystream.server.errors import ApiError
 from cosystream.server.metrics import ServerMetrics
 
@@ -16,26 +17,60 @@ DEFAULT_MAX_TEXT_CHARS = 5000  # used when the engine's config does not say
 
 @dataclass(frozen=True)
 class ServerSettings:
-    """Static server limits and behaviour (the engine's own knobs live in EngineConfig)."""
+    """Static server limits and behaviour (the engine's own knobs live in EngineConfig).
 
+    docs/reliability.md lists every limit, its flag and what exceeding it returns.
+    """
+
+    # request size
     max_upload_bytes: int = 20 * 1024 * 1024  # whole request body; enforced while reading → 413
     max_text_chars: int | None = None  # None: the engine's EngineConfig.max_text_chars
+    max_audio_s: float = 30.0  # uploaded prompt_wav / source_wav, read from the file header → 400
+    # WebSocket
+    ws_idle_timeout_s: float = 60.0  # longest wait for the client's next message → 4408
+    ws_max_message_bytes: int = 128 * 1024  # one client message → 4413
+    ws_max_messages_per_s: float = 100.0  # sustained client message rate → 4429
+    ws_message_burst: int = 1000  # messages a client may send at once before the rate applies
+    # admission and timeouts
+    first_audio_budget_s: float | None = None  # refuse (503 overloaded) when the expected first audio is later
+    max_streams_per_client: int | None = None  # concurrent synthesis streams per client → 429
+    request_timeout_s: float | None = 600.0  # arrival to last byte of one synthesis request → 504 / 4504
+    # access
+    api_keys: frozenset[str] = frozenset()  # bearer tokens; empty: no authentication
+    auth_exempt_paths: tuple[str, ...] = ("/health", "/ready")  # probes answer without a key
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API; empty: no CORS headers
+    # lifecycle
     warmup: bool = True  # run engine.warmup() in the background at startup; /ready answers 503 until done
     close_engine: bool = True  # the lifespan closes the engine at shutdown
-    ws_idle_timeout_s: float = 60.0  # WebSocket: longest wait for the client's next message
     not_ready_retry_s: float = 5.0  # Retry-After while warming up
+
+    def __post_init__(self) -> None:
+        positive = {"max_upload_bytes": self.max_upload_bytes, "max_audio_s": self.max_audio_s,
+                    "ws_idle_timeout_s": self.ws_idle_timeout_s, "ws_max_message_bytes": self.ws_max_message_bytes,
+                    "ws_max_messages_per_s": self.ws_max_messages_per_s, "ws_message_burst": self.ws_message_burst,
+                    "max_text_chars": self.max_text_chars, "first_audio_budget_s": self.first_audio_budget_s,
+                    "max_streams_per_client": self.max_streams_per_client,
+                    "request_timeout_s": self.request_timeout_s}
+        for name, value in positive.items():
+            if value is not None and not value > 0:  # `not >` also catches NaN
+                raise ValueError(f"{name}: must be positive, got {value}")
+        if any(not key.strip() for key in self.api_keys):
+            raise ValueError("api_keys: an API key must not be empty")
 
 
 class ServerState:
-    """What every route needs: the engine, the settings, the metrics, and whether warm-up finished."""
+    """What every route needs: the engine, the settings, the metrics, admission control, and readiness."""
 
     def __init__(self, engine: Any, settings: ServerSettings) -> None:
         self.engine = engine
         self.settings = settings
-        self.metrics = ServerMetrics(engine)
+        config = getattr(engine, "config", None)
+        self.admission = Admission(settings.first_audio_budget_s, settings.max_streams_per_client,
+                                   capacity=getattr(config, "max_streams", None))
+        self.metrics = ServerMetrics(engine, self.admission)
         self.ready_event = threading.Event()  # set once warm-up finished (embedders and tests wait on it)
         self.warmup_error: BaseException | None = None
-        config_limit = getattr(getattr(engine, "config", None), "max_text_chars", None)
+        config_limit = getattr(config, "max_text_chars", None)
         self.max_text_chars: int = settings.max_text_chars or config_limit or DEFAULT_MAX_TEXT_CHARS
 
     @property
@@ -64,3 +99,12 @@ class ServerState:
 def get_state(conn: HTTPConnection) -> ServerState:
     """The app's ServerState from a Request or WebSocket."""
     return conn.app.state.server
+
+
+def client_id(conn: HTTPConnection) -> str:
+    """Who a request counts against for per-client limits: its API key (set by the auth middleware) when
+    authentication is on, else the remote address (behind a proxy, run uvicorn with --proxy-headers)."""
+    key_id = conn.scope.get("state", {}).get("client_id")
+    if key_id:
+        return key_id
+    return f"ip:{conn.client.host}" if conn.client else "ip:unknown"

@@ -3,7 +3,8 @@
 Client → server: one `start` (voice, mode, settings), any number of `text` pieces, then `end`.
 Server → client: `started`; per chunk a binary frame (audio in response_format, default 16-bit PCM)
 followed by a `chunk` event; `done` with the stage breakdown; or `error`. Then the server closes:
-1000 after done, 4000 + HTTP status after an error (4400 bad input, 4503 overloaded, ...).
+1000 after done, 4000 + HTTP status after an error (4400 bad input, 4413 message too large,
+4429 too many messages or streams, 4503 overloaded, 4504 request timeout, ...).
 Closing the socket cancels the request in the engine. One request per connection.
 """
 
@@ -11,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import math
+import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
@@ -20,10 +22,11 @@ from pydantic import ValidationError
 
 from cosystream.params import Mode
 from cosystream.server.errors import ApiError, bad_input, from_validation_errors, record, to_api_error
-from cosystream.server.native import options_to_params
+from cosystream.server.inputs import decode_json_object
+from cosystream.server.native import check_options, options_to_params
 from cosystream.server.protocol import ChunkEvent, ErrorEvent, StartedEvent, WsEnd, WsStart, WsText
 from cosystream.server.session import SynthesisSession, arrival_time, log_event, new_request_id
-from cosystream.server.state import ServerState, get_state
+from cosystream.server.state import ServerSettings, ServerState, client_id, get_state
 
 router = APIRouter()
 
@@ -34,17 +37,73 @@ _MESSAGES: dict[str, type[WsStart | WsText | WsEnd]] = {"start": WsStart, "text"
 
 
 def parse_message(raw: str) -> WsStart | WsText | WsEnd:
-    try:
-        data = json.loads(raw)
-    except ValueError as exc:
-        raise bad_input(f"message: invalid JSON ({exc})") from None
-    model = _MESSAGES.get(data.get("type")) if isinstance(data, dict) else None
+    data = decode_json_object(raw, "message")
+    kind = data.get("type")
+    model = _MESSAGES.get(kind) if isinstance(kind, str) else None  # a list or object would not even hash
     if model is None:
         raise bad_input(f"type: expected a JSON object with type {', '.join(_MESSAGES)}")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise from_validation_errors(exc.errors()) from None
+
+
+class MessageRate:
+    """Token bucket over client messages: `burst` at once, then `rate_per_s` on average."""
+
+    def __init__(self, rate_per_s: float, burst: int) -> None:
+        self.rate_per_s = rate_per_s
+        self.burst = float(burst)
+        self.tokens = float(burst)
+        self.t_last = time.monotonic()
+
+    def allow(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.t_last) * self.rate_per_s)
+        self.t_last = now
+        if self.tokens < 1.0:
+            return False
+        self.tokens -= 1.0
+        return True
+
+
+class MessageReader:
+    """The client's messages, one at a time, within the connection's size, rate and idle limits."""
+
+    def __init__(self, ws: WebSocket, settings: ServerSettings) -> None:
+        self.ws = ws
+        self.idle_timeout_s = settings.ws_idle_timeout_s
+        self.max_bytes = settings.ws_max_message_bytes
+        self.rate = MessageRate(settings.ws_max_messages_per_s, settings.ws_message_burst)
+
+    async def next(self) -> WsStart | WsText | WsEnd:
+        """WebSocketDisconnect when the client is gone, ApiError when a message is unusable."""
+        try:
+            message = await _with_timeout(self.ws.receive(), self.idle_timeout_s)
+        except asyncio.TimeoutError:
+            raise bad_input(f"message: nothing received for {self.idle_timeout_s:.0f} s", status=408,
+                            code="timeout") from None
+        if message["type"] == "websocket.disconnect":
+            raise WebSocketDisconnect(message.get("code", 1000))
+        text = message.get("text")
+        num_bytes = _num_bytes(message, self.max_bytes)
+        if num_bytes > self.max_bytes:
+            raise bad_input(f"message: {num_bytes} bytes, more than the limit of {self.max_bytes}", status=413,
+                            code="payload_too_large")
+        if not self.rate.allow():
+            raise bad_input(f"message: more than {self.rate.burst:.0f} messages at once or "
+                            f"{self.rate.rate_per_s:g} per second", status=429, code="rate_limited")
+        if text is None:
+            raise bad_input("message: expected a JSON text message, got binary")
+        return parse_message(text)
+
+
+def _num_bytes(message: dict, max_bytes: int) -> int:
+    text = message.get("text")
+    if text is None:
+        return len(message.get("bytes") or b"")
+    # a str holds at most 4 UTF-8 bytes per character: encode only when that bound is over the limit
+    return len(text) if 4 * len(text) <= max_bytes else len(text.encode())
 
 
 async def _with_timeout(awaitable, timeout_s: float):
@@ -56,33 +115,21 @@ async def _with_timeout(awaitable, timeout_s: float):
     return await asyncio.wait_for(awaitable, timeout_s)
 
 
-async def receive_message(ws: WebSocket, timeout_s: float) -> WsStart | WsText | WsEnd:
-    """Next client message; WebSocketDisconnect when the client is gone, ApiError when it is unusable."""
-    try:
-        message = await _with_timeout(ws.receive(), timeout_s)
-    except asyncio.TimeoutError:
-        raise bad_input(f"message: nothing received for {timeout_s:.0f} s", status=408, code="timeout") from None
-    if message["type"] == "websocket.disconnect":
-        raise WebSocketDisconnect(message.get("code", 1000))
-    if message.get("text") is None:
-        raise bad_input("message: expected a JSON text message, got binary")
-    return parse_message(message["text"])
-
-
 _CANCEL_GRACE_S = 2.0
 
 
 class WsSession:
     """One streamed request: a reader task feeding text pieces, a synthesis task sending audio."""
 
-    def __init__(self, ws: WebSocket, state: ServerState, start: WsStart) -> None:
+    def __init__(self, ws: WebSocket, state: ServerState, start: WsStart, reader: MessageReader) -> None:
         self.ws = ws
         self.state = state
         self.start = start
+        self.reader = reader
         self.pieces: asyncio.Queue[str | None] = asyncio.Queue()  # None: no more text
         self.num_chars = len(start.text)
         params = options_to_params(start, self._text_pieces(), {}, new_request_id())
-        self.session = SynthesisSession(state, "ws", params, start.response_format, arrival_time(ws))
+        self.session = SynthesisSession(state, "ws", params, start.response_format, arrival_time(ws), client_id(ws))
 
     async def _text_pieces(self) -> AsyncIterator[str]:
         if self.start.text:
@@ -97,7 +144,11 @@ class WsSession:
         synth = asyncio.create_task(self._synthesize())
         reader = asyncio.create_task(self._read())
         try:
-            done, _ = await asyncio.wait({synth, reader}, return_when=asyncio.FIRST_COMPLETED)
+            timeout_s = self.session.remaining_s
+            done, _ = await asyncio.wait({synth, reader}, timeout=None if math.isinf(timeout_s) else timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if not done:  # the whole session ran past the request timeout (e.g. text trickling in)
+                raise self.session.deadline_error()
             (synth if synth in done else reader).result()  # raises the first failure
         except ApiError as error:
             if not self.session.error:
@@ -115,7 +166,7 @@ class WsSession:
         """Text pieces into the queue. After `end` keep reading: that is how a disconnect is noticed."""
         is_open = True
         while True:
-            message = await receive_message(self.ws, self.state.settings.ws_idle_timeout_s)
+            message = await self.reader.next()
             if not is_open or isinstance(message, WsStart):
                 raise bad_input(f"type: unexpected {message.type!r} message"
                                 f"{' after end' if not is_open else ''}")
@@ -144,12 +195,15 @@ class WsSession:
         await self.ws.send_json(session.done_event().model_dump(mode="json"))
 
 
-async def receive_start(ws: WebSocket, state: ServerState) -> WsStart:
-    message = await receive_message(ws, state.settings.ws_idle_timeout_s)
+async def receive_start(reader: MessageReader, state: ServerState) -> WsStart:
+    message = await reader.next()
     if not isinstance(message, WsStart):
         raise bad_input(f"type: the first message must be 'start', got {message.type!r}")
     if message.mode == Mode.vc:
         raise bad_input("mode: vc needs an uploaded source_wav; use POST /v1/tts")
+    check_options(message, state.max_text_chars)
+    if len(message.text) > state.max_text_chars:
+        raise bad_input(f"text: {len(message.text)} characters, more than the limit of {state.max_text_chars}")
     return message
 
 
@@ -164,9 +218,10 @@ async def tts_stream(ws: WebSocket) -> None:
     """Streaming text in, streaming audio out (protocol in this module's docstring and docs/server.md)."""
     await ws.accept()
     state = get_state(ws)
+    reader = MessageReader(ws, state.settings)
     try:
         state.check_ready()
-        await WsSession(ws, state, await receive_start(ws, state)).run()
+        await WsSession(ws, state, await receive_start(reader, state), reader).run()
     except WebSocketDisconnect:
         log_event("ws_disconnect")
         return
