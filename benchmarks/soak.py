@@ -10,7 +10,7 @@ open file descriptors and threads stay flat after warm-up, and that the engine i
 
     python benchmarks/soak.py --minutes 5 --concurrency 8 --disconnect-prob 0.3 --json soak.json
 
-Exit status 0 when every check passed. Figures for docs/reliability-soak.md come from the JSON.
+Exit status 0 when every check passed. Figures for docs/reliability.md come from the JSON.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A fault (an exception in a batched stage, NaN/inf in a model output, the device running out of memory)
 fails the requests it touched and no other: the engine frees their slots, zeroes the slot state a NaN may
 have reached (stale NaN keys or values poison attention even where it is masked, since 0 * NaN = NaN), and
-on CUDA hands the allocator's cached blocks back after an out-of-memory (docs/reliability-soak.md).
+on CUDA hands the allocator's cached blocks back after an out-of-memory (docs/reliability.md).
 """
 
 from __future__ import annotations

@@ -19,7 +19,15 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import HTTPConnection
 
-from cosystream.errors import BadInput, CosyStreamError, EngineDead, Overloaded, UnknownVoice, VoiceExists
+from cosystream.errors import (
+    BadInput,
+    CosyStreamError,
+    EngineDead,
+    Overloaded,
+    SynthesisFailed,
+    UnknownVoice,
+    VoiceExists,
+)
 
 log = logging.getLogger("cosystream.server")
 
@@ -77,10 +85,22 @@ def to_api_error(exc: BaseException, unknown_voice_status: int = 400) -> ApiErro
         return bad_input(str(exc))
     if isinstance(exc, ValidationError):
         return from_validation_errors(exc.errors())
+    if isinstance(exc, SynthesisFailed):
+        return _synthesis_failed(exc)
     if isinstance(exc, CosyStreamError):
         return ApiError(500, "engine_error", str(exc))
     log.error("event=internal_error error=%r", exc, exc_info=exc)
     return ApiError(500, "internal", "internal server error (logged with its request id)")
+
+
+def _synthesis_failed(exc: SynthesisFailed) -> ApiError:
+    """The engine's per-request failure codes: memory pressure is temporary (503 + Retry-After), a model
+    producing NaN/inf or any other batch fault is a 500 that names its code."""
+    if exc.code == "out_of_memory":
+        return ApiError(503, "out_of_memory", str(exc), retry_after_s=1.0)
+    if exc.code in ("non_finite_output", "aborted"):
+        return ApiError(500, exc.code, str(exc))
+    return ApiError(500, "engine_error", str(exc))
 
 
 def from_validation_errors(errors: list | tuple) -> ApiError:

@@ -35,12 +35,12 @@ def nan_audio_for_bad_text(live: Live) -> Iterator[None]:
     t2w._flow, live.engine._build_request = real_flow, real_build
 
 
-def test_non_finite_audio_is_a_500_engine_error_naming_the_cause(live, client, nan_audio_for_bad_text):
+def test_non_finite_audio_is_a_500_naming_the_cause(live, client, nan_audio_for_bad_text):
     response = client.post("/v1/tts", json={"text": BAD_TEXT, "voice": VOICE, "force_tokens": 20,
                                             "response_format": "pcm"})
     assert response.status_code == 500
     error = response.json()["error"]
-    assert error["code"] == "engine_error" and "NaN or infinite" in error["message"]
+    assert error["code"] == "non_finite_output" and "NaN or infinite" in error["message"]
     assert client.get("/ready").status_code == 200
     ok = client.post("/v1/tts", json={"text": "a healthy request.", "voice": VOICE, "force_tokens": 20,
                                       "response_format": "pcm"})

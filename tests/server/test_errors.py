@@ -211,3 +211,15 @@ def test_ready_is_503_until_warmup_finished_and_health_fails_once_the_engine_sto
         engine.core.error = RuntimeError("device lost")  # what EngineCore records when its loop dies
         assert_error(c.get("/health"), 503, "engine_dead")
         assert_error(c.get("/ready"), 503, "engine_dead")
+
+
+def test_engine_failure_codes_map_to_statuses():
+    from cosystream.errors import SynthesisFailed
+    from cosystream.server.errors import to_api_error
+
+    oom = to_api_error(SynthesisFailed("out of memory on a flow batch", code="out_of_memory"))
+    assert (oom.status, oom.code) == (503, "out_of_memory") and oom.headers() == {"Retry-After": "1"}
+    nan = to_api_error(SynthesisFailed("the speech LM produced NaN", code="non_finite_output"))
+    assert (nan.status, nan.code) == (500, "non_finite_output")
+    other = to_api_error(SynthesisFailed("boom"))
+    assert (other.status, other.code) == (500, "engine_error")
