@@ -69,6 +69,8 @@ class FlowRunner:
         self.profile = False  # record CUDA events around the encoder and the ODE (last_timing)
         self.last_timing: list[torch.cuda.Event] | None = None
         self.attention_ops = flow_kernels if fused_kernels and triton_usable(self.device) else reference_kernels
+        if self.attention_ops is flow_kernels:
+            est.set_kernels(flow_kernels)  # fused norms, residual adds and pool writes in the estimator
 
     # ------------------------------------------------------------------ slots
     def fits(self, prompt: PromptCache, target_tokens: int) -> bool:

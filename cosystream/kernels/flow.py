@@ -64,7 +64,66 @@ def _kernels() -> SimpleNamespace:
         dst = o_ptr + (r * num_q + offs_m[:, None]) * INNER + head * HEAD_DIM + offs_d[None, :]
         tl.store(dst, out.to(o_ptr.dtype.element_ty), mask=live[:, None])
 
-    return SimpleNamespace(pooled_attention_kernel=pooled_attention_kernel)
+    @triton.jit
+    def add_layer_norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, num_t, sx_r, sx_t, sx_c,
+                              n_cols, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+        r = tl.program_id(0)
+        t = tl.program_id(1)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + r * sx_r + t * sx_t + cols * sx_c, mask=mask, other=0.0)
+        row = (r * num_t + t) * n_cols
+        if HAS_RES:
+            res = tl.load(res_ptr + row + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + res.to(tl.float32)).to(out_ptr.dtype.element_ty)  # PARITY: rounded add
+        tl.store(sum_ptr + row + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        mean = tl.sum(xf, axis=0) / n_cols
+        diff = tl.where(mask, xf - mean, 0.0)
+        inv = tl.rsqrt(tl.sum(diff * diff, axis=0) / n_cols + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row + cols, (diff * inv * w + b).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def channel_norm_mish_kernel(x_ptr, w_ptr, b_ptr, add_ptr, out_ptr, n_ch, num_t, eps,
+                                 HAS_ADD: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr):
+        r = tl.program_id(0)
+        offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+        offs_c = tl.arange(0, BLOCK_C)
+        mask = (offs_c[:, None] < n_ch) & (offs_t[None, :] < num_t)
+        ptrs = r * n_ch * num_t + offs_c[:, None] * num_t + offs_t[None, :]
+        x = tl.load(x_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=0) / n_ch
+        diff = tl.where(mask, x - mean[None, :], 0.0)
+        inv = tl.rsqrt(tl.sum(diff * diff, axis=0) / n_ch + eps)
+        w = tl.load(w_ptr + offs_c, mask=offs_c < n_ch, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + offs_c, mask=offs_c < n_ch, other=0.0).to(tl.float32)
+        h = (diff * inv[None, :] * w[:, None] + b[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)
+        # mish(h) = h · tanh(softplus(h)); tanh(log(1 + e^h)) = (n - 1) / (n + 1) with n = (1 + e^h)^2
+        e = tl.exp(tl.minimum(h, 20.0))
+        n = (1.0 + e) * (1.0 + e)
+        y = tl.where(h > 20.0, h, h * (n - 1.0) / (n + 1.0))
+        if HAS_ADD:
+            a = tl.load(add_ptr + r * n_ch + offs_c, mask=offs_c < n_ch, other=0.0).to(tl.float32)
+            y = y.to(out_ptr.dtype.element_ty).to(tl.float32) + a[:, None]  # PARITY: mish rounded, then add
+        tl.store(out_ptr + ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def pool_write_kernel(k_ptr, v_ptr, pk_ptr, pv_ptr, rows_ptr, pos_ptr, num_c, s_r, s_c, pool_row_stride,
+                          pool_frame_stride, INNER: tl.constexpr):
+        r = tl.program_id(0)
+        c = tl.program_id(1)
+        offs = tl.arange(0, INNER)
+        frame = tl.load(pos_ptr + r * num_c + c)
+        dst = tl.load(rows_ptr + r).to(tl.int64) * pool_row_stride + frame * pool_frame_stride
+        src = r * s_r + c * s_c
+        tl.store(pk_ptr + dst + offs, tl.load(k_ptr + src + offs))
+        tl.store(pv_ptr + dst + offs, tl.load(v_ptr + src + offs))
+
+    return SimpleNamespace(pooled_attention_kernel=pooled_attention_kernel, add_layer_norm_kernel=add_layer_norm_kernel,
+                           channel_norm_mish_kernel=channel_norm_mish_kernel, pool_write_kernel=pool_write_kernel,
+                           next_power_of_2=triton.next_power_of_2)
 
 
 def pooled_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, rows: torch.Tensor,
@@ -82,3 +141,40 @@ def pooled_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor
         pool_k.stride(0), pool_k.stride(1), head_dim ** -0.5, CHUNK=chunk, HEAD_DIM=head_dim, INNER=inner,
         BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N)
     return out
+
+
+def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `reference.add_layer_norm` for x [R, T, C] (any strides) and residual contiguous."""
+    k = _kernels()
+    rows, num_t, n_cols = x.shape
+    out = torch.empty(rows, num_t, n_cols, device=x.device, dtype=x.dtype)
+    total = torch.empty_like(out)
+    k.add_layer_norm_kernel[(rows, num_t)](
+        x, out if residual is None else residual, weight, bias, out, total, num_t, x.stride(0), x.stride(1),
+        x.stride(2), n_cols, eps, HAS_RES=residual is not None, BLOCK=k.next_power_of_2(n_cols))
+    return out, total
+
+
+def channel_norm_mish(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                      add: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as `reference.channel_norm_mish`; x [R, C, T] contiguous."""
+    k = _kernels()
+    x = x.contiguous()
+    rows, n_ch, num_t = x.shape
+    out = torch.empty_like(x)
+    block_t = 16
+    k.channel_norm_mish_kernel[(rows, -(-num_t // block_t))](
+        x, weight, bias, out if add is None else add.contiguous(), out, n_ch, num_t, eps, HAS_ADD=add is not None,
+        BLOCK_C=k.next_power_of_2(n_ch), BLOCK_T=block_t)
+    return out
+
+
+def pool_write(k: torch.Tensor, v: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, rows: torch.Tensor,
+               write_pos: torch.Tensor) -> None:
+    """Same contract as `reference.pool_write`; k and v [R, C, inner] share strides, unit last stride."""
+    kern = _kernels()
+    batch, num_c, inner = k.shape
+    assert k.stride() == v.stride() and k.stride(2) == 1 and pool_k.stride() == pool_v.stride()
+    kern.pool_write_kernel[(batch, num_c)](k, v, pool_k, pool_v, rows, write_pos.contiguous(), num_c, k.stride(0),
+                                           k.stride(1), pool_k.stride(0), pool_k.stride(1), INNER=inner)

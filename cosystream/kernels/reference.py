@@ -83,3 +83,26 @@ def pooled_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor
     keys, values = pool_k[rows, :attn_len], pool_v[rows, :attn_len]
     out = F.scaled_dot_product_attention(heads(q), heads(keys), heads(values), attn_mask=bias.unsqueeze(1))
     return out.transpose(1, 2).reshape(batch, num_q, inner)
+
+
+def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(layer_norm(x + residual), x + residual) over the last dimension; x may be a strided view.
+    Both outputs are contiguous [..., C]."""
+    h = (x if residual is None else x + residual).contiguous()
+    return F.layer_norm(h, (h.shape[-1],), weight, bias, eps), h
+
+
+def channel_norm_mish(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                      add: torch.Tensor | None = None) -> torch.Tensor:
+    """mish(layer_norm over the channels of x [R, C, T]) (+ add [R, C] per channel): [R, C, T]."""
+    h = F.layer_norm(x.transpose(1, 2), (x.shape[1],), weight, bias, eps).transpose(1, 2)
+    h = F.mish(h)
+    return h if add is None else h + add.unsqueeze(-1)
+
+
+def pool_write(k: torch.Tensor, v: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, rows: torch.Tensor,
+               write_pos: torch.Tensor) -> None:
+    """pool_k[rows[r], write_pos[r, c]] = k[r, c] (and v): new frames' keys/values into the static pool."""
+    pool_k[rows.unsqueeze(1), write_pos] = k
+    pool_v[rows.unsqueeze(1), write_pos] = v

@@ -99,10 +99,16 @@ class CausalBlock(nn.Module):
         self.block = nn.ModuleList([CausalConv(in_channels, out_channels, layout), nn.Identity(),
                                     nn.LayerNorm(out_channels), nn.Identity(), nn.Mish()])
 
-    def forward(self, x: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
+    kernels: ModuleType | None = None  # fused ops (Estimator.set_kernels); None: plain torch
+
+    def forward(self, x: torch.Tensor, conv_state: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """add [R, C]: a per-channel term added after the Mish (the ResNet's time embedding)."""
         h = self.block[0](x, conv_state)
-        h = self.block[2](h.transpose(1, 2)).transpose(1, 2)
-        return self.block[4](h)
+        norm = self.block[2]
+        if self.kernels is not None:
+            return self.kernels.channel_norm_mish(h, norm.weight, norm.bias, norm.eps, add)
+        h = self.block[4](norm(h.transpose(1, 2)).transpose(1, 2))
+        return h if add is None else h + add.unsqueeze(-1)
 
 
 class ResNet(nn.Module):
@@ -116,8 +122,7 @@ class ResNet(nn.Module):
         self.res_conv = nn.Conv1d(in_channels, out_channels, 1)
 
     def forward(self, x: torch.Tensor, t_emb: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
-        h = self.block1(x, conv_state)
-        h = h + self.mlp(t_emb).unsqueeze(-1)
+        h = self.block1(x, conv_state, add=self.mlp(t_emb))
         h = self.block2(h, conv_state)
         return h + self.res_conv(x)
 
@@ -134,6 +139,7 @@ class Attention(nn.Module):
         self.to_v = nn.Linear(dim, inner, bias=False)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim), nn.Identity()])
         self.qkv_weight: torch.Tensor | None = None  # set by fuse_projections (not a state-dict key)
+        self.kernels: ModuleType | None = None  # fused ops (Estimator.set_kernels)
 
     def forward(self, x: torch.Tensor, kv: Sequence[torch.Tensor], write_idx: torch.Tensor,
                 attn_bias: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -170,8 +176,11 @@ class Attention(nn.Module):
         """All rows at once: write the new keys into the pool, then attend over each row's pool row."""
         p = view.parent
         pool_k, pool_v = p.pool[view.block, 0], p.pool[view.block, 1]
-        pool_k[p.rows.unsqueeze(1), p.write_pos] = k
-        pool_v[p.rows.unsqueeze(1), p.write_pos] = v
+        if self.kernels is not None:
+            self.kernels.pool_write(k, v, pool_k, pool_v, p.rows, p.write_pos)
+        else:
+            pool_k[p.rows.unsqueeze(1), p.write_pos] = k
+            pool_v[p.rows.unsqueeze(1), p.write_pos] = v
         return p.ops.pooled_attention(q, pool_k, pool_v, p.rows, p.write_pos, p.key_limit, p.chunk, p.attn_len,
                                       self.num_heads)
 
@@ -205,6 +214,8 @@ class TransformerBlock(nn.Module):
         self.norm3 = nn.LayerNorm(dim)
         self.ff = nn.Module()
         self.ff.net = nn.ModuleList([GELUProj(dim, 4 * dim), nn.Identity(), nn.Linear(4 * dim, dim)])
+
+    kernels: ModuleType | None = None  # fused ops (Estimator.set_kernels)
 
     def forward(self, x: torch.Tensor, kv: Sequence[torch.Tensor], write_idx: torch.Tensor,
                 attn_bias: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -261,6 +272,13 @@ class Estimator(nn.Module):
         self.conv_state_channels = layout[0]
         self.num_attention_blocks = num_blocks[0]
 
+    def set_kernels(self, ops: ModuleType | None) -> None:
+        """Use fused ops (`cosystream.kernels.flow`, or `.reference` for their torch statements) for the
+        norms, the pool writes and the residual adds; None: the plain modules."""
+        for module in self.modules():
+            if isinstance(module, (CausalBlock, TransformerBlock, Attention)):
+                module.kernels = ops
+
     def fuse_projections(self) -> None:
         """Fuse every attention's q/k/v weights (after loading and casting; see Attention.fuse_projections)."""
         for module in self.modules():
@@ -305,9 +323,22 @@ class Estimator(nn.Module):
     def _transformers(blocks: nn.ModuleList, h: torch.Tensor, kv: Sequence[torch.Tensor],
                       write_idx: torch.Tensor, attn_bias: Sequence[torch.Tensor]) -> torch.Tensor:
         h = h.transpose(1, 2)
+        ops = blocks[0].kernels
+        if ops is None:
+            for block in blocks:
+                h = block(h, kv, write_idx, attn_bias)
+            return h.transpose(1, 2)
+        # PERF: each residual add rides in the next LayerNorm's kernel (one kernel instead of add + norm,
+        # and no copy of the transposed input)
+        pending = None
         for block in blocks:
-            h = block(h, kv, write_idx, attn_bias)
-        return h.transpose(1, 2)
+            n1, n3 = block.norm1, block.norm3
+            a, h = ops.add_layer_norm(h if pending is None else pending, None if pending is None else h,
+                                      n1.weight, n1.bias, n1.eps)
+            attn = block.attn1(a, [c[block.cache_index] for c in kv], write_idx, attn_bias)
+            m, h = ops.add_layer_norm(attn, h, n3.weight, n3.bias, n3.eps)
+            pending = block.ff.net[2](block.ff.net[0](m))
+        return (h + pending).transpose(1, 2)
 
     def forward(self, x: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
                 t: torch.Tensor, streaming: bool) -> torch.Tensor:

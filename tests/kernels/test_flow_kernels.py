@@ -52,3 +52,43 @@ def test_pooled_attention_reads_nothing_past_the_limits(device: str, dtype: torc
         pool_k[r, end:], pool_v[r, end:] = 1e4, -1e4  # frames no query may see
     pool_k[5], pool_v[5] = 1e4, 1e4  # a pool row nobody reads
     assert torch.equal(flow.pooled_attention(q, pool_k, pool_v, rows, q_pos, limit, 25, 384, HEADS), first)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_layer_norm_on_a_transposed_view(device: str, dtype: torch.dtype, with_residual: bool) -> None:
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 256, 37, generator=g).to(device, dtype).transpose(1, 2)  # [R, T, C] view, as in the U-Net
+    res = torch.randn(3, 37, 256, generator=g).to(device, dtype) if with_residual else None
+    w = (1 + 0.1 * torch.randn(256, generator=g)).to(device, dtype)
+    b = (0.1 * torch.randn(256, generator=g)).to(device, dtype)
+    out, total = flow.add_layer_norm(x, res, w, b, 1e-5)
+    want_out, want_total = reference.add_layer_norm(x, res, w, b, 1e-5)
+    assert torch.equal(total, want_total)
+    assert _rel(out, want_out) < (4e-3 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("with_add", [False, True])
+def test_channel_norm_mish(device: str, dtype: torch.dtype, with_add: bool) -> None:
+    g = torch.Generator().manual_seed(12)
+    x = (3 * torch.randn(2, 256, 45, generator=g)).to(device, dtype)
+    x[0, :, 3] = 40.0  # a constant frame: normalised to 0 (exercises the variance guard)
+    w = (1 + 0.5 * torch.randn(256, generator=g)).to(device, dtype)
+    b = torch.randn(256, generator=g).to(device, dtype) * 8  # large values reach the softplus threshold
+    add = torch.randn(2, 256, generator=g).to(device, dtype) if with_add else None
+    out = flow.channel_norm_mish(x, w, b, 1e-5, add)
+    want = reference.channel_norm_mish(x, w, b, 1e-5, add)
+    assert out.shape == x.shape
+    assert _rel(out, want) < (8e-3 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_pool_write(device: str, dtype: torch.dtype) -> None:
+    pool_k, pool_v, _ = _inputs(device, dtype, seed=13)
+    qkv = torch.randn(3, 5, 3 * INNER, generator=torch.Generator().manual_seed(14)).to(device, dtype)
+    k, v = qkv[..., INNER:2 * INNER], qkv[..., 2 * INNER:]
+    rows = torch.tensor([4, 0, 2], device=device)
+    pos = torch.tensor([10, 0, 395], device=device).unsqueeze(1) + torch.arange(5, device=device)
+    pos[2] = torch.tensor([395, 396, 397, 398, 399], device=device)
+    want_k, want_v = pool_k.clone(), pool_v.clone()
+    reference.pool_write(k, v, want_k, want_v, rows, pos)
+    flow.pool_write(k, v, pool_k, pool_v, rows, pos)
+    assert torch.equal(pool_k, want_k) and torch.equal(pool_v, want_v)

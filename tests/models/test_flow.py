@@ -101,3 +101,23 @@ def test_streaming_schedule_calls_match_official(flow, load_fixture, manifest):
         mel = flow.inference(tokens, s["prompt_token"], s["prompt_feat"], s["embedding"],
                              streaming=call["flow_streaming"], finalize=call["flow_finalize"])
         _close(mel, s[f"call{i}_flow_mel_full"])
+
+
+@pytest.mark.parametrize(("key", "streaming", "finalize"), [
+    ("mel", False, True), ("mel_streaming_nofinalize", True, False)])
+def test_flow_with_fused_op_statements_matches_official(flow, fx, key, streaming, finalize):
+    """The fused-op structure of the estimator (what the GPU runs with Triton kernels), through the
+    kernels' torch statements, still gives the official mel; the plain modules come back after."""
+    from cosystream.kernels import reference
+
+    flow.decoder.estimator.set_kernels(reference)
+    flow.decoder.estimator.fuse_projections()
+    try:
+        mel = flow.inference(fx["token"], fx["prompt_token"], fx["prompt_feat"], fx["embedding"], streaming,
+                             finalize)
+    finally:
+        flow.decoder.estimator.set_kernels(None)
+        for m in flow.decoder.estimator.modules():
+            if hasattr(m, "qkv_weight"):
+                m.qkv_weight = None
+    _close(mel, fx[key])
