@@ -54,6 +54,10 @@ class AsyncEngine:
         self.core = EngineCore(lm_runner, t2w, self.lm, overlap=config.overlap_token2wav)
         self.pool = ThreadPoolExecutor(max_workers=config.frontend_threads, thread_name_prefix="frontend")
         self._voice_prompts: dict[str, VoicePrompt] = {}
+        # A registered voice's caches are keyed by its registration (name + creation time), not its name
+        # alone: a request still running for a deleted voice must not hand its prompt state to a new
+        # voice registered under the same name.
+        self._voice_keys: dict[str, str] = {}
         self._voice_caches: dict[str, dict[str, torch.Tensor]] = {}  # stored flow prompt caches (CPU)
         persist = config.persist_voice_caches
         if persist or (persist is None and device.type == "cpu"):
@@ -203,7 +207,8 @@ class AsyncEngine:
         if Mode(params.mode) == Mode.sft:
             return None, None
         if params.voice is not None and params.prompt_audio is None:
-            return self.voice_prompt(params.voice), params.voice
+            prompt = self.voice_prompt(params.voice)
+            return prompt, self._voice_keys[params.voice]
         if params.prompt_audio is None:
             raise BadInput("voice: give a registered voice name or a prompt_wav")
         return self.frontend.make_voice_prompt(params.prompt_audio, params.prompt_text), None
@@ -212,9 +217,11 @@ class AsyncEngine:
     def voice_prompt(self, name: str) -> VoicePrompt:
         if name not in self._voice_prompts:
             record = self.voices.get(name)
+            key = _registration_key(record.info)
             cache = {k[len(_CACHE_PREFIX):]: v for k, v in record.extras.items() if k.startswith(_CACHE_PREFIX)}
             if cache:
-                self._voice_caches[name] = cache
+                self._voice_caches[key] = cache
+            self._voice_keys[name] = key
             self._voice_prompts[name] = record.prompt
         return self._voice_prompts[name]
 
@@ -222,11 +229,15 @@ class AsyncEngine:
         """Engine thread: hand the encoded prompt to a frontend thread to write into the voice record."""
         self.pool.submit(self._write_voice_cache, name, tensors)
 
-    def _write_voice_cache(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
+    def _write_voice_cache(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
+        name = key.split(_KEY_SEP, 1)[0]
         try:
-            extras = {k: v for k, v in self.voices.get(name).extras.items() if not k.startswith(_CACHE_PREFIX)}
+            record = self.voices.get(name)
+            if _registration_key(record.info) != key:  # deleted and registered anew meanwhile
+                return
+            extras = {k: v for k, v in record.extras.items() if not k.startswith(_CACHE_PREFIX)}
             self.voices.set_extras(name, {**extras, **{_CACHE_PREFIX + k: v for k, v in tensors.items()}})
-            self._voice_caches[name] = tensors
+            self._voice_caches[key] = tensors
         except CosyStreamError:  # the voice was deleted meanwhile: nothing to keep
             pass
 
@@ -243,8 +254,10 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self.pool, self.voices.delete, name)
         self._voice_prompts.pop(name, None)
-        self._voice_caches.pop(name, None)
-        await loop.run_in_executor(self.pool, self.core.call, self.token2wav.forget_voice, name)
+        key = self._voice_keys.pop(name, None)
+        if key is not None:
+            self._voice_caches.pop(key, None)
+            await loop.run_in_executor(self.pool, self.core.call, self.token2wav.forget_voice, key)
 
     def stats(self) -> dict[str, float]:
         return {**self.core.stats(), **accounting.gauges(self)}
@@ -284,3 +297,11 @@ def _check_params(p: SynthesisParams) -> None:
         raise BadInput(f"first_hop: must be in [1, 100] speech tokens, got {p.first_hop}")
     if p.force_tokens is not None and not 1 <= p.force_tokens <= 4000:
         raise BadInput(f"force_tokens: must be in [1, 4000], got {p.force_tokens}")
+
+
+_KEY_SEP = "\x00"  # cannot occur in a voice name (check_voice_name refuses control characters)
+
+
+def _registration_key(info: Any) -> str:
+    """Identifies one registration of a voice: its name and its creation time."""
+    return f"{info.name}{_KEY_SEP}{info.created_at!r}"

@@ -82,9 +82,14 @@ class FlowRunner:
         slot = self.free.pop(0)
         rows = slice(2 * slot, 2 * slot + 2)
         n = prompt.kv.shape[-2]
-        self.kv[:, :, :, rows, :n] = prompt.kv
-        self.conv[:, rows] = prompt.conv
-        encoder = FlowStream(self.flow).encoder_from_prompt(prompt, self.max_frames // UPSAMPLE)
+        try:
+            self.kv[:, :, :, rows, :n] = prompt.kv
+            self.conv[:, rows] = prompt.conv
+            encoder = FlowStream(self.flow).encoder_from_prompt(prompt, self.max_frames // UPSAMPLE)
+        except BaseException:  # e.g. out of memory for the encoder state: the slot is not lost
+            self.free.append(slot)
+            self.free.sort()
+            raise
         return PooledStream(slot, prompt, encoder)
 
     def close(self, stream: PooledStream) -> None:

@@ -52,3 +52,18 @@ def test_pooled_full_pass_equals_the_official_final_call(checkpoint, load_fixtur
     mel = runner.full_pass(prompt, f["token"][0])
     torch.testing.assert_close(mel[:, 2 * f["prompt_token"].shape[1]:], f[f"call{final}_flow_mel_full"][0],
                                atol=1e-4, rtol=0)
+
+
+def test_a_failing_open_gives_its_slot_back(checkpoint, load_fixture, monkeypatch):
+    f = load_fixture("stream")
+    flow = load_flow(checkpoint)
+    prompt = FlowStream(flow).build_prompt_cache(f["prompt_token"], f["prompt_feat"], f["embedding"])
+    runner = FlowRunner(flow, num_slots=2, max_frames=512, use_graphs=False)
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("simulated")
+
+    monkeypatch.setattr(FlowStream, "encoder_from_prompt", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        runner.open(prompt)
+    assert runner.free == [0, 1]
