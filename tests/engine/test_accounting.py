@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 
 import pytest
+from engine_threads import synthesize_together
 
 from cosystream.engine.accounting import EngineAccounts, take_accounts
 from cosystream.engine.request import LMStatus, RequestState
@@ -46,20 +47,7 @@ def _params(seed: int = 0, force_tokens: int = LONG, **kw) -> SynthesisParams:
 
 
 def _run_together(eng: Engine, params: list[SynthesisParams]) -> list:
-    results: list = [None] * len(params)
-
-    def work(i: int) -> None:
-        try:
-            results[i] = eng.synthesize(params[i])
-        except Exception as exc:  # the caller asserts on it
-            results[i] = exc
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(params))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    return results
+    return synthesize_together(eng, params)
 
 
 def _accounts(eng: Engine) -> EngineAccounts:

@@ -6,11 +6,10 @@ same requests run without the fault, that the engine serves afterwards and that 
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 import torch
+from engine_threads import synthesize_together
 
 from cosystream.engine import faults
 from cosystream.engine.accounting import take_accounts
@@ -42,20 +41,7 @@ def alone(engine, voice) -> list[np.ndarray]:
 
 def _together(engine, params: list[SynthesisParams]) -> list:
     """Run every request at once; each result is its audio or the exception it ended with."""
-    results: list = [None] * len(params)
-
-    def work(i: int) -> None:
-        try:
-            results[i] = engine.synthesize(params[i]).pcm
-        except Exception as exc:
-            results[i] = exc
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(params))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    return results
+    return [r if isinstance(r, Exception) else r.pcm for r in synthesize_together(engine, params)]
 
 
 def _check_healthy(results: list, alone: list[np.ndarray]) -> None:

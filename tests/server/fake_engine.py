@@ -17,14 +17,13 @@ from typing import Any
 
 import httpx
 import numpy as np
-from fastapi import FastAPI
-from server_live import run_server
+from server_live import Live, run_server
 
 from cosystream.errors import BadInput, UnknownVoice, VoiceExists
 from cosystream.outputs import AudioChunk, StageTimes
 from cosystream.params import SynthesisParams
 from cosystream.server.app import build_app
-from cosystream.server.state import ServerSettings, ServerState
+from cosystream.server.state import ServerSettings
 
 SAMPLES_PER_CHUNK = 960
 TTS = {"text": "Hello.", "voice": "alice", "response_format": "pcm"}  # a /v1/tts body the fake engine serves
@@ -114,21 +113,10 @@ def fake_server(settings: ServerSettings, engine: FakeEngine | None = None) -> I
 
 
 @dataclass
-class FakeServer:
-    base_url: str
-    app: FastAPI
+class FakeServer(Live):
+    """A live server around a FakeEngine (urls, state and clients as `Live`)."""
+
     engine: FakeEngine
-
-    @property
-    def ws_url(self) -> str:
-        return "ws" + self.base_url[len("http"):]
-
-    @property
-    def state(self) -> ServerState:
-        return self.app.state.server
-
-    def client(self, **kwargs: Any) -> httpx.Client:
-        return httpx.Client(base_url=self.base_url, timeout=30, **kwargs)
 
     def count(self, endpoint: str, outcome: str) -> float:
         value = self.state.metrics.registry.get_sample_value(
