@@ -13,13 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
-from cosystream.engine.faults import mark_non_finite
+from cosystream.engine.faults import NON_FINITE_TOKEN, mark_non_finite
 from cosystream.engine.graphs import GraphCache, maybe_compile
 from cosystream.kernels import decode as decode_ops
 from cosystream.kernels import reference as reference_ops
 from cosystream.kernels import triton_usable
 from cosystream.models.qwen2 import KVCache, SpeechLM
-from cosystream.models.sampling import SamplingBatch, sample_tokens
+from cosystream.models.sampling import MAX_TOP_K, SamplingBatch, sample_tokens
 
 _BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512)
 _LEN_BUCKETS = (256, 512, 1024, 2048, 4096, 8192)
@@ -59,6 +59,9 @@ class LMRunner:
         # elsewhere (the same structure runs in CI); fused_kernels=False keeps the unfused forward.
         self.fused = fused_kernels and not compile
         self.ops = decode_ops if triton_usable(self.device) else reference_ops
+        # PERF: on CUDA everything after the head (sampling, the non-finite check, the row-state update)
+        # is one Triton kernel instead of ~190 small ones (cosystream.kernels.sample)
+        self.fused_sampler = self.fused and triton_usable(self.device)
         lm.rope_table(max_len, self.device)  # built outside any graph capture
         self.prefill_graphs = GraphCache(self._prefill_core, self.device, self.use_graphs)
         self.batch_buckets = [b for b in _BATCH_BUCKETS if b < max_slots] + [max_slots]
@@ -181,6 +184,9 @@ class LMRunner:
             h = self.lm.decode(emb, self.positions[:b], self.cache, attn_len, self.ops)
         else:
             h = self._forward(emb.unsqueeze(1), self.positions[:b], self.cache, attn_len=attn_len)[:, -1]
+        if self.fused_sampler:
+            self._sample_and_record_fused(self.lm.llm_decoder(h), b)
+            return
         logp = self.lm.logp(h)
         token = self._sample(logp, self._rows(0, b), self.eos)
         active = self.active[:b]
@@ -188,6 +194,15 @@ class LMRunner:
         self.out[:b] = mark_non_finite(logp, token)  # a row's fault reaches the host with its token
         # Inactive rows wrote garbage K/V at their next free position; it is overwritten before it is read.
         self.positions[:b] = torch.clamp(self.positions[:b] + active.long(), max=self.max_len - 1)
+
+    def _sample_and_record_fused(self, logits: torch.Tensor, b: int) -> None:
+        from cosystream.kernels import sample  # Triton is imported only where it runs
+
+        s = self._rows(0, b)
+        sample.sample_and_record(
+            logits, s.seeds, s.steps, s.min_len, s.top_p, s.top_k, s.repeat_threshold, s.window, s.history,
+            s.forced, s.greedy, s.ban_special, self.active[:b], self.tokens[:b], self.positions[:b], self.out[:b],
+            eos=self.eos, max_top_k=MAX_TOP_K, max_position=self.max_len - 1, non_finite_token=NON_FINITE_TOKEN)
 
     @torch.inference_mode()
     def decode(self, num_rows: int, max_position: int) -> list[int]:
