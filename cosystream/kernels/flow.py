@@ -66,24 +66,25 @@ def _kernels() -> SimpleNamespace:
 
     @triton.jit
     def add_layer_norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, num_t, sx_r, sx_t, sx_c,
-                              n_cols, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                              n_cols, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr):
         r = tl.program_id(0)
-        t = tl.program_id(1)
+        offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
         cols = tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        x = tl.load(x_ptr + r * sx_r + t * sx_t + cols * sx_c, mask=mask, other=0.0)
-        row = (r * num_t + t) * n_cols
+        mask = (offs_t[:, None] < num_t) & (cols[None, :] < n_cols)
+        x = tl.load(x_ptr + r * sx_r + offs_t[:, None] * sx_t + cols[None, :] * sx_c, mask=mask, other=0.0)
+        row = (r * num_t + offs_t[:, None]) * n_cols + cols[None, :]
         if HAS_RES:
-            res = tl.load(res_ptr + row + cols, mask=mask, other=0.0)
+            res = tl.load(res_ptr + row, mask=mask, other=0.0)
             x = (x.to(tl.float32) + res.to(tl.float32)).to(out_ptr.dtype.element_ty)  # PARITY: rounded add
-        tl.store(sum_ptr + row + cols, x, mask=mask)
+        tl.store(sum_ptr + row, x, mask=mask)
         xf = x.to(tl.float32)
-        mean = tl.sum(xf, axis=0) / n_cols
-        diff = tl.where(mask, xf - mean, 0.0)
-        inv = tl.rsqrt(tl.sum(diff * diff, axis=0) / n_cols + eps)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row + cols, (diff * inv * w + b).to(out_ptr.dtype.element_ty), mask=mask)
+        mean = tl.sum(xf, axis=1) / n_cols
+        diff = tl.where(mask, xf - mean[:, None], 0.0)
+        inv = tl.rsqrt(tl.sum(diff * diff, axis=1) / n_cols + eps)
+        w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row, (diff * inv[:, None] * w[None, :] + b[None, :]).to(out_ptr.dtype.element_ty),
+                 mask=mask)
 
     @triton.jit
     def channel_norm_mish_kernel(x_ptr, w_ptr, b_ptr, add_ptr, out_ptr, n_ch, num_t, eps,
@@ -121,8 +122,79 @@ def _kernels() -> SimpleNamespace:
         tl.store(pk_ptr + dst + offs, tl.load(k_ptr + src + offs))
         tl.store(pv_ptr + dst + offs, tl.load(v_ptr + src + offs))
 
+    @triton.jit
+    def linear_kernel(a_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, sum_ptr, nw_ptr, nb_ptr, M, N, K, eps,
+                      HAS_BIAS: tl.constexpr, GELU: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_ok = offs_m < M
+        n_ok = offs_n < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = (k0 + offs_k) < K
+            a = tl.load(a_ptr + offs_m[:, None] * K + k0 + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            w = tl.load(w_ptr + offs_n[None, :] * K + k0 + offs_k[:, None], mask=n_ok[None, :] & k_ok[:, None],
+                        other=0.0)
+            acc = tl.dot(a, w, acc)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        dt = out_ptr.dtype.element_ty
+        y = acc.to(dt).to(tl.float32)  # PARITY: the linear's output is rounded before anything else
+        if GELU:
+            y = (0.5 * y * (1.0 + tl.erf(y * 0.7071067811865476))).to(dt).to(tl.float32)
+        if HAS_RES:
+            res = tl.load(res_ptr + offs_m[:, None] * N + offs_n[None, :], mask=m_ok[:, None] & n_ok[None, :],
+                          other=0.0)
+            y = (y + res.to(tl.float32)).to(dt).to(tl.float32)  # PARITY: the residual add is rounded
+        ptrs = offs_m[:, None] * N + offs_n[None, :]
+        ok = m_ok[:, None] & n_ok[None, :]
+        if NORM:  # one program holds whole rows (BLOCK_N >= N): LayerNorm over them in the epilogue
+            tl.store(sum_ptr + ptrs, y.to(dt), mask=ok)
+            mean = tl.sum(tl.where(ok, y, 0.0), axis=1) / N
+            diff = tl.where(ok, y - mean[:, None], 0.0)
+            inv = tl.rsqrt(tl.sum(diff * diff, axis=1) / N + eps)
+            nw = tl.load(nw_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            nb = tl.load(nb_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            y = diff * inv[:, None] * nw[None, :] + nb[None, :]
+        tl.store(out_ptr + ptrs, y.to(dt), mask=ok)
+
+    @triton.jit
+    def qkv_pool_write_kernel(a_ptr, w_ptr, q_ptr, pk_ptr, pv_ptr, rows_ptr, pos_ptr, M, K, frames_per_row,
+                              pool_row_stride, pool_frame_stride, INNER: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        n0 = tl.program_id(1) * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_ok = offs_m < M
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = (k0 + offs_k) < K
+            a = tl.load(a_ptr + offs_m[:, None] * K + k0 + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            w = tl.load(w_ptr + offs_n[None, :] * K + k0 + offs_k[:, None], mask=k_ok[:, None], other=0.0)
+            acc = tl.dot(a, w, acc)
+        y = acc.to(q_ptr.dtype.element_ty)
+        region = n0 // INNER  # 0: queries, 1: keys, 2: values (BLOCK_N divides INNER)
+        col = offs_n - region * INNER
+        if region == 0:
+            tl.store(q_ptr + offs_m[:, None] * INNER + col[None, :], y, mask=m_ok[:, None])
+        else:
+            r = offs_m // frames_per_row
+            frame = tl.load(pos_ptr + offs_m, mask=m_ok, other=0)
+            pool_row = tl.load(rows_ptr + r, mask=m_ok, other=0).to(tl.int64)
+            dst = (pool_row * pool_row_stride + frame * pool_frame_stride)[:, None] + col[None, :]
+            if region == 1:
+                tl.store(pk_ptr + dst, y, mask=m_ok[:, None])
+            else:
+                tl.store(pv_ptr + dst, y, mask=m_ok[:, None])
+
     return SimpleNamespace(pooled_attention_kernel=pooled_attention_kernel, add_layer_norm_kernel=add_layer_norm_kernel,
                            channel_norm_mish_kernel=channel_norm_mish_kernel, pool_write_kernel=pool_write_kernel,
+                           linear_kernel=linear_kernel, qkv_pool_write_kernel=qkv_pool_write_kernel,
                            next_power_of_2=triton.next_power_of_2)
 
 
@@ -150,9 +222,10 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
     rows, num_t, n_cols = x.shape
     out = torch.empty(rows, num_t, n_cols, device=x.device, dtype=x.dtype)
     total = torch.empty_like(out)
-    k.add_layer_norm_kernel[(rows, num_t)](
+    block_t = 16
+    k.add_layer_norm_kernel[(rows, -(-num_t // block_t))](
         x, out if residual is None else residual, weight, bias, out, total, num_t, x.stride(0), x.stride(1),
-        x.stride(2), n_cols, eps, HAS_RES=residual is not None, BLOCK=k.next_power_of_2(n_cols))
+        x.stride(2), n_cols, eps, HAS_RES=residual is not None, BLOCK=k.next_power_of_2(n_cols), BLOCK_T=block_t)
     return out, total
 
 
@@ -178,3 +251,48 @@ def pool_write(k: torch.Tensor, v: torch.Tensor, pool_k: torch.Tensor, pool_v: t
     assert k.stride() == v.stride() and k.stride(2) == 1 and pool_k.stride() == pool_v.stride()
     kern.pool_write_kernel[(batch, num_c)](k, v, pool_k, pool_v, rows, write_pos.contiguous(), num_c, k.stride(0),
                                            k.stride(1), pool_k.stride(0), pool_k.stride(1), INNER=inner)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, gelu: bool = False,
+           residual: torch.Tensor | None = None, norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
+           ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `reference.linear`; x [..., K] contiguous, residual contiguous like the output."""
+    kern = _kernels()
+    assert x.is_contiguous() and weight.is_contiguous()
+    n, k = weight.shape
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    total = torch.empty_like(out) if norm is not None else out
+    if norm is not None:
+        block_m, block_n = 32, kern.next_power_of_2(n)  # whole rows per program for the LayerNorm
+    else:
+        block_m, block_n = 64, 128 if n % 128 == 0 else 64
+    nw, nb, eps = norm if norm is not None else (out, out, 0.0)
+    grid = (-(-m // block_m), -(-n // block_n))
+    kern.linear_kernel[grid](
+        x2, weight, bias if bias is not None else out, residual if residual is not None else out, out, total, nw,
+        nb, m, n, k, eps, HAS_BIAS=bias is not None, GELU=gelu, HAS_RES=residual is not None,
+        NORM=norm is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64)
+    shape = (*x.shape[:-1], n)
+    if norm is not None:
+        return out.view(shape), total.view(shape)
+    return out.view(shape)
+
+
+def qkv_pool_write(x: torch.Tensor, qkv_weight: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
+                   rows: torch.Tensor, write_pos: torch.Tensor) -> torch.Tensor:
+    """Same contract as `reference.qkv_pool_write`: the q/k/v GEMM writes k and v straight into the pool."""
+    kern = _kernels()
+    batch, num_c, dim = x.shape
+    inner = qkv_weight.shape[0] // 3
+    block_n = 64
+    assert x.is_contiguous() and qkv_weight.is_contiguous() and inner % block_n == 0
+    assert pool_k.stride() == pool_v.stride() and pool_k.stride(2) == 1
+    q = torch.empty(batch, num_c, inner, device=x.device, dtype=x.dtype)
+    m = batch * num_c
+    block_m = 64
+    kern.qkv_pool_write_kernel[(-(-m // block_m), 3 * inner // block_n)](
+        x, qkv_weight, q, pool_k, pool_v, rows, write_pos.contiguous(), m, dim, num_c, pool_k.stride(0),
+        pool_k.stride(1), INNER=inner, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64)
+    return q

@@ -322,8 +322,10 @@ class Estimator(nn.Module):
     @staticmethod
     def _transformers(blocks: nn.ModuleList, h: torch.Tensor, kv: Sequence[torch.Tensor],
                       write_idx: torch.Tensor, attn_bias: Sequence[torch.Tensor]) -> torch.Tensor:
-        h = h.transpose(1, 2)
         ops = blocks[0].kernels
+        if ops is not None and isinstance(kv[0], PooledKV) and blocks[0].attn1.qkv_weight is not None:
+            return Estimator._pooled_transformers(blocks, h, kv[0], ops)
+        h = h.transpose(1, 2)
         if ops is None:
             for block in blocks:
                 h = block(h, kv, write_idx, attn_bias)
@@ -339,6 +341,31 @@ class Estimator(nn.Module):
             m, h = ops.add_layer_norm(attn, h, n3.weight, n3.bias, n3.eps)
             pending = block.ff.net[2](block.ff.net[0](m))
         return (h + pending).transpose(1, 2)
+
+    @staticmethod
+    def _pooled_transformers(blocks: nn.ModuleList, h: torch.Tensor, pooled: PooledKV, ops: ModuleType
+                             ) -> torch.Tensor:
+        """The engine's path: 5 kernels per block (q/k/v GEMM writing k/v into the pool, attention, and
+        three GEMMs whose epilogues hold the bias, GELU, residual add and the next LayerNorm) instead of 9;
+        every intermediate is rounded where the module path rounds it."""
+        n1 = blocks[0].norm1
+        a, h = ops.add_layer_norm(h.transpose(1, 2), None, n1.weight, n1.bias, n1.eps)
+        for i, block in enumerate(blocks):
+            attn = block.attn1
+            pool_k, pool_v = pooled.pool[block.cache_index, 0], pooled.pool[block.cache_index, 1]
+            q = ops.qkv_pool_write(a, attn.qkv_weight, pool_k, pool_v, pooled.rows, pooled.write_pos)
+            o = pooled.ops.pooled_attention(q, pool_k, pool_v, pooled.rows, pooled.write_pos, pooled.key_limit,
+                                            pooled.chunk, pooled.attn_len, attn.num_heads)
+            out, n3 = attn.to_out[0], block.norm3
+            m, h = ops.linear(o, out.weight, out.bias, residual=h, norm=(n3.weight, n3.bias, n3.eps))
+            ff1, ff2 = block.ff.net[0].proj, block.ff.net[2]
+            f = ops.linear(m, ff1.weight, ff1.bias, gelu=True)
+            if i + 1 < len(blocks):
+                nxt = blocks[i + 1].norm1
+                a, h = ops.linear(f, ff2.weight, ff2.bias, residual=h, norm=(nxt.weight, nxt.bias, nxt.eps))
+            else:
+                h = ops.linear(f, ff2.weight, ff2.bias, residual=h)
+        return h.transpose(1, 2)
 
     def forward(self, x: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
                 t: torch.Tensor, streaming: bool) -> torch.Tensor:

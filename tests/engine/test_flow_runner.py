@@ -9,29 +9,42 @@ from cosystream.config import ChunkSchedule
 from cosystream.engine.chunking import ChunkPlanner
 from cosystream.engine.flow_runner import FlowRunner
 from cosystream.engine.loader import load_flow
+from cosystream.kernels import reference
 from cosystream.models.flow_stream import FlowStream
 
 pytestmark = pytest.mark.parity
 
 
-def test_pooled_batch_equals_per_request_stream(checkpoint, load_fixture):
+@pytest.mark.parametrize("fused", [False, True])
+def test_pooled_batch_equals_per_request_stream(checkpoint, load_fixture, fused):
+    """fused: the estimator's fused-op path (GEMM epilogues, q/k/v written straight into the pool) through
+    the kernels' torch statements; the per-request stream it is compared with keeps the plain modules."""
     f = load_fixture("stream")
     flow = load_flow(checkpoint)
     stream = FlowStream(flow, final_attention="chunk")
     prompt = stream.build_prompt_cache(f["prompt_token"], f["prompt_feat"], f["embedding"])
     runner = FlowRunner(flow, num_slots=3, max_frames=512, use_graphs=False)
+    _compare_pooled_with_stream(runner, stream, prompt, f, reference if fused else None)
+
+
+def _compare_pooled_with_stream(runner, stream, prompt, f, ops, max_chunks: int = 1000) -> None:
+    est = runner.cfm.estimator
     token_sets = [f["token"][0][:100], (f["token"][0][:100] * 5 + 11) % 6561]
     pooled = [runner.open(prompt) for _ in token_sets]
     alone = [stream.start(prompt, 100) for _ in token_sets]
     planners = [ChunkPlanner(ChunkSchedule(), f["prompt_token"].shape[1]) for _ in token_sets]
-    while True:
+    for _ in range(max_chunks):
         plans = [p.next_plan(100, done=True) for p in planners]
         if plans[0] is None or plans[0].is_final:
             break
         ids = [t[: plans[0].token_end].unsqueeze(0) for t in token_sets]
         windows = [stream._window(s, i, finalize=False) for s, i in zip(pooled, ids, strict=True)]
         starts = [s.num_frames for s in pooled]
-        got = runner.advance(pooled, windows)
+        est.set_kernels(ops)
+        try:
+            got = runner.advance(pooled, windows)
+        finally:
+            est.set_kernels(None)
         for b in range(2):
             want = stream.feed(alone[b], ids[b])
             mel = stream._target_frames(pooled[b], got[b][None], starts[b])
@@ -67,3 +80,21 @@ def test_a_failing_open_gives_its_slot_back(checkpoint, load_fixture, monkeypatc
     with pytest.raises(torch.OutOfMemoryError):
         runner.open(prompt)
     assert runner.free == [0, 1]
+
+
+def test_pooled_batch_with_triton_kernels_equals_per_request_stream(checkpoint, load_fixture):
+    """The same comparison with the Triton kernels the GPU runs (Triton's interpreter on the CPU)."""
+    import os
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # read when Triton is imported
+    pytest.importorskip("triton", reason="Triton is a dev dependency: pip install -e '.[dev]'")
+    from cosystream.kernels import flow as flow_kernels
+
+    f = load_fixture("stream")
+    flow = load_flow(checkpoint)
+    stream = FlowStream(flow, final_attention="chunk")
+    prompt = stream.build_prompt_cache(f["prompt_token"], f["prompt_feat"], f["embedding"])
+    runner = FlowRunner(flow, num_slots=3, max_frames=512, use_graphs=False)
+    runner.attention_ops = flow_kernels
+    _compare_pooled_with_stream(runner, stream, prompt, f, flow_kernels, max_chunks=1)  # the interpreter is slow

@@ -92,3 +92,41 @@ def test_pool_write(device: str, dtype: torch.dtype) -> None:
     reference.pool_write(k, v, want_k, want_v, rows, pos)
     flow.pool_write(k, v, pool_k, pool_v, rows, pos)
     assert torch.equal(pool_k, want_k) and torch.equal(pool_v, want_v)
+
+
+@pytest.mark.parametrize("epilogue", ["plain", "gelu", "residual", "residual_norm", "bias_free"])
+def test_linear_epilogues(device: str, dtype: torch.dtype, epilogue: str) -> None:
+    g = torch.Generator().manual_seed(21)
+    n, k = (256, 1024) if "norm" in epilogue else (1024, 256)
+    x = torch.randn(3, 45, k, generator=g).to(device, dtype)  # 135 rows: not a multiple of any tile
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(device, dtype)
+    b = None if epilogue == "bias_free" else torch.randn(n, generator=g).to(device, dtype)
+    res = torch.randn(3, 45, n, generator=g).to(device, dtype) if "residual" in epilogue else None
+    norm = ((1 + 0.1 * torch.randn(n, generator=g)).to(device, dtype), torch.randn(n, generator=g).to(device, dtype),
+            1e-5) if "norm" in epilogue else None
+    kw = dict(gelu=epilogue == "gelu", residual=res, norm=norm)
+    got, want = flow.linear(x, w, b, **kw), reference.linear(x, w, b, **kw)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    if norm is None:
+        assert got.shape == want.shape and _rel(got, want) < tol
+    else:
+        assert _rel(got[0], want[0]) < tol and _rel(got[1], want[1]) < tol
+
+
+def test_qkv_pool_write(device: str, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(22)
+    dim, rows_n, num_c = 256, 3, 37
+    x = torch.randn(rows_n, num_c, dim, generator=g).to(device, dtype)
+    w = (torch.randn(3 * INNER, dim, generator=g) / dim ** 0.5).to(device, dtype)
+    pool = torch.randn(2, 5, 300, INNER, generator=g).to(device, dtype)
+    want_pool = pool.clone()
+    rows = torch.tensor([4, 0, 2], device=device)
+    write_pos = torch.tensor([0, 100, 250], device=device).unsqueeze(1) + torch.arange(num_c, device=device)
+    q = flow.qkv_pool_write(x, w, pool[0], pool[1], rows, write_pos)
+    want_q = reference.qkv_pool_write(x, w, want_pool[0], want_pool[1], rows, write_pos)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert _rel(q, want_q) < tol
+    assert _rel(pool, want_pool) < tol
+    untouched = torch.ones(5, 300, dtype=torch.bool, device=device)
+    untouched[rows.unsqueeze(1), write_pos] = False
+    assert torch.equal(pool[:, untouched], want_pool[:, untouched])  # nothing else in the pool moved
