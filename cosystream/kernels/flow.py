@@ -8,6 +8,7 @@ additive mask; this kernel reads each row's keys in place and derives the chunk 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -125,7 +126,8 @@ def _kernels() -> SimpleNamespace:
     @triton.jit
     def linear_kernel(a_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, sum_ptr, nw_ptr, nb_ptr, M, N, K, eps,
                       HAS_BIAS: tl.constexpr, GELU: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
@@ -138,7 +140,7 @@ def _kernels() -> SimpleNamespace:
                         other=0.0)
             w = tl.load(w_ptr + offs_n[None, :] * K + k0 + offs_k[:, None], mask=n_ok[None, :] & k_ok[:, None],
                         other=0.0)
-            acc = tl.dot(a, w, acc)
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         dt = out_ptr.dtype.element_ty
@@ -163,8 +165,8 @@ def _kernels() -> SimpleNamespace:
 
     @triton.jit
     def qkv_pool_write_kernel(a_ptr, w_ptr, q_ptr, pk_ptr, pv_ptr, rows_ptr, pos_ptr, M, K, frames_per_row,
-                              pool_row_stride, pool_frame_stride, INNER: tl.constexpr, BLOCK_M: tl.constexpr,
-                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                              pool_row_stride, pool_frame_stride, INNER: tl.constexpr, PRECISION: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         n0 = tl.program_id(1) * BLOCK_N
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -176,7 +178,7 @@ def _kernels() -> SimpleNamespace:
             a = tl.load(a_ptr + offs_m[:, None] * K + k0 + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
                         other=0.0)
             w = tl.load(w_ptr + offs_n[None, :] * K + k0 + offs_k[:, None], mask=k_ok[:, None], other=0.0)
-            acc = tl.dot(a, w, acc)
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
         y = acc.to(q_ptr.dtype.element_ty)
         region = n0 // INNER  # 0: queries, 1: keys, 2: values (BLOCK_N divides INNER)
         col = offs_n - region * INNER
@@ -253,9 +255,38 @@ def pool_write(k: torch.Tensor, v: torch.Tensor, pool_k: torch.Tensor, pool_v: t
                                            k.stride(1), pool_k.stride(0), pool_k.stride(1), INNER=inner)
 
 
+def _precision(x: torch.Tensor) -> str:
+    # float32 models get float32 products (tf32 would be a silent precision drop); bf16/fp16 ignore it
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
+@dataclass(frozen=True)
+class Tile:
+    """Launch shape of a GEMM kernel: rows/columns/depth per program, warps, pipeline stages."""
+
+    block_m: int
+    block_n: int  # ignored with a LayerNorm epilogue (a program holds whole rows)
+    block_k: int = 64
+    warps: int = 4
+    stages: int = 3
+
+
+# (kind, small M) -> tile; small M = at most 512 rows (one or two streams' chunk). Picked on the H100
+# with benchmarks/kernel_tiles.py; kinds: "norm" (LayerNorm epilogue), "plain", "qkv" (pool write).
+TILES: dict[tuple[str, bool], Tile] = {
+    ("norm", True): Tile(32, 0), ("norm", False): Tile(32, 0),
+    ("plain", True): Tile(64, 128), ("plain", False): Tile(64, 128),
+    ("qkv", True): Tile(64, 64), ("qkv", False): Tile(64, 64),
+}
+
+
+def _tile(kind: str, m: int, tile: Tile | None) -> Tile:
+    return tile if tile is not None else TILES[(kind, m <= 512)]
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, gelu: bool = False,
-           residual: torch.Tensor | None = None, norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
-           ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+           residual: torch.Tensor | None = None, norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+           tile: Tile | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `reference.linear`; x [..., K] contiguous, residual contiguous like the output."""
     kern = _kernels()
     assert x.is_contiguous() and weight.is_contiguous()
@@ -264,16 +295,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, 
     m = x2.shape[0]
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     total = torch.empty_like(out) if norm is not None else out
-    if norm is not None:
-        block_m, block_n = 32, kern.next_power_of_2(n)  # whole rows per program for the LayerNorm
-    else:
-        block_m, block_n = 64, 128 if n % 128 == 0 else 64
+    t = _tile("norm" if norm is not None else "plain", m, tile)
+    block_n = kern.next_power_of_2(n) if norm is not None else t.block_n  # LayerNorm: whole rows
     nw, nb, eps = norm if norm is not None else (out, out, 0.0)
-    grid = (-(-m // block_m), -(-n // block_n))
+    grid = (-(-m // t.block_m), -(-n // block_n))
     kern.linear_kernel[grid](
         x2, weight, bias if bias is not None else out, residual if residual is not None else out, out, total, nw,
         nb, m, n, k, eps, HAS_BIAS=bias is not None, GELU=gelu, HAS_RES=residual is not None,
-        NORM=norm is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64)
+        NORM=norm is not None, PRECISION=_precision(x), BLOCK_M=t.block_m, BLOCK_N=block_n, BLOCK_K=t.block_k,
+        num_warps=t.warps, num_stages=t.stages)
     shape = (*x.shape[:-1], n)
     if norm is not None:
         return out.view(shape), total.view(shape)
@@ -281,18 +311,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, 
 
 
 def qkv_pool_write(x: torch.Tensor, qkv_weight: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
-                   rows: torch.Tensor, write_pos: torch.Tensor) -> torch.Tensor:
+                   rows: torch.Tensor, write_pos: torch.Tensor, tile: Tile | None = None) -> torch.Tensor:
     """Same contract as `reference.qkv_pool_write`: the q/k/v GEMM writes k and v straight into the pool."""
     kern = _kernels()
     batch, num_c, dim = x.shape
     inner = qkv_weight.shape[0] // 3
-    block_n = 64
-    assert x.is_contiguous() and qkv_weight.is_contiguous() and inner % block_n == 0
+    m = batch * num_c
+    t = _tile("qkv", m, tile)
+    assert x.is_contiguous() and qkv_weight.is_contiguous() and inner % t.block_n == 0
     assert pool_k.stride() == pool_v.stride() and pool_k.stride(2) == 1
     q = torch.empty(batch, num_c, inner, device=x.device, dtype=x.dtype)
-    m = batch * num_c
-    block_m = 64
-    kern.qkv_pool_write_kernel[(-(-m // block_m), 3 * inner // block_n)](
+    kern.qkv_pool_write_kernel[(-(-m // t.block_m), 3 * inner // t.block_n)](
         x, qkv_weight, q, pool_k, pool_v, rows, write_pos.contiguous(), m, dim, num_c, pool_k.stride(0),
-        pool_k.stride(1), INNER=inner, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64)
+        pool_k.stride(1), INNER=inner, PRECISION=_precision(x), BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+        BLOCK_K=t.block_k, num_warps=t.warps, num_stages=t.stages)
     return q

@@ -129,13 +129,13 @@ def test_kernel_noise_is_the_reference_hash(device: str) -> None:
     assert float(u.min()) > 0.0 and float(u.max()) < 1.0
 
 
-def test_runner_decode_with_the_fused_sampler_gives_the_torch_paths_tokens(checkpoint) -> None:
+def test_runner_decode_with_the_fused_sampler_gives_the_torch_paths_tokens(checkpoint, device: str) -> None:
     """LMRunner end to end: rows with sampling, RAS and an idle row decode the same tokens and keep the
     same state whether the step ends in the torch sampler or the kernel (interpreter on the CPU)."""
     from cosystream.engine.lm_runner import LMRunner, RowSampling
     from cosystream.engine.loader import load_llm
 
-    lm = load_llm(checkpoint)
+    lm = load_llm(checkpoint, device)  # float32 on both paths: the same logits reach both samplers
     g = torch.Generator().manual_seed(0)
     prompts = {0: torch.randn(20, lm.dims.hidden_size, generator=g), 2: torch.randn(33, lm.dims.hidden_size,
                                                                                  generator=g)}

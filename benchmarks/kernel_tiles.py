@@ -1,0 +1,113 @@
+"""Pick the launch tiles of the flow estimator's Triton GEMMs (kernels/flow.py TILES) on the GPU.
+
+    python benchmarks/kernel_tiles.py [--rows 200,1600,3200] [--json tiles.json]
+
+Each candidate runs as the engine runs it: 20 calls back to back inside one CUDA graph, replayed; the
+time per call therefore includes the graph's per-kernel launch cost. The baseline is what the fused
+kernel replaces: cuBLAS (F.linear) followed by the separate epilogue kernel(s).
+Shapes are the CosyVoice2-0.5B estimator's (dim 256, attention 512, feed-forward 1024); rows = CFG rows ×
+new frames (200: one stream's first chunk, 1600/3200: 16 streams).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from cosystream.kernels import flow
+from cosystream.kernels.flow import Tile
+
+DIM, INNER, FF = 256, 512, 1024
+CALLS, REPLAYS = 20, 10
+
+
+def per_call_us(fn) -> float:
+    fn()  # compile / warm up outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            fn()
+    graph.replay()
+    samples = []
+    for _ in range(REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / CALLS)
+    return statistics.median(samples)
+
+
+def cases(m: int, dev: str, dt: torch.dtype) -> dict:
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def t(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dev, dt)
+
+    ln = (t(DIM) + 1, t(DIM), 1e-5)
+    frames = m // 2
+    pool = torch.zeros(2, 4, 1024, INNER, device=dev, dtype=dt)
+    rows = torch.tensor([0, 1], device=dev)
+    write_pos = torch.arange(frames, device=dev).repeat(2, 1)
+    x_o, w_o, b_o, res = t(m, INNER), t(DIM, INNER, scale=INNER ** -0.5), t(DIM), t(m, DIM)
+    x_1, w_1, b_1 = t(m, DIM), t(FF, DIM, scale=DIM ** -0.5), t(FF)
+    x_2, w_2, b_2 = t(m, FF), t(DIM, FF, scale=FF ** -0.5), t(DIM)
+    x_q, w_q = t(2, frames, DIM), t(3 * INNER, DIM, scale=DIM ** -0.5)
+    return {
+        "out_proj+res+LN": ("norm",
+                            lambda: flow.add_layer_norm(F.linear(x_o, w_o, b_o).unsqueeze(0), res.unsqueeze(0),
+                                                        *ln),
+                            lambda tile: flow.linear(x_o, w_o, b_o, residual=res, norm=ln, tile=tile)),
+        "ff2+res+LN": ("norm",
+                       lambda: flow.add_layer_norm(F.linear(x_2, w_2, b_2).unsqueeze(0), res.unsqueeze(0), *ln),
+                       lambda tile: flow.linear(x_2, w_2, b_2, residual=res, norm=ln, tile=tile)),
+        "ff1+GELU": ("plain", lambda: F.gelu(F.linear(x_1, w_1, b_1)),
+                     lambda tile: flow.linear(x_1, w_1, b_1, gelu=True, tile=tile)),
+        "qkv+pool": ("qkv",
+                     lambda: flow.pool_write(*F.linear(x_q, w_q).chunk(3, -1)[1:], pool[0], pool[1], rows,
+                                             write_pos),
+                     lambda tile: flow.qkv_pool_write(x_q, w_q, pool[0], pool[1], rows, write_pos, tile=tile)),
+    }
+
+
+def candidates(kind: str) -> list[Tile]:
+    if kind == "norm":
+        return [Tile(bm, 0, 64, w, s) for bm, w, s in itertools.product((16, 32, 64), (4, 8), (2, 3))]
+    return [Tile(bm, bn, 64, 4, s) for bm, bn, s in itertools.product((32, 64, 128), (64, 128), (3, 4))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="200,1600,3200")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    results = []
+    print("| op | rows | cuBLAS + epilogue µs | best tile | fused µs | all tiles (µs) |\n|---|---|---|---|---|---|")
+    for m in [int(v) for v in args.rows.split(",")]:
+        for name, (kind, baseline, fused) in cases(m, "cuda", torch.bfloat16).items():
+            base = per_call_us(baseline)
+            timed = {}
+            for tile in candidates(kind):
+                try:
+                    timed[tile] = per_call_us(lambda tile=tile, fused=fused: fused(tile))
+                except Exception as e:  # a tile that does not fit (shared memory) is skipped, not fatal
+                    print(f"<!-- {name} {tile}: {type(e).__name__} -->")
+            best = min(timed, key=timed.get)
+            spread = ", ".join(f"{t.block_m}x{t.block_n}w{t.warps}s{t.stages}:{us:.1f}" for t, us in timed.items())
+            print(f"| {name} | {m} | {base:.1f} | {best} | {timed[best]:.1f} | {spread} |", flush=True)
+            results.append({"op": name, "rows": m, "baseline_us": base, "best": vars(best), "best_us": timed[best],
+                            "all": [{**vars(t), "us": us} for t, us in timed.items()]})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
