@@ -56,31 +56,26 @@ def cases(m: int, dev: str, dt: torch.dtype) -> dict:
     pool = torch.zeros(2, 4, 1024, INNER, device=dev, dtype=dt)
     rows = torch.tensor([0, 1], device=dev)
     write_pos = torch.arange(frames, device=dev).repeat(2, 1)
-    x_o, w_o, b_o, res = t(m, INNER), t(DIM, INNER, scale=INNER ** -0.5), t(DIM), t(m, DIM)
-    x_1, w_1, b_1 = t(m, DIM), t(FF, DIM, scale=DIM ** -0.5), t(FF)
-    x_2, w_2, b_2 = t(m, FF), t(DIM, FF, scale=FF ** -0.5), t(DIM)
-    x_q, w_q = t(2, frames, DIM), t(3 * INNER, DIM, scale=DIM ** -0.5)
+    x, res = t(2, frames, DIM), t(2, frames, DIM)
+    w_1, b_1 = t(FF, DIM, scale=DIM ** -0.5), t(FF)
+    w_q = t(3 * INNER, DIM, scale=DIM ** -0.5)
+
+    def qkv_unfused():
+        a, _ = flow.add_layer_norm(x, res, *ln)
+        _, k, v = F.linear(a, w_q).chunk(3, -1)
+        flow.pool_write(k, v, pool[0], pool[1], rows, write_pos)
+
     return {
-        "out_proj+res+LN": ("norm",
-                            lambda: flow.add_layer_norm(F.linear(x_o, w_o, b_o).unsqueeze(0), res.unsqueeze(0),
-                                                        *ln),
-                            lambda tile: flow.linear(x_o, w_o, b_o, residual=res, norm=ln, tile=tile)),
-        "ff2+res+LN": ("norm",
-                       lambda: flow.add_layer_norm(F.linear(x_2, w_2, b_2).unsqueeze(0), res.unsqueeze(0), *ln),
-                       lambda tile: flow.linear(x_2, w_2, b_2, residual=res, norm=ln, tile=tile)),
-        "ff1+GELU": ("plain", lambda: F.gelu(F.linear(x_1, w_1, b_1)),
-                     lambda tile: flow.linear(x_1, w_1, b_1, gelu=True, tile=tile)),
-        "qkv+pool": ("qkv",
-                     lambda: flow.pool_write(*F.linear(x_q, w_q).chunk(3, -1)[1:], pool[0], pool[1], rows,
-                                             write_pos),
-                     lambda tile: flow.qkv_pool_write(x_q, w_q, pool[0], pool[1], rows, write_pos, tile=tile)),
+        "res+LN+ff1+GELU": ("gelu", lambda: F.gelu(F.linear(flow.add_layer_norm(x, res, *ln)[0], w_1, b_1)),
+                            lambda tile: flow.norm_linear(x, res, ln, w_1, b_1, gelu=True, tile=tile)),
+        "res+LN+qkv+pool": ("qkv", qkv_unfused,
+                            lambda tile: flow.norm_qkv_pool_write(x, res, ln, w_q, pool[0], pool[1], rows, write_pos,
+                                                                  tile=tile)),
     }
 
 
 def candidates(kind: str) -> list[Tile]:
-    if kind == "norm":
-        return [Tile(bm, 0, 64, w, s) for bm, w, s in itertools.product((16, 32, 64), (4, 8), (2, 3))]
-    return [Tile(bm, bn, 64, 4, s) for bm, bn, s in itertools.product((32, 64, 128), (64, 128), (3, 4))]
+    return [Tile(bm, bn, w, s) for bm, bn, w, s in itertools.product((16, 32, 64), (64, 128), (4, 8), (2, 3))]
 
 
 def main() -> None:

@@ -124,79 +124,65 @@ def _kernels() -> SimpleNamespace:
         tl.store(pv_ptr + dst + offs, tl.load(v_ptr + src + offs))
 
     @triton.jit
-    def linear_kernel(a_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, sum_ptr, nw_ptr, nb_ptr, M, N, K, eps,
-                      HAS_BIAS: tl.constexpr, GELU: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr,
-                      PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
+    def norm_gemm_kernel(x_ptr, sx_r, sx_t, sx_c, res_ptr, lnw_ptr, lnb_ptr, eps, w_ptr, bias_ptr, out_ptr,
+                         sum_ptr, pk_ptr, pv_ptr, rows_ptr, pos_ptr, pool_row_stride, pool_frame_stride, M, N,
+                         num_t, DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RES: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, GELU: tl.constexpr, QKV: tl.constexpr, INNER: tl.constexpr,
+                         PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        # prologue: s = x + res (rounded), a = LayerNorm(s) over the whole row (DIM fits one tile)
+        pid_n = tl.program_id(1)
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
+        offs_d = tl.arange(0, BLOCK_D)
         m_ok = offs_m < M
+        d_ok = offs_d < DIM
+        ok = m_ok[:, None] & d_ok[None, :]
+        r = offs_m // num_t
+        t = offs_m - r * num_t
+        x = tl.load(x_ptr + (r * sx_r + t * sx_t)[:, None] + offs_d[None, :] * sx_c, mask=ok, other=0.0)
+        dt = x.dtype
+        if HAS_RES:
+            res = tl.load(res_ptr + offs_m[:, None] * DIM + offs_d[None, :], mask=ok, other=0.0)
+            x = (x.to(tl.float32) + res.to(tl.float32)).to(dt)  # PARITY: the residual add is rounded
+        if pid_n == 0:
+            tl.store(sum_ptr + offs_m[:, None] * DIM + offs_d[None, :], x, mask=ok)
+        xf = x.to(tl.float32)
+        mean = tl.sum(xf, axis=1) / DIM
+        diff = tl.where(ok, xf - mean[:, None], 0.0)
+        inv = tl.rsqrt(tl.sum(diff * diff, axis=1) / DIM + eps)
+        lw = tl.load(lnw_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        lb = tl.load(lnb_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        a = (diff * inv[:, None] * lw[None, :] + lb[None, :]).to(dt)  # PARITY: the norm's output is rounded
+        # GEMM: a [BLOCK_M, DIM] @ W[n0:n0+BLOCK_N, :]^T
+        n0 = pid_n * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_ok = (k0 + offs_k) < K
-            a = tl.load(a_ptr + offs_m[:, None] * K + k0 + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-            w = tl.load(w_ptr + offs_n[None, :] * K + k0 + offs_k[:, None], mask=n_ok[None, :] & k_ok[:, None],
-                        other=0.0)
-            acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        w = tl.load(w_ptr + offs_n[None, :] * DIM + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        acc = tl.dot(a, w, input_precision=PRECISION)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        dt = out_ptr.dtype.element_ty
-        y = acc.to(dt).to(tl.float32)  # PARITY: the linear's output is rounded before anything else
+        y = acc.to(dt)
         if GELU:
-            y = (0.5 * y * (1.0 + tl.erf(y * 0.7071067811865476))).to(dt).to(tl.float32)
-        if HAS_RES:
-            res = tl.load(res_ptr + offs_m[:, None] * N + offs_n[None, :], mask=m_ok[:, None] & n_ok[None, :],
-                          other=0.0)
-            y = (y + res.to(tl.float32)).to(dt).to(tl.float32)  # PARITY: the residual add is rounded
-        ptrs = offs_m[:, None] * N + offs_n[None, :]
-        ok = m_ok[:, None] & n_ok[None, :]
-        if NORM:  # one program holds whole rows (BLOCK_N >= N): LayerNorm over them in the epilogue
-            tl.store(sum_ptr + ptrs, y.to(dt), mask=ok)
-            mean = tl.sum(tl.where(ok, y, 0.0), axis=1) / N
-            diff = tl.where(ok, y - mean[:, None], 0.0)
-            inv = tl.rsqrt(tl.sum(diff * diff, axis=1) / N + eps)
-            nw = tl.load(nw_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-            nb = tl.load(nb_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-            y = diff * inv[:, None] * nw[None, :] + nb[None, :]
-        tl.store(out_ptr + ptrs, y.to(dt), mask=ok)
-
-    @triton.jit
-    def qkv_pool_write_kernel(a_ptr, w_ptr, q_ptr, pk_ptr, pv_ptr, rows_ptr, pos_ptr, M, K, frames_per_row,
-                              pool_row_stride, pool_frame_stride, INNER: tl.constexpr, PRECISION: tl.constexpr,
-                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        n0 = tl.program_id(1) * BLOCK_N
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        m_ok = offs_m < M
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_ok = (k0 + offs_k) < K
-            a = tl.load(a_ptr + offs_m[:, None] * K + k0 + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-            w = tl.load(w_ptr + offs_n[None, :] * K + k0 + offs_k[:, None], mask=k_ok[:, None], other=0.0)
-            acc = tl.dot(a, w, acc, input_precision=PRECISION)
-        y = acc.to(q_ptr.dtype.element_ty)
-        region = n0 // INNER  # 0: queries, 1: keys, 2: values (BLOCK_N divides INNER)
-        col = offs_n - region * INNER
-        if region == 0:
-            tl.store(q_ptr + offs_m[:, None] * INNER + col[None, :], y, mask=m_ok[:, None])
-        else:
-            r = offs_m // frames_per_row
-            frame = tl.load(pos_ptr + offs_m, mask=m_ok, other=0)
-            pool_row = tl.load(rows_ptr + r, mask=m_ok, other=0).to(tl.int64)
-            dst = (pool_row * pool_row_stride + frame * pool_frame_stride)[:, None] + col[None, :]
-            if region == 1:
-                tl.store(pk_ptr + dst, y, mask=m_ok[:, None])
+            yf = y.to(tl.float32)  # PARITY: GELU (exact, erf) of the rounded linear output
+            y = (0.5 * yf * (1.0 + tl.erf(yf * 0.7071067811865476))).to(dt)
+        if QKV:  # columns [0, INNER): queries to out; [INNER, 2·INNER) keys, then values: into the pool
+            region = n0 // INNER  # BLOCK_N divides INNER, so a tile lies in one region
+            col = offs_n - region * INNER
+            if region == 0:
+                tl.store(out_ptr + offs_m[:, None] * INNER + col[None, :], y, mask=m_ok[:, None])
             else:
-                tl.store(pv_ptr + dst, y, mask=m_ok[:, None])
+                frame = tl.load(pos_ptr + offs_m, mask=m_ok, other=0)
+                pool_row = tl.load(rows_ptr + r, mask=m_ok, other=0).to(tl.int64)
+                dst = (pool_row * pool_row_stride + frame * pool_frame_stride)[:, None] + col[None, :]
+                if region == 1:
+                    tl.store(pk_ptr + dst, y, mask=m_ok[:, None])
+                else:
+                    tl.store(pv_ptr + dst, y, mask=m_ok[:, None])
+        else:
+            tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], y, mask=m_ok[:, None] & n_ok[None, :])
 
     return SimpleNamespace(pooled_attention_kernel=pooled_attention_kernel, add_layer_norm_kernel=add_layer_norm_kernel,
                            channel_norm_mish_kernel=channel_norm_mish_kernel, pool_write_kernel=pool_write_kernel,
-                           linear_kernel=linear_kernel, qkv_pool_write_kernel=qkv_pool_write_kernel,
+                           norm_gemm_kernel=norm_gemm_kernel,
                            next_power_of_2=triton.next_power_of_2)
 
 
@@ -262,67 +248,63 @@ def _precision(x: torch.Tensor) -> str:
 
 @dataclass(frozen=True)
 class Tile:
-    """Launch shape of a GEMM kernel: rows/columns/depth per program, warps, pipeline stages."""
+    """Launch shape of a GEMM kernel: rows/columns per program, warps, pipeline stages."""
 
     block_m: int
-    block_n: int  # ignored with a LayerNorm epilogue (a program holds whole rows)
-    block_k: int = 64
+    block_n: int
     warps: int = 4
     stages: int = 3
 
 
-# (kind, small M) -> tile; small M = at most 512 rows (one or two streams' chunk). Picked on the H100
-# with benchmarks/kernel_tiles.py; kinds: "norm" (LayerNorm epilogue), "plain", "qkv" (pool write).
+# (kind, small M) -> tile; small M = at most 512 rows (one or two streams' chunk). Picked on the H100 with
+# benchmarks/kernel_tiles.py (docs/benchmarks.md); kinds: "qkv" (pool-write epilogue), "gelu".
 TILES: dict[tuple[str, bool], Tile] = {
-    ("norm", True): Tile(32, 0), ("norm", False): Tile(32, 0),
-    ("plain", True): Tile(64, 128), ("plain", False): Tile(64, 128),
-    ("qkv", True): Tile(64, 64), ("qkv", False): Tile(64, 64),
+    ("qkv", True): Tile(64, 64), ("qkv", False): Tile(64, 128),
+    ("gelu", True): Tile(32, 64), ("gelu", False): Tile(64, 128),
 }
 
 
-def _tile(kind: str, m: int, tile: Tile | None) -> Tile:
-    return tile if tile is not None else TILES[(kind, m <= 512)]
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, gelu: bool = False,
-           residual: torch.Tensor | None = None, norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-           tile: Tile | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `reference.linear`; x [..., K] contiguous, residual contiguous like the output."""
+def _launch_norm_gemm(x: torch.Tensor, residual: torch.Tensor | None, norm: tuple[torch.Tensor, torch.Tensor, float],
+                      weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, *, gelu: bool,
+                      pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None, kind: str,
+                      tile: Tile | None) -> torch.Tensor:
     kern = _kernels()
-    assert x.is_contiguous() and weight.is_contiguous()
-    n, k = weight.shape
-    x2 = x.reshape(-1, k)
-    m = x2.shape[0]
-    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    total = torch.empty_like(out) if norm is not None else out
-    t = _tile("norm" if norm is not None else "plain", m, tile)
-    block_n = kern.next_power_of_2(n) if norm is not None else t.block_n  # LayerNorm: whole rows
-    nw, nb, eps = norm if norm is not None else (out, out, 0.0)
-    grid = (-(-m // t.block_m), -(-n // block_n))
-    kern.linear_kernel[grid](
-        x2, weight, bias if bias is not None else out, residual if residual is not None else out, out, total, nw,
-        nb, m, n, k, eps, HAS_BIAS=bias is not None, GELU=gelu, HAS_RES=residual is not None,
-        NORM=norm is not None, PRECISION=_precision(x), BLOCK_M=t.block_m, BLOCK_N=block_n, BLOCK_K=t.block_k,
+    rows, num_t, dim = x.shape
+    m = rows * num_t
+    n = weight.shape[0]
+    t = tile if tile is not None else TILES[(kind, m <= 512)]
+    total = torch.empty(rows, num_t, dim, device=x.device, dtype=x.dtype)
+    assert weight.is_contiguous() and (residual is None or residual.is_contiguous())
+    pk, pv, prow, ppos = pool if pool is not None else (out, out, out, out)
+    inner = n // 3 if pool is not None else 1
+    assert pool is None or (inner % t.block_n == 0 and pk.stride() == pv.stride() and pk.stride(2) == 1)
+    kern.norm_gemm_kernel[(-(-m // t.block_m), -(-n // t.block_n))](
+        x, x.stride(0), x.stride(1), x.stride(2), residual if residual is not None else x, norm[0], norm[1],
+        norm[2], weight, bias if bias is not None else weight, out, total, pk, pv, prow, ppos,
+        pk.stride(0) if pool is not None else 0, pk.stride(1) if pool is not None else 0, m, n, num_t, DIM=dim,
+        BLOCK_D=kern.next_power_of_2(dim), HAS_RES=residual is not None, HAS_BIAS=bias is not None, GELU=gelu,
+        QKV=pool is not None, INNER=inner, PRECISION=_precision(x), BLOCK_M=t.block_m, BLOCK_N=t.block_n,
         num_warps=t.warps, num_stages=t.stages)
-    shape = (*x.shape[:-1], n)
-    if norm is not None:
-        return out.view(shape), total.view(shape)
-    return out.view(shape)
+    return total
 
 
-def qkv_pool_write(x: torch.Tensor, qkv_weight: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
-                   rows: torch.Tensor, write_pos: torch.Tensor, tile: Tile | None = None) -> torch.Tensor:
-    """Same contract as `reference.qkv_pool_write`: the q/k/v GEMM writes k and v straight into the pool."""
-    kern = _kernels()
-    batch, num_c, dim = x.shape
-    inner = qkv_weight.shape[0] // 3
-    m = batch * num_c
-    t = _tile("qkv", m, tile)
-    assert x.is_contiguous() and qkv_weight.is_contiguous() and inner % t.block_n == 0
-    assert pool_k.stride() == pool_v.stride() and pool_k.stride(2) == 1
-    q = torch.empty(batch, num_c, inner, device=x.device, dtype=x.dtype)
-    kern.qkv_pool_write_kernel[(-(-m // t.block_m), 3 * inner // t.block_n)](
-        x, qkv_weight, q, pool_k, pool_v, rows, write_pos.contiguous(), m, dim, num_c, pool_k.stride(0),
-        pool_k.stride(1), INNER=inner, PRECISION=_precision(x), BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-        BLOCK_K=t.block_k, num_warps=t.warps, num_stages=t.stages)
-    return q
+def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: tuple[torch.Tensor, torch.Tensor, float],
+                weight: torch.Tensor, bias: torch.Tensor | None, *, gelu: bool = False, tile: Tile | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `reference.norm_linear`; x [R, T, dim] any strides, residual contiguous."""
+    rows, num_t, _ = x.shape
+    out = torch.empty(rows, num_t, weight.shape[0], device=x.device, dtype=x.dtype)
+    total = _launch_norm_gemm(x, residual, norm, weight, bias, out, gelu=gelu, pool=None,
+                              kind="gelu", tile=tile)
+    return out, total
+
+
+def norm_qkv_pool_write(x: torch.Tensor, residual: torch.Tensor | None, norm: tuple[torch.Tensor, torch.Tensor, float],
+                        qkv_weight: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, rows: torch.Tensor,
+                        write_pos: torch.Tensor, tile: Tile | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `reference.norm_qkv_pool_write`: k and v go straight from the GEMM into the pool."""
+    batch, num_t, _ = x.shape
+    q = torch.empty(batch, num_t, qkv_weight.shape[0] // 3, device=x.device, dtype=x.dtype)
+    total = _launch_norm_gemm(x, residual, norm, qkv_weight, None, q, gelu=False,
+                              pool=(pool_k, pool_v, rows, write_pos.contiguous()), kind="qkv", tile=tile)
+    return q, total

@@ -108,25 +108,23 @@ def pool_write(k: torch.Tensor, v: torch.Tensor, pool_k: torch.Tensor, pool_v: t
     pool_v[rows.unsqueeze(1), write_pos] = v
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, gelu: bool = False,
-           residual: torch.Tensor | None = None, norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
-           ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """y = linear(x) (rounded), then exact GELU, then + residual (each rounded, as separate torch ops
-    would). With norm = (weight, bias, eps) returns (layer_norm(y), y), else y."""
-    y = F.linear(x, weight, bias)
-    if gelu:
-        y = F.gelu(y)
-    if residual is not None:
-        y = y + residual
-    if norm is None:
-        return y
-    return F.layer_norm(y, (y.shape[-1],), norm[0], norm[1], norm[2]), y
+
+def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: tuple[torch.Tensor, torch.Tensor, float],
+                weight: torch.Tensor, bias: torch.Tensor | None, *, gelu: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, s) with s = x + residual (x alone without one), y = linear(layer_norm(s)) then exact GELU when
+    asked; every intermediate rounded as separate torch ops round it. x [R, T, dim] may be strided."""
+    normed, total = add_layer_norm(x, residual, *norm)
+    y = F.linear(normed, weight, bias)
+    return (F.gelu(y) if gelu else y), total
 
 
-def qkv_pool_write(x: torch.Tensor, qkv_weight: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
-                   rows: torch.Tensor, write_pos: torch.Tensor) -> torch.Tensor:
-    """The fused q/k/v projection of x [R, C, dim]: k and v go into the pool (as `pool_write`), q
-    [R, C, inner] is returned."""
-    q, k, v = F.linear(x, qkv_weight).chunk(3, dim=-1)
+def norm_qkv_pool_write(x: torch.Tensor, residual: torch.Tensor | None, norm: tuple[torch.Tensor, torch.Tensor, float],
+                        qkv_weight: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, rows: torch.Tensor,
+                        write_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, s): the fused q/k/v projection of layer_norm(x + residual); k and v go into the pool (as
+    `pool_write`), q [R, T, inner] is returned with the residual stream s."""
+    qkv, total = norm_linear(x, residual, norm, qkv_weight, None)
+    q, k, v = qkv.chunk(3, dim=-1)
     pool_write(k, v, pool_k, pool_v, rows, write_pos)
-    return q.contiguous()
+    return q.contiguous(), total

@@ -345,27 +345,24 @@ class Estimator(nn.Module):
     @staticmethod
     def _pooled_transformers(blocks: nn.ModuleList, h: torch.Tensor, pooled: PooledKV, ops: ModuleType
                              ) -> torch.Tensor:
-        """The engine's path: 5 kernels per block (q/k/v GEMM writing k/v into the pool, attention, and
-        three GEMMs whose epilogues hold the bias, GELU, residual add and the next LayerNorm) instead of 9;
-        every intermediate is rounded where the module path rounds it."""
-        n1 = blocks[0].norm1
-        a, h = ops.add_layer_norm(h.transpose(1, 2), None, n1.weight, n1.bias, n1.eps)
-        for i, block in enumerate(blocks):
-            attn = block.attn1
+        """The engine's path: 5 kernels per block instead of 9. The residual add and LayerNorm ride in the
+        prologue of the GEMM that consumes them (their row of 256 fits one tile), the q/k/v GEMM writes k/v
+        straight into the pool and GELU rides in the first feed-forward GEMM; the output and second
+        feed-forward projections stay cuBLAS GEMMs (measured faster than Triton ones carrying a whole-row
+        LayerNorm epilogue). Every intermediate is rounded where the module path rounds it."""
+        x, res = h.transpose(1, 2), None
+        for block in blocks:
+            attn, n1, n3 = block.attn1, block.norm1, block.norm3
             pool_k, pool_v = pooled.pool[block.cache_index, 0], pooled.pool[block.cache_index, 1]
-            q = ops.qkv_pool_write(a, attn.qkv_weight, pool_k, pool_v, pooled.rows, pooled.write_pos)
+            q, res = ops.norm_qkv_pool_write(x, res, (n1.weight, n1.bias, n1.eps), attn.qkv_weight, pool_k, pool_v,
+                                             pooled.rows, pooled.write_pos)
             o = pooled.ops.pooled_attention(q, pool_k, pool_v, pooled.rows, pooled.write_pos, pooled.key_limit,
                                             pooled.chunk, pooled.attn_len, attn.num_heads)
-            out, n3 = attn.to_out[0], block.norm3
-            m, h = ops.linear(o, out.weight, out.bias, residual=h, norm=(n3.weight, n3.bias, n3.eps))
-            ff1, ff2 = block.ff.net[0].proj, block.ff.net[2]
-            f = ops.linear(m, ff1.weight, ff1.bias, gelu=True)
-            if i + 1 < len(blocks):
-                nxt = blocks[i + 1].norm1
-                a, h = ops.linear(f, ff2.weight, ff2.bias, residual=h, norm=(nxt.weight, nxt.bias, nxt.eps))
-            else:
-                h = ops.linear(f, ff2.weight, ff2.bias, residual=h)
-        return h.transpose(1, 2)
+            ff1 = block.ff.net[0].proj
+            f, res = ops.norm_linear(attn.to_out[0](o), res, (n3.weight, n3.bias, n3.eps), ff1.weight, ff1.bias,
+                                     gelu=True)
+            x = block.ff.net[2](f)
+        return (x + res).transpose(1, 2)
 
     def forward(self, x: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
                 t: torch.Tensor, streaming: bool) -> torch.Tensor:

@@ -94,39 +94,43 @@ def test_pool_write(device: str, dtype: torch.dtype) -> None:
     assert torch.equal(pool_k, want_k) and torch.equal(pool_v, want_v)
 
 
-@pytest.mark.parametrize("epilogue", ["plain", "gelu", "residual", "residual_norm", "bias_free"])
-def test_linear_epilogues(device: str, dtype: torch.dtype, epilogue: str) -> None:
-    g = torch.Generator().manual_seed(21)
-    n, k = (256, 1024) if "norm" in epilogue else (1024, 256)
-    x = torch.randn(3, 45, k, generator=g).to(device, dtype)  # 135 rows: not a multiple of any tile
-    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(device, dtype)
-    b = None if epilogue == "bias_free" else torch.randn(n, generator=g).to(device, dtype)
-    res = torch.randn(3, 45, n, generator=g).to(device, dtype) if "residual" in epilogue else None
-    norm = ((1 + 0.1 * torch.randn(n, generator=g)).to(device, dtype), torch.randn(n, generator=g).to(device, dtype),
-            1e-5) if "norm" in epilogue else None
-    kw = dict(gelu=epilogue == "gelu", residual=res, norm=norm)
-    got, want = flow.linear(x, w, b, **kw), reference.linear(x, w, b, **kw)
-    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
-    if norm is None:
-        assert got.shape == want.shape and _rel(got, want) < tol
-    else:
-        assert _rel(got[0], want[0]) < tol and _rel(got[1], want[1]) < tol
+def _norm_inputs(device: str, dtype: torch.dtype, seed: int, rows: int = 3, num_t: int = 45, dim: int = 256):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, dim, num_t, generator=g).to(device, dtype).transpose(1, 2)  # the U-Net's [R, T, C] view
+    res = torch.randn(rows, num_t, dim, generator=g).to(device, dtype)
+    scale = (1 + 0.1 * torch.randn(dim, generator=g)).to(device, dtype)
+    norm = (scale, torch.randn(dim, generator=g).to(device, dtype), 1e-5)
+    return g, x, res, norm
 
 
-def test_qkv_pool_write(device: str, dtype: torch.dtype) -> None:
-    g = torch.Generator().manual_seed(22)
-    dim, rows_n, num_c = 256, 3, 37
-    x = torch.randn(rows_n, num_c, dim, generator=g).to(device, dtype)
-    w = (torch.randn(3 * INNER, dim, generator=g) / dim ** 0.5).to(device, dtype)
+@pytest.mark.parametrize(("with_residual", "gelu", "with_bias"), [(False, True, True), (True, True, True),
+                                                                  (True, False, False)])
+def test_norm_linear(device: str, dtype: torch.dtype, with_residual: bool, gelu: bool, with_bias: bool) -> None:
+    g, x, res, norm = _norm_inputs(device, dtype, 21)  # 135 rows: not a multiple of any tile
+    w = (torch.randn(1024, 256, generator=g) / 16).to(device, dtype)
+    b = torch.randn(1024, generator=g).to(device, dtype) if with_bias else None
+    r = res if with_residual else None
+    y, total = flow.norm_linear(x, r, norm, w, b, gelu=gelu)
+    want_y, want_total = reference.norm_linear(x, r, norm, w, b, gelu=gelu)
+    assert torch.equal(total, want_total)  # the residual stream is one rounded add, exactly
+    assert _rel(y, want_y) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_norm_qkv_pool_write(device: str, dtype: torch.dtype, with_residual: bool) -> None:
+    g, x, res, norm = _norm_inputs(device, dtype, 22, num_t=37)
+    w = (torch.randn(3 * INNER, 256, generator=g) / 16).to(device, dtype)
     pool = torch.randn(2, 5, 300, INNER, generator=g).to(device, dtype)
     want_pool = pool.clone()
     rows = torch.tensor([4, 0, 2], device=device)
-    write_pos = torch.tensor([0, 100, 250], device=device).unsqueeze(1) + torch.arange(num_c, device=device)
-    q = flow.qkv_pool_write(x, w, pool[0], pool[1], rows, write_pos)
-    want_q = reference.qkv_pool_write(x, w, want_pool[0], want_pool[1], rows, write_pos)
+    write_pos = torch.tensor([0, 100, 250], device=device).unsqueeze(1) + torch.arange(37, device=device)
+    r = res if with_residual else None
+    q, total = flow.norm_qkv_pool_write(x, r, norm, w, pool[0], pool[1], rows, write_pos)
+    want_q, want_total = reference.norm_qkv_pool_write(x, r, norm, w, want_pool[0], want_pool[1], rows, write_pos)
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert torch.equal(total, want_total)
     assert _rel(q, want_q) < tol
-    assert _rel(pool, want_pool) < tol
-    untouched = torch.ones(5, 300, dtype=torch.bool, device=device)
-    untouched[rows.unsqueeze(1), write_pos] = False
-    assert torch.equal(pool[:, untouched], want_pool[:, untouched])  # nothing else in the pool moved
+    written = torch.zeros(5, 300, dtype=torch.bool, device=device)
+    written[rows.unsqueeze(1), write_pos] = True
+    assert _rel(pool[:, written], want_pool[:, written]) < tol
+    assert torch.equal(pool[:, ~written], want_pool[:, ~written])  # nothing else in the pool moved
