@@ -259,8 +259,8 @@ class Tile:
 # (kind, small M) -> tile; small M = at most 512 rows (one or two streams' chunk). Picked on the H100 with
 # benchmarks/kernel_tiles.py (docs/benchmarks.md); kinds: "qkv" (pool-write epilogue), "gelu".
 TILES: dict[tuple[str, bool], Tile] = {
-    ("qkv", True): Tile(64, 64), ("qkv", False): Tile(64, 128),
-    ("gelu", True): Tile(32, 64), ("gelu", False): Tile(64, 128),
+    ("qkv", True): Tile(32, 128, 4, 2), ("qkv", False): Tile(64, 128, 4, 2),
+    ("gelu", True): Tile(32, 64, 8, 2), ("gelu", False): Tile(64, 128, 4, 2),
 }
 
 

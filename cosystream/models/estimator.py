@@ -20,6 +20,10 @@ from torch import nn
 from cosystream.checkpoint.hparams import EstimatorDims
 
 CONV_CONTEXT = 2  # left frames a kernel-3 causal conv needs (spec/flow.md §5.3)
+# PERF: up to this many rows (CFG rows × new frames) the Triton GEMMs with the LayerNorm in their prologue
+# beat cuBLAS + a separate norm kernel on the H100 (4.4 vs 6.5 µs at 200 rows); at 1,600 rows they lose
+# (12.0 vs 11.0 µs), so bigger batches keep the cuBLAS path (benchmarks/kernel_tiles.py).
+PROLOGUE_GEMM_MAX_ROWS = 512
 
 
 def masked_value(dtype: torch.dtype) -> float:
@@ -323,7 +327,8 @@ class Estimator(nn.Module):
     def _transformers(blocks: nn.ModuleList, h: torch.Tensor, kv: Sequence[torch.Tensor],
                       write_idx: torch.Tensor, attn_bias: Sequence[torch.Tensor]) -> torch.Tensor:
         ops = blocks[0].kernels
-        if ops is not None and isinstance(kv[0], PooledKV) and blocks[0].attn1.qkv_weight is not None:
+        if (ops is not None and isinstance(kv[0], PooledKV) and blocks[0].attn1.qkv_weight is not None
+                and h.shape[0] * h.shape[2] <= PROLOGUE_GEMM_MAX_ROWS):
             return Estimator._pooled_transformers(blocks, h, kv[0], ops)
         h = h.transpose(1, 2)
         if ops is None:
