@@ -273,6 +273,9 @@ def _launch_norm_gemm(x: torch.Tensor, residual: torch.Tensor | None, norm: tupl
     m = rows * num_t
     n = weight.shape[0]
     t = tile if tile is not None else TILES[(kind, m <= 512)]
+    if pool is not None:
+        while (n // 3) % t.block_n:  # a q/k/v tile must lie in one region (small test models)
+            t = Tile(t.block_m, t.block_n // 2, t.warps, t.stages)
     total = torch.empty(rows, num_t, dim, device=x.device, dtype=x.dtype)
     assert weight.is_contiguous() and (residual is None or residual.is_contiguous())
     pk, pv, prow, ppos = pool if pool is not None else (out, out, out, out)
