@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", default=workload.TARGET_TEXT)
     p.add_argument("--force-tokens", type=int, default=workload.FORCE_TOKENS, help="0: stop at end of speech")
     p.add_argument("--first-hop", type=int, default=None)
+    p.add_argument("--offline", action="store_true",
+                   help="stream=False requests (one flow pass per request after its last token); the level's "
+                        "aggregate real-time factor x gives the offline batch RTF 1/x")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--greedy", action="store_true")
     p.add_argument("--concurrency", default=None, help="closed-loop levels, e.g. 1,4,16,64")
@@ -71,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def make_params(args: argparse.Namespace) -> SynthesisParams:
     return SynthesisParams(
-        text=args.text, mode=Mode.zero_shot, voice=args.voice, stream=True, first_hop=args.first_hop,
+        text=args.text, mode=Mode.zero_shot, voice=args.voice, stream=not args.offline, first_hop=args.first_hop,
         force_tokens=args.force_tokens or None, sampling=SamplingParams(seed=args.seed, greedy=args.greedy))
 
 
