@@ -1,4 +1,5 @@
-"""Triton kernel of the flow estimator's attention over the static K/V pool; numbers as `reference.py`.
+"""Triton kernels of the flow estimator (attention over the static K/V pool, norms, causal convs); numbers as
+`reference.py`.
 
 PERF: the torch path gathers every row's cached keys and values out of the pool (a copy of
 rows × frames × 512 × 2 per attention block, 56 blocks × 10 Euler steps per chunk) and builds an
@@ -269,7 +270,7 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, offset: int, weight: 
     rows, n_in, num_t = x.shape
     n_out = weight.shape[0]
     assert num_t >= 1 and tuple(weight.shape[1:]) == (n_in, 3) and conv_state.shape[2] == 2
-    assert tail_out is None or (tail_out.shape == conv_state.shape and tail_out.data_ptr() != conv_state.data_ptr())
+    assert tail_out is None or (tail_out.shape == conv_state.shape and tail_out is not conv_state)
     state = conv_state[:, offset:offset + n_in]
     tail = torch.empty_like(state) if tail_out is None else tail_out[:, offset:offset + n_in]
     out = torch.empty(rows, n_out, num_t, device=x.device, dtype=x.dtype)
