@@ -1,8 +1,11 @@
-"""Triton kernel of the flow estimator's attention over the static K/V pool; numbers as `reference.py`.
+"""Triton kernels of the flow estimator (attention over the static K/V pool, norms, causal convs); numbers as
+`reference.py`.
 
 PERF: the torch path gathers every row's cached keys and values out of the pool (a copy of
 rows × frames × 512 × 2 per attention block, 56 blocks × 10 Euler steps per chunk) and builds an
 additive mask; this kernel reads each row's keys in place and derives the chunk mask from positions.
+The causal conv kernel replaces cat + tail copy + cuDNN conv (+ layout conversions and the bias add)
++ norm/Mish/adds, about 7 launches, by one.
 """
 
 from __future__ import annotations
@@ -180,9 +183,82 @@ def _kernels() -> SimpleNamespace:
         else:
             tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], y, mask=m_ok[:, None] & n_ok[None, :])
 
+
+    @triton.jit
+    def causal_conv_kernel(x_ptr, s_ptr, w_ptr, b_ptr, nw_ptr, nb_ptr, add_ptr, res_ptr, out_ptr, tail_ptr,
+                           n_in, n_out, num_t, eps, sx_r, sx_c, sx_t, ss_r, ss_c, ss_t, sw_o, sw_i, sw_k,
+                           sa_r, sa_c, sr_r, sr_c, sr_t, st_r, st_c, st_t,
+                           HAS_NORM: tl.constexpr, MISH: tl.constexpr, HAS_ADD: tl.constexpr, HAS_RES: tl.constexpr,
+                           BLOCK_CO: tl.constexpr, BLOCK_CI: tl.constexpr, BLOCK_T: tl.constexpr):
+        # One program: every output channel of BLOCK_T frames of row r (so the channel LayerNorm stays
+        # in the program); implicit GEMM [Cout, 3·Cin] x [3·Cin, frames], one tap and BLOCK_CI inputs a step.
+        r = tl.program_id(0)
+        tile = tl.program_id(1)
+        offs_t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+        offs_o = tl.arange(0, BLOCK_CO)
+        offs_i = tl.arange(0, BLOCK_CI)
+        live_t = offs_t < num_t
+        live_o = offs_o < n_out
+        x_row = x_ptr + r.to(tl.int64) * sx_r
+        s_row = s_ptr + r.to(tl.int64) * ss_r  # already at the conv's first state channel
+        acc = tl.zeros((BLOCK_CO, BLOCK_T), tl.float32)
+        for c0 in range(0, n_in, BLOCK_CI):
+            ci = c0 + offs_i
+            live_i = ci < n_in
+            for k in tl.static_range(3):
+                f = offs_t + (k - 2)  # the input frame tap k reads; f < 0: tail slot f + 2
+                in_x = live_i[:, None] & ((f >= 0) & live_t)[None, :]
+                in_s = live_i[:, None] & ((f < 0) & live_t)[None, :]
+                xv = tl.load(x_row + ci[:, None] * sx_c + f[None, :] * sx_t, mask=in_x, other=0.0)
+                sv = tl.load(s_row + ci[:, None] * ss_c + (f + 2)[None, :] * ss_t, mask=in_s, other=0.0)
+                w = tl.load(w_ptr + offs_o[:, None] * sw_o + ci[None, :] * sw_i + k * sw_k,
+                            mask=live_o[:, None] & live_i[None, :], other=0.0)
+                acc = tl.dot(w, tl.where(in_s, sv, xv), acc)
+        dt = out_ptr.dtype.element_ty
+        b = tl.load(b_ptr + offs_o, mask=live_o, other=0.0).to(tl.float32)
+        # PARITY: cuDNN returns the conv rounded and torch adds the bias after it, rounded again; each
+        # later step is rounded as its torch op's output (padded channels stay exactly 0 throughout).
+        h = (acc.to(dt).to(tl.float32) + b[:, None]).to(dt).to(tl.float32)
+        if HAS_NORM:
+            mean = tl.sum(h, axis=0) / n_out
+            diff = tl.where(live_o[:, None], h - mean[None, :], 0.0)
+            inv = tl.rsqrt(tl.sum(diff * diff, axis=0) / n_out + eps)
+            nw = tl.load(nw_ptr + offs_o, mask=live_o, other=0.0).to(tl.float32)
+            nb = tl.load(nb_ptr + offs_o, mask=live_o, other=0.0).to(tl.float32)
+            h = (diff * inv[None, :] * nw[:, None] + nb[:, None]).to(dt).to(tl.float32)
+        if MISH:
+            # mish(h) = h · tanh(softplus(h)) = h · p / (p + 2) with p = e^h (2 + e^h) (no 1 - 1 cancellation
+            # for very negative h); softplus(h) = h past 20, as torch
+            e = tl.exp(tl.minimum(h, 20.0))
+            p = e * (2.0 + e)
+            h = tl.where(h > 20.0, h, h * p / (p + 2.0)).to(dt).to(tl.float32)
+        if HAS_ADD:
+            a = tl.load(add_ptr + r * sa_r + offs_o * sa_c, mask=live_o, other=0.0).to(tl.float32)
+            h = (h + a[:, None]).to(dt).to(tl.float32)
+        mask = live_o[:, None] & live_t[None, :]
+        if HAS_RES:
+            h += tl.load(res_ptr + r.to(tl.int64) * sr_r + offs_o[:, None] * sr_c + offs_t[None, :] * sr_t,
+                         mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + (r.to(tl.int64) * n_out + offs_o[:, None]) * num_t + offs_t[None, :], h.to(dt), mask=mask)
+        # The new tail, the last 2 frames of [old tail, x], goes to a buffer nobody reads during this launch
+        # (see causal_conv); the program of the last frame tile writes it.
+        if tile == (num_t - 1) // BLOCK_T:
+            j = tl.arange(0, 2)
+            f = num_t - 2 + j
+            t_row = tail_ptr + r.to(tl.int64) * st_r
+            for c0 in range(0, n_in, BLOCK_CI):
+                ci = c0 + offs_i
+                live_i = ci < n_in
+                xv = tl.load(x_row + ci[:, None] * sx_c + f[None, :] * sx_t, mask=live_i[:, None] & (f >= 0)[None, :],
+                             other=0.0)
+                sv = tl.load(s_row + ci[:, None] * ss_c + (f + 2)[None, :] * ss_t,
+                             mask=live_i[:, None] & (f < 0)[None, :], other=0.0)
+                tl.store(t_row + ci[:, None] * st_c + j[None, :] * st_t, tl.where((f < 0)[None, :], sv, xv),
+                         mask=live_i[:, None])
+
     return SimpleNamespace(pooled_attention_kernel=pooled_attention_kernel, add_layer_norm_kernel=add_layer_norm_kernel,
                            channel_norm_mish_kernel=channel_norm_mish_kernel, pool_write_kernel=pool_write_kernel,
-                           norm_gemm_kernel=norm_gemm_kernel,
+                           norm_gemm_kernel=norm_gemm_kernel, causal_conv_kernel=causal_conv_kernel,
                            next_power_of_2=triton.next_power_of_2)
 
 
@@ -311,3 +387,38 @@ def norm_qkv_pool_write(x: torch.Tensor, residual: torch.Tensor | None, norm: tu
     total = _launch_norm_gemm(x, residual, norm, qkv_weight, None, q, gelu=False,
                               pool=(pool_k, pool_v, rows, write_pos.contiguous()), kind="qkv", tile=tile)
     return q, total
+
+
+def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, offset: int, weight: torch.Tensor, bias: torch.Tensor,
+                norm_weight: torch.Tensor | None = None, norm_bias: torch.Tensor | None = None, eps: float = 1e-5,
+                mish: bool = False, add: torch.Tensor | None = None, res: torch.Tensor | None = None,
+                tail_out: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as `reference.causal_conv`; x, add and res any strides; returns [R, Cout, T] contiguous.
+
+    The tail: programs of the first frame tile read the old tail while the last tile's program writes the
+    new one, so writing it in place would race. The kernel writes it into tail_out (the caller's buffer for
+    every conv of a step, copied back once: no launch per conv) or, without one, into a small buffer that
+    one copy after the kernel puts in conv_state.
+    """
+    kern = _kernels()
+    rows, n_in, num_t = x.shape
+    n_out = weight.shape[0]
+    assert num_t >= 1 and tuple(weight.shape[1:]) == (n_in, 3) and conv_state.shape[2] == 2
+    assert tail_out is None or (tail_out.shape == conv_state.shape and tail_out is not conv_state)
+    state = conv_state[:, offset:offset + n_in]
+    tail = torch.empty_like(state) if tail_out is None else tail_out[:, offset:offset + n_in]
+    out = torch.empty(rows, n_out, num_t, device=x.device, dtype=x.dtype)
+    block_t = 16 if num_t <= 16 else 32
+    block_co = kern.next_power_of_2(n_out)
+    norm = norm_weight is not None
+    a = out if add is None else add
+    rs = out if res is None else res
+    kern.causal_conv_kernel[(rows, -(-num_t // block_t))](
+        x, state, weight, bias, norm_weight if norm else out, norm_bias if norm else out, a, rs, out, tail,
+        n_in, n_out, num_t, eps, *x.stride(), *state.stride(), *weight.stride(), a.stride(0), a.stride(1),
+        rs.stride(0), rs.stride(1), rs.stride(-1), *tail.stride(), HAS_NORM=norm, MISH=mish,
+        HAS_ADD=add is not None, HAS_RES=res is not None, BLOCK_CO=block_co, BLOCK_CI=32, BLOCK_T=block_t,
+        num_warps=4 if block_co * block_t <= 4096 else 8)
+    if tail_out is None:
+        state.copy_(tail)
+    return out

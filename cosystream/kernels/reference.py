@@ -101,6 +101,32 @@ def channel_norm_mish(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     return h if add is None else h + add.unsqueeze(-1)
 
 
+def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, offset: int, weight: torch.Tensor, bias: torch.Tensor,
+                norm_weight: torch.Tensor | None = None, norm_bias: torch.Tensor | None = None, eps: float = 1e-5,
+                mish: bool = False, add: torch.Tensor | None = None, res: torch.Tensor | None = None,
+                tail_out: torch.Tensor | None = None) -> torch.Tensor:
+    """Kernel-3 causal conv of the new frames x [R, Cin, T] (any strides), left context from the state.
+
+    The 2 frames before x are conv_state[:, offset:offset + Cin] ([R, total, 2]); the last 2 frames of
+    [those, x] become the new tail, written there, or into tail_out[:, offset:offset + Cin] (same shape
+    as conv_state) when given, conv_state then left untouched. Then, in this order, each rounded to the
+    dtype: conv (weight [Cout, Cin, 3]) + bias, LayerNorm over the Cout channels of each frame (when
+    norm_weight / norm_bias are given), Mish (when mish), + add [R, Cout] per channel, + res [R, Cout, T].
+    Returns [R, Cout, T].
+    """
+    tail = conv_state[:, offset:offset + x.shape[1]]
+    xx = torch.cat([tail, x], dim=2)
+    (tail if tail_out is None else tail_out[:, offset:offset + x.shape[1]]).copy_(xx[:, :, -tail.shape[2]:])
+    h = F.conv1d(xx, weight, bias)  # on cuDNN: the conv rounded, then + bias rounded (torch adds it after)
+    if norm_weight is not None:
+        h = F.layer_norm(h.transpose(1, 2), (h.shape[1],), norm_weight, norm_bias, eps).transpose(1, 2)
+    if mish:
+        h = F.mish(h)
+    if add is not None:
+        h = h + add.unsqueeze(-1)
+    return h if res is None else h + res
+
+
 def pool_write(k: torch.Tensor, v: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, rows: torch.Tensor,
                write_pos: torch.Tensor) -> None:
     """pool_k[rows[r], write_pos[r, c]] = k[r, c] (and v): new frames' keys/values into the static pool."""

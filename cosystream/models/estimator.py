@@ -88,7 +88,15 @@ class CausalConv(nn.Conv1d):
         self.state_offset = layout[0]
         layout[0] += in_channels
 
-    def forward(self, x: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    kernels: ModuleType | None = None  # fused ops (Estimator.set_kernels); None: plain torch
+
+    def forward(self, x: torch.Tensor, conv_state: torch.Tensor,  # type: ignore[override]
+                tail_out: torch.Tensor | None = None) -> torch.Tensor:
+        """tail_out (fused ops only): where the new tail goes instead of conv_state (see Estimator.step)."""
+        if self.kernels is not None:
+            return self.kernels.causal_conv(x, conv_state, self.state_offset, self.weight, self.bias,
+                                            tail_out=tail_out)
+        assert tail_out is None, "tail_out needs the fused ops"
         tail = conv_state[:, self.state_offset:self.state_offset + self.in_channels]
         xx = torch.cat([tail, x], dim=2)
         tail.copy_(xx[:, :, -CONV_CONTEXT:])
@@ -105,12 +113,17 @@ class CausalBlock(nn.Module):
 
     kernels: ModuleType | None = None  # fused ops (Estimator.set_kernels); None: plain torch
 
-    def forward(self, x: torch.Tensor, conv_state: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
-        """add [R, C]: a per-channel term added after the Mish (the ResNet's time embedding)."""
-        h = self.block[0](x, conv_state)
-        norm = self.block[2]
+    def forward(self, x: torch.Tensor, conv_state: torch.Tensor, add: torch.Tensor | None = None,
+                res: torch.Tensor | None = None, tail_out: torch.Tensor | None = None) -> torch.Tensor:
+        """add [R, C]: a per-channel term added after the Mish (the ResNet's time embedding).
+        res [R, C, T] (added last) and tail_out (see Estimator.step): fused ops only."""
+        conv, norm = self.block[0], self.block[2]
         if self.kernels is not None:
-            return self.kernels.channel_norm_mish(h, norm.weight, norm.bias, norm.eps, add)
+            # PERF: conv, bias, norm, Mish, time add and the ResNet's residual add in one kernel
+            return self.kernels.causal_conv(x, conv_state, conv.state_offset, conv.weight, conv.bias, norm.weight,
+                                            norm.bias, norm.eps, mish=True, add=add, res=res, tail_out=tail_out)
+        assert res is None and tail_out is None, "res and tail_out need the fused ops"
+        h = conv(x, conv_state)
         h = self.block[4](norm(h.transpose(1, 2)).transpose(1, 2))
         return h if add is None else h + add.unsqueeze(-1)
 
@@ -125,10 +138,16 @@ class ResNet(nn.Module):
         self.block2 = CausalBlock(out_channels, out_channels, layout)
         self.res_conv = nn.Conv1d(in_channels, out_channels, 1)
 
-    def forward(self, x: torch.Tensor, t_emb: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
-        h = self.block1(x, conv_state, add=self.mlp(t_emb))
-        h = self.block2(h, conv_state)
-        return h + self.res_conv(x)
+    def forward(self, x: torch.Tensor, t_emb: torch.Tensor, conv_state: torch.Tensor,
+                time: torch.Tensor | None = None, tail_out: torch.Tensor | None = None) -> torch.Tensor:
+        """Fused ops only: time [R, C] this block's mlp(t_emb) when precomputed (Estimator.step batches
+        them); tail_out as CausalConv."""
+        if self.block1.kernels is None:
+            h = self.block1(x, conv_state, add=self.mlp(t_emb))
+            h = self.block2(h, conv_state)
+            return h + self.res_conv(x)
+        h = self.block1(x, conv_state, add=self.mlp(t_emb) if time is None else time, tail_out=tail_out)
+        return self.block2(h, conv_state, res=self.res_conv(x), tail_out=tail_out)
 
 
 class Attention(nn.Module):
@@ -275,19 +294,40 @@ class Estimator(nn.Module):
         self.final_proj = nn.Conv1d(c, dims.out_channels, 1)
         self.conv_state_channels = layout[0]
         self.num_attention_blocks = num_blocks[0]
+        self.kernels: ModuleType | None = None
+        # every ResNet's time Linear stacked (fuse_projections; not state-dict keys)
+        self.time_weight: torch.Tensor | None = None
+        self.time_bias: torch.Tensor | None = None
+
+    def resnets(self) -> list[ResNet]:
+        """The ResNets in the order `step` runs them."""
+        return [self.down_blocks[0][0], *(m[0] for m in self.mid_blocks), self.up_blocks[0][0]]
 
     def set_kernels(self, ops: ModuleType | None) -> None:
         """Use fused ops (`cosystream.kernels.flow`, or `.reference` for their torch statements) for the
-        norms, the pool writes and the residual adds; None: the plain modules."""
+        causal convs with their norms and adds, the LayerNorms, the pool writes and the residual adds;
+        None: the plain modules."""
+        self.kernels = ops
         for module in self.modules():
-            if isinstance(module, (CausalBlock, TransformerBlock, Attention)):
+            if isinstance(module, (CausalConv, CausalBlock, TransformerBlock, Attention)):
                 module.kernels = ops
 
     def fuse_projections(self) -> None:
-        """Fuse every attention's q/k/v weights (after loading and casting; see Attention.fuse_projections)."""
+        """Fuse every attention's q/k/v weights (see Attention.fuse_projections) and stack the ResNets' time
+        Linears (used with fused ops), after loading and casting."""
         for module in self.modules():
             if isinstance(module, Attention):
                 module.fuse_projections()
+        linears = [r.mlp[1] for r in self.resnets()]
+        self.time_weight = torch.cat([lin.weight for lin in linears])
+        self.time_bias = torch.cat([lin.bias for lin in linears])
+
+    def unfuse_projections(self) -> None:
+        """Drop what fuse_projections built (back to the separate weights)."""
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.qkv_weight = None
+        self.time_weight = self.time_bias = None
 
     def new_cache(self, rows: int, num_frames: int, *, device: torch.device | None = None,
                   dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -312,16 +352,33 @@ class Estimator(nn.Module):
         dtype = self.final_proj.weight.dtype
         t_emb = self.time_mlp(timestep_sinusoid(t, self.in_channels).to(dtype))
         h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, x.shape[-1]), cond], dim=1).to(dtype)
+        times = iter(self._resnet_times(t_emb))
+        # Fused ops: every conv reads its old tail from conv_state and writes the new one into `tail`,
+        # copied back once at the end (a conv's kernel cannot update its tail in place without a race,
+        # and one copy per step beats one per conv). Every state channel belongs to one conv.
+        tail = None if self.kernels is None else torch.empty_like(conv_state)
         resnet, blocks, conv = self.down_blocks[0]
-        h = self._transformers(blocks, resnet(h, t_emb, conv_state), kv, write_idx, attn_bias)
+        h = self._transformers(blocks, resnet(h, t_emb, conv_state, next(times), tail), kv, write_idx, attn_bias)
         skip = h
-        h = conv(h, conv_state)
+        h = conv(h, conv_state, tail)
         for resnet, blocks in self.mid_blocks:
-            h = self._transformers(blocks, resnet(h, t_emb, conv_state), kv, write_idx, attn_bias)
+            h = self._transformers(blocks, resnet(h, t_emb, conv_state, next(times), tail), kv, write_idx,
+                                   attn_bias)
         resnet, blocks, conv = self.up_blocks[0]
-        h = resnet(torch.cat([h, skip], dim=1), t_emb, conv_state)
-        h = conv(self._transformers(blocks, h, kv, write_idx, attn_bias), conv_state)
-        return self.final_proj(self.final_block(h, conv_state))
+        h = resnet(torch.cat([h, skip], dim=1), t_emb, conv_state, next(times), tail)
+        h = conv(self._transformers(blocks, h, kv, write_idx, attn_bias), conv_state, tail)
+        h = self.final_block(h, conv_state, tail_out=tail)
+        if tail is not None:
+            conv_state.copy_(tail)
+        return self.final_proj(h)
+
+    def _resnet_times(self, t_emb: torch.Tensor) -> list[torch.Tensor | None]:
+        """Each ResNet's mlp(t_emb) on the fused path, else None (each ResNet computes its own).
+        PERF: one Mish and one GEMM for all 14 instead of 14 of each."""
+        if self.kernels is None or self.time_weight is None:
+            return [None] * len(self.resnets())
+        times = F.linear(F.mish(t_emb), self.time_weight, self.time_bias)
+        return list(times.split(self.dims.channels, dim=1))
 
     @staticmethod
     def _transformers(blocks: nn.ModuleList, h: torch.Tensor, kv: Sequence[torch.Tensor],

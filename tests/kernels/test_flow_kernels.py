@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from cosystream.kernels import flow, reference
 
@@ -134,3 +135,66 @@ def test_norm_qkv_pool_write(device: str, dtype: torch.dtype, with_residual: boo
     written[rows.unsqueeze(1), write_pos] = True
     assert _rel(pool[:, written], want_pool[:, written]) < tol
     assert torch.equal(pool[:, ~written], want_pool[:, ~written])  # nothing else in the pool moved
+
+
+def _conv_case(device: str, dtype: torch.dtype, seed: int, num_t: int, n_in: int = 80, n_out: int = 48,
+               rows: int = 3, strided: bool = True):
+    """x (a transposed view when strided, as after the transformers), a state with several convs' tails;
+    channel counts off the kernel's block sizes (masked lanes)."""
+    g = torch.Generator().manual_seed(seed)
+    if strided:
+        x = torch.randn(rows, num_t, n_in, generator=g).to(device, dtype).transpose(1, 2)
+    else:
+        x = torch.randn(rows, n_in, num_t, generator=g).to(device, dtype)
+    state = torch.randn(rows, n_in + 40, 2, generator=g).to(device, dtype)  # every row its own tail
+    w = (torch.randn(n_out, n_in, 3, generator=g) / (3 * n_in) ** 0.5).to(device, dtype)
+    b = (0.1 * torch.randn(n_out, generator=g)).to(device, dtype)
+    norm = ((1 + 0.3 * torch.randn(n_out, generator=g)).to(device, dtype),
+            (2 * torch.randn(n_out, generator=g)).to(device, dtype))  # large shifts: both Mish branches
+    # add: a column slice of a wider GEMM output (the batched time embedding); res: a transposed view
+    add = torch.randn(rows, 3 * n_out, generator=g).to(device, dtype)[:, n_out:2 * n_out]
+    res = torch.randn(rows, num_t, n_out, generator=g).to(device, dtype).transpose(1, 2)
+    return x, state, w, b, norm, add, res
+
+
+@pytest.mark.parametrize("num_t", [1, 2, 45])  # 45: more than one frame tile
+@pytest.mark.parametrize("epilogue", ["none", "norm_mish", "norm_mish_add", "norm_mish_add_res", "mish_res"])
+def test_causal_conv(device: str, dtype: torch.dtype, num_t: int, epilogue: str) -> None:
+    x, state, w, b, (nw, nb), add, res = _conv_case(device, dtype, seed=num_t, num_t=num_t)
+    offset = 24  # this conv owns state channels [24, 104); the others must stay untouched
+    kw = {"norm_weight": nw if "norm" in epilogue else None, "norm_bias": nb if "norm" in epilogue else None,
+          "eps": 1e-5, "mish": "mish" in epilogue, "add": add if "add" in epilogue else None,
+          "res": res if "res" in epilogue else None}
+    want_state = state.clone()
+    new_tail = torch.cat([state[:, offset:offset + x.shape[1]], x], dim=2)[:, :, -2:].clone()
+    want = reference.causal_conv(x, want_state, offset, w, b, **kw)
+    out = flow.causal_conv(x, state, offset, w, b, **kw)
+    assert out.shape == want.shape and out.is_contiguous()
+    assert torch.equal(state, want_state)  # the new tail bit for bit, other convs' channels untouched
+    assert torch.equal(state[:, offset:offset + x.shape[1]], new_tail)
+    assert _rel(out, want) < (8e-3 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_causal_conv_tail_uses_the_state_and_every_row_its_own() -> None:
+    """The reference itself: the left context is the row's own tail (a conv with zeros there differs)."""
+    x, state, w, b, _, _, _ = _conv_case("cpu", torch.float32, seed=5, num_t=4, strided=False)
+    out = reference.causal_conv(x, state.clone(), 0, w, b)
+    assert not torch.allclose(out[:, :, :2], reference.causal_conv(x, torch.zeros_like(state), 0, w, b)[:, :, :2])
+    torch.testing.assert_close(out[:, :, 2:], F.conv1d(x, w, b))  # later frames see only x
+    swapped = reference.causal_conv(x[[1, 0, 2]], state.clone(), 0, w, b)
+    assert not torch.allclose(swapped[0, :, :2], out[1, :, :2])
+
+
+@pytest.mark.parametrize("num_t", [1, 3])
+def test_causal_conv_tail_out(device: str, dtype: torch.dtype, num_t: int) -> None:
+    """With tail_out the state is only read; the new tail lands in tail_out at the same channels."""
+    x, state, w, b, (nw, nb), _, _ = _conv_case(device, dtype, seed=20 + num_t, num_t=num_t)
+    before = state.clone()
+    tail_out = torch.full_like(state, float("nan"))
+    want_state = state.clone()
+    want = reference.causal_conv(x, want_state, 10, w, b, nw, nb, mish=True)
+    out = flow.causal_conv(x, state, 10, w, b, nw, nb, mish=True, tail_out=tail_out)
+    assert torch.equal(state, before)
+    assert torch.equal(tail_out[:, 10:90], want_state[:, 10:90])
+    assert tail_out[:, :10].isnan().all() and tail_out[:, 90:].isnan().all()
+    assert _rel(out, want) < (8e-3 if dtype == torch.bfloat16 else 1e-5)

@@ -5,16 +5,25 @@ Fixtures: flow.safetensors, stream.safetensors (schedule from manifest.json), th
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import hashlib
+import os
+from collections.abc import Iterator
+from types import ModuleType
 
 import pytest
 import torch
 
 from cosystream.checkpoint import check_and_load
 from cosystream.models.cfm import NOISE_FRAMES, build_noise_table
+from cosystream.models.estimator import Estimator, PooledKV
 from cosystream.models.flow import Flow
 
 pytestmark = pytest.mark.parity
+if not torch.cuda.is_available():
+    # the Triton estimator test runs in the CPU interpreter (read when triton is first imported)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 ATOL_MEL = 1e-4  # fixtures README §3
 ATOL_INTERNAL = 1e-4
 
@@ -110,14 +119,80 @@ def test_flow_with_fused_op_statements_matches_official(flow, fx, key, streaming
     kernels' torch statements, still gives the official mel; the plain modules come back after."""
     from cosystream.kernels import reference
 
-    flow.decoder.estimator.set_kernels(reference)
-    flow.decoder.estimator.fuse_projections()
-    try:
+    with _fused(flow.decoder.estimator, reference):
         mel = flow.inference(fx["token"], fx["prompt_token"], fx["prompt_feat"], fx["embedding"], streaming,
                              finalize)
-    finally:
-        flow.decoder.estimator.set_kernels(None)
-        for m in flow.decoder.estimator.modules():
-            if hasattr(m, "qkv_weight"):
-                m.qkv_weight = None
     _close(mel, fx[key])
+
+
+@contextlib.contextmanager
+def _fused(est: Estimator, ops: ModuleType) -> Iterator[None]:
+    """The estimator on its fused-op path (as the engine on CUDA), the plain modules back after."""
+    est.set_kernels(ops)
+    est.fuse_projections()
+    try:
+        yield
+    finally:
+        est.set_kernels(None)
+        est.unfuse_projections()
+
+
+def _step_case(est: Estimator, seed: int, rows: int = 2, start: int = 30, num_new: int = 20):
+    """A mid-stream step: random cached keys, random conv tails (each row its own), new frames."""
+    g = torch.Generator().manual_seed(seed)
+    bins = est.dims.out_channels
+    x, mu, cond = (torch.randn(rows, bins, num_new, generator=g) for _ in range(3))
+    spks, t = torch.randn(rows, bins, generator=g), torch.rand(rows, generator=g)
+    conv = torch.randn(rows, est.conv_state_channels, 2, generator=g)
+    pool = torch.randn(est.num_attention_blocks, 2, rows + 1, start + num_new + 8, est.inner_dim, generator=g)
+    pos = torch.arange(start, start + num_new).expand(rows, -1)
+    return (x, mu, spks, cond, t), conv, pool, pos
+
+
+def _run_step(est: Estimator, case, ops: ModuleType, pool_ops: ModuleType) -> tuple[torch.Tensor, ...]:
+    """One step on the engine's pooled path (rows in reverse pool order); returns (v, conv_state, pool)."""
+    inputs, conv, pool, pos = case
+    conv, pool = conv.clone(), pool.clone()
+    rows = torch.arange(pos.shape[0]).flip(0)
+    limit = pos[:, -1] + 1
+    chunk = est.dims.static_chunk_size
+    pooled = PooledKV(pool, rows, pos, limit, chunk, pool.shape[3], pool_ops)
+    with torch.no_grad(), _fused(est, ops) if ops is not None else contextlib.nullcontext():
+        v = est.step(*inputs, [pooled], conv, pos, [])
+    return v, conv, pool
+
+
+def test_fused_op_statements_step_matches_plain_step(flow):
+    """The fused-op structure through the torch statements: the velocity, the new conv tails (every
+    channel, as the fused path writes them aside and copies them back) and the new keys."""
+    from cosystream.kernels import reference
+
+    est = flow.decoder.estimator
+    case = _step_case(est, seed=3)
+    v, conv, pool = _run_step(est, case, reference, reference)
+    want_v, want_conv, want_pool = _run_step(est, case, None, reference)
+    assert not torch.equal(want_conv, case[1])  # the step moved the tails
+    _close(v, want_v, 1e-5)
+    _close(conv, want_conv, 1e-5)
+    _close(pool, want_pool, 1e-5)
+
+
+def test_triton_estimator_step_matches_plain_step(flow):
+    """The estimator step with the Triton ops (CPU interpreter here; tiny model, 20 frames: two frame
+    tiles of the conv kernel) against the plain modules."""
+    pytest.importorskip("triton")
+    from cosystream.kernels import flow as flow_ops
+    from cosystream.kernels import reference
+
+    est = flow.decoder.estimator
+    case = _step_case(est, seed=4)
+    if torch.cuda.is_available():
+        est = copy.deepcopy(est).cuda()
+        inputs, conv, pool, pos = case
+        case = ([a.cuda() for a in inputs], conv.cuda(), pool.cuda(), pos.cuda())
+    v, conv, pool = _run_step(est, case, flow_ops, flow_ops)
+    want_v, want_conv, want_pool = _run_step(est, case, None, reference)
+    atol = 1e-2 if torch.cuda.is_available() else 1e-4  # TF32 dots on a GPU
+    _close(v.cpu(), want_v.cpu(), atol)
+    _close(conv.cpu(), want_conv.cpu(), atol)
+    _close(pool.cpu(), want_pool.cpu(), atol)
