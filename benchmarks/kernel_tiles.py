@@ -65,7 +65,20 @@ def cases(m: int, dev: str, dt: torch.dtype) -> dict:
         _, k, v = F.linear(a, w_q).chunk(3, -1)
         flow.pool_write(k, v, pool[0], pool[1], rows, write_pos)
 
+    conv_x = t(2, 256, frames)
+    conv_w, conv_b = t(256, 256, 3, scale=(3 * 256) ** -0.5), t(256)
+    state, tail_buf = t(2, 256, 2), t(2, 256, 2)
+    time_add = t(2, 256)
+
+    def conv_unfused():  # what the estimator ran before the conv kernel: cat, tail copy, cuDNN, norm + Mish
+        xx = torch.cat([state, conv_x], dim=2)
+        state.copy_(xx[:, :, -2:])
+        return flow.channel_norm_mish(F.conv1d(xx, conv_w, conv_b), ln[0], ln[1], 1e-5, time_add)
+
     return {
+        "conv+LN+Mish+add": ("conv", conv_unfused,
+                             lambda tile: flow.causal_conv(conv_x, state, 0, conv_w, conv_b, ln[0], ln[1], 1e-5,
+                                                           mish=True, add=time_add, tail_out=tail_buf, tile=tile)),
         "res+LN+ff1+GELU": ("gelu", lambda: F.gelu(F.linear(flow.add_layer_norm(x, res, *ln)[0], w_1, b_1)),
                             lambda tile: flow.norm_linear(x, res, ln, w_1, b_1, gelu=True, tile=tile)),
         "res+LN+qkv+pool": ("qkv", qkv_unfused,
@@ -75,6 +88,8 @@ def cases(m: int, dev: str, dt: torch.dtype) -> dict:
 
 
 def candidates(kind: str) -> list[Tile]:
+    if kind == "conv":  # block_m = frames per program, block_n = input channels per step
+        return [Tile(bt, bc, w, s) for bt, bc, w, s in itertools.product((8, 16, 32), (32, 64), (4, 8), (2, 3))]
     return [Tile(bm, bn, w, s) for bm, bn, w, s in itertools.product((16, 32, 64), (64, 128), (4, 8), (2, 3))]
 
 

@@ -392,8 +392,9 @@ def norm_qkv_pool_write(x: torch.Tensor, residual: torch.Tensor | None, norm: tu
 def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, offset: int, weight: torch.Tensor, bias: torch.Tensor,
                 norm_weight: torch.Tensor | None = None, norm_bias: torch.Tensor | None = None, eps: float = 1e-5,
                 mish: bool = False, add: torch.Tensor | None = None, res: torch.Tensor | None = None,
-                tail_out: torch.Tensor | None = None) -> torch.Tensor:
+                tail_out: torch.Tensor | None = None, tile: Tile | None = None) -> torch.Tensor:
     """Same contract as `reference.causal_conv`; x, add and res any strides; returns [R, Cout, T] contiguous.
+    `tile` (block_m = frames, block_n = input channels per step) overrides the launch shape (benchmarks).
 
     The tail: programs of the first frame tile read the old tail while the last tile's program writes the
     new one, so writing it in place would race. The kernel writes it into tail_out (the caller's buffer for
@@ -409,6 +410,9 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, offset: int, weight: 
     tail = torch.empty_like(state) if tail_out is None else tail_out[:, offset:offset + n_in]
     out = torch.empty(rows, n_out, num_t, device=x.device, dtype=x.dtype)
     block_t = 16 if num_t <= 16 else 32
+    block_ci, warps, stages = 32, None, 3
+    if tile is not None:
+        block_t, block_ci, warps, stages = tile.block_m, tile.block_n, tile.warps, tile.stages
     block_co = kern.next_power_of_2(n_out)
     norm = norm_weight is not None
     a = out if add is None else add
@@ -417,8 +421,8 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, offset: int, weight: 
         x, state, weight, bias, norm_weight if norm else out, norm_bias if norm else out, a, rs, out, tail,
         n_in, n_out, num_t, eps, *x.stride(), *state.stride(), *weight.stride(), a.stride(0), a.stride(1),
         rs.stride(0), rs.stride(1), rs.stride(-1), *tail.stride(), HAS_NORM=norm, MISH=mish,
-        HAS_ADD=add is not None, HAS_RES=res is not None, BLOCK_CO=block_co, BLOCK_CI=32, BLOCK_T=block_t,
-        num_warps=4 if block_co * block_t <= 4096 else 8)
+        HAS_ADD=add is not None, HAS_RES=res is not None, BLOCK_CO=block_co, BLOCK_CI=block_ci, BLOCK_T=block_t,
+        num_warps=warps or (4 if block_co * block_t <= 4096 else 8), num_stages=stages)
     if tail_out is None:
         state.copy_(tail)
     return out
