@@ -89,7 +89,7 @@ def cases(m: int, dev: str, dt: torch.dtype) -> dict:
 
 def candidates(kind: str) -> list[Tile]:
     if kind == "conv":  # block_m = frames per program, block_n = input channels per step
-        return [Tile(bt, bc, w, s) for bt, bc, w, s in itertools.product((8, 16, 32), (32, 64), (4, 8), (2, 3))]
+        return [Tile(bt, bc, w, s) for bt, bc, w, s in itertools.product((16, 32, 64), (32, 64), (4, 8), (2, 3))]
     return [Tile(bm, bn, w, s) for bm, bn, w, s in itertools.product((16, 32, 64), (64, 128), (4, 8), (2, 3))]
 
 
@@ -97,11 +97,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="200,1600,3200")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--ops", default=None, help="comma-separated op names to sweep (default: all)")
     args = ap.parse_args()
     results = []
     print("| op | rows | cuBLAS + epilogue µs | best tile | fused µs | all tiles (µs) |\n|---|---|---|---|---|---|")
     for m in [int(v) for v in args.rows.split(",")]:
         for name, (kind, baseline, fused) in cases(m, "cuda", torch.bfloat16).items():
+            if args.ops and name not in args.ops.split(","):
+                continue
             base = per_call_us(baseline)
             timed = {}
             for tile in candidates(kind):

@@ -185,13 +185,15 @@ def _kernels() -> SimpleNamespace:
 
 
     @triton.jit
-    def causal_conv_kernel(x_ptr, s_ptr, w_ptr, b_ptr, nw_ptr, nb_ptr, add_ptr, res_ptr, out_ptr, tail_ptr,
-                           n_in, n_out, num_t, eps, sx_r, sx_c, sx_t, ss_r, ss_c, ss_t, sw_o, sw_i, sw_k,
+    def causal_conv_kernel(x_ptr, s_ptr, wt_ptr, b_ptr, nw_ptr, nb_ptr, add_ptr, res_ptr, out_ptr, tail_ptr,
+                           n_in, n_out, num_t, eps, sx_r, sx_c, sx_t, ss_r, ss_c, ss_t,
                            sa_r, sa_c, sr_r, sr_c, sr_t, st_r, st_c, st_t,
                            HAS_NORM: tl.constexpr, MISH: tl.constexpr, HAS_ADD: tl.constexpr, HAS_RES: tl.constexpr,
-                           BLOCK_CO: tl.constexpr, BLOCK_CI: tl.constexpr, BLOCK_T: tl.constexpr):
-        # One program: every output channel of BLOCK_T frames of row r (so the channel LayerNorm stays
-        # in the program); implicit GEMM [Cout, 3·Cin] x [3·Cin, frames], one tap and BLOCK_CI inputs a step.
+                           PRECISION: tl.constexpr, BLOCK_CO: tl.constexpr, BLOCK_CI: tl.constexpr,
+                           BLOCK_T: tl.constexpr):
+        # One program: BLOCK_T frames of row r × every output channel (the channel LayerNorm stays in the
+        # program). Implicit GEMM [frames, 3·Cin] x [3·Cin, Cout] over the weights stored [3, Cin, Cout]
+        # (coalesced along Cout), one tap and BLOCK_CI input channels a step.
         r = tl.program_id(0)
         tile = tl.program_id(1)
         offs_t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -201,31 +203,31 @@ def _kernels() -> SimpleNamespace:
         live_o = offs_o < n_out
         x_row = x_ptr + r.to(tl.int64) * sx_r
         s_row = s_ptr + r.to(tl.int64) * ss_r  # already at the conv's first state channel
-        acc = tl.zeros((BLOCK_CO, BLOCK_T), tl.float32)
+        acc = tl.zeros((BLOCK_T, BLOCK_CO), tl.float32)
         for c0 in range(0, n_in, BLOCK_CI):
             ci = c0 + offs_i
             live_i = ci < n_in
             for k in tl.static_range(3):
                 f = offs_t + (k - 2)  # the input frame tap k reads; f < 0: tail slot f + 2
-                in_x = live_i[:, None] & ((f >= 0) & live_t)[None, :]
-                in_s = live_i[:, None] & ((f < 0) & live_t)[None, :]
-                xv = tl.load(x_row + ci[:, None] * sx_c + f[None, :] * sx_t, mask=in_x, other=0.0)
-                sv = tl.load(s_row + ci[:, None] * ss_c + (f + 2)[None, :] * ss_t, mask=in_s, other=0.0)
-                w = tl.load(w_ptr + offs_o[:, None] * sw_o + ci[None, :] * sw_i + k * sw_k,
-                            mask=live_o[:, None] & live_i[None, :], other=0.0)
-                acc = tl.dot(w, tl.where(in_s, sv, xv), acc)
+                in_x = ((f >= 0) & live_t)[:, None] & live_i[None, :]
+                in_s = ((f < 0) & live_t)[:, None] & live_i[None, :]
+                xv = tl.load(x_row + f[:, None] * sx_t + ci[None, :] * sx_c, mask=in_x, other=0.0)
+                sv = tl.load(s_row + (f + 2)[:, None] * ss_t + ci[None, :] * ss_c, mask=in_s, other=0.0)
+                w = tl.load(wt_ptr + (k * n_in + ci)[:, None] * n_out + offs_o[None, :],
+                            mask=live_i[:, None] & live_o[None, :], other=0.0)
+                acc = tl.dot(tl.where(in_s, sv, xv), w, acc, input_precision=PRECISION)
         dt = out_ptr.dtype.element_ty
         b = tl.load(b_ptr + offs_o, mask=live_o, other=0.0).to(tl.float32)
         # PARITY: cuDNN returns the conv rounded and torch adds the bias after it, rounded again; each
         # later step is rounded as its torch op's output (padded channels stay exactly 0 throughout).
-        h = (acc.to(dt).to(tl.float32) + b[:, None]).to(dt).to(tl.float32)
+        h = (acc.to(dt).to(tl.float32) + b[None, :]).to(dt).to(tl.float32)
         if HAS_NORM:
-            mean = tl.sum(h, axis=0) / n_out
-            diff = tl.where(live_o[:, None], h - mean[None, :], 0.0)
-            inv = tl.rsqrt(tl.sum(diff * diff, axis=0) / n_out + eps)
+            mean = tl.sum(h, axis=1) / n_out
+            diff = tl.where(live_o[None, :], h - mean[:, None], 0.0)
+            inv = tl.rsqrt(tl.sum(diff * diff, axis=1) / n_out + eps)
             nw = tl.load(nw_ptr + offs_o, mask=live_o, other=0.0).to(tl.float32)
             nb = tl.load(nb_ptr + offs_o, mask=live_o, other=0.0).to(tl.float32)
-            h = (diff * inv[None, :] * nw[:, None] + nb[:, None]).to(dt).to(tl.float32)
+            h = (diff * inv[:, None] * nw[None, :] + nb[None, :]).to(dt).to(tl.float32)
         if MISH:
             # mish(h) = h · tanh(softplus(h)) = h · p / (p + 2) with p = e^h (2 + e^h) (no 1 - 1 cancellation
             # for very negative h); softplus(h) = h past 20, as torch
@@ -234,12 +236,12 @@ def _kernels() -> SimpleNamespace:
             h = tl.where(h > 20.0, h, h * p / (p + 2.0)).to(dt).to(tl.float32)
         if HAS_ADD:
             a = tl.load(add_ptr + r * sa_r + offs_o * sa_c, mask=live_o, other=0.0).to(tl.float32)
-            h = (h + a[:, None]).to(dt).to(tl.float32)
-        mask = live_o[:, None] & live_t[None, :]
+            h = (h + a[None, :]).to(dt).to(tl.float32)
+        mask = live_t[:, None] & live_o[None, :]
         if HAS_RES:
-            h += tl.load(res_ptr + r.to(tl.int64) * sr_r + offs_o[:, None] * sr_c + offs_t[None, :] * sr_t,
+            h += tl.load(res_ptr + r.to(tl.int64) * sr_r + offs_o[None, :] * sr_c + offs_t[:, None] * sr_t,
                          mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + (r.to(tl.int64) * n_out + offs_o[:, None]) * num_t + offs_t[None, :], h.to(dt), mask=mask)
+        tl.store(out_ptr + (r.to(tl.int64) * n_out + offs_o[None, :]) * num_t + offs_t[:, None], h.to(dt), mask=mask)
         # The new tail, the last 2 frames of [old tail, x], goes to a buffer nobody reads during this launch
         # (see causal_conv); the program of the last frame tile writes it.
         if tile == (num_t - 1) // BLOCK_T:
@@ -337,6 +339,7 @@ class Tile:
 TILES: dict[tuple[str, bool], Tile] = {
     ("qkv", True): Tile(32, 128, 4, 2), ("qkv", False): Tile(64, 128, 4, 2),
     ("gelu", True): Tile(32, 64, 8, 2), ("gelu", False): Tile(64, 128, 4, 2),
+    ("conv", True): Tile(16, 64, 4, 2), ("conv", False): Tile(32, 64, 8, 2),  # block_m frames, block_n in-ch.
 }
 
 
@@ -389,6 +392,17 @@ def norm_qkv_pool_write(x: torch.Tensor, residual: torch.Tensor | None, norm: tu
     return q, total
 
 
+def _taps_first(weight: torch.Tensor) -> torch.Tensor:
+    """The conv weight [Cout, Cin, 3] stored [3, Cin, Cout] (the kernel's coalesced order), kept on the
+    weight itself and made again only if the weight changes; the engine's first call comes before any
+    graph capture."""
+    cached = getattr(weight, "_cosystream_taps_first", None)
+    if cached is None or cached[0] != weight._version:
+        cached = (weight._version, weight.detach().permute(2, 1, 0).contiguous())
+        weight._cosystream_taps_first = cached  # type: ignore[attr-defined]
+    return cached[1]
+
+
 def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, offset: int, weight: torch.Tensor, bias: torch.Tensor,
                 norm_weight: torch.Tensor | None = None, norm_bias: torch.Tensor | None = None, eps: float = 1e-5,
                 mish: bool = False, add: torch.Tensor | None = None, res: torch.Tensor | None = None,
@@ -409,20 +423,19 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, offset: int, weight: 
     state = conv_state[:, offset:offset + n_in]
     tail = torch.empty_like(state) if tail_out is None else tail_out[:, offset:offset + n_in]
     out = torch.empty(rows, n_out, num_t, device=x.device, dtype=x.dtype)
-    block_t = 16 if num_t <= 16 else 32
-    block_ci, warps, stages = 32, None, 3
-    if tile is not None:
-        block_t, block_ci, warps, stages = tile.block_m, tile.block_n, tile.warps, tile.stages
+    t = tile if tile is not None else TILES[("conv", rows * num_t <= 512)]
+    block_t, block_ci, warps, stages = t.block_m, t.block_n, t.warps, t.stages
     block_co = kern.next_power_of_2(n_out)
+    weight_t = _taps_first(weight)
     norm = norm_weight is not None
     a = out if add is None else add
     rs = out if res is None else res
     kern.causal_conv_kernel[(rows, -(-num_t // block_t))](
-        x, state, weight, bias, norm_weight if norm else out, norm_bias if norm else out, a, rs, out, tail,
-        n_in, n_out, num_t, eps, *x.stride(), *state.stride(), *weight.stride(), a.stride(0), a.stride(1),
+        x, state, weight_t, bias, norm_weight if norm else out, norm_bias if norm else out, a, rs, out, tail,
+        n_in, n_out, num_t, eps, *x.stride(), *state.stride(), a.stride(0), a.stride(1),
         rs.stride(0), rs.stride(1), rs.stride(-1), *tail.stride(), HAS_NORM=norm, MISH=mish,
-        HAS_ADD=add is not None, HAS_RES=res is not None, BLOCK_CO=block_co, BLOCK_CI=block_ci, BLOCK_T=block_t,
-        num_warps=warps or (4 if block_co * block_t <= 4096 else 8), num_stages=stages)
+        HAS_ADD=add is not None, HAS_RES=res is not None, PRECISION=_precision(x), BLOCK_CO=block_co,
+        BLOCK_CI=block_ci, BLOCK_T=block_t, num_warps=warps, num_stages=stages)
     if tail_out is None:
         state.copy_(tail)
     return out
