@@ -339,7 +339,7 @@ class Tile:
 TILES: dict[tuple[str, bool], Tile] = {
     ("qkv", True): Tile(32, 128, 4, 2), ("qkv", False): Tile(64, 128, 4, 2),
     ("gelu", True): Tile(32, 64, 8, 2), ("gelu", False): Tile(64, 128, 4, 2),
-    ("conv", True): Tile(16, 64, 4, 2), ("conv", False): Tile(32, 64, 8, 2),  # block_m frames, block_n in-ch.
+    ("conv", True): Tile(16, 64, 8, 3), ("conv", False): Tile(16, 64, 8, 2),  # block_m frames, block_n in-ch.
 }
 
 
