@@ -1,17 +1,31 @@
 #!/usr/bin/env bash
-# The device run behind docs/benchmarks.md's tables for this commit (H100, 0.5B random weights, standard
-# workload). Usage on the device machine: bash benchmarks/gpu_final.sh  (writes JSON/PNG under $OUT)
+# The device runs behind docs/benchmarks.md's tables for this commit (H100, 0.5B random weights, standard
+# workload). Two parts, each under the device tool's 10-minute limit per command:
+#   bash benchmarks/gpu_final.sh engine   # GPU tests, stage times, closed-loop engine levels 1..128
+#   bash benchmarks/gpu_final.sh more     # first hop 15, open loop, offline batch RTF, HTTP
+# JSON/PNG go under $OUT.
 source benchmarks/gpu_prep.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if [ -d .fixtures ]; then COSYSTREAM_FIXTURES=$PWD/.fixtures/cosyvoice2-tiny python3 -m pytest -q -p no:cacheprovider tests/gpu tests/kernels 2>&1 | tail -1; fi
 POOL="--config flow_slots=28 --config flow_frames=832"
 B="python3 benchmarks/bench_engine.py --model-dir /tmp/m05 --device cuda --dtype bfloat16 --warmup-requests 3 $POOL"
-$B --concurrency 1,4,16,28 --requests-per-level 32 --out "$OUT/engine.json" --plot "$OUT/engine.png" 2>&1 | tail -6
-$B --first-hop 15 --concurrency 1 --requests-per-level 16 --out "$OUT/hop15.json" 2>&1 | tail -1
-python3 -m cosystream.cli serve --model-dir /tmp/m05 $POOL --log-level warning > /tmp/serve.log 2>&1 &
-SERVER=$!
-python3 benchmarks/workload.py /tmp/wl > /dev/null
-python3 - <<'PY'
+
+if [ "${1:-engine}" = engine ]; then
+  if [ -d .fixtures ]; then
+    COSYSTREAM_FIXTURES=$PWD/.fixtures/cosyvoice2-tiny python3 -m pytest -q -p no:cacheprovider tests/gpu tests/kernels \
+      tests/models/test_flow.py 2>&1 | tail -1
+  fi
+  python3 benchmarks/profile_stages.py --model-dir /tmp/m05 --batches 1,16 --iters 10 --json "$OUT/stages.json" 2>&1 \
+    | grep "^|"
+  $B --concurrency 1,4,16,28 --requests-per-level 32 --out "$OUT/engine.json" --plot "$OUT/engine.png" 2>&1 | tail -6
+  $B --concurrency 64,128 --requests-per-level 128 --out "$OUT/engine_high.json" 2>&1 | tail -3
+else
+  $B --first-hop 15 --concurrency 1 --requests-per-level 16 --out "$OUT/hop15.json" 2>&1 | tail -1
+  $B --rate 8,15 --duration 15 --out "$OUT/open.json" 2>&1 | tail -3
+  $B --offline --concurrency 64 --requests-per-level 128 --out "$OUT/offline.json" 2>&1 | tail -1
+  python3 -m cosystream.cli serve --model-dir /tmp/m05 $POOL --log-level warning > /tmp/serve.log 2>&1 &
+  SERVER=$!
+  python3 benchmarks/workload.py /tmp/wl > /dev/null
+  python3 - <<'PY'
 import time, httpx
 for _ in range(300):
     try:
@@ -21,6 +35,7 @@ for _ in range(300):
         pass
     time.sleep(1)
 PY
-python3 -m cosystream.cli bench --url http://127.0.0.1:8000 --target tts --workload /tmp/wl/workload.json \
-  --concurrency 1,16 --requests-per-level 32 --warmup-requests 3 --out "$OUT/http.json" --plot "$OUT/http.png" 2>&1 | tail -4
-kill $SERVER
+  python3 -m cosystream.cli bench --url http://127.0.0.1:8000 --target tts --workload /tmp/wl/workload.json \
+    --concurrency 1,16 --requests-per-level 32 --warmup-requests 3 --out "$OUT/http.json" --plot "$OUT/http.png" 2>&1 | tail -4
+  kill $SERVER
+fi

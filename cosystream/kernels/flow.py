@@ -394,11 +394,11 @@ def norm_qkv_pool_write(x: torch.Tensor, residual: torch.Tensor | None, norm: tu
 
 def _taps_first(weight: torch.Tensor) -> torch.Tensor:
     """The conv weight [Cout, Cin, 3] stored [3, Cin, Cout] (the kernel's coalesced order), kept on the
-    weight itself and made again only if the weight changes; the engine's first call comes before any
-    graph capture."""
+    weight itself: made on the first call (the engine's comes before any graph capture) and again only
+    if the weight moves. Weights are not modified in place after loading."""
     cached = getattr(weight, "_cosystream_taps_first", None)
-    if cached is None or cached[0] != weight._version:
-        cached = (weight._version, weight.detach().permute(2, 1, 0).contiguous())
+    if cached is None or cached[0] != weight.data_ptr():
+        cached = (weight.data_ptr(), weight.detach().permute(2, 1, 0).contiguous())
         weight._cosystream_taps_first = cached  # type: ignore[attr-defined]
     return cached[1]
 

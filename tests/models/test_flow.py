@@ -153,7 +153,7 @@ def _run_step(est: Estimator, case, ops: ModuleType, pool_ops: ModuleType) -> tu
     """One step on the engine's pooled path (rows in reverse pool order); returns (v, conv_state, pool)."""
     inputs, conv, pool, pos = case
     conv, pool = conv.clone(), pool.clone()
-    rows = torch.arange(pos.shape[0]).flip(0)
+    rows = torch.arange(pos.shape[0], device=pos.device).flip(0)
     limit = pos[:, -1] + 1
     chunk = est.dims.static_chunk_size
     pooled = PooledKV(pool, rows, pos, limit, chunk, pool.shape[3], pool_ops)
