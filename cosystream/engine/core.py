@@ -431,6 +431,7 @@ class EngineCore:
         if not ready:
             return
         ready.sort(key=lambda j: (not j[0].is_first_chunk, j[0].t_submit))  # first chunks first
+        ready = self._within_free_slots(ready)
         if self._chunks is not None:
             ready = ready[:self.max_chunk_batch]  # the rest waits for the next batch, plans untouched
         jobs = [(req, seg, seg.planner.next_plan(len(seg.tokens), seg.lm_status == LMStatus.done))
@@ -443,6 +444,22 @@ class EngineCore:
         if jobs:
             self._in_flight = jobs
             self._chunks.submit(jobs)
+
+    def _within_free_slots(self, ready: list) -> list:
+        """Open no more new streams in one batch than there are free flow slots: each one beyond would fall
+        to the eager path and its own multi-GB key/value cache (at 64 streams on the H100 that ran the GPU
+        out of memory); the rest start in a later batch, oldest first."""
+        free = self.t2w.free_slots()
+        if free is None:
+            return ready
+        kept = []
+        for req, seg in ready:
+            if seg.t2w is None and self.t2w.needs_slot(seg.inputs, self._expected_tokens(req, seg)):
+                if free == 0:
+                    continue
+                free -= 1
+            kept.append((req, seg))
+        return kept
 
     def _start_t2w(self, jobs: list) -> list:
         """The jobs whose token-to-wave stream is open (a request whose stream cannot open fails alone)."""
