@@ -12,6 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+if not torch.cuda.is_available():
+    # Triton kernels run in its CPU interpreter in tests without a GPU; Triton reads this when it is first
+    # imported, which any test may cause, so it is set before every test module is collected.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_SET = REPO.parent / "shared" / "fixtures" / "cosyvoice2-tiny"
 
