@@ -17,7 +17,6 @@ import torch
 
 _KEYS_PER_BLOCK = 64  # keys loaded per inner step of the attention kernel
 _MAX_SPLITS = 16  # attention programs per (row, kv head); their partial softmaxes are combined after
-SINGLE_PASS_MAX_LEN = 512  # attended lengths up to this run in one pass, without the combine kernel
 
 
 @functools.cache
@@ -73,9 +72,8 @@ def _kernels() -> SimpleNamespace:
 
     @triton.jit
     def attention_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_part_ptr, ml_part_ptr, slot_stride, head_stride,
-                               keys_per_split, num_splits, scale, out_ptr, GROUPS: tl.constexpr,
-                               NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                               BLOCK_N: tl.constexpr, DIRECT: tl.constexpr):
+                               keys_per_split, num_splits, scale, GROUPS: tl.constexpr, NUM_KV: tl.constexpr,
+                               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         row = tl.program_id(0)
         kv = tl.program_id(1)
         split = tl.program_id(2)
@@ -104,15 +102,11 @@ def _kernels() -> SimpleNamespace:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
-        if DIRECT:  # one split covers every key: the softmax is complete, no combine pass
-            dst = out_ptr + (row * NUM_KV * GROUPS + head0 + offs_m[:, None]) * HEAD_DIM + offs_d[None, :]
-            tl.store(dst, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=offs_m[:, None] < GROUPS)
-        else:
-            # partials [B, KV, splits, BLOCK_M, D]; an empty split leaves m = -inf, l = 0
-            part = ((row * NUM_KV + kv) * num_splits + split) * BLOCK_M
-            tl.store(o_part_ptr + (part + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], acc)
-            tl.store(ml_part_ptr + (part + offs_m) * 2, m_i)
-            tl.store(ml_part_ptr + (part + offs_m) * 2 + 1, l_i)
+        # partials [B, KV, splits, BLOCK_M, D]; an empty split leaves m = -inf, l = 0
+        part = ((row * NUM_KV + kv) * num_splits + split) * BLOCK_M
+        tl.store(o_part_ptr + (part + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], acc)
+        tl.store(ml_part_ptr + (part + offs_m) * 2, m_i)
+        tl.store(ml_part_ptr + (part + offs_m) * 2 + 1, l_i)
 
     @triton.jit
     def attention_combine_kernel(o_part_ptr, ml_part_ptr, out_ptr, num_splits, GROUPS: tl.constexpr,
@@ -181,16 +175,6 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
     kv_heads = cache_k.shape[1]
     groups = num_heads // kv_heads
     block_m = max(16, k.next_power_of_2(groups))  # tl.dot needs at least 16 rows
-    out = torch.empty(batch, num_heads * head_dim, device=q.device, dtype=q.dtype)
-    if attn_len <= SINGLE_PASS_MAX_LEN:
-        # PERF: short caches in one pass per (row, kv head): the combine kernel's launch costs more than
-        # the split saves there (benchmarks/ab_decode_attention.py)
-        keys = -(-attn_len // _KEYS_PER_BLOCK) * _KEYS_PER_BLOCK
-        k.attention_split_kernel[(batch, kv_heads, 1)](
-            q, cache_k, cache_v, positions, out, out, cache_k.stride(0), cache_k.stride(1), keys, 1,
-            head_dim ** -0.5, out, GROUPS=groups, NUM_KV=kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m,
-            BLOCK_N=_KEYS_PER_BLOCK, DIRECT=True)
-        return out
     keys_per_split = max(_KEYS_PER_BLOCK, -(-attn_len // _MAX_SPLITS))
     keys_per_split = -(-keys_per_split // _KEYS_PER_BLOCK) * _KEYS_PER_BLOCK
     splits = -(-attn_len // keys_per_split)
@@ -198,8 +182,9 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
     ml_part = torch.empty(batch, kv_heads, splits, block_m, 2, device=q.device, dtype=torch.float32)
     k.attention_split_kernel[(batch, kv_heads, splits)](
         q, cache_k, cache_v, positions, o_part, ml_part, cache_k.stride(0), cache_k.stride(1), keys_per_split,
-        splits, head_dim ** -0.5, out, GROUPS=groups, NUM_KV=kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m,
-        BLOCK_N=_KEYS_PER_BLOCK, DIRECT=False)
+        splits, head_dim ** -0.5, GROUPS=groups, NUM_KV=kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m,
+        BLOCK_N=_KEYS_PER_BLOCK)
+    out = torch.empty(batch, num_heads * head_dim, device=q.device, dtype=q.dtype)
     k.attention_combine_kernel[(batch, num_heads)](
         o_part, ml_part, out, splits, GROUPS=groups, NUM_KV=kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m,
         SPLITS=k.next_power_of_2(splits))

@@ -66,7 +66,7 @@ def test_rope_write_kv(device: str, dtype: torch.dtype) -> None:
     assert _rel(k1[rows, :, positions], k2[rows, :, positions]) < _tol(dtype)
 
 
-@pytest.mark.parametrize("attn_len", [64, 256, 500, 1024])
+@pytest.mark.parametrize("attn_len", [64, 256, 1024])
 def test_decode_attention(device: str, dtype: torch.dtype, attn_len: int) -> None:
     g = torch.Generator().manual_seed(attn_len)
     batch = 3
