@@ -33,8 +33,18 @@ def small(model_dir, fixture_dir, tmp_path_factory):
     # warm every lazily created pool thread, so the baseline is the steady state
     _run_together(eng, [_params(seed=i, force_tokens=30) for i in range(3)])
     eng.run(_touch_default_executor())
+    _fill_pool(eng.async_engine.pool)
     yield eng
     eng.close()
+
+
+def _fill_pool(pool) -> None:
+    """Start every thread of a ThreadPoolExecutor (it starts them lazily, one per task that finds no
+    idle thread: a warm-up that happened to run its tasks one after another leaves it short, and the
+    thread it starts later looked like a leak)."""
+    barrier = threading.Barrier(pool._max_workers)
+    for f in [pool.submit(barrier.wait) for _ in range(pool._max_workers)]:
+        f.result(timeout=30)
 
 
 async def _touch_default_executor() -> None:
