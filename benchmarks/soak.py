@@ -37,6 +37,8 @@ import numpy as np
 import soundfile as sf
 from websockets.asyncio.client import connect
 
+from cosystream.testing.audio import tone_wav
+
 REPO = Path(__file__).resolve().parents[1]
 SAMPLES_PER_TOKEN = 960  # 24 kHz / 25 speech tokens per s
 VOICE, VOICE_TEXT = "soak", "Hello there, this is the soak voice."
@@ -138,14 +140,6 @@ async def wait_ready(client: httpx.AsyncClient, server: subprocess.Popen) -> Non
 
 
 # ---------------------------------------------------------------- one request of each kind
-
-def tone_wav(seconds: float = 2.0, sample_rate: int = 16000, seed: int = 0) -> bytes:
-    rng = np.random.default_rng(seed)
-    t = np.arange(int(seconds * sample_rate)) / sample_rate
-    wav = 0.3 * np.sin(2 * np.pi * (150 + 50 * t) * t) + 0.02 * rng.standard_normal(t.shape)
-    out = io.BytesIO()
-    sf.write(out, wav.astype(np.float32), sample_rate, format="WAV", subtype="PCM_16")
-    return out.getvalue()
 
 
 def whole_pcm(data: bytes, num_tokens: int) -> str:

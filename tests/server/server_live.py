@@ -6,6 +6,7 @@ Requests use `force_tokens` so audio lengths are exact: N speech tokens â†’ 960Â
 from __future__ import annotations
 
 import io
+import json
 import socket
 import threading
 from collections.abc import Iterator
@@ -18,24 +19,16 @@ import numpy as np
 import soundfile as sf
 import uvicorn
 from fastapi import FastAPI
+from websockets.exceptions import ConnectionClosed
 
 from cosystream.server.state import ServerState
+from cosystream.testing.audio import tone_wav as make_wav  # noqa: F401 (the server tests' name)
 
 SAMPLES_PER_TOKEN = 960  # 24 kHz / 25 Hz
 UPLOAD_LIMIT_BYTES = 1024 * 1024  # small, so the 413 tests send little
 VOICE = "alice"
 VOICE_TEXT = "Hello there, this is my voice."
 START_TIMEOUT_S = 120
-
-
-def make_wav(seconds: float = 2.0, sample_rate: int = 16000, seed: int = 0) -> bytes:
-    """A test recording: a gliding tone with noise (the fixture model's ONNX models are stand-ins)."""
-    rng = np.random.default_rng(seed)
-    t = np.arange(int(seconds * sample_rate)) / sample_rate
-    wav = 0.3 * np.sin(2 * np.pi * (150 + 50 * t) * t) + 0.02 * rng.standard_normal(t.shape)
-    out = io.BytesIO()
-    sf.write(out, wav.astype(np.float32), sample_rate, format="WAV", subtype="PCM_16")
-    return out.getvalue()
 
 
 def decode(data: bytes, fmt: str) -> np.ndarray:
@@ -130,3 +123,16 @@ def engine_swapped(live: Live, synthesize: Any) -> Iterator[None]:
         yield
     finally:
         state.engine = real
+
+
+def read_ws_events(ws: Any) -> list[dict]:
+    """Every JSON text event a (sync) WebSocket sends until it closes."""
+    events = []
+    try:
+        while True:
+            message = ws.recv(timeout=10)
+            if isinstance(message, str):
+                events.append(json.loads(message))
+    except ConnectionClosed:
+        pass
+    return events

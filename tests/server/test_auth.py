@@ -6,6 +6,7 @@ import json
 
 import pytest
 from fake_engine import TTS, FakeEngine, Held, fake_server
+from server_live import read_ws_events
 from test_errors import assert_error
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
@@ -31,13 +32,7 @@ def ws_events(url: str, headers: dict | None = None) -> tuple[list[dict], int | 
             ws.send(json.dumps({"type": "end"}))
         except ConnectionClosed:
             pass  # refused already: the error event is still to be read
-        try:
-            while True:
-                message = ws.recv(timeout=10)
-                if isinstance(message, str):
-                    events.append(json.loads(message))
-        except ConnectionClosed:
-            pass
+        events += read_ws_events(ws)
     return events, ws.close_code
 
 

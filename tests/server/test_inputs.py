@@ -7,9 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 from fake_engine import TTS, FakeServer, fake_server
-from server_live import VOICE, make_wav
+from server_live import VOICE, make_wav, read_ws_events
 from test_errors import assert_error
-from websockets.exceptions import ConnectionClosed
 from websockets.frames import Frame, Opcode
 from websockets.sync.client import connect
 
@@ -118,13 +117,7 @@ def ws_exchange(server: FakeServer, frames: list[str | bytes | Frame]) -> tuple[
                     ws.protocol.send_frame(frame)
             else:
                 ws.send(frame)
-        try:
-            while True:
-                message = ws.recv(timeout=10)
-                if isinstance(message, str):
-                    events.append(json.loads(message))
-        except ConnectionClosed:
-            pass
+        events += read_ws_events(ws)
     return events, ws.close_code
 
 
