@@ -165,9 +165,23 @@ async def _amain(args: argparse.Namespace, tmp: Path) -> tuple[list[RequestRecor
     engine = AsyncEngine.from_pretrained(args.model_dir, **config)
     try:
         await asyncio.to_thread(engine.warmup)  # graph capture is not part of any request's latency
-        return await run(engine, args, prompt_wav)
+        before, t0 = engine.stats(), time.perf_counter()
+        result = await run(engine, args, prompt_wav)
+        _log(_busy_line(before, engine.stats(), time.perf_counter() - t0))
+        return result
     finally:
         engine.close()
+
+
+def _busy_line(before: dict[str, float], after: dict[str, float], wall_s: float) -> str:
+    """Where the GPU owner's time went over the whole run (every level and warm-up request)."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    batches = max(d.get("token2wav_batches", 0.0), 1.0)
+    return (f"engine busy over {wall_s:.1f} s: LM {d.get('lm_busy_seconds', 0.0):.1f} s "
+            f"({d.get('num_steps', 0.0):.0f} steps), token-to-wave {d.get('token2wav_busy_seconds', 0.0):.1f} s "
+            f"(flow {d.get('token2wav_flow_seconds', 0.0):.1f}, vocoder {d.get('token2wav_vocoder_seconds', 0.0):.1f}; "
+            f"{d.get('token2wav_batches', 0.0):.0f} batches, {d.get('token2wav_chunks', 0.0) / batches:.1f} "
+            f"chunks per batch, {1000 * d.get('token2wav_busy_seconds', 0.0) / batches:.1f} ms per batch)")
 
 
 def main(argv: list[str] | None = None) -> int:

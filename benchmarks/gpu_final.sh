@@ -9,7 +9,15 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 POOL="--config flow_slots=28 --config flow_frames=832"
 B="python3 benchmarks/bench_engine.py --model-dir /tmp/m05 --device cuda --dtype bfloat16 --warmup-requests 3 $POOL"
 
-if [ "${1:-engine}" = engine ]; then
+if [ "${1:-engine}" = ab ]; then
+  # the LM/token-to-wave overlap against the serial loop; a hang dumps every thread's stack (faulthandler)
+  export PYTHONFAULTHANDLER=1
+  python3 benchmarks/profile_stages.py --model-dir /tmp/m05 --only t2w --batches 1 --iters 5 2>&1 | grep "^|" | grep -v kernels
+  for ov in 1 0; do
+    timeout -s ABRT 280 $B --config overlap_token2wav=$ov --concurrency ${LEVELS:-1,16,28} --requests-per-level 32 \
+      --out "$OUT/engine_overlap$ov.json" 2>&1 | grep -E "^\| [cro]|engine busy|Error|Fatal Python|Thread 0x|File \"" | head -80
+  done
+elif [ "${1:-engine}" = engine ]; then
   if [ -d .fixtures ]; then
     COSYSTREAM_FIXTURES=$PWD/.fixtures/cosyvoice2-tiny python3 -m pytest -q -p no:cacheprovider tests/gpu tests/kernels \
       tests/models/test_flow.py 2>&1 | tail -1

@@ -130,6 +130,10 @@ def bench_token2wav(ckpt, device, dtype, batches, iters, prompt_tokens: int = 15
                 out[f"ode_kernels_{key}"] = count_kernels(lambda s=static_in: runner.pool._ode(*s), device, show=20)
         mel = torch.randn(b, 80, 108, device=device, dtype=dtype) - 5
         out[f"hift_108_b{b}_ms"] = timed(lambda mel=mel: hift.inference(mel), device, iters)
+    if runner.pool is not None:  # the official final chunk: one full-attention pass over prompt + 250 tokens
+        prompt = runner.prompt_cache(inputs, "voice")
+        target = torch.tensor(tokens[:250], device=device)
+        out["final_full_pass_250_ms"] = timed(lambda: runner.pool.full_pass(prompt, target), device, iters)
     mel = torch.randn(1, 80, 800, device=device, dtype=dtype)
     mu = torch.randn(1, 80, 800, device=device, dtype=dtype)
     out["flow_offline_800_frames_ms"] = timed(

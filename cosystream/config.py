@@ -41,9 +41,9 @@ class EngineConfig:
     max_len: int = 2048  # LM positions per stream (prompt + text + generated speech tokens)
     max_queue: int = 256  # waiting requests beyond which new ones are refused (Overloaded)
     cuda_graphs: bool = True  # capture decode/flow/vocoder steps on CUDA
-    # Experimental: flow/HiFT batches on a second thread (and CUDA stream) beside LM decode. CPU only for
-    # now: on the H100 both threads hung in stream synchronize at 16 streams (docs/benchmarks.md).
-    overlap_token2wav: bool = False
+    # Flow/HiFT batches on a second thread (and CUDA stream) beside LM decode. None: on with CUDA (the
+    # GPU runs both at once), off on the CPU (the cores are already shared by both).
+    overlap_token2wav: bool | None = None
     fused_kernels: bool = True  # CUDA: Triton kernels for the LM decode step (False: the unfused torch step)
     compile: bool = False  # torch.compile the hot steps (fewer, fused kernels; minutes of compile at start)
     schedule: ChunkSchedule = ChunkSchedule()
@@ -68,9 +68,14 @@ class EngineConfig:
             raise ValueError("max_streams must be >= 1 and max_len >= 64")
         if self.final_attention not in ("full", "chunk"):
             raise ValueError(f"final_attention: 'full' or 'chunk', got {self.final_attention!r}")
-        if self.overlap_token2wav and self.device.startswith("cuda"):
-            raise ValueError("overlap_token2wav: not supported on CUDA yet (it hung under load, docs/benchmarks.md)")
         self.schedule.validate()
+
+    @property
+    def overlap(self) -> bool:
+        """Whether token-to-wave batches run beside LM decode (overlap_token2wav resolved)."""
+        if self.overlap_token2wav is None:
+            return self.device.startswith("cuda")
+        return self.overlap_token2wav
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -34,6 +34,18 @@ _NEVER = 1 << 40  # a min_len that is never reached
 
 
 @dataclass
+class _Job:
+    """One chunk of one request in a token-to-wave batch."""
+
+    req: RequestState
+    seg: Segment
+    plan: Any
+    open_args: dict | None = None  # the segment's stream opens with this chunk (on whoever runs the batch)
+    state: Any = None  # the segment's token-to-wave stream
+    error: Exception | None = None  # this job alone failed (e.g. its stream could not open)
+
+
+@dataclass
 class _Message:
     kind: str  # "add" | "abort" | "text" | "text_end" | "call" | "chunks_done" | "stop"
     payload: Any = None
@@ -52,14 +64,29 @@ class EngineCore:
         self.free_slots = list(range(lm_runner.max_slots))
         self.slot_owner: dict[int, RequestState] = {}
         self.num_steps = 0
+        # where the GPU owner's time goes (cumulative seconds; /metrics and benchmarks/bench_engine.py)
+        self.lm_busy_s = 0.0  # admitting (prefill) and decode steps, on the engine thread
+        self.t2w_busy_s = 0.0  # token-to-wave batches, on the worker (or inline)
+        self.t2w_flow_s = 0.0  # of which the flow (encoder + ODE) ...
+        self.t2w_vocoder_s = 0.0  # ... and HiFT with the copy to the host
+        self.t2w_batches = 0
+        self.t2w_chunks = 0
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="cosystream-engine", daemon=True)
+        device = lm_runner.device
+        # PERF: with the overlap on, LM steps run on a high-priority stream, so a decode step's small
+        # kernels are scheduled ahead of a flow batch's when both wait for the SMs.
+        self.gpu_stream = (torch.cuda.Stream(device, priority=-1) if overlap and device.type == "cuda"
+                           else None)
         # PERF: token-to-wave batches run on a second thread and CUDA stream, so LM decode steps go on
         # while a flow/HiFT batch computes. One batch is in flight at a time; the engine thread still
         # plans every batch (first chunks first) and owns every request's state.
         self._chunks: _ChunkWorker | None = _ChunkWorker(self) if overlap else None
-        self._in_flight: list | None = None  # the jobs of the batch on the worker
-        self._release_later: list[Any] = []  # t2w states of requests finished while their batch ran
+        self._in_flight: list[_Job] | None = None  # the jobs of the batch on the worker
+        # Token-to-wave work the engine thread must not do while a batch runs on the worker (its graphs
+        # and pool would be used from two threads at once): done when the batch comes back.
+        self._after_batch: list[Any] = []  # callables
+        self._deferred_calls: list[_Message] = []
 
     # ------------------------------------------------------------------ thread-safe API
     def start(self) -> None:
@@ -109,7 +136,10 @@ class EngineCore:
         """Gauges for /metrics (read from any thread; approximate by design)."""
         out = {"num_active": float(len(self.requests)), "queue_depth": float(len(self.waiting)),
                "num_free_slots": float(len(self.free_slots)), "num_steps": float(self.num_steps),
-               "alive": float(self.error is None and self._thread.is_alive())}
+               "alive": float(self.error is None and self._thread.is_alive()),
+               "lm_busy_seconds": self.lm_busy_s, "token2wav_busy_seconds": self.t2w_busy_s,
+               "token2wav_flow_seconds": self.t2w_flow_s, "token2wav_vocoder_seconds": self.t2w_vocoder_s,
+               "token2wav_batches": float(self.t2w_batches), "token2wav_chunks": float(self.t2w_chunks)}
         device = self.lm_runner.device
         if device.type == "cuda":
             out["gpu_memory_allocated_bytes"] = float(torch.cuda.memory_allocated(device))
@@ -129,9 +159,13 @@ class EngineCore:
     def _run(self) -> None:
         try:
             torch.set_grad_enabled(False)
+            if self.gpu_stream is not None:
+                torch.cuda.set_stream(self.gpu_stream)
             while self._drain():
+                t0 = time.perf_counter()
                 self._guarded(self._admit, self._admitting)
                 self._guarded(self._decode, self._decoding)
+                self.lm_busy_s += time.perf_counter() - t0
                 self._guarded(self._token2wav, self._voicing)
         except BaseException as e:  # the engine is dead: tell every waiting client
             log.exception("engine loop failed")
@@ -161,7 +195,14 @@ class EngineCore:
             if seg.slot >= 0:
                 faults.scrub_lm_slot(self.lm_runner, seg.slot)
             if seg.t2w is not None:
-                faults.scrub_flow_slot(self.t2w, seg.t2w)
+                self._t2w_later(faults.scrub_flow_slot, self.t2w, seg.t2w)
+
+    def _t2w_later(self, fn, *args) -> None:
+        """Run a token-to-wave call now, or when the batch on the worker comes back."""
+        if self._in_flight is not None:
+            self._after_batch.append(lambda: fn(*args))
+        else:
+            fn(*args)
 
     def _voicing(self) -> list[RequestState]:
         return [r for r in self.requests.values() if self._has_audio_work(r)]
@@ -193,6 +234,8 @@ class EngineCore:
             block = False
             if msg.kind == "stop":
                 return False
+            if self.gpu_stream is not None:  # what other threads queued on the default stream comes first
+                self.gpu_stream.wait_stream(torch.cuda.default_stream(self.gpu_stream.device))
             self._handle(msg)
 
     def _handle(self, msg: _Message) -> None:
@@ -207,18 +250,27 @@ class EngineCore:
                 req.cancelled = True
                 self._finish(req)
         elif msg.kind == "call":
-            fn, args, done, box = msg.payload
-            try:
-                box["result"] = fn(*args)
-            except Exception as e:  # reported to the caller, the engine goes on
-                box["error"] = e
-            done.set()
+            if self._in_flight is not None:  # a call may use the flow/HiFT the worker is running
+                self._deferred_calls.append(msg)
+            else:
+                self._call(msg)
         elif msg.kind == "text":
             self._on_text(*msg.payload)
         elif msg.kind == "text_end":
             self._on_text_end(msg.payload)
         elif msg.kind == "chunks_done":
-            self._chunks_done(*msg.payload)
+            jobs, results, error, now, busy_s = msg.payload
+            self.t2w_busy_s += busy_s
+            self._chunks_done(jobs, results, error, now)
+
+    @staticmethod
+    def _call(msg: _Message) -> None:
+        fn, args, done, box = msg.payload
+        try:
+            box["result"] = fn(*args)
+        except Exception as e:  # reported to the caller, the engine goes on
+            box["error"] = e
+        done.set()
 
     # ------------------------------------------------------------------ LM side
     def _queue_lm(self, req: RequestState) -> None:
@@ -434,16 +486,24 @@ class EngineCore:
         ready = self._within_free_slots(ready)
         if self._chunks is not None:
             ready = ready[:self.max_chunk_batch]  # the rest waits for the next batch, plans untouched
-        jobs = [(req, seg, seg.planner.next_plan(len(seg.tokens), seg.lm_status == LMStatus.done))
+        jobs = [_Job(req, seg, seg.planner.next_plan(len(seg.tokens), seg.lm_status == LMStatus.done),
+                     open_args=self._open_args(req, seg) if seg.t2w is None else None, state=seg.t2w)
                 for req, seg in ready]
-        if self._chunks is None:
-            for start in range(0, len(jobs), self.max_chunk_batch):
-                self._run_chunks(jobs[start:start + self.max_chunk_batch])
-            return
-        jobs = self._start_t2w(jobs)
-        if jobs:
+        if self._chunks is not None:
             self._in_flight = jobs
             self._chunks.submit(jobs)
+            return
+        for start in range(0, len(jobs), self.max_chunk_batch):
+            batch = jobs[start:start + self.max_chunk_batch]
+            t0 = time.perf_counter()
+            results, error = None, None
+            try:
+                results = run_jobs(self.t2w, batch, self.lm_runner.device)
+            except Exception as e:
+                error = e
+            now = time.perf_counter()
+            self.t2w_busy_s += now - t0
+            self._chunks_done(batch, results, error, now)
 
     def _within_free_slots(self, ready: list) -> list:
         """Open no more new streams in one batch than there are free flow slots: each one beyond would fall
@@ -461,58 +521,58 @@ class EngineCore:
             kept.append((req, seg))
         return kept
 
-    def _start_t2w(self, jobs: list) -> list:
-        """The jobs whose token-to-wave stream is open (a request whose stream cannot open fails alone)."""
-        return [job for job in jobs if self._start_audio(*job)]
+    def _open_args(self, req: RequestState, seg: Segment) -> dict:
+        return dict(inputs=seg.inputs, voice_key=req.voice_key, key=(req.request_id, req.audio_index),
+                    speed=req.speed, max_target_tokens=self._expected_tokens(req, seg),
+                    seed=req.sampling.seed + req.audio_index, stored=req.voice_cache)
 
-    def _run_chunks(self, jobs: list) -> None:
-        jobs = self._start_t2w(jobs)
-        if not jobs:
-            return
-        try:
-            results = self.t2w.run([(seg.t2w, seg.tokens, plan) for _, seg, plan in jobs])
-        except Exception as e:
-            self._chunks_done(jobs, None, e, time.perf_counter())
-            return
-        self._chunks_done(jobs, results, None, time.perf_counter())
-
-    def _chunks_done(self, jobs: list, results: list | None, error: BaseException | None, now: float) -> None:
+    def _chunks_done(self, jobs: list[_Job], results: list | None, error: BaseException | None,
+                     now: float) -> None:
         """A batch came back (from the worker or inline): emit its audio, or fail its requests alone
         (the batch failed: its requests fail, the others never were in it)."""
         self._in_flight = None
-        for state in self._release_later:
-            self.t2w.release(state)
-        self._release_later.clear()
+        self.t2w_batches += 1
+        self.t2w_chunks += len(jobs)
+        for job in jobs:  # streams the batch opened belong to their segments now (or are given back)
+            if job.open_args is not None and job.state is not None:
+                if job.req.request_id in self.requests and not job.req.cancelled:
+                    job.seg.t2w = job.state
+                else:
+                    self.t2w.release(job.state)
+        later, self._after_batch = self._after_batch, []
+        for fn in later:
+            fn()
         if error is not None:
             log.error("token-to-wave batch failed: %r", error)
             err = error if isinstance(error, Exception) else RuntimeError(repr(error))
             faults.release_device_memory(err, self.lm_runner.device)
-            for req, _, _ in jobs:
-                if req.request_id in self.requests:
-                    self._fail(req, err)
-            return
-        for (req, seg, plan), (pcm, flow_s, vocoder_s) in zip(jobs, results, strict=True):
-            if req.request_id not in self.requests or req.cancelled:
-                continue
-            if faults.is_finite_audio(pcm):  # the chunk is on the host already: checking it is cheap
-                self._emit(req, seg, plan, pcm, flow_s, vocoder_s, now)
-            else:
-                self._fail(req, faults.non_finite("flow or vocoder"))
+            for job in jobs:
+                if job.req.request_id in self.requests:
+                    self._fail(job.req, err)
+        else:
+            timed = next((r for r in results if r is not None), None)
+            if timed is not None:  # every job of a batch carries the batch's flow and vocoder times
+                self.t2w_flow_s += timed[1]
+                self.t2w_vocoder_s += timed[2]
+            for job, result in zip(jobs, results, strict=True):
+                self._job_done(job, result, now)
+        calls, self._deferred_calls = self._deferred_calls, []
+        for msg in calls:
+            self._call(msg)
 
-    def _start_audio(self, req: RequestState, seg: Segment, plan: Any) -> bool:
-        """Open the segment's token-to-wave stream at its first chunk; False (request failed) if that fails."""
-        if seg.t2w is not None:
-            return True
-        try:
-            seg.t2w = self.t2w.start(seg.inputs, req.voice_key, key=(req.request_id, req.audio_index),
-                                     speed=req.speed, max_target_tokens=self._expected_tokens(req, seg),
-                                     seed=req.sampling.seed + req.audio_index, stored=req.voice_cache)
-        except Exception as e:  # e.g. out of memory building the voice's prompt state
-            log.exception("token-to-wave start of %s failed", req.request_id)
-            faults.release_device_memory(e, self.lm_runner.device)
-            self._fail(req, e)
-            return False
-        return True
+    def _job_done(self, job: _Job, result: tuple | None, now: float) -> None:
+        req = job.req
+        if req.request_id not in self.requests or req.cancelled:
+            return
+        if job.error is not None:
+            log.error("token-to-wave start of %s failed: %r", req.request_id, job.error)
+            self._fail(req, job.error)
+            return
+        pcm, flow_s, vocoder_s = result
+        if faults.is_finite_audio(pcm):  # the chunk is on the host already: checking it is cheap
+            self._emit(req, job.seg, job.plan, pcm, flow_s, vocoder_s, now)
+        else:
+            self._fail(req, faults.non_finite("flow or vocoder"))
 
     def _emit(self, req: RequestState, seg: Segment, plan, pcm: np.ndarray, flow_s: float, vocoder_s: float,
               now: float) -> None:
@@ -536,23 +596,36 @@ class EngineCore:
             self._finish(req)
 
     def _finish(self, req: RequestState) -> None:
-        busy = self._in_flight is not None and any(r is req for r, _, _ in self._in_flight)
         for seg in req.segments:
             self._release_slot(seg)
-            if seg.t2w is not None:
-                if busy:  # the worker is using it: give its flow slot back when the batch returns
-                    self._release_later.append(seg.t2w)
-                else:
-                    self.t2w.release(seg.t2w)
+            if seg.t2w is not None:  # its flow slot comes back after the batch on the worker, if any
+                self._t2w_later(self.t2w.release, seg.t2w)
             seg.t2w = None
         self.requests.pop(req.request_id, None)
         if req in self.waiting:
             self.waiting.remove(req)
 
 
+def run_jobs(t2w: Any, jobs: list[_Job], device: torch.device) -> list[tuple | None]:
+    """Open the streams that start with this batch, then voice every job whose stream is open. Returns
+    each job's (pcm, flow_s, vocoder_s); None for a job that failed alone (its error is on the job)."""
+    for job in jobs:
+        if job.open_args is not None:
+            try:
+                job.state = t2w.start(**job.open_args)
+            except Exception as e:  # e.g. out of memory building the voice's prompt state
+                faults.release_device_memory(e, device)
+                job.error = e
+    runnable = [job for job in jobs if job.error is None]
+    results = t2w.run([(job.state, job.seg.tokens[:], job.plan) for job in runnable]) if runnable else []
+    by_job = {id(job): result for job, result in zip(runnable, results, strict=True)}
+    return [by_job.get(id(job)) for job in jobs]
+
+
 class _ChunkWorker:
     """The token-to-wave thread: runs one batch at a time on its own CUDA stream and posts the result
-    to the engine's inbox. It never touches request state (the engine thread does)."""
+    to the engine's inbox. It touches no request state (the engine thread does); while a batch runs it
+    is the only user of the flow, HiFT and their graphs."""
 
     def __init__(self, core: EngineCore) -> None:
         self.core = core
@@ -568,27 +641,29 @@ class _ChunkWorker:
         self.jobs.put(None)
         self.thread.join(timeout=30)
 
-    def submit(self, jobs: list) -> None:
+    def submit(self, jobs: list[_Job]) -> None:
         self.jobs.put(jobs)
 
     def _run(self) -> None:
         torch.set_grad_enabled(False)
         while (jobs := self.jobs.get()) is not None:
             results, error = None, None
+            t0 = time.perf_counter()
             try:
                 results = self._compute(jobs)
             except BaseException as e:  # reported with the batch; the engine thread decides
                 error = e
-            self.core.inbox.put(_Message("chunks_done", (jobs, results, error, time.perf_counter())))
+            now = time.perf_counter()
+            self.core.inbox.put(_Message("chunks_done", (jobs, results, error, now, now - t0)))
 
-    def _compute(self, jobs: list) -> list:
-        work = [(seg.t2w, seg.tokens[:], plan) for _, seg, plan in jobs]
+    def _compute(self, jobs: list[_Job]) -> list:
+        device = self.core.lm_runner.device
         if self.stream is None:
-            return self.core.t2w.run(work)
-        # the batch may read what the engine thread just wrote on its stream (new voices' pool slots)
-        self.stream.wait_stream(torch.cuda.default_stream(self.stream.device))
+            return run_jobs(self.core.t2w, jobs, device)
+        # the batch may read what the engine thread wrote on its stream (prompt caches of new voices)
+        self.stream.wait_stream(self.core.gpu_stream)
         with torch.cuda.stream(self.stream):
-            return self.core.t2w.run(work)
+            return run_jobs(self.core.t2w, jobs, device)
 
 
 __all__ = ["EngineCore", "RowSampling"]

@@ -47,7 +47,8 @@ class PooledStream:
 
 class FlowRunner:
     def __init__(self, flow: Flow, num_slots: int, max_frames: int, use_graphs: bool = True,
-                 compile: bool = False, fused_kernels: bool = True) -> None:
+                 compile: bool = False, fused_kernels: bool = True,
+                 capture_stream: torch.cuda.Stream | None = None) -> None:
         self.flow = flow
         self.cfm = flow.decoder
         est = flow.decoder.estimator
@@ -62,9 +63,9 @@ class FlowRunner:
         self.free = list(range(num_slots))
         self.scratch = num_slots
         self.chunk = est.dims.static_chunk_size
-        self.graphs = GraphCache(self._ode, self.device, use_graphs)
-        self.full_graphs = GraphCache(self._ode_full, self.device, use_graphs)
-        self.encoder_graphs = GraphCache(self._encode_core, self.device, use_graphs)
+        self.graphs = GraphCache(self._ode, self.device, use_graphs, stream=capture_stream)
+        self.full_graphs = GraphCache(self._ode_full, self.device, use_graphs, stream=capture_stream)
+        self.encoder_graphs = GraphCache(self._encode_core, self.device, use_graphs, stream=capture_stream)
         self._step = maybe_compile(est.step, compile)
         self.profile = False  # record CUDA events around the encoder and the ODE (last_timing)
         self.last_timing: list[torch.cuda.Event] | None = None

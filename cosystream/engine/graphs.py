@@ -3,6 +3,12 @@
 A `GraphCache` maps a shape key to one captured graph of `fn(*static_inputs)`. `run(key, inputs)`
 copies the inputs into that graph's static buffers, replays it, and returns its static outputs (valid
 until the next replay of the same key). On the CPU, or when disabled, it simply calls `fn`.
+
+Graphs that may replay at the same time (the LM's on the engine thread, token-to-wave's on its worker)
+must be captured on different streams: cuBLAS picks its workspace by (handle, stream) at capture time
+and bakes it into the graph, so two graphs captured on one stream share one workspace, and two split-K
+GEMMs replaying concurrently corrupt each other's partial sums and semaphores (the second session's
+hang at 16 overlapped streams).
 """
 
 from __future__ import annotations
@@ -19,6 +25,11 @@ def bucket(n: int, buckets: Sequence[int] = BATCH_BUCKETS) -> int:
     return next((b for b in buckets if b >= n), n)
 
 
+def capture_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """A stream of its own to capture one subsystem's graphs on (None on the CPU)."""
+    return torch.cuda.Stream(device) if device.type == "cuda" else None
+
+
 def maybe_compile(fn: Callable, enabled: bool) -> Callable:
     """torch.compile with dynamic shapes (one compilation serves every bucket), or `fn` itself.
 
@@ -32,13 +43,14 @@ def maybe_compile(fn: Callable, enabled: bool) -> Callable:
 
 class GraphCache:
     def __init__(self, fn: Callable[..., Sequence[torch.Tensor]], device: torch.device, enabled: bool = True,
-                 max_graphs: int = 256) -> None:
+                 max_graphs: int = 256, stream: torch.cuda.Stream | None = None) -> None:
         self.fn = fn
         self.device = device
         self.enabled = enabled and device.type == "cuda"
         self.max_graphs = max_graphs
         self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], Sequence[torch.Tensor]]] = {}
         self._pool = None
+        self.stream = stream  # capture stream (None: torch's shared default capture stream)
 
     def run(self, key: Hashable, inputs: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
         if not self.enabled or (key not in self.graphs and len(self.graphs) >= self.max_graphs):
@@ -60,7 +72,7 @@ class GraphCache:
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the other engine thread may call CUDA (e.g. synchronize) during a capture
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self._pool, stream=self.stream, capture_error_mode="thread_local"):
             static_out = self.fn(*static_in)
         self._pool = graph.pool()
         return graph, static_in, static_out

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from cosystream.engine.faults import NON_FINITE_TOKEN, mark_non_finite
-from cosystream.engine.graphs import GraphCache, maybe_compile
+from cosystream.engine.graphs import GraphCache, capture_stream, maybe_compile
 from cosystream.kernels import decode as decode_ops
 from cosystream.kernels import reference as reference_ops
 from cosystream.kernels import triton_usable
@@ -63,7 +63,10 @@ class LMRunner:
         # is one Triton kernel instead of ~190 small ones (cosystream.kernels.sample)
         self.fused_sampler = self.fused and triton_usable(self.device)
         lm.rope_table(max_len, self.device)  # built outside any graph capture
-        self.prefill_graphs = GraphCache(self._prefill_core, self.device, self.use_graphs)
+        # the LM's graphs replay beside token-to-wave's (overlap): captured on a stream of their own
+        self.capture_stream = capture_stream(self.device)
+        self.prefill_graphs = GraphCache(self._prefill_core, self.device, self.use_graphs,
+                                         stream=self.capture_stream)
         self.batch_buckets = [b for b in _BATCH_BUCKETS if b < max_slots] + [max_slots]
         self.len_buckets = [n for n in _LEN_BUCKETS if n < max_len] + [max_len]
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -240,7 +243,8 @@ class LMRunner:
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the other engine thread may call CUDA (e.g. synchronize) during a capture
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self._pool, stream=self.capture_stream,
+                              capture_error_mode="thread_local"):
             self._step(b, attn_len)
         self._pool = graph.pool()
         self.graphs[(b, attn_len)] = graph

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from cosystream.config import EngineConfig
 from cosystream.engine.chunking import ChunkPlan
 from cosystream.engine.flow_runner import FlowRunner, PooledStream
-from cosystream.engine.graphs import GraphCache, bucket, maybe_compile
+from cosystream.engine.graphs import GraphCache, bucket, capture_stream, maybe_compile
 from cosystream.models.flow import UPSAMPLE
 from cosystream.models.flow_stream import FlowStream, FlowStreamState, PromptCache, cache_bytes_per_frame
 from cosystream.models.hift import MEL_CACHE_FRAMES, HiFTGenerator, crossfade, fade_window
@@ -55,10 +55,12 @@ class Token2WavRunner:
         self.hift = hift
         self.stream = FlowStream(flow, config.final_attention)
         self.final_attention = config.final_attention
-        slots = _pool_slots(flow, config) if flow.input_embedding.weight.device.type == "cuda" else 0
-        self.pool = (FlowRunner(flow, slots, config.flow_frames, config.cuda_graphs, config.compile,
-                                config.fused_kernels) if slots else None)
         self.device = flow.input_embedding.weight.device
+        # token-to-wave graphs may replay beside the LM's (overlap): captured on a stream of their own
+        graph_stream = capture_stream(self.device)
+        slots = _pool_slots(flow, config) if self.device.type == "cuda" else 0
+        self.pool = (FlowRunner(flow, slots, config.flow_frames, config.cuda_graphs, config.compile,
+                                config.fused_kernels, capture_stream=graph_stream) if slots else None)
         self.overlap = MEL_CACHE_FRAMES * hift.upsample_scale  # 3840 samples
         self.window = fade_window(self.overlap, self.device)
         self.source_override = source_override
@@ -75,9 +77,9 @@ class Token2WavRunner:
         # PERF: HiFT is launch-bound in eager mode; one graph per (batch bucket, mel length, cached?).
         vocode = maybe_compile(self.hift.inference, config.compile)
         self.hift_first = GraphCache(lambda mel, noise: vocode(mel, None, noise=noise), self.device,
-                                     config.cuda_graphs)
+                                     config.cuda_graphs, stream=graph_stream)
         self.hift_next = GraphCache(lambda mel, cache, noise: vocode(mel, cache, noise=noise),
-                                    self.device, config.cuda_graphs)
+                                    self.device, config.cuda_graphs, stream=graph_stream)
 
     # ------------------------------------------------------------------ per-voice and per-request state
     def prompt_cache(self, inputs: Any, voice_key: str | None, stored: dict[str, torch.Tensor] | None = None

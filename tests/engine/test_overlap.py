@@ -1,4 +1,4 @@
-"""The experimental overlapped token-to-wave worker gives the same audio as the inline path."""
+"""The overlapped token-to-wave worker gives the same audio as the inline path."""
 
 from __future__ import annotations
 
@@ -46,6 +46,31 @@ def test_overlapped_concurrent_requests_equal_inline_ones(overlapped, engine, fi
     assert overlapped.async_engine.core._in_flight is None
 
 
-def test_overlap_is_refused_on_cuda():
-    with pytest.raises(ValueError, match="overlap_token2wav"):
-        EngineConfig(device="cuda", overlap_token2wav=True)
+def test_overlap_is_on_by_default_on_cuda_only():
+    assert EngineConfig(device="cuda").overlap and EngineConfig(device="cuda:1").overlap
+    assert not EngineConfig(device="cpu").overlap
+    assert not EngineConfig(device="cuda", overlap_token2wav=False).overlap
+    assert EngineConfig(device="cpu", overlap_token2wav=True).overlap
+
+
+def test_engine_calls_wait_for_the_batch_on_the_worker(overlapped):
+    """A call (voice caches, warm-up) uses the flow and HiFT too: it never runs beside a worker batch."""
+    core = overlapped.async_engine.core
+    seen: list[bool] = []
+    params = SynthesisParams(text="the quick brown fox jumps over the lazy dog.", voice="fixture",
+                             sampling=SamplingParams(greedy=True))
+    done = threading.Event()
+
+    def probe() -> None:
+        while not done.is_set():
+            seen.append(core.call(lambda: core._in_flight is None and not core._after_batch))
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    try:
+        result = overlapped.synthesize(params)
+    finally:
+        done.set()
+        prober.join(timeout=60)
+    assert result.num_chunks >= 2 and len(seen) > 10
+    assert all(seen)
