@@ -44,6 +44,10 @@ class EngineConfig:
     # Flow/HiFT batches on a second thread (and CUDA stream) beside LM decode. None: on with CUDA (the
     # GPU runs both at once), off on the CPU (the cores are already shared by both).
     overlap_token2wav: bool | None = None
+    # While the LM is producing tokens, a ready chunk whose client still has more than this many seconds
+    # of audio buffered waits for a batch that an urgent chunk (a first chunk, a client about to run dry)
+    # opens: fewer, fuller flow batches. 0: every ready chunk runs at once.
+    chunk_slack_s: float = 0.6
     fused_kernels: bool = True  # CUDA: Triton kernels for the LM decode step (False: the unfused torch step)
     compile: bool = False  # torch.compile the hot steps (fewer, fused kernels; minutes of compile at start)
     schedule: ChunkSchedule = ChunkSchedule()
@@ -68,6 +72,8 @@ class EngineConfig:
             raise ValueError("max_streams must be >= 1 and max_len >= 64")
         if self.final_attention not in ("full", "chunk"):
             raise ValueError(f"final_attention: 'full' or 'chunk', got {self.final_attention!r}")
+        if self.chunk_slack_s < 0:
+            raise ValueError(f"chunk_slack_s: must be >= 0, got {self.chunk_slack_s}")
         self.schedule.validate()
 
     @property

@@ -12,7 +12,9 @@ share the admission and token bookkeeping, so they stay beside them rather than 
 from __future__ import annotations
 
 import logging
+import math
 import queue
+import sys
 import threading
 import time
 from collections import deque
@@ -53,11 +55,12 @@ class _Message:
 
 class EngineCore:
     def __init__(self, lm_runner: LMRunner, token2wav: Any, lm: Any, max_chunk_batch: int = 64,
-                 overlap: bool = True) -> None:
+                 overlap: bool = True, chunk_slack_s: float = 0.0) -> None:
         self.lm_runner = lm_runner
         self.t2w = token2wav
         self.lm = lm
         self.max_chunk_batch = max_chunk_batch
+        self.chunk_slack_s = chunk_slack_s
         self.inbox: queue.Queue[_Message] = queue.Queue()
         self.requests: dict[str, RequestState] = {}
         self.waiting: deque[RequestState] = deque()  # requests whose LM segment needs a slot
@@ -83,6 +86,7 @@ class EngineCore:
         # plans every batch (first chunks first) and owns every request's state.
         self._chunks: _ChunkWorker | None = _ChunkWorker(self) if overlap else None
         self._in_flight: list[_Job] | None = None  # the jobs of the batch on the worker
+        self._first_in_flight: set[int] = set()  # ids of requests whose first chunk is on the worker
         # Token-to-wave work the engine thread must not do while a batch runs on the worker (its graphs
         # and pool would be used from two threads at once): done when the batch comes back.
         self._after_batch: list[Any] = []  # callables
@@ -90,6 +94,10 @@ class EngineCore:
 
     # ------------------------------------------------------------------ thread-safe API
     def start(self) -> None:
+        if self._chunks is not None and self.gpu_stream is not None:
+            # PERF: two Python threads feed the GPU; a thread waiting for the GIL held by the other's
+            # bookkeeping waits up to the switch interval (5 ms by default, five decode steps)
+            sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
         self._thread.start()
         if self._chunks is not None:
             self._chunks.start()
@@ -215,13 +223,24 @@ class EngineCore:
 
     def _busy(self) -> bool:
         """Is there work that needs no new message? (Rows parked for text are not work.)"""
-        decoding = any(r.lm_segment is not None and r.lm_segment.lm_status == LMStatus.decoding
-                       for r in self.slot_owner.values())
+        decoding = self._lm_decoding() and not self._decode_paused()
         admittable = bool(self.waiting) and bool(self.free_slots)
         if decoding or admittable:
             return True
         # while a batch is on the worker, its "chunks_done" message wakes the loop
         return self._in_flight is None and any(self._has_audio_work(r) for r in self.requests.values())
+
+    def _lm_decoding(self) -> bool:
+        return any(r.lm_segment is not None and r.lm_segment.lm_status == LMStatus.decoding
+                   for r in self.slot_owner.values())
+
+    def _decode_paused(self) -> bool:
+        """PERF: while a new request's first chunk is on the worker, decode steps only slow it down (they
+        share the GPU and the GIL) unless another request still waits for its first audio: pause them."""
+        if not self._first_in_flight:
+            return False
+        return not any(r.is_first_chunk and id(r) not in self._first_in_flight for r in self.slot_owner.values()
+                       if r.lm_segment is not None and r.lm_segment.lm_status == LMStatus.decoding)
 
     def _drain(self) -> bool:
         """Handle every queued message; block for one only when there is nothing else to do."""
@@ -332,6 +351,8 @@ class EngineCore:
         self.lm_runner.set_active(seg.slot, decoding)
 
     def _decode(self) -> None:
+        if self._decode_paused():
+            return
         rows = [s for s, r in self.slot_owner.items()
                 if r.lm_segment is not None and r.lm_segment.lm_status == LMStatus.decoding]
         if not rows:
@@ -484,6 +505,8 @@ class EngineCore:
             return
         ready.sort(key=lambda j: (not j[0].is_first_chunk, j[0].t_submit))  # first chunks first
         ready = self._within_free_slots(ready)
+        if not ready or not self._worth_a_batch(ready, time.perf_counter()):
+            return
         if self._chunks is not None:
             ready = ready[:self.max_chunk_batch]  # the rest waits for the next batch, plans untouched
         jobs = [_Job(req, seg, seg.planner.next_plan(len(seg.tokens), seg.lm_status == LMStatus.done),
@@ -491,6 +514,7 @@ class EngineCore:
                 for req, seg in ready]
         if self._chunks is not None:
             self._in_flight = jobs
+            self._first_in_flight = {id(job.req) for job in jobs if job.req.is_first_chunk}
             self._chunks.submit(jobs)
             return
         for start in range(0, len(jobs), self.max_chunk_batch):
@@ -504,6 +528,30 @@ class EngineCore:
             now = time.perf_counter()
             self.t2w_busy_s += now - t0
             self._chunks_done(batch, results, error, now)
+
+    def _worth_a_batch(self, ready: list, now: float) -> bool:
+        """PERF: a flow batch costs nearly the same for one chunk as for sixteen (it is launch-bound), so
+        while the LM is still producing tokens, chunks whose client has more than `chunk_slack_s` of audio
+        buffered wait to share a batch with an urgent one. Urgent: a first chunk, a chunk whose client
+        is about to run dry, and, while new streams wait for a flow slot, a chunk of a stream whose LM is
+        done (its end frees a slot)."""
+        if self.chunk_slack_s <= 0 or not self._lm_decoding() or len(ready) >= self.max_chunk_batch // 4:
+            return True
+        slots_short = self._flow_slots_short()
+        for req, seg in ready:
+            if _buffered_audio_s(req, now) < self.chunk_slack_s:
+                return True
+            if slots_short and seg.lm_status == LMStatus.done:
+                return True
+        return False
+
+    def _flow_slots_short(self) -> bool:
+        free = self.t2w.free_slots()
+        if free is None:
+            return False
+        wanting = sum(1 for r in self.requests.values()
+                      if not r.cancelled and r.audio_segment is not None and r.audio_segment.t2w is None)
+        return wanting > free
 
     def _within_free_slots(self, ready: list) -> list:
         """Open no more new streams in one batch than there are free flow slots: each one beyond would fall
@@ -531,6 +579,7 @@ class EngineCore:
         """A batch came back (from the worker or inline): emit its audio, or fail its requests alone
         (the batch failed: its requests fail, the others never were in it)."""
         self._in_flight = None
+        self._first_in_flight = set()
         self.t2w_batches += 1
         self.t2w_chunks += len(jobs)
         for job in jobs:  # streams the batch opened belong to their segments now (or are given back)
@@ -604,6 +653,14 @@ class EngineCore:
         self.requests.pop(req.request_id, None)
         if req in self.waiting:
             self.waiting.remove(req)
+
+
+def _buffered_audio_s(req: RequestState, now: float) -> float:
+    """Audio the client has received and not yet played, if it plays from its first chunk on (-inf
+    before the first chunk)."""
+    if req.is_first_chunk:
+        return -math.inf
+    return req.t_submit + req.times.first_audio_s + req.times.audio_s - now
 
 
 def run_jobs(t2w: Any, jobs: list[_Job], device: torch.device) -> list[tuple | None]:

@@ -189,20 +189,21 @@ class FlowRunner:
         spks = torch.zeros(batch, bins, device=dev, dtype=self.dtype)
         self.graphs.run((batch, num_new, attn_len), [z, mu, spks, torch.zeros_like(mu), slots, starts, marker])
 
-    def capture_full(self, num_frames: int) -> None:
-        """Capture the full-attention final pass for `num_frames` (prompt included) ahead of traffic."""
+    def capture_full(self, num_frames: int, batch: int = 1) -> None:
+        """Capture the full-attention final pass of `batch` streams of `num_frames` (prompt included)."""
         if num_frames > self.max_frames or not self.full_graphs.enabled:
             return
         padded = self._full_length(num_frames)
-        if padded in self.full_graphs.graphs:
+        if (batch, padded) in self.full_graphs.graphs:
             return
         bins, dev = self.cfm.num_bins, self.device
-        mu = torch.zeros(1, bins, padded, device=dev, dtype=self.dtype)
-        slots = torch.full((1,), self.scratch, device=dev, dtype=torch.long)
-        valid = torch.full((1,), num_frames, device=dev, dtype=torch.long)
-        self.full_graphs.run(padded, [torch.zeros(1, bins, padded, device=dev), mu, torch.zeros(1, bins, device=dev,
-                             dtype=self.dtype), torch.zeros_like(mu), slots, valid,
-                             torch.empty(padded, device=dev, dtype=torch.int8)])
+        mu = torch.zeros(batch, bins, padded, device=dev, dtype=self.dtype)
+        slots = torch.full((batch,), self.scratch, device=dev, dtype=torch.long)
+        valid = torch.full((batch,), num_frames, device=dev, dtype=torch.long)
+        self.full_graphs.run((batch, padded), [torch.zeros(batch, bins, padded, device=dev), mu,
+                                               torch.zeros(batch, bins, device=dev, dtype=self.dtype),
+                                               torch.zeros_like(mu), slots, valid,
+                                               torch.empty(padded, device=dev, dtype=torch.int8)])
 
     def _full_length(self, num_frames: int) -> int:
         return min(-(-num_frames // _LEN_BUCKET) * _LEN_BUCKET, self.max_frames)
@@ -212,30 +213,54 @@ class FlowRunner:
 
     @torch.inference_mode()
     def full_pass(self, prompt: PromptCache, target_ids: torch.Tensor) -> torch.Tensor | None:
-        """The official final call (full attention, zero look-ahead) over prompt + every target token, as
-        one graph on the scratch slot at a padded length. Returns mel [80, F] (prompt frames included),
-        or None when it does not fit the pool (the caller then runs it eagerly)."""
-        all_ids = torch.cat([prompt.prompt_tokens, target_ids.to(prompt.prompt_tokens.device, torch.long)])
-        frames = UPSAMPLE * all_ids.shape[0]
-        if frames > self.max_frames:
-            return None
-        padded = self._full_length(frames)
-        h = self.flow.encode(all_ids[None], streaming=False, finalize=True)
+        """The official final call (full attention, zero look-ahead) over prompt + every target token, on
+        the scratch slot. Returns mel [80, F] (prompt frames included), or None when it does not fit the
+        pool (the caller then runs it eagerly)."""
+        return self.full_passes([(prompt, target_ids, self.scratch)])[0]
+
+    @torch.inference_mode()
+    def full_passes(self, items: Sequence[tuple[PromptCache, torch.Tensor, int]]) -> list[torch.Tensor | None]:
+        """Final calls of several streams: items are (prompt, target ids, pool slot to compute in: the
+        stream's own, which it no longer needs, or the scratch slot). Streams padded to the same length
+        share one graph replay. None for a stream that does not fit the pool."""
+        out: list[torch.Tensor | None] = [None] * len(items)
+        by_length: dict[int, list[int]] = {}
+        for i, (prompt, ids, _) in enumerate(items):
+            frames = UPSAMPLE * (prompt.prompt_tokens.shape[0] + ids.shape[0])
+            if frames <= self.max_frames:
+                by_length.setdefault(self._full_length(frames), []).append(i)
+        for padded, members in by_length.items():
+            for i, mel in zip(members, self._full_batch(padded, [items[i] for i in members]), strict=True):
+                out[i] = mel
+        return out
+
+    def _full_batch(self, padded: int, items: Sequence[tuple[PromptCache, torch.Tensor, int]]) -> list[torch.Tensor]:
+        rows = bucket(len(items))
         bins, dev = self.cfm.num_bins, self.device
-        mu = torch.zeros(1, bins, padded, device=dev, dtype=self.dtype)
-        mu[0, :, :frames] = self.flow.encoder_proj(h)[0].T
-        z = torch.zeros(1, bins, padded, device=dev)
-        z[:, :, :frames] = self.cfm.noise(0, frames).to(dev)
+        z = torch.zeros(rows, bins, padded, device=dev)
+        mu = torch.zeros(rows, bins, padded, device=dev, dtype=self.dtype)
         cond = torch.zeros_like(mu)
-        cond[0, :, :prompt.prompt_mel.shape[0]] = prompt.prompt_mel.T
-        slots = torch.full((1,), self.scratch, device=dev, dtype=torch.long)
-        valid = torch.full((1,), frames, device=dev, dtype=torch.long)
+        spks = torch.zeros(rows, bins, device=dev, dtype=self.dtype)
+        slots = torch.full((rows,), self.scratch, device=dev, dtype=torch.long)
+        valid = torch.full((rows,), padded, device=dev, dtype=torch.long)
+        lengths = []
+        for j, (prompt, ids, slot) in enumerate(items):
+            all_ids = torch.cat([prompt.prompt_tokens, ids.to(prompt.prompt_tokens.device, torch.long)])
+            frames = UPSAMPLE * all_ids.shape[0]
+            h = self.flow.encode(all_ids[None], streaming=False, finalize=True)
+            mu[j, :, :frames] = self.flow.encoder_proj(h)[0].T
+            z[j, :, :frames] = self.cfm.noise(0, frames)[0].to(dev)
+            cond[j, :, :prompt.prompt_mel.shape[0]] = prompt.prompt_mel.T
+            spks[j] = prompt.spks
+            slots[j], valid[j] = slot, frames
+            lengths.append(frames)
         marker = torch.empty(padded, device=dev, dtype=torch.int8)
-        (x,) = self.full_graphs.run(padded, [z, mu, prompt.spks[None].to(self.dtype), cond, slots, valid, marker])
-        return x[0, :, :frames].clone()
+        (x,) = self.full_graphs.run((rows, padded), [z, mu, spks, cond, slots, valid, marker])
+        return [x[j, :, :frames].clone() for j, frames in enumerate(lengths)]
 
     def _ode_full(self, z, mu, spks, cond, slots, valid, marker) -> tuple[torch.Tensor]:
-        """Full attention over the first `valid` frames; the scratch rows start with zero conv tails."""
+        """Full attention over each row's first `valid` frames; its rows start with zero conv tails
+        (padding frames come after a row's frames: the causal convs never carry them backwards)."""
         rows = torch.stack([2 * slots, 2 * slots + 1], dim=1).flatten()
         self.conv.index_fill_(1, rows, 0)
         starts = torch.zeros_like(valid)

@@ -155,6 +155,7 @@ class Token2WavRunner:
         """New target mel [80, F] per job; chunks adding equal frame counts share one batch."""
         mels: list[torch.Tensor | None] = [None] * len(jobs)
         groups: dict[tuple[bool, int, bool], list[tuple[int, tuple]]] = {}
+        finals: list[tuple[int, Token2WavState, torch.Tensor, ChunkPlan]] = []
         for i, (st, tokens, plan) in enumerate(jobs):
             ids = self._tokens(tokens[:plan.token_end])
             if plan.provisional:
@@ -167,7 +168,9 @@ class Token2WavRunner:
                 mels[i] = torch.zeros(self.flow.dims.output_size, 0, device=self.device)
                 st.flow.is_finished = True
                 self.release(st)
-            elif plan.is_final and (self.final_attention == "full" or not pooled):
+            elif plan.is_final and self.final_attention == "full" and pooled:
+                finals.append((i, st, ids, plan))
+            elif plan.is_final and not pooled:
                 mels[i] = self._finish_eager(st, ids, plan)
             else:
                 groups.setdefault((pooled, window[0].shape[0], plan.is_final), []).append((i, window))
@@ -184,7 +187,23 @@ class Token2WavRunner:
                 if final:
                     st.flow.is_finished = True
                     self.release(st)
+        self._finish_pooled(finals, mels)
         return mels  # type: ignore[return-value]
+
+    def _finish_pooled(self, finals: list[tuple[int, Token2WavState, torch.Tensor, ChunkPlan]],
+                       mels: list[torch.Tensor | None]) -> None:
+        """Official final calls of pooled streams, batched: each computes in its own slot (its incremental
+        state is no longer needed), streams of one padded length in one graph replay."""
+        if not finals:
+            return
+        full = self.pool.full_passes([(st.flow.prompt, ids[0], st.flow.slot) for _, st, ids, _ in finals])
+        for (i, st, ids, plan), mel in zip(finals, full, strict=True):
+            if mel is None:
+                mels[i] = self._finish_eager(st, ids, plan)
+                continue
+            st.flow.is_finished = True
+            self.release(st)
+            mels[i] = mel[:, self._emitted_from(st, plan):]
 
     def _emitted_from(self, st: Token2WavState, plan: ChunkPlan) -> int:
         """Absolute frame where this chunk's audio starts (frames before it were already voiced)."""
@@ -333,10 +352,10 @@ class Token2WavRunner:
                 shapes.append((end - frame, self.pool.attn_len_for(end)))
             mel_lengths.append((2 * plan.num_new + (MEL_CACHE_FRAMES if cached else 0), cached))
             frame, cached = end, True
-        if self.final_attention == "full":
-            self.pool.capture_full(UPSAMPLE * (prompt_tokens + target_tokens))
         batches = [b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64) if b <= bucket(len(self.pool.free))]
         for b in batches:
+            if self.final_attention == "full":
+                self.pool.capture_full(UPSAMPLE * (prompt_tokens + target_tokens), b)
             for num_new, attn_len in shapes:
                 self.pool.capture(b, num_new, attn_len)
             for frames, has_cache in mel_lengths:

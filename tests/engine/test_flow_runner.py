@@ -67,6 +67,27 @@ def test_pooled_full_pass_equals_the_official_final_call(checkpoint, load_fixtur
                                atol=1e-4, rtol=0)
 
 
+def test_batched_final_passes_equal_one_at_a_time(checkpoint, load_fixture, cfm_noise):
+    """Final calls of streams of different lengths in one batch, each in its own slot full of stale state,
+    give what each gives alone on the clean scratch slot."""
+    f = load_fixture("stream")
+    flow = load_flow(checkpoint)
+    flow.decoder.set_noise_table(cfm_noise)
+    prompt = FlowStream(flow).build_prompt_cache(f["prompt_token"], f["prompt_feat"], f["embedding"])
+    runner = FlowRunner(flow, num_slots=3, max_frames=512, use_graphs=False)
+    tokens = f["token"][0]
+    targets = [tokens, tokens[:-7], (tokens[:-3] * 7 + 5) % 6561]
+    alone = [runner.full_pass(prompt, t) for t in targets]
+    runner.kv.normal_()
+    runner.conv.normal_()
+    batched = runner.full_passes([(prompt, t, slot) for slot, t in zip((2, 0, 1), targets, strict=True)])
+    for got, want in zip(batched, alone, strict=True):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    too_long = torch.zeros(512, dtype=torch.long)
+    assert runner.full_passes([(prompt, too_long, 0)]) == [None]
+
+
 def test_a_failing_open_gives_its_slot_back(checkpoint, load_fixture, monkeypatch):
     f = load_fixture("stream")
     flow = load_flow(checkpoint)
