@@ -61,6 +61,10 @@ class ChunkPlanner:
         """Would next_plan(available, done) return a chunk? (It does not change the planner.)"""
         return not self.finished and ((self.stream and available >= self.tokens_needed()) or done)
 
+    def next_is_final(self, available: int) -> bool:
+        """Would the next plan, once there is one, be the final chunk? (It does not change the planner.)"""
+        return not (self.stream and available >= self.tokens_needed())
+
     def next_plan(self, available: int, done: bool) -> ChunkPlan | None:
         if self.finished:
             return None

@@ -505,8 +505,10 @@ class EngineCore:
             return
         ready.sort(key=lambda j: (not j[0].is_first_chunk, j[0].t_submit))  # first chunks first
         ready = self._within_free_slots(ready)
-        if not ready or not self._worth_a_batch(ready, time.perf_counter()):
+        now = time.perf_counter()
+        if not ready or not self._worth_a_batch(ready, now):
             return
+        ready = self._without_costly_finals(ready, now)
         if self._chunks is not None:
             ready = ready[:self.max_chunk_batch]  # the rest waits for the next batch, plans untouched
         jobs = [_Job(req, seg, seg.planner.next_plan(len(seg.tokens), seg.lm_status == LMStatus.done),
@@ -544,6 +546,18 @@ class EngineCore:
             if slots_short and seg.lm_status == LMStatus.done:
                 return True
         return False
+
+    def _without_costly_finals(self, ready: list, now: float) -> list:
+        """PERF: an official final chunk is a full pass over the whole utterance (≈ 50 ms on the H100):
+        a batch that voices a first chunk leaves out the finals whose clients have audio buffered, unless
+        new streams wait for the flow slots those finals would free."""
+        if self.chunk_slack_s <= 0 or getattr(self.t2w, "final_attention", "full") != "full":
+            return ready
+        if not any(req.is_first_chunk for req, _ in ready) or self._flow_slots_short():
+            return ready
+        return [(req, seg) for req, seg in ready
+                if req.is_first_chunk or not seg.planner.next_is_final(len(seg.tokens))
+                or _buffered_audio_s(req, now) < self.chunk_slack_s]
 
     def _flow_slots_short(self) -> bool:
         free = self.t2w.free_slots()

@@ -97,3 +97,23 @@ def test_decoding_pauses_while_a_first_chunk_is_voiced_unless_another_request_wa
     assert core._decode_paused()  # it has audio: its tokens can wait for the first chunk
     _request(core, "newer", buffered_s=None, lm=LMStatus.decoding, slot=2)
     assert not core._decode_paused() and core._busy()  # its first audio needs tokens now
+
+
+def test_a_batch_with_a_first_chunk_leaves_out_official_finals_that_can_wait():
+    core = _core(free_slots=2)
+    core.t2w.final_attention = "full"
+    new = _request(core, "new", buffered_s=None, lm=LMStatus.decoding, slot=0, has_stream=False)
+    ending = _request(core, "ending", buffered_s=5.0, lm=LMStatus.done, slot=1)
+    ending.audio_segment.tokens = list(range(20))  # fewer than the next hop needs: its next chunk is final
+    middle = _request(core, "middle", buffered_s=5.0, lm=LMStatus.decoding, slot=2)
+    middle.audio_segment.tokens = list(range(200))
+    dry = _request(core, "dry", buffered_s=0.2, lm=LMStatus.done, slot=3)
+    now = time.perf_counter()
+    kept = core._without_costly_finals(_ready(new, ending, middle, dry), now)
+    assert [r.request_id for r, _ in kept] == ["new", "middle", "dry"]
+    assert len(core._without_costly_finals(_ready(ending, middle), now)) == 2  # no first chunk: all go
+    core.t2w.free = 0  # "new" waits for a slot that "ending" frees
+    assert len(core._without_costly_finals(_ready(new, ending), now)) == 2
+    core.t2w.final_attention = "chunk"  # an incremental final costs what any chunk costs
+    core.t2w.free = 2
+    assert len(core._without_costly_finals(_ready(new, ending), now)) == 2

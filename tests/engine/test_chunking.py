@@ -63,3 +63,14 @@ def test_short_first_hop_is_provisional_and_later_chunks_realign():
         assert not p.provisional and (150 + p.offset + p.num_new) % 25 == 0
     assert plans[1].num_new == 35  # 15 -> 30 grown, then extended to the block boundary at 200
     assert sum(p.num_new for p in plans) == 300
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_next_is_final_foretells_the_next_plan(stream):
+    planner = ChunkPlanner(ChunkSchedule(), 150, stream=stream)
+    for available in range(0, 400, 7):
+        done = available >= 350
+        if not planner.has_plan(available, done):
+            continue
+        foretold = planner.next_is_final(available)
+        assert planner.next_plan(available, done).is_final == foretold
