@@ -271,10 +271,12 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ warm-up
     def warmup(self, prompt_tokens: int = 150, target_tokens: int = 250) -> int:
-        """Capture CUDA graphs before serving: every LM decode bucket, and the flow/HiFT shapes of the
+        """Capture CUDA graphs before serving: every LM decode bucket, the LM prefill of up to 16 prompts
+        of up to 512 positions, and the flow/HiFT shapes of the
         chunk schedule for a prompt of `prompt_tokens` and `target_tokens` generated tokens at every
         batch size. Other shapes are captured on first use. Returns the number of graphs."""
         n = self.core.call(self.token2wav.warmup, prompt_tokens, target_tokens, self.config.schedule)
+        n += self.core.call(self.core.capture_prefill)
         return n + self.core.call(self.core.lm_runner.capture_all)
 
 

@@ -136,6 +136,10 @@ class EngineCore:
             raise box["error"]
         return box.get("result")
 
+    def capture_prefill(self) -> int:
+        """Warm-up (run it through `call`): the batched prefill graphs, captured in a free LM row."""
+        return self.lm_runner.capture_prefill(max(self.free_slots)) if self.free_slots else 0
+
     def _check_alive(self) -> None:
         if self.error is not None or not self._thread.is_alive():
             raise EngineDead(f"engine thread is not running ({self.error!r})")
@@ -303,6 +307,9 @@ class EngineCore:
             self.waiting.append(req)
 
     def _admit(self) -> None:
+        """Give waiting segments free LM rows; the prompts admitted together are prefilled together."""
+        t0 = time.perf_counter()
+        batch = []  # (request, segment, slot, prompt embeddings)
         while self.waiting and self.free_slots:
             req = self.waiting.popleft()
             if req.cancelled or req.lm_segment is None:
@@ -310,9 +317,14 @@ class EngineCore:
             self.free_slots.sort()
             slot = self.free_slots.pop(0)  # lowest free slot keeps the decode bucket small
             try:
-                self._prefill(req, req.lm_segment, slot)
+                embeds = self._take_row(req, req.lm_segment, slot)
             except Exception as e:  # this prompt failed (e.g. out of memory): fail it alone, admit the rest
                 self._prefill_failed(req, slot, e)
+                continue
+            if embeds is not None:
+                batch.append((req, req.lm_segment, slot, embeds))
+        if batch:
+            self._prefill(batch, t0)
 
     def _prefill_failed(self, req: RequestState, slot: int, error: Exception) -> None:
         log.exception("prefill of %s failed", req.request_id)
@@ -321,7 +333,9 @@ class EngineCore:
             self.free_slots.append(slot)  # it failed before the slot was recorded as taken
         self._fail(req, error)
 
-    def _prefill(self, req: RequestState, seg: Segment, slot: int) -> None:
+    def _take_row(self, req: RequestState, seg: Segment, slot: int) -> torch.Tensor | None:
+        """Set up LM row `slot` for the segment; returns its prompt embeddings to prefill (None: a text
+        stream, fed as its text arrives)."""
         t0 = time.perf_counter()
         if req.t_admit is None:
             req.t_admit = t0
@@ -336,15 +350,30 @@ class EngineCore:
         if streaming_text:
             seg.bistream = self._new_bistream(seg)
             self._bistream_advance(req, seg)
-            return
+            return None
         inp = seg.inputs
-        embeds = self.lm.embed_prompt(inp.text_ids, inp.llm_prompt_speech_tokens, inp.prompt_text_ids)
-        token = self.lm_runner.prefill(slot, embeds)
-        seg.pos = embeds.shape[0]
-        if req.lm_index == 0:
-            req.times.llm_prefill_s = time.perf_counter() - t0
-        self._set_decoding(seg, True)
-        self._accept_token(req, seg, token)
+        return self.lm.embed_prompt(inp.text_ids, inp.llm_prompt_speech_tokens, inp.prompt_text_ids)
+
+    def _prefill(self, batch: list, t0: float) -> None:
+        try:
+            tokens = self.lm_runner.prefill_many([(slot, embeds) for _, _, slot, embeds in batch])
+        except Exception as e:
+            if len(batch) == 1:
+                self._prefill_failed(batch[0][0], batch[0][2], e)
+                return
+            # e.g. out of memory for the batch, or one bad prompt: each prompt again alone, so only a
+            # prompt that fails by itself fails its request
+            faults.release_device_memory(e, self.lm_runner.device)
+            for item in batch:
+                self._prefill([item], t0)
+            return
+        elapsed = time.perf_counter() - t0
+        for (req, seg, _, embeds), token in zip(batch, tokens, strict=True):
+            seg.pos = embeds.shape[0]
+            if req.lm_index == 0:
+                req.times.llm_prefill_s = elapsed
+            self._set_decoding(seg, True)
+            self._accept_token(req, seg, token)
 
     def _set_decoding(self, seg: Segment, decoding: bool) -> None:
         seg.lm_status = LMStatus.decoding if decoding else LMStatus.waiting_text

@@ -23,6 +23,8 @@ from cosystream.models.sampling import MAX_TOP_K, SamplingBatch, sample_tokens
 
 _BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512)
 _LEN_BUCKETS = (256, 512, 1024, 2048, 4096, 8192)
+_PREFILL_ROWS = (1, 2, 4, 8, 16)  # prompts per prefill replay (batch buckets)
+_MAX_PREFILL_ROWS = _PREFILL_ROWS[-1]
 _PREFILL_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 1024, 1536, 2048)
 
 
@@ -122,36 +124,73 @@ class LMRunner:
         return int(mark_non_finite(logp, token)[0])
 
     def _prefill_graphed(self, slot: int, embeds: torch.Tensor) -> int:
-        """PERF: a new stream's prompt runs as one graph replay at a padded length bucket; the padding
-        sits after the prompt, so causal attention never lets the prompt see it, and its keys land at
-        positions the stream overwrites before reading them."""
-        n = embeds.shape[0]
-        padded = next(b for b in _PREFILL_BUCKETS + (self.max_len,) if b >= n)
-        padded = min(padded, self.max_len)
-        x = torch.zeros(1, padded, embeds.shape[1], device=self.device, dtype=self.dtype)
-        x[0, :n] = embeds.to(self.device, self.dtype)
-        slot_t = torch.tensor([slot], device=self.device)
-        last_t = torch.tensor([n - 1], device=self.device)
-        if padded not in self.prefill_graphs.graphs:
+        return self._prefill_padded([(slot, embeds)])[0]
+
+    @torch.inference_mode()
+    def prefill_many(self, items: list[tuple[int, torch.Tensor]]) -> list[int]:
+        """Prefill several new streams from position 0: items are (slot, embeds [n, d]). Returns each
+        stream's first token (host ints), as `prefill` would.
+
+        PERF: prompts of one padded length bucket run as one graph replay of up to _MAX_PREFILL_ROWS rows
+        (16 prompts of a burst cost ≈ one prompt, not sixteen); the padding sits after each prompt, so
+        causal attention never lets the prompt see it, and its keys land at positions the stream
+        overwrites before reading them. Rows padding the batch to its bucket repeat the last prompt: they
+        write the same values to the same places.
+        """
+        for _, embeds in items:
+            if embeds.shape[0] >= self.max_len:
+                raise ValueError(f"prompt of {embeds.shape[0]} positions exceeds max_len {self.max_len}")
+        if not self.use_graphs:
+            return [self.prefill(slot, embeds) for slot, embeds in items]
+        return self._prefill_padded(items)
+
+    def _prefill_padded(self, items: list[tuple[int, torch.Tensor]]) -> list[int]:
+        tokens = [0] * len(items)
+        by_length: dict[int, list[int]] = {}
+        for i, (_, embeds) in enumerate(items):
+            by_length.setdefault(self._prefill_length(embeds.shape[0]), []).append(i)
+        for padded, members in by_length.items():
+            for start in range(0, len(members), _MAX_PREFILL_ROWS):
+                part = members[start:start + _MAX_PREFILL_ROWS]
+                for i, token in zip(part, self._prefill_batch(padded, [items[i] for i in part]), strict=True):
+                    tokens[i] = token
+        return tokens
+
+    def _prefill_length(self, n: int) -> int:
+        return min(next(b for b in _PREFILL_BUCKETS + (self.max_len,) if b >= n), self.max_len)
+
+    def _prefill_batch(self, padded: int, items: list[tuple[int, torch.Tensor]]) -> list[int]:
+        count = len(items)
+        rows = next(b for b in _PREFILL_ROWS if b >= count)
+        items = items + [items[-1]] * (rows - count)
+        x = torch.zeros(rows, padded, items[0][1].shape[1], device=self.device, dtype=self.dtype)
+        for r, (_, embeds) in enumerate(items):
+            x[r, :embeds.shape[0]] = embeds.to(self.device, self.dtype)
+        slot_t = torch.tensor([slot for slot, _ in items], device=self.device)
+        last_t = torch.tensor([embeds.shape[0] - 1 for _, embeds in items], device=self.device)
+        key = (rows, padded)
+        if key not in self.prefill_graphs.graphs:
             # capturing also runs the step (warm-up + replay): undo what that did to the rows' state
             saved = [t.clone() for t in self._state_tensors()]
-            self.prefill_graphs.run(padded, [x, slot_t, last_t])
+            self.prefill_graphs.run(key, [x, slot_t, last_t])
             for t, old in zip(self._state_tensors(), saved, strict=True):
                 t.copy_(old)
-        (token,) = self.prefill_graphs.run(padded, [x, slot_t, last_t])
-        return int(token[0])
+        (token,) = self.prefill_graphs.run(key, [x, slot_t, last_t])
+        return token.tolist()[:count]
 
     def _prefill_core(self, x: torch.Tensor, slot: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor]:
-        zero = torch.zeros(1, device=self.device, dtype=torch.long)
-        h = self._forward(x, zero, self.cache, attn_len=x.shape[1], slots=slot)[0].index_select(0, last)
+        rows, _, width = x.shape
+        zero = torch.zeros(rows, device=self.device, dtype=torch.long)
+        h = self._forward(x, zero, self.cache, attn_len=x.shape[1], slots=slot)
+        h = h.gather(1, last.view(rows, 1, 1).expand(rows, 1, width)).squeeze(1)  # each row's last position
         s = self.sampling
-        rows = SamplingBatch(*(getattr(s, f).index_select(0, slot) for f in SamplingBatch.__dataclass_fields__))
+        picked = SamplingBatch(*(getattr(s, f).index_select(0, slot) for f in SamplingBatch.__dataclass_fields__))
         logp = self.lm.logp(h)
-        token = self._sample(logp, rows, self.eos)
+        token = self._sample(logp, picked, self.eos)
         self.tokens.index_copy_(0, slot, token)
         self.out.index_copy_(0, slot, token)
-        s.steps.index_copy_(0, slot, rows.steps + 1)
-        s.history.index_copy_(0, slot, torch.cat([rows.history[:, 1:], token.unsqueeze(1)], dim=1))
+        s.steps.index_copy_(0, slot, picked.steps + 1)
+        s.history.index_copy_(0, slot, torch.cat([picked.history[:, 1:], token.unsqueeze(1)], dim=1))
         self.positions.index_copy_(0, slot, last + 1)
         return (mark_non_finite(logp, token),)
 
@@ -249,6 +288,18 @@ class LMRunner:
         self._pool = graph.pool()
         self.graphs[(b, attn_len)] = graph
         return graph
+
+    def capture_prefill(self, slot: int, max_positions: int = 512) -> int:
+        """Capture the batched prefill graphs for prompts up to `max_positions` (server warm-up), working
+        in `slot`, which must be free (its rows are overwritten). Returns the prefill graph count."""
+        if not self.use_graphs:
+            return 0
+        width = self.lm.dims.hidden_size
+        for padded in (n for n in _PREFILL_BUCKETS if n <= max_positions):
+            for rows in _PREFILL_ROWS:
+                if (rows, padded) not in self.prefill_graphs.graphs:
+                    self._prefill_batch(padded, [(slot, torch.zeros(padded - 1, width, device=self.device))] * rows)
+        return len(self.prefill_graphs.graphs)
 
     def capture_all(self, max_position: int | None = None) -> int:
         """Capture every (batch, length) bucket up front (server warm-up); returns the graph count."""

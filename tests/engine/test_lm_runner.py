@@ -43,6 +43,26 @@ def test_padded_prefill_and_batched_decode_match_each_stream_alone(lm):
         assert together[slot] == alone[slot]
 
 
+def test_prompts_prefilled_together_match_each_stream_alone(lm):
+    """One padded replay for prompts of one length bucket (rows beyond them repeat the last prompt)."""
+    g = torch.Generator().manual_seed(1)
+    lengths = {0: 37, 1: 50, 2: 70, 3: 41}  # 37, 50, 41 share a bucket (3 prompts -> 4 rows); 70 does not
+    prompts = {slot: torch.randn(n, lm.dims.hidden_size, generator=g) * 0.5 for slot, n in lengths.items()}
+    runner = LMRunner(lm, max_slots=4, max_len=512, use_graphs=False)
+    for slot in prompts:
+        runner.set_row_sampling(slot, _sampling(slot))
+        runner.set_active(slot, True)
+    first = runner._prefill_padded(list(prompts.items()))
+    together = {slot: [token] for slot, token in zip(prompts, first, strict=True)}
+    for _ in range(5):
+        tokens = runner.decode(4, 200)
+        for slot in prompts:
+            together[slot].append(tokens[slot])
+    assert runner.positions.tolist() == [n + 5 for n in lengths.values()]
+    for slot, prompt in prompts.items():
+        assert together[slot] == _run(lm, {slot: prompt}, steps=5, padded_prefill=False)[slot]
+
+
 def test_idle_rows_keep_their_state(lm):
     """A row that is not decoding (free or parked) is not advanced by other rows' steps."""
     runner = LMRunner(lm, max_slots=3, max_len=256, use_graphs=False)
