@@ -342,17 +342,19 @@ class EngineCore:
             req.times.queue_s = t0 - req.t_submit - req.times.frontend_s
         seg.slot = slot
         self.slot_owner[slot] = req
-        streaming_text = seg.text_stream
-        # bistream: EOS stays masked while text streams in (the reference's ignore_eos=True)
-        min_len = _NEVER if streaming_text else seg.min_len
-        self.lm_runner.set_row_sampling(slot, replace(req.sampling, seed=req.sampling.seed + req.lm_index,
-                                                      min_len=min_len))
-        if streaming_text:
+        self._reset_row_sampling(req, seg)
+        if seg.text_stream:
             seg.bistream = self._new_bistream(seg)
             self._bistream_advance(req, seg)
             return None
         inp = seg.inputs
         return self.lm.embed_prompt(inp.text_ids, inp.llm_prompt_speech_tokens, inp.prompt_text_ids)
+
+    def _reset_row_sampling(self, req: RequestState, seg: Segment) -> None:
+        # bistream: EOS stays masked while text streams in (the reference's ignore_eos=True)
+        min_len = _NEVER if seg.text_stream else seg.min_len
+        self.lm_runner.set_row_sampling(seg.slot, replace(req.sampling, seed=req.sampling.seed + req.lm_index,
+                                                          min_len=min_len))
 
     def _prefill(self, batch: list, t0: float) -> None:
         try:
@@ -365,6 +367,8 @@ class EngineCore:
             # prompt that fails by itself fails its request
             faults.release_device_memory(e, self.lm_runner.device)
             for item in batch:
+                # the failed batch may have sampled for this row already (steps, RAS history): start it afresh
+                self._reset_row_sampling(item[0], item[1])
                 self._prefill([item], t0)
             return
         elapsed = time.perf_counter() - t0
