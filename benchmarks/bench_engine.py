@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import platform
 import subprocess
 import sys
@@ -109,8 +110,8 @@ async def ensure_voice(engine: Any, name: str, prompt_wav: str | Path, prompt_te
         return "registered"
 
 
-async def run(engine: Any, args: argparse.Namespace, prompt_wav: Path,
-              stop: asyncio.Event | None = None) -> tuple[list[RequestRecord], list[LevelSummary]]:
+async def run(engine: Any, args: argparse.Namespace, prompt_wav: Path, stop: asyncio.Event | None = None,
+              log: Any = None) -> tuple[list[RequestRecord], list[LevelSummary]]:
     """Register the voice, then warm up and run every level against `engine`."""
     stop = stop or asyncio.Event()
     _log(f"voice {args.voice!r}: {await ensure_voice(engine, args.voice, prompt_wav, args.prompt_text)}")
@@ -118,7 +119,7 @@ async def run(engine: Any, args: argparse.Namespace, prompt_wav: Path,
     rates = [float(v) for v in _split(args.rate)]
     plans = build_plans(concurrency or ([] if rates else [1]), rates, args.requests_per_level, args.duration)
     send = make_send(engine, make_params(args), args.timeout, time.perf_counter())
-    return await run_benchmark(send, plans, stop, args.warmup_requests, args.seed, _log)
+    return await run_benchmark(send, plans, stop, args.warmup_requests, args.seed, log or _log)
 
 
 def _split(value: str | None) -> list[str]:
@@ -126,6 +127,10 @@ def _split(value: str | None) -> list[str]:
 
 
 def _commit() -> str:
+    """The commit that runs: $COSYSTREAM_COMMIT where the tree is a copy without a current .git (the
+    device machine's), else git's HEAD."""
+    if os.environ.get("COSYSTREAM_COMMIT"):
+        return os.environ["COSYSTREAM_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
                              cwd=Path(__file__).resolve().parent)
@@ -165,23 +170,43 @@ async def _amain(args: argparse.Namespace, tmp: Path) -> tuple[list[RequestRecor
     engine = AsyncEngine.from_pretrained(args.model_dir, **config)
     try:
         await asyncio.to_thread(engine.warmup)  # graph capture is not part of any request's latency
-        before, t0 = engine.stats(), time.perf_counter()
-        result = await run(engine, args, prompt_wav)
-        _log(_busy_line(before, engine.stats(), time.perf_counter() - t0))
-        return result
+        return await run(engine, args, prompt_wav, log=_busy_logger(engine))
     finally:
         engine.close()
 
 
+def _busy_logger(engine: Any) -> Any:
+    """A log function that follows each line (warm-up, every level) with the engine's busy time since the
+    previous one, so every level gets its own breakdown."""
+    mark = {"stats": engine.stats(), "t": time.perf_counter()}
+
+    def log(message: str) -> None:
+        _log(message)
+        stats, now = engine.stats(), time.perf_counter()
+        _log("  " + _busy_line(mark["stats"], stats, now - mark["t"]))
+        mark.update(stats=stats, t=now)
+
+    return log
+
+
 def _busy_line(before: dict[str, float], after: dict[str, float], wall_s: float) -> str:
-    """Where the GPU owner's time went over the whole run (every level and warm-up request)."""
+    """Where the GPU owner's time went between two reads of the engine's stats."""
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     batches = max(d.get("token2wav_batches", 0.0), 1.0)
     return (f"engine busy over {wall_s:.1f} s: LM {d.get('lm_busy_seconds', 0.0):.1f} s "
             f"({d.get('num_steps', 0.0):.0f} steps), token-to-wave {d.get('token2wav_busy_seconds', 0.0):.1f} s "
             f"(flow {d.get('token2wav_flow_seconds', 0.0):.1f}, vocoder {d.get('token2wav_vocoder_seconds', 0.0):.1f}; "
             f"{d.get('token2wav_batches', 0.0):.0f} batches, {d.get('token2wav_chunks', 0.0) / batches:.1f} "
-            f"chunks per batch, {1000 * d.get('token2wav_busy_seconds', 0.0) / batches:.1f} ms per batch)")
+            f"chunks per batch, {1000 * d.get('token2wav_busy_seconds', 0.0) / batches:.1f} ms per batch)"
+            + _stage_line(d))
+
+
+def _stage_line(d: dict[str, float]) -> str:
+    """Token-to-wave seconds per stage over the run: GPU (host) — where the worker's time goes."""
+    stages = [k[len("token2wav_"):-len("_gpu_seconds")] for k in d if k.endswith("_gpu_seconds")]
+    parts = [f"{s} {d[f'token2wav_{s}_gpu_seconds']:.2f} ({d.get(f'token2wav_{s}_host_seconds', 0.0):.2f})"
+             for s in stages]
+    return "\n  token-to-wave stages, GPU s (host s): " + ", ".join(parts) if parts else ""
 
 
 def main(argv: list[str] | None = None) -> int:

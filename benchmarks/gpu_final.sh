@@ -3,13 +3,24 @@
 # workload). Two parts, each under the device tool's 10-minute limit per command:
 #   bash benchmarks/gpu_final.sh engine   # GPU tests, stage times, closed-loop engine levels 1..128
 #   bash benchmarks/gpu_final.sh more     # first hop 15, open loop, offline batch RTF, HTTP
+#   bash benchmarks/gpu_final.sh stages   # GPU tests, stage times, levels 1/16/28 with token-to-wave stage lines
 # JSON/PNG go under $OUT.
 source benchmarks/gpu_prep.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 POOL="--config flow_slots=28 --config flow_frames=832"
 B="python3 benchmarks/bench_engine.py --model-dir /tmp/m05 --device cuda --dtype bfloat16 --warmup-requests 3 $POOL"
 
-if [ "${1:-engine}" = ab ]; then
+if [ "${1:-engine}" = stages ]; then
+  # where the time goes: GPU tests, token-to-wave stage times, engine levels with per-level busy/stage lines
+  if [ -d .fixtures ]; then
+    COSYSTREAM_FIXTURES=$PWD/.fixtures/cosyvoice2-tiny python3 -m pytest -q -p no:cacheprovider tests/gpu tests/kernels \
+      tests/models/test_flow.py 2>&1 | tail -1
+  fi
+  python3 benchmarks/profile_stages.py --model-dir /tmp/m05 --only t2w --batches 1,16 --iters 5 \
+    --json "$OUT/stages.json" 2>&1 | grep "^|" | grep -v "^|  *[0-9]"
+  $B ${EXTRA:-} --concurrency ${LEVELS:-1,16,28} --requests-per-level 32 --out "$OUT/engine_stages.json" 2>&1 \
+    | grep -E "^\| c|busy|stages|Error|Traceback"
+elif [ "${1:-engine}" = ab ]; then
   # the LM/token-to-wave overlap against the serial loop; a hang dumps every thread's stack (faulthandler)
   export PYTHONFAULTHANDLER=1
   python3 benchmarks/profile_stages.py --model-dir /tmp/m05 --only t2w --batches 1 --iters 5 2>&1 | grep "^|" | grep -v kernels

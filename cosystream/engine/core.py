@@ -152,6 +152,7 @@ class EngineCore:
                "lm_busy_seconds": self.lm_busy_s, "token2wav_busy_seconds": self.t2w_busy_s,
                "token2wav_flow_seconds": self.t2w_flow_s, "token2wav_vocoder_seconds": self.t2w_vocoder_s,
                "token2wav_batches": float(self.t2w_batches), "token2wav_chunks": float(self.t2w_chunks)}
+        out.update(self.t2w.watch.stats())  # per-stage host and GPU seconds of the token-to-wave batches
         device = self.lm_runner.device
         if device.type == "cuda":
             out["gpu_memory_allocated_bytes"] = float(torch.cuda.memory_allocated(device))
@@ -713,6 +714,7 @@ def _buffered_audio_s(req: RequestState, now: float) -> float:
 def run_jobs(t2w: Any, jobs: list[_Job], device: torch.device) -> list[tuple | None]:
     """Open the streams that start with this batch, then voice every job whose stream is open. Returns
     each job's (pcm, flow_s, vocoder_s); None for a job that failed alone (its error is on the job)."""
+    t2w.watch.start()
     for job in jobs:
         if job.open_args is not None:
             try:
@@ -720,6 +722,7 @@ def run_jobs(t2w: Any, jobs: list[_Job], device: torch.device) -> list[tuple | N
             except Exception as e:  # e.g. out of memory building the voice's prompt state
                 faults.release_device_memory(e, device)
                 job.error = e
+    t2w.watch.lap("open")
     runnable = [job for job in jobs if job.error is None]
     results = t2w.run([(job.state, job.seg.tokens[:], job.plan) for job in runnable]) if runnable else []
     by_job = {id(job): result for job, result in zip(runnable, results, strict=True)}

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from cosystream.engine.graphs import GraphCache, bucket, maybe_compile
+from cosystream.engine.stopwatch import Stopwatch
 from cosystream.kernels import flow as flow_kernels
 from cosystream.kernels import reference as reference_kernels
 from cosystream.kernels import triton_usable
@@ -48,7 +49,7 @@ class PooledStream:
 class FlowRunner:
     def __init__(self, flow: Flow, num_slots: int, max_frames: int, use_graphs: bool = True,
                  compile: bool = False, fused_kernels: bool = True,
-                 capture_stream: torch.cuda.Stream | None = None) -> None:
+                 capture_stream: torch.cuda.Stream | None = None, watch: Stopwatch | None = None) -> None:
         self.flow = flow
         self.cfm = flow.decoder
         est = flow.decoder.estimator
@@ -67,6 +68,7 @@ class FlowRunner:
         self.full_graphs = GraphCache(self._ode_full, self.device, use_graphs, stream=capture_stream)
         self.encoder_graphs = GraphCache(self._encode_core, self.device, use_graphs, stream=capture_stream)
         self._step = maybe_compile(est.step, compile)
+        self.watch = watch or Stopwatch(self.device)
         self.profile = False  # record CUDA events around the encoder and the ODE (last_timing)
         self.last_timing: list[torch.cuda.Event] | None = None
         self.attention_ops = flow_kernels if fused_kernels and triton_usable(self.device) else reference_kernels
@@ -114,6 +116,7 @@ class FlowRunner:
         mu = torch.zeros(padded, self.cfm.num_bins, num_new, device=self.device, dtype=self.dtype)
         for i, (s, (ids, ctx)) in enumerate(zip(streams, windows, strict=True)):
             mu[i] = self._encode(s.encoder, ids, ctx)
+        self.watch.lap("encoder")
         attn_len = self.attn_len_for(max(starts) + num_new)
         z = torch.zeros(padded, self.cfm.num_bins, num_new, device=self.device)
         z[:b] = torch.cat([self.cfm.noise(f0, num_new) for f0 in starts]).to(self.device)
@@ -132,11 +135,14 @@ class FlowRunner:
         self.capture(padded, num_new, attn_len)
         if timing:
             timing[1].record()
+        self.watch.lap("ode_setup")
         (x,) = self.graphs.run((padded, num_new, attn_len), [z, mu, spks, cond, slots, start_t, marker])
         if timing:
             timing[2].record()
             self.last_timing = timing
-        return [x[i].clone() for i in range(b)]
+        out = [x[i].clone() for i in range(b)]
+        self.watch.lap("ode")
+        return out
 
     def _encode(self, state: EncoderState, ids: torch.Tensor, context: torch.Tensor | None) -> torch.Tensor:
         """mu [80, 2n] of a stream's n new tokens; updates its encoder state.
@@ -254,9 +260,12 @@ class FlowRunner:
             spks[j] = prompt.spks
             slots[j], valid[j] = slot, frames
             lengths.append(frames)
+        self.watch.lap("final_encoder")
         marker = torch.empty(padded, device=dev, dtype=torch.int8)
         (x,) = self.full_graphs.run((rows, padded), [z, mu, spks, cond, slots, valid, marker])
-        return [x[j, :, :frames].clone() for j, frames in enumerate(lengths)]
+        out = [x[j, :, :frames].clone() for j, frames in enumerate(lengths)]
+        self.watch.lap("final_ode")
+        return out
 
     def _ode_full(self, z, mu, spks, cond, slots, valid, marker) -> tuple[torch.Tensor]:
         """Full attention over each row's first `valid` frames; its rows start with zero conv tails

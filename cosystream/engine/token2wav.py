@@ -23,6 +23,7 @@ from cosystream.config import EngineConfig
 from cosystream.engine.chunking import ChunkPlan
 from cosystream.engine.flow_runner import FlowRunner, PooledStream
 from cosystream.engine.graphs import GraphCache, bucket, capture_stream, maybe_compile
+from cosystream.engine.stopwatch import Stopwatch
 from cosystream.models.flow import UPSAMPLE
 from cosystream.models.flow_stream import FlowStream, FlowStreamState, PromptCache, cache_bytes_per_frame
 from cosystream.models.hift import MEL_CACHE_FRAMES, HiFTGenerator, crossfade, fade_window
@@ -58,9 +59,11 @@ class Token2WavRunner:
         self.device = flow.input_embedding.weight.device
         # token-to-wave graphs may replay beside the LM's (overlap): captured on a stream of their own
         graph_stream = capture_stream(self.device)
+        self.watch = Stopwatch(self.device)  # stage times of the batches the engine runs
         slots = _pool_slots(flow, config) if self.device.type == "cuda" else 0
         self.pool = (FlowRunner(flow, slots, config.flow_frames, config.cuda_graphs, config.compile,
-                                config.fused_kernels, capture_stream=graph_stream) if slots else None)
+                                config.fused_kernels, capture_stream=graph_stream, watch=self.watch)
+                     if slots else None)
         self.overlap = MEL_CACHE_FRAMES * hift.upsample_scale  # 3840 samples
         self.window = fade_window(self.overlap, self.device)
         self.source_override = source_override
@@ -142,7 +145,10 @@ class Token2WavRunner:
         mels = self._flow(jobs)
         t1 = self._now()
         wavs = self._vocode([(st, mel, plan.is_final) for (st, _, plan), mel in zip(jobs, mels, strict=True)])
+        self.watch.lap("vocoder")
         host = [w.float().cpu().numpy() for w in wavs]
+        self.watch.lap("to_host")
+        self.watch.settle()
         t2 = time.perf_counter()
         return [(pcm, t1 - t0, t2 - t1) for pcm in host]
 
@@ -159,7 +165,9 @@ class Token2WavRunner:
         for i, (st, tokens, plan) in enumerate(jobs):
             ids = self._tokens(tokens[:plan.token_end])
             if plan.provisional:
+                self.watch.lap("flow_setup")
                 mels[i] = self._provisional(st, ids, plan)
+                self.watch.lap("provisional")
                 continue
             window = self.stream._window(st.flow, ids, finalize=plan.is_final)
             self._spill_if_full(st, window[0].shape[0])
@@ -171,9 +179,12 @@ class Token2WavRunner:
             elif plan.is_final and self.final_attention == "full" and pooled:
                 finals.append((i, st, ids, plan))
             elif plan.is_final and not pooled:
+                self.watch.lap("flow_setup")
                 mels[i] = self._finish_eager(st, ids, plan)
+                self.watch.lap("eager_flow")
             else:
                 groups.setdefault((pooled, window[0].shape[0], plan.is_final), []).append((i, window))
+        self.watch.lap("flow_setup")
         for (pooled, _, final), members in groups.items():
             states = [jobs[i][0] for i, _ in members]
             starts = [st.flow.num_frames for st in states]
@@ -182,6 +193,7 @@ class Token2WavRunner:
                 out = self.pool.advance([st.flow for st in states], windows)
             else:
                 out = [m[0] for m in self.stream._advance([st.flow for st in states], windows, streaming=True)]
+                self.watch.lap("eager_flow")
             for (i, _), st, m, f0 in zip(members, states, out, starts, strict=True):
                 mels[i] = m[:, self._emitted_from(st, jobs[i][2]) - f0:]
                 if final:
@@ -200,6 +212,7 @@ class Token2WavRunner:
         for (i, st, ids, plan), mel in zip(finals, full, strict=True):
             if mel is None:
                 mels[i] = self._finish_eager(st, ids, plan)
+                self.watch.lap("eager_flow")
                 continue
             st.flow.is_finished = True
             self.release(st)
