@@ -48,7 +48,8 @@ def timed(fn, device: torch.device, iters: int, warmup: int = 3) -> float:
 
 def count_kernels(fn, device: torch.device, show: int = 0) -> int:
     """GPU kernels one eager call of fn launches (what a CUDA graph of it replays); `show` prints the
-    most frequent kernel names."""
+    kernel names that take the most device time (count, total µs): their sum against the graph's time
+    tells kernel work from the gaps between kernels."""
     if device.type != "cuda":
         return 0
     from collections import Counter
@@ -60,9 +61,15 @@ def count_kernels(fn, device: torch.device, show: int = 0) -> int:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    names = Counter(e.name[:90] for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    for name, n in names.most_common(show):
-        print(f"  {n:5d}  {name}", flush=True)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    names = Counter(e.name[:90] for e in kernels)
+    busy: Counter = Counter()
+    for e in kernels:
+        busy[e.name[:90]] += getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)
+    if show:
+        print(f"  kernel time {sum(busy.values()):.0f} µs in {sum(names.values())} kernels", flush=True)
+    for name, us in busy.most_common(show):
+        print(f"  {names[name]:5d}  {us:8.0f} µs  {name}", flush=True)
     return sum(names.values())
 
 

@@ -22,10 +22,11 @@ from cosystream.kernels import flow as flow_kernels
 from cosystream.kernels import reference as reference_kernels
 from cosystream.kernels import triton_usable
 from cosystream.models.estimator import PooledKV
-from cosystream.models.flow import UPSAMPLE, EncoderState, Flow
-from cosystream.models.flow_stream import FlowStream, PromptCache
+from cosystream.models.flow import LOOKAHEAD_CONTEXT, UP_CONTEXT, UPSAMPLE, EncoderState, Flow
+from cosystream.models.flow_stream import PromptCache
 
 _LEN_BUCKET = 128  # attended frames are rounded up to a multiple of this (fewer graphs, little waste)
+_ENCODER_ROWS = (1, 2, 4, 8, 16, 32)  # streams per batched encoder step (graph buckets)
 
 
 @dataclass
@@ -60,13 +61,18 @@ class FlowRunner:
         self.kv = torch.zeros(steps, est.num_attention_blocks, 2, rows, max_frames, est.inner_dim,
                               device=self.device, dtype=self.dtype)
         self.conv = torch.zeros(steps, rows, est.conv_state_channels, 2, device=self.device, dtype=self.dtype)
+        # every slot's encoder caches (pooled streams' EncoderState tensors are views of their slot's row),
+        # so the encoder steps of many streams run as one batch that reads and writes the pool in place
+        pool_enc = flow.encoder.new_state(max_frames // UPSAMPLE)
+        self.enc_tokens = pool_enc.kv_tokens.unsqueeze(0).repeat(num_slots + 1, 1, 1, 1, 1)
+        self.enc_frames = pool_enc.kv_frames.unsqueeze(0).repeat(num_slots + 1, 1, 1, 1, 1)
         self.max_frames = max_frames
         self.free = list(range(num_slots))
         self.scratch = num_slots
         self.chunk = est.dims.static_chunk_size
         self.graphs = GraphCache(self._ode, self.device, use_graphs, stream=capture_stream)
-        self.full_graphs = GraphCache(self._ode_full, self.device, use_graphs, stream=capture_stream)
         self.encoder_graphs = GraphCache(self._encode_core, self.device, use_graphs, stream=capture_stream)
+        self.final_graphs = GraphCache(self._final_core, self.device, use_graphs, stream=capture_stream)
         self._step = maybe_compile(est.step, compile)
         self.watch = watch or Stopwatch(self.device)
         self.profile = False  # record CUDA events around the encoder and the ODE (last_timing)
@@ -88,12 +94,21 @@ class FlowRunner:
         try:
             self.kv[:, :, :, rows, :n] = prompt.kv
             self.conv[:, rows] = prompt.conv
-            encoder = FlowStream(self.flow).encoder_from_prompt(prompt, self.max_frames // UPSAMPLE)
+            encoder = self._encoder_in_slot(slot, prompt)
         except BaseException:  # e.g. out of memory for the encoder state: the slot is not lost
             self.free.append(slot)
             self.free.sort()
             raise
         return PooledStream(slot, prompt, encoder)
+
+    def _encoder_in_slot(self, slot: int, prompt: PromptCache) -> EncoderState:
+        """The encoder state of a stream opened in `slot`: views of the slot's pool row, holding the voice's
+        prompt caches."""
+        n = prompt.num_tokens
+        self.enc_tokens[slot, :, :, :n] = prompt.encoder.kv_tokens
+        self.enc_frames[slot, :, :, :UPSAMPLE * n] = prompt.encoder.kv_frames
+        return EncoderState(self.enc_tokens[slot], self.enc_frames[slot], prompt.encoder.lookahead_tail.clone(),
+                            prompt.encoder.up_tail.clone(), n)
 
     def close(self, stream: PooledStream) -> None:
         if stream.slot not in self.free:
@@ -114,8 +129,7 @@ class FlowRunner:
         num_new = UPSAMPLE * windows[0][0].shape[0]
         b, padded = len(streams), bucket(len(streams))
         mu = torch.zeros(padded, self.cfm.num_bins, num_new, device=self.device, dtype=self.dtype)
-        for i, (s, (ids, ctx)) in enumerate(zip(streams, windows, strict=True)):
-            mu[i] = self._encode(s.encoder, ids, ctx)
+        self._encode_all(streams, windows, mu)
         self.watch.lap("encoder")
         attn_len = self.attn_len_for(max(starts) + num_new)
         z = torch.zeros(padded, self.cfm.num_bins, num_new, device=self.device)
@@ -144,35 +158,76 @@ class FlowRunner:
         self.watch.lap("ode")
         return out
 
-    def _encode(self, state: EncoderState, ids: torch.Tensor, context: torch.Tensor | None) -> torch.Tensor:
-        """mu [80, 2n] of a stream's n new tokens; updates its encoder state.
+    def _encode_all(self, streams: Sequence[PooledStream], windows: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
+                    mu: torch.Tensor) -> None:
+        """mu[i] [80, 2n] for each stream's n new tokens; updates the streams' encoder states. Streams at the
+        same token with the same window shape share one batched step."""
+        groups: dict[tuple[int, int, bool], list[int]] = {}
+        for i, (s, (ids, ctx)) in enumerate(zip(streams, windows, strict=True)):
+            groups.setdefault((s.encoder.num_tokens, ids.shape[0], ctx is not None), []).append(i)
+        for (start, n, _), members in groups.items():
+            if not self._pooled_encoder(streams[members[0]]) or start + n > self.enc_tokens.shape[3]:
+                for i in members:  # a state that left the pool (or must grow) steps eagerly
+                    mu[i] = self.flow.encode_step(windows[i][0], windows[i][1], streams[i].encoder, streaming=True)
+                continue
+            for part in range(0, len(members), _ENCODER_ROWS[-1]):
+                chunk = members[part:part + _ENCODER_ROWS[-1]]
+                out = self._encode_batch([streams[i] for i in chunk], [windows[i] for i in chunk])
+                for j, i in enumerate(chunk):
+                    mu[i] = out[j]
 
-        PERF: the encoder step is ~300 small kernels; it runs as a graph keyed by (first token, n,
-        look-ahead or not), with the stream's state copied into the graph's buffers and back (≈ 12 MB
-        each way for the 0.5B flow, a few microseconds). States that would have to grow run eagerly.
+    def _pooled_encoder(self, stream: PooledStream) -> bool:
+        return stream.encoder.kv_tokens.data_ptr() == self.enc_tokens[stream.slot].data_ptr()
+
+    def _encode_batch(self, streams: Sequence[PooledStream], windows: Sequence[tuple[torch.Tensor, torch.Tensor | None]]
+                      ) -> torch.Tensor:
+        """One encoder step for streams that are all at the same token: mu [B, 80, 2n].
+
+        PERF: the step is ~300 small kernels; it runs as one graph keyed by (batch bucket, first token, n,
+        look-ahead or not) that reads and writes the streams' pool rows in place (padding rows use the
+        scratch slot), instead of one graph per stream.
         """
-        start, n = state.num_tokens, ids.shape[0]
-        if not self.encoder_graphs.enabled or start + n > state.kv_tokens.shape[2]:
-            return self.flow.encode_step(ids, context, state, streaming=True)
-        has_context = context is not None
-        ctx = context if has_context else ids.new_zeros(self.flow.dims.pre_lookahead_len)
+        b, rows = len(streams), bucket(len(streams), _ENCODER_ROWS)
+        start, n = streams[0].encoder.num_tokens, windows[0][0].shape[0]
+        has_context = windows[0][1] is not None
+        look = self.flow.dims.pre_lookahead_len
+        ids = torch.zeros(rows, n, dtype=torch.long, device=self.device)
+        ids[:b] = torch.stack([w[0] for w in windows]).to(self.device)
+        ctx = torch.zeros(rows, look, dtype=torch.long, device=self.device)
+        if has_context:
+            ctx[:b] = torch.stack([w[1] for w in windows]).to(self.device)
+        d = self.enc_tokens.shape[-1]
+        la_tail = torch.zeros(rows, LOOKAHEAD_CONTEXT, d, device=self.device, dtype=self.dtype)
+        la_tail[:b] = torch.stack([s.encoder.lookahead_tail for s in streams])
+        up_tail = torch.zeros(rows, UP_CONTEXT, d, device=self.device, dtype=self.dtype)
+        up_tail[:b] = torch.stack([s.encoder.up_tail for s in streams])
+        slots = torch.full((rows,), self.scratch, dtype=torch.long, device=self.device)
+        slots[:b] = torch.tensor([s.slot for s in streams], device=self.device)
         # shape-only markers carry the Python ints the step is specialised on (the graph key)
         marker = torch.empty(start, device=self.device, dtype=torch.int8)
         flag = torch.empty(int(has_context), device=self.device, dtype=torch.int8)
-        inputs = [ids.to(self.device), ctx.to(self.device), state.kv_tokens, state.kv_frames,
-                  state.lookahead_tail, state.up_tail, marker, flag]
-        mu, kv_tokens, kv_frames, lookahead_tail, up_tail = self.encoder_graphs.run((start, n, has_context), inputs)
-        if kv_tokens is not state.kv_tokens:  # replayed on the graph's buffers: bring the state back
-            state.kv_tokens.copy_(kv_tokens)
-            state.kv_frames.copy_(kv_frames)
-        state.lookahead_tail, state.up_tail = lookahead_tail.clone(), up_tail.clone()
-        state.num_tokens = start + n
-        return mu
+        key = (rows, start, n, has_context)
+        inputs = [ids, ctx, la_tail, up_tail, slots, marker, flag]
+        if key not in self.encoder_graphs.graphs and self.encoder_graphs.enabled:
+            # capturing runs the step outside the graph too: do it on the scratch slot only
+            self.encoder_graphs.run(key, [ids, ctx, la_tail, up_tail, torch.full_like(slots, self.scratch),
+                                          marker, flag])
+        mu, la_out, up_out = self.encoder_graphs.run(key, inputs)
+        for i, s in enumerate(streams):
+            s.encoder.lookahead_tail, s.encoder.up_tail = la_out[i].clone(), up_out[i].clone()
+            s.encoder.num_tokens = start + n
+        return mu[:b].clone()
 
-    def _encode_core(self, ids, ctx, kv_tokens, kv_frames, lookahead_tail, up_tail, marker, flag):
-        state = EncoderState(kv_tokens, kv_frames, lookahead_tail, up_tail, marker.shape[0])
-        mu = self.flow.encode_step(ids, ctx if flag.shape[0] else None, state, streaming=True)
-        return mu, state.kv_tokens, state.kv_frames, state.lookahead_tail, state.up_tail
+    def _encode_core(self, ids, ctx, la_tail, up_tail, slots, marker, flag):
+        start = marker.shape[0]
+        kv_tokens = self.enc_tokens.index_select(0, slots)
+        kv_frames = self.enc_frames.index_select(0, slots)
+        context = self.flow.embed_tokens(ctx) if flag.shape[0] else None
+        h, la_out, up_out = self.flow.encoder.step_batch(self.flow.embed_tokens(ids), context, kv_tokens, kv_frames,
+                                                        la_tail, up_tail, start, streaming=True)
+        self.enc_tokens.index_copy_(0, slots, kv_tokens)
+        self.enc_frames.index_copy_(0, slots, kv_frames)
+        return self.flow.encoder_proj(h).transpose(1, 2), la_out, up_out
 
     def _events(self) -> list[torch.cuda.Event] | None:
         """benchmarks/profile_stages.py: CUDA events before the encoder, before the ODE and after it."""
@@ -196,23 +251,25 @@ class FlowRunner:
         self.graphs.run((batch, num_new, attn_len), [z, mu, spks, torch.zeros_like(mu), slots, starts, marker])
 
     def capture_full(self, num_frames: int, batch: int = 1) -> None:
-        """Capture the full-attention final pass of `batch` streams of `num_frames` (prompt included)."""
-        if num_frames > self.max_frames or not self.full_graphs.enabled:
+        """Capture the final pass (encoder + full-attention ODE) of `batch` streams of `num_frames`
+        (prompt included), on the scratch slot."""
+        if num_frames > self.max_frames or not self.final_graphs.enabled:
             return
         padded = self._full_length(num_frames)
-        if (batch, padded) in self.full_graphs.graphs:
+        if (batch, padded) in self.final_graphs.graphs:
             return
         bins, dev = self.cfm.num_bins, self.device
-        mu = torch.zeros(batch, bins, padded, device=dev, dtype=self.dtype)
-        slots = torch.full((batch,), self.scratch, device=dev, dtype=torch.long)
-        valid = torch.full((batch,), num_frames, device=dev, dtype=torch.long)
-        self.full_graphs.run((batch, padded), [torch.zeros(batch, bins, padded, device=dev), mu,
-                                               torch.zeros(batch, bins, device=dev, dtype=self.dtype),
-                                               torch.zeros_like(mu), slots, valid,
-                                               torch.empty(padded, device=dev, dtype=torch.int8)])
+        tokens = padded // UPSAMPLE
+        self.final_graphs.run((batch, padded), [
+            torch.zeros(batch, tokens, dtype=torch.long, device=dev),
+            torch.full((batch,), num_frames // UPSAMPLE, device=dev, dtype=torch.long),
+            torch.zeros(batch, bins, padded, device=dev), torch.zeros(batch, bins, device=dev, dtype=self.dtype),
+            torch.zeros(batch, bins, padded, device=dev, dtype=self.dtype),
+            torch.full((batch,), self.scratch, device=dev, dtype=torch.long)])
 
     def _full_length(self, num_frames: int) -> int:
-        return min(-(-num_frames // _LEN_BUCKET) * _LEN_BUCKET, self.max_frames)
+        """Frames a final pass is padded to (even: whole tokens)."""
+        return min(-(-num_frames // _LEN_BUCKET) * _LEN_BUCKET, self.max_frames - self.max_frames % UPSAMPLE)
 
     def attn_len_for(self, end_frame: int) -> int:
         return min(-(-end_frame // _LEN_BUCKET) * _LEN_BUCKET, self.max_frames)
@@ -241,39 +298,42 @@ class FlowRunner:
         return out
 
     def _full_batch(self, padded: int, items: Sequence[tuple[PromptCache, torch.Tensor, int]]) -> list[torch.Tensor]:
+        """PERF: the finalizing encoder of every stream (padded to the batch's length, masked) and the ODE
+        run as one graph replay per (batch bucket, padded length)."""
         rows = bucket(len(items))
         bins, dev = self.cfm.num_bins, self.device
         z = torch.zeros(rows, bins, padded, device=dev)
-        mu = torch.zeros(rows, bins, padded, device=dev, dtype=self.dtype)
-        cond = torch.zeros_like(mu)
+        cond = torch.zeros(rows, bins, padded, device=dev, dtype=self.dtype)
         spks = torch.zeros(rows, bins, device=dev, dtype=self.dtype)
+        ids = torch.zeros(rows, padded // UPSAMPLE, dtype=torch.long, device=dev)
+        valid = torch.full((rows,), padded // UPSAMPLE, device=dev, dtype=torch.long)
         slots = torch.full((rows,), self.scratch, device=dev, dtype=torch.long)
-        valid = torch.full((rows,), padded, device=dev, dtype=torch.long)
         lengths = []
-        for j, (prompt, ids, slot) in enumerate(items):
-            all_ids = torch.cat([prompt.prompt_tokens, ids.to(prompt.prompt_tokens.device, torch.long)])
+        for j, (prompt, target, slot) in enumerate(items):
+            all_ids = torch.cat([prompt.prompt_tokens, target.to(prompt.prompt_tokens.device, torch.long)])
             frames = UPSAMPLE * all_ids.shape[0]
-            h = self.flow.encode(all_ids[None], streaming=False, finalize=True)
-            mu[j, :, :frames] = self.flow.encoder_proj(h)[0].T
+            ids[j, :all_ids.shape[0]] = all_ids
+            valid[j] = all_ids.shape[0]
             z[j, :, :frames] = self.cfm.noise(0, frames)[0].to(dev)
             cond[j, :, :prompt.prompt_mel.shape[0]] = prompt.prompt_mel.T
             spks[j] = prompt.spks
-            slots[j], valid[j] = slot, frames
+            slots[j] = slot
             lengths.append(frames)
-        self.watch.lap("final_encoder")
-        marker = torch.empty(padded, device=dev, dtype=torch.int8)
-        (x,) = self.full_graphs.run((rows, padded), [z, mu, spks, cond, slots, valid, marker])
+        self.watch.lap("final_setup")
+        (x,) = self.final_graphs.run((rows, padded), [ids, valid, z, spks, cond, slots])
         out = [x[j, :, :frames].clone() for j, frames in enumerate(lengths)]
-        self.watch.lap("final_ode")
+        self.watch.lap("final_pass")
         return out
 
-    def _ode_full(self, z, mu, spks, cond, slots, valid, marker) -> tuple[torch.Tensor]:
-        """Full attention over each row's first `valid` frames; its rows start with zero conv tails
-        (padding frames come after a row's frames: the causal convs never carry them backwards)."""
+    def _final_core(self, ids, valid, z, spks, cond, slots) -> tuple[torch.Tensor]:
+        """The official final call of each row: the finalizing encoder, then full attention over each
+        row's first 2·valid frames; its rows start with zero conv tails (padding frames come after a
+        row's frames: the causal convs never carry them backwards)."""
+        mu = self.flow.encode_padded(ids, valid)
         rows = torch.stack([2 * slots, 2 * slots + 1], dim=1).flatten()
         self.conv.index_fill_(1, rows, 0)
-        starts = torch.zeros_like(valid)
-        return self._integrate(z, mu, spks, cond, slots, starts, valid, 0, marker.shape[0])
+        frames = UPSAMPLE * valid
+        return self._integrate(z, mu, spks, cond, slots, torch.zeros_like(frames), frames, 0, z.shape[-1])
 
     def _ode(self, z, mu, spks, cond, slots, starts, marker) -> tuple[torch.Tensor]:
         """The 10-step CFG Euler ODE for a padded batch (graph body: static shapes, no host syncs).
@@ -304,7 +364,8 @@ class FlowRunner:
 
         rows = slice(2 * stream.slot, 2 * stream.slot + 2)
         n = stream.num_frames
-        state = FlowStreamState(stream.prompt, stream.encoder, self.kv[:, :, :, rows, :n].clone(),
+        # its encoder state lives in the slot's pool row too, which the next stream will overwrite
+        state = FlowStreamState(stream.prompt, stream.encoder.trimmed(), self.kv[:, :, :, rows, :n].clone(),
                                 self.conv[:, rows].clone())
         self.close(stream)
         return state

@@ -373,7 +373,7 @@ class Token2WavRunner:
                 self.pool.capture(b, num_new, attn_len)
             for frames, has_cache in mel_lengths:
                 self._capture_hift(b, frames, has_cache)
-        return (len(self.pool.graphs.graphs) + len(self.pool.full_graphs.graphs) + len(self.hift_first.graphs)
+        return (len(self.pool.graphs.graphs) + len(self.pool.final_graphs.graphs) + len(self.hift_first.graphs)
                 + len(self.hift_next.graphs))
 
     def _capture_hift(self, batch: int, frames: int, has_cache: bool) -> None:

@@ -17,7 +17,7 @@ from torch import nn
 
 from cosystream.checkpoint.hparams import EncoderDims, FlowDims
 from cosystream.models.cfm import CausalConditionalCFM
-from cosystream.models.estimator import chunk_attention_bias
+from cosystream.models.estimator import chunk_attention_bias, masked_value
 
 LOOKAHEAD_CONTEXT = 2  # left frames of the pre-look-ahead conv2 (kernel 3)
 UPSAMPLE = 2  # frames per token; PARITY: the official up_layer hard-codes stride 2 (token_mel_ratio)
@@ -99,24 +99,25 @@ class RelPositionAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, kv: torch.Tensor, start: int, rel_table: torch.Tensor,
                 bias: torch.Tensor) -> torch.Tensor:
-        """x [n, D] at positions [start, start+n); kv [2, cap, D] (written at those positions);
-        rel_table [start+2n-1, D] for distances start+n-1 … -(n-1); bias [n, start+n]."""
-        n, end = x.shape[0], start + x.shape[0]
-        kv[0, start:end] = self.linear_k(x)
-        kv[1, start:end] = self.linear_v(x)
-        q = self.linear_q(x).view(n, self.h, self.d_k)
-        k = kv[0, :end].view(end, self.h, self.d_k).transpose(0, 1)
-        v = kv[1, :end].view(end, self.h, self.d_k).transpose(0, 1)
-        p = self.linear_pos(rel_table).view(-1, self.h, self.d_k).transpose(0, 1)
-        ac = (q + self.pos_bias_u).transpose(0, 1) @ k.transpose(1, 2)  # [H, n, end]
-        bd_all = ((q + self.pos_bias_v).transpose(0, 1) @ p.transpose(1, 2)).contiguous()  # [H, n, R]
+        """x [B, n, D] at positions [start, start+n) of every row; kv [B, 2, cap, D] (written at those
+        positions); rel_table [start+2n-1, D] for distances start+n-1 … -(n-1); bias [B or 1, n, start+n]."""
+        b, n, end = x.shape[0], x.shape[1], start + x.shape[1]
+        kv[:, 0, start:end] = self.linear_k(x)
+        kv[:, 1, start:end] = self.linear_v(x)
+        q = self.linear_q(x).view(b, n, self.h, self.d_k)
+        k = kv[:, 0, :end].view(b, end, self.h, self.d_k).transpose(1, 2)  # [B, H, end, d_k]
+        v = kv[:, 1, :end].view(b, end, self.h, self.d_k).transpose(1, 2)
+        p = self.linear_pos(rel_table).view(-1, self.h, self.d_k).transpose(0, 1)  # [H, R, d_k]
+        ac = (q + self.pos_bias_u).transpose(1, 2) @ k.transpose(2, 3)  # [B, H, n, end]
+        bd_all = ((q + self.pos_bias_v).transpose(1, 2) @ p.transpose(1, 2)).contiguous()  # [B, H, n, R]
         # Query i (local) vs key j has distance start+i-j, table row n-1-i+j: a strided diagonal view
         # (what the official rel_shift computes).
         rows = bd_all.shape[-1]
-        bd = bd_all.as_strided((self.h, n, end), (n * rows, rows - 1, 1), bd_all.storage_offset() + n - 1)
-        scores = (ac + bd) / math.sqrt(self.d_k) + bias
-        out = torch.softmax(scores, dim=-1) @ v  # [H, n, d_k]
-        return self.linear_out(out.transpose(0, 1).reshape(n, -1))
+        bd = bd_all.as_strided((b, self.h, n, end), (self.h * n * rows, n * rows, rows - 1, 1),
+                               bd_all.storage_offset() + n - 1)
+        scores = (ac + bd) / math.sqrt(self.d_k) + bias.unsqueeze(1)
+        out = torch.softmax(scores, dim=-1) @ v  # [B, H, n, d_k]
+        return self.linear_out(out.transpose(1, 2).reshape(b, n, -1))
 
 
 class ConformerLayer(nn.Module):
@@ -147,13 +148,14 @@ class PreLookahead(nn.Module):
         self.conv1 = nn.Conv1d(dim, dim, lookahead + 1)
         self.conv2 = nn.Conv1d(dim, dim, LOOKAHEAD_CONTEXT + 1)
 
-    def forward(self, u: torch.Tensor, context: torch.Tensor, state: EncoderState) -> torch.Tensor:
-        """u [n, D] new positions, context [lookahead, D] (zeros when finalizing) -> [n, D]."""
+    def forward(self, u: torch.Tensor, context: torch.Tensor, tail: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """u [B, n, D] new positions, context [B, lookahead, D] (zeros when finalizing), tail [B, 2, D]
+        (conv1 outputs of the 2 positions before u) -> ([B, n, D], the new tail)."""
         # PARITY: LeakyReLU with torch's default slope 0.01 (spec §2.4).
-        a = F.leaky_relu(self.conv1(torch.cat([u, context]).T.unsqueeze(0)))  # [1, D, n]
-        a = torch.cat([state.lookahead_tail.T.unsqueeze(0), a], dim=2)
-        state.lookahead_tail = a[0, :, -LOOKAHEAD_CONTEXT:].T.clone()
-        return u + self.conv2(a)[0].T
+        a = F.leaky_relu(self.conv1(torch.cat([u, context], dim=1).transpose(1, 2)))  # [B, D, n]
+        a = torch.cat([tail.transpose(1, 2), a], dim=2)
+        return u + self.conv2(a).transpose(1, 2), a[:, :, -LOOKAHEAD_CONTEXT:].transpose(1, 2).clone()
 
 
 class Upsample(nn.Module):
@@ -163,10 +165,10 @@ class Upsample(nn.Module):
         super().__init__()
         self.conv = nn.Conv1d(dim, dim, UP_CONTEXT + 1)
 
-    def forward(self, x: torch.Tensor, state: EncoderState) -> torch.Tensor:
-        z = torch.cat([state.up_tail, x.repeat_interleave(UPSAMPLE, dim=0)])
-        state.up_tail = z[-UP_CONTEXT:].clone()
-        return self.conv(z.T.unsqueeze(0))[0].T
+    def forward(self, x: torch.Tensor, tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, n, D], tail [B, 4, D] (upsampled frames before these) -> ([B, 2n, D], the new tail)."""
+        z = torch.cat([tail, x.repeat_interleave(UPSAMPLE, dim=1)], dim=1)
+        return self.conv(z.transpose(1, 2)).transpose(1, 2), z[:, -UP_CONTEXT:].clone()
 
 
 class UpsampleConformerEncoder(nn.Module):
@@ -202,26 +204,52 @@ class UpsampleConformerEncoder(nn.Module):
         """
         start, n = state.num_tokens, emb.shape[0]
         state.reserve(start + n)
-        u = self.embed(emb)
-        ctx = self.embed(context) if context is not None else u.new_zeros(self.lookahead, u.shape[1])
-        x = self.pre_lookahead_layer(u, ctx, state)
-        x = self._layers(self.encoders, x, state.kv_tokens, start, self.dims.static_chunk_size, streaming)
-        z = self.up_embed(self.up_layer(x, state))
-        chunk = UPSAMPLE * self.dims.static_chunk_size
-        z = self._layers(self.up_encoders, z, state.kv_frames, UPSAMPLE * start, chunk, streaming)
+        h, lookahead_tail, up_tail = self.step_batch(
+            emb[None], None if context is None else context[None], state.kv_tokens[None], state.kv_frames[None],
+            state.lookahead_tail[None], state.up_tail[None], start, streaming)
+        state.lookahead_tail, state.up_tail = lookahead_tail[0], up_tail[0]
         state.num_tokens = start + n
-        return self.after_norm(z)
+        return h[0]
+
+    def step_batch(self, emb: torch.Tensor, context: torch.Tensor | None, kv_tokens: torch.Tensor,
+                   kv_frames: torch.Tensor, lookahead_tail: torch.Tensor, up_tail: torch.Tensor, start: int,
+                   streaming: bool, valid: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`step` for B streams that are all at token `start`: emb [B, n, input_size], context
+        [B, lookahead, input_size] or None, caches kv_tokens [B, L1, 2, cap, D] / kv_frames [B, L2, 2,
+        2·cap, D] (written in place), tails [B, 2, D] / [B, 4, D]. Returns (h [B, 2n, D], new tails).
+
+        valid [B] (full passes from token 0 only): row b holds valid[b] real tokens followed by padding.
+        The padding acts as the zero look-ahead of a finalizing call and is masked out of every
+        attention, so each row's first valid[b] tokens get what a call over those tokens alone gives.
+        """
+        n = emb.shape[1]
+        u = self.embed(emb)
+        if valid is not None:
+            u = u * (torch.arange(n, device=u.device)[None, :] < valid[:, None]).unsqueeze(-1).to(u.dtype)
+        ctx = self.embed(context) if context is not None else u.new_zeros(u.shape[0], self.lookahead, u.shape[2])
+        x, lookahead_tail = self.pre_lookahead_layer(u, ctx, lookahead_tail)
+        x = self._layers(self.encoders, x, kv_tokens, start, self.dims.static_chunk_size, streaming, valid)
+        up, up_tail = self.up_layer(x, up_tail)
+        z = self.up_embed(up)
+        chunk = UPSAMPLE * self.dims.static_chunk_size
+        z = self._layers(self.up_encoders, z, kv_frames, UPSAMPLE * start, chunk, streaming,
+                         None if valid is None else UPSAMPLE * valid)
+        return self.after_norm(z), lookahead_tail, up_tail
 
     @staticmethod
     def _layers(layers: nn.ModuleList, x: torch.Tensor, kv: torch.Tensor, start: int, chunk: int,
-                streaming: bool) -> torch.Tensor:
-        n = x.shape[0]
+                streaming: bool, valid: torch.Tensor | None) -> torch.Tensor:
+        n = x.shape[1]
         distances = torch.arange(start + n - 1, -n, -1, device=x.device, dtype=torch.float32)
-        rel_table = rel_position_table(distances, x.shape[1]).to(x.dtype)
+        rel_table = rel_position_table(distances, x.shape[2]).to(x.dtype)
         q_pos = torch.arange(start, start + n, device=x.device)
-        bias = chunk_attention_bias(q_pos, start + n, chunk if streaming else 0, x.dtype)
+        bias = chunk_attention_bias(q_pos, start + n, chunk if streaming else 0, x.dtype)[None]
+        if valid is not None:  # keys beyond each row's valid length are padding
+            real = torch.arange(start + n, device=x.device)[None, None, :] < valid[:, None, None]
+            bias = torch.where(real, bias, torch.full((), masked_value(x.dtype), device=x.device, dtype=x.dtype))
         for i, layer in enumerate(layers):
-            x = layer(x, kv[i], start, rel_table, bias)
+            x = layer(x, kv[:, i], start, rel_table, bias)
         return x
 
 
@@ -261,6 +289,20 @@ class Flow(nn.Module):
         ctx = self.embed_tokens(context) if context is not None else None
         state = self.encoder.new_state(ids.shape[0])
         return self.encoder.step(self.embed_tokens(ids), ctx, state, streaming).unsqueeze(0)
+
+    def encode_padded(self, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """The finalizing full-attention encoder over B padded rows: ids [B, T], valid [B] real tokens per
+        row -> mu [B, 80, 2T]; each row's first 2·valid[b] frames equal `encode` of its real tokens alone
+        (projected), the rest is padding."""
+        enc, (b, t) = self.encoder, tokens.shape
+        w = enc.after_norm.weight
+        d, kw = enc.dims.output_size, {"device": w.device, "dtype": w.dtype}
+        h, _, _ = enc.step_batch(
+            self.embed_tokens(tokens), None, torch.zeros(b, len(enc.encoders), 2, t, d, **kw),
+            torch.zeros(b, len(enc.up_encoders), 2, UPSAMPLE * t, d, **kw),
+            torch.zeros(b, LOOKAHEAD_CONTEXT, d, **kw), torch.zeros(b, UP_CONTEXT, d, **kw), 0, streaming=False,
+            valid=valid)
+        return self.encoder_proj(h).transpose(1, 2)
 
     def generate(self, tokens: torch.Tensor, prompt_mel: torch.Tensor, spks: torch.Tensor, streaming: bool,
                  finalize: bool) -> torch.Tensor:

@@ -54,6 +54,33 @@ def _compare_pooled_with_stream(runner, stream, prompt, f, ops, max_chunks: int 
     assert sorted(runner.free) == [0, 1, 2]
 
 
+def test_streams_at_different_tokens_share_a_batch(checkpoint, load_fixture):
+    """The encoder steps of one batch group by the token each stream is at: a stream one chunk ahead and a
+    new one, in one batch, each get what they get alone."""
+    f = load_fixture("stream")
+    flow = load_flow(checkpoint)
+    stream = FlowStream(flow, final_attention="chunk")
+    prompt = stream.build_prompt_cache(f["prompt_token"], f["prompt_feat"], f["embedding"])
+    runner = FlowRunner(flow, num_slots=2, max_frames=512, use_graphs=False)
+    ids = torch.cat([prompt.prompt_tokens, f["token"][0][:100].long()])
+    chunk, look = stream.chunk_tokens, stream.lookahead
+
+    def window(start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return ids[start:start + chunk], ids[start + chunk:start + chunk + look]
+
+    b0 = prompt.num_tokens
+    ahead, new = runner.open(prompt), runner.open(prompt)
+    ahead_alone, new_alone = stream.start(prompt, 100), stream.start(prompt, 100)
+    runner.advance([ahead], [window(b0)])
+    stream._advance([ahead_alone], [window(b0)], streaming=True)
+    got = runner.advance([ahead, new], [window(b0 + chunk), window(b0)])
+    want = [stream._advance([ahead_alone], [window(b0 + chunk)], streaming=True)[0],
+            stream._advance([new_alone], [window(b0)], streaming=True)[0]]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.float(), w[0].float(), atol=1e-4, rtol=0)
+    assert [s.encoder.num_tokens for s in (ahead, new)] == [b0 + 2 * chunk, b0 + chunk]
+
+
 def test_pooled_full_pass_equals_the_official_final_call(checkpoint, load_fixture, cfm_noise, manifest):
     f = load_fixture("stream")
     flow = load_flow(checkpoint)
@@ -97,7 +124,7 @@ def test_a_failing_open_gives_its_slot_back(checkpoint, load_fixture, monkeypatc
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("simulated")
 
-    monkeypatch.setattr(FlowStream, "encoder_from_prompt", out_of_memory)
+    monkeypatch.setattr(FlowRunner, "_encoder_in_slot", out_of_memory)
     with pytest.raises(torch.OutOfMemoryError):
         runner.open(prompt)
     assert runner.free == [0, 1]

@@ -98,3 +98,24 @@ def test_graphed_pooled_flow_with_triton_attention_matches_cpu(checkpoint, load_
             torch.testing.assert_close(mel, want, atol=5e-3, rtol=0)  # tf32 products inside the Triton dots
         chunks += 1
     assert chunks >= 2 and len(runner.encoder_graphs.graphs) >= 2  # the encoder step ran as graphs
+
+
+def test_graphed_batched_final_passes_match_cpu(checkpoint, load_fixture, cfm_noise):
+    """The official final call of two streams of different lengths as one graph (finalizing encoder padded
+    and masked, full-attention ODE) against the CPU runner's passes one at a time."""
+    f = load_fixture("stream")
+    runners, prompts = {}, {}
+    for device in ("cpu", "cuda"):
+        flow = load_flow(checkpoint, device)
+        flow.decoder.set_noise_table(cfm_noise)
+        prompts[device] = FlowStream(flow).build_prompt_cache(f["prompt_token"].to(device), f["prompt_feat"].to(device),
+                                                              f["embedding"].to(device))
+        runners[device] = FlowRunner(flow, num_slots=2, max_frames=512, use_graphs=device == "cuda")
+    tokens = f["token"][0]
+    targets = [tokens, (tokens[:-7] * 3 + 1) % 6561]
+    want = [runners["cpu"].full_pass(prompts["cpu"], t) for t in targets]
+    got = runners["cuda"].full_passes([(prompts["cuda"], t.cuda(), slot) for slot, t in enumerate(targets)])
+    assert len(runners["cuda"].final_graphs.graphs) == 1
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g.cpu(), w, atol=5e-3, rtol=0)  # tf32 products inside the Triton dots
