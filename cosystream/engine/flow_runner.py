@@ -187,36 +187,45 @@ class FlowRunner:
         look-ahead or not) that reads and writes the streams' pool rows in place (padding rows use the
         scratch slot), instead of one graph per stream.
         """
-        b, rows = len(streams), bucket(len(streams), _ENCODER_ROWS)
+        b = len(streams)
         start, n = streams[0].encoder.num_tokens, windows[0][0].shape[0]
         has_context = windows[0][1] is not None
-        look = self.flow.dims.pre_lookahead_len
-        ids = torch.zeros(rows, n, dtype=torch.long, device=self.device)
+        key, inputs = self._encoder_inputs(b, start, n, has_context)
+        ids, ctx, la_tail, up_tail, slots = inputs[:5]
         ids[:b] = torch.stack([w[0] for w in windows]).to(self.device)
-        ctx = torch.zeros(rows, look, dtype=torch.long, device=self.device)
         if has_context:
             ctx[:b] = torch.stack([w[1] for w in windows]).to(self.device)
-        d = self.enc_tokens.shape[-1]
-        la_tail = torch.zeros(rows, LOOKAHEAD_CONTEXT, d, device=self.device, dtype=self.dtype)
         la_tail[:b] = torch.stack([s.encoder.lookahead_tail for s in streams])
-        up_tail = torch.zeros(rows, UP_CONTEXT, d, device=self.device, dtype=self.dtype)
         up_tail[:b] = torch.stack([s.encoder.up_tail for s in streams])
-        slots = torch.full((rows,), self.scratch, dtype=torch.long, device=self.device)
         slots[:b] = torch.tensor([s.slot for s in streams], device=self.device)
-        # shape-only markers carry the Python ints the step is specialised on (the graph key)
-        marker = torch.empty(start, device=self.device, dtype=torch.int8)
-        flag = torch.empty(int(has_context), device=self.device, dtype=torch.int8)
-        key = (rows, start, n, has_context)
-        inputs = [ids, ctx, la_tail, up_tail, slots, marker, flag]
-        if key not in self.encoder_graphs.graphs and self.encoder_graphs.enabled:
-            # capturing runs the step outside the graph too: do it on the scratch slot only
-            self.encoder_graphs.run(key, [ids, ctx, la_tail, up_tail, torch.full_like(slots, self.scratch),
-                                          marker, flag])
+        self.capture_encoder(b, start, n, has_context)
         mu, la_out, up_out = self.encoder_graphs.run(key, inputs)
         for i, s in enumerate(streams):
             s.encoder.lookahead_tail, s.encoder.up_tail = la_out[i].clone(), up_out[i].clone()
             s.encoder.num_tokens = start + n
         return mu[:b].clone()
+
+    def _encoder_inputs(self, batch: int, start: int, n: int, has_context: bool) -> tuple[tuple, list[torch.Tensor]]:
+        """The graph key and zeroed inputs of a batched encoder step (every row on the scratch slot)."""
+        rows, dev, d = bucket(batch, _ENCODER_ROWS), self.device, self.enc_tokens.shape[-1]
+        # shape-only markers carry the Python ints the step is specialised on (the graph key)
+        return (rows, start, n, has_context), [
+            torch.zeros(rows, n, dtype=torch.long, device=dev),
+            torch.zeros(rows, self.flow.dims.pre_lookahead_len, dtype=torch.long, device=dev),
+            torch.zeros(rows, LOOKAHEAD_CONTEXT, d, device=dev, dtype=self.dtype),
+            torch.zeros(rows, UP_CONTEXT, d, device=dev, dtype=self.dtype),
+            torch.full((rows,), self.scratch, dtype=torch.long, device=dev),
+            torch.empty(start, device=dev, dtype=torch.int8),
+            torch.empty(int(has_context), device=dev, dtype=torch.int8)]
+
+    def capture_encoder(self, batch: int, start: int, n: int, has_context: bool) -> None:
+        """Capture a batched encoder step ahead of traffic (warm-up). Capturing runs the step outside the
+        graph too, so it works on the scratch slot only."""
+        batch = min(batch, _ENCODER_ROWS[-1])  # larger groups run in parts of this size
+        key = (bucket(batch, _ENCODER_ROWS), start, n, has_context)
+        if not self.encoder_graphs.enabled or key in self.encoder_graphs.graphs or start + n > self.enc_tokens.shape[3]:
+            return
+        self.encoder_graphs.run(*self._encoder_inputs(batch, start, n, has_context))
 
     def _encode_core(self, ids, ctx, la_tail, up_tail, slots, marker, flag):
         start = marker.shape[0]

@@ -358,11 +358,12 @@ class Token2WavRunner:
 
         planner = ChunkPlanner(schedule or ChunkSchedule(), prompt_tokens)
         frame = UPSAMPLE * self.stream.prompt_cache_tokens(prompt_tokens)
-        shapes, mel_lengths, cached = [], [], False
+        shapes, encoder_shapes, mel_lengths, cached = [], [], [], False
         while (plan := planner.next_plan(target_tokens, done=True)) is not None:
             end = UPSAMPLE * (prompt_tokens + plan.offset + plan.num_new)
             if not plan.is_final or self.final_attention == "chunk":
                 shapes.append((end - frame, self.pool.attn_len_for(end)))
+                encoder_shapes.append((frame // UPSAMPLE, (end - frame) // UPSAMPLE, not plan.is_final))
             mel_lengths.append((2 * plan.num_new + (MEL_CACHE_FRAMES if cached else 0), cached))
             frame, cached = end, True
         batches = [b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64) if b <= bucket(len(self.pool.free))]
@@ -371,10 +372,12 @@ class Token2WavRunner:
                 self.pool.capture_full(UPSAMPLE * (prompt_tokens + target_tokens), b)
             for num_new, attn_len in shapes:
                 self.pool.capture(b, num_new, attn_len)
+            for start, n, has_context in encoder_shapes:
+                self.pool.capture_encoder(b, start, n, has_context)
             for frames, has_cache in mel_lengths:
                 self._capture_hift(b, frames, has_cache)
-        return (len(self.pool.graphs.graphs) + len(self.pool.final_graphs.graphs) + len(self.hift_first.graphs)
-                + len(self.hift_next.graphs))
+        return (len(self.pool.graphs.graphs) + len(self.pool.final_graphs.graphs)
+                + len(self.pool.encoder_graphs.graphs) + len(self.hift_first.graphs) + len(self.hift_next.graphs))
 
     def _capture_hift(self, batch: int, frames: int, has_cache: bool) -> None:
         mel = torch.zeros(batch, self.hift.conv_pre.weight.shape[1], frames, device=self.device,
