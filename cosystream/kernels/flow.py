@@ -16,9 +16,6 @@ from types import SimpleNamespace
 
 import torch
 
-_BLOCK_M = 64  # new frames per program
-_BLOCK_N = 64  # keys per inner step
-
 
 @functools.cache
 def _kernels() -> SimpleNamespace:
@@ -266,18 +263,20 @@ def _kernels() -> SimpleNamespace:
 
 def pooled_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, rows: torch.Tensor,
                      q_pos: torch.Tensor, key_limit: torch.Tensor, chunk: int, attn_len: int,
-                     num_heads: int) -> torch.Tensor:
+                     num_heads: int, tile: Tile | None = None) -> torch.Tensor:
     """Same contract as `reference.pooled_attention`; keys past key_limit / the chunk end are never read.
-    `attn_len` bounds nothing here (the limits do); it is kept so both versions take the same call."""
+    `attn_len` bounds nothing here (the limits do); it is kept so both versions take the same call.
+    Tile: block_m queries per program, block_n keys per inner step (default: ATTENTION_TILES)."""
     batch, num_q, inner = q.shape
     head_dim = inner // num_heads
     assert q.stride(2) == 1 and pool_k.stride(2) == 1 and pool_k.stride() == pool_v.stride()
+    t = tile if tile is not None else ATTENTION_TILES[(chunk > 0, batch * num_q <= 512)]
     out = torch.empty(batch, num_q, inner, device=q.device, dtype=q.dtype)
-    grid = (batch, num_heads, -(-num_q // _BLOCK_M))
+    grid = (batch, num_heads, -(-num_q // t.block_m))
     _kernels().pooled_attention_kernel[grid](
         q, pool_k, pool_v, out, rows, q_pos.contiguous(), key_limit, num_q, q.stride(0), q.stride(1),
         pool_k.stride(0), pool_k.stride(1), head_dim ** -0.5, CHUNK=chunk, HEAD_DIM=head_dim, INNER=inner,
-        BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N)
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.warps, num_stages=t.stages)
     return out
 
 
@@ -341,6 +340,14 @@ TILES: dict[tuple[str, bool], Tile] = {
     ("qkv", True): Tile(32, 128, 4, 2), ("qkv", False): Tile(64, 128, 4, 2),
     ("gelu", True): Tile(32, 64, 8, 2), ("gelu", False): Tile(64, 128, 4, 2),
     ("conv", True): Tile(16, 64, 8, 3), ("conv", False): Tile(16, 64, 8, 2),  # block_m frames, block_n in-ch.
+}
+
+# (chunk-masked, at most 512 query rows) -> attention tile; chunk-masked: a streamed chunk (False: the
+# official final pass, full attention over the whole utterance). Picked on the H100 with
+# benchmarks/attention_tiles.py (docs/benchmarks.md).
+ATTENTION_TILES: dict[tuple[bool, bool], Tile] = {
+    (True, True): Tile(64, 64, 4, 3), (True, False): Tile(64, 64, 4, 3),
+    (False, True): Tile(64, 64, 4, 3), (False, False): Tile(64, 64, 4, 3),
 }
 
 

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from cosystream.kernels import flow, reference
+from cosystream.kernels.flow import Tile
 
 HEADS, INNER = 8, 512  # the CosyVoice2 estimator's attention
 
@@ -41,6 +42,19 @@ def test_pooled_attention(device: str, dtype: torch.dtype, chunk: int) -> None:
                                       384, HEADS)
     assert out.shape == q.shape
     assert _rel(out, want) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("tile", [Tile(16, 32, 2, 3), Tile(128, 64, 8, 3)])
+def test_pooled_attention_with_other_launch_tiles(device: str, dtype: torch.dtype, tile: Tile) -> None:
+    """Query blocks that straddle rows' ends and key blocks that straddle the chunk and limit edges."""
+    pool_k, pool_v, q = _inputs(device, dtype, seed=3)
+    rows = torch.tensor([5, 0, 3, 3], device=device)
+    q_pos = torch.tensor([0, 13, 200, 310], device=device).unsqueeze(1) + torch.arange(q.shape[1], device=device)
+    for chunk, limit in [(25, q_pos[:, -1] + 1), (0, torch.tensor([70, 50, 256, 380], device=device))]:
+        out = flow.pooled_attention(q, pool_k, pool_v, rows, q_pos, limit, chunk, 384, HEADS, tile=tile)
+        want = reference.pooled_attention(q.double(), pool_k.double(), pool_v.double(), rows, q_pos, limit, chunk,
+                                          384, HEADS)
+        assert _rel(out, want) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
 def test_pooled_attention_reads_nothing_past_the_limits(device: str, dtype: torch.dtype) -> None:
