@@ -31,16 +31,17 @@ elif [ "${1:-engine}" = ab ]; then
 elif [ "${1:-engine}" = engine ]; then
   if [ -d .fixtures ]; then
     COSYSTREAM_FIXTURES=$PWD/.fixtures/cosyvoice2-tiny python3 -m pytest -q -p no:cacheprovider tests/gpu tests/kernels \
-      tests/models/test_flow.py 2>&1 | tail -1
+      tests/models/test_flow.py tests/engine/test_flow_runner.py 2>&1 | tail -1
   fi
   python3 benchmarks/profile_stages.py --model-dir /tmp/m05 --batches 1,16 --iters 10 --json "$OUT/stages.json" 2>&1 \
     | grep "^|"
-  $B --concurrency 1,4,16,28 --requests-per-level 32 --out "$OUT/engine.json" --plot "$OUT/engine.png" 2>&1 | tail -6
-  $B --concurrency 64,128 --requests-per-level 128 --out "$OUT/engine_high.json" 2>&1 | tail -3
+  $B --concurrency 1,4,16,28 --requests-per-level 32 --out "$OUT/engine.json" --plot "$OUT/engine.png" 2>&1 \
+    | grep -E "^\| c|busy|stages|Error"
+  $B --concurrency 64,128 --requests-per-level 128 --out "$OUT/engine_high.json" 2>&1 | grep -E "^\| c|busy|stages|Error"
 else
-  $B --first-hop 15 --concurrency 1 --requests-per-level 16 --out "$OUT/hop15.json" 2>&1 | tail -1
-  $B --rate 8,15 --duration 15 --out "$OUT/open.json" 2>&1 | tail -3
-  $B --offline --concurrency 64 --requests-per-level 128 --out "$OUT/offline.json" 2>&1 | tail -1
+  $B --first-hop 15 --concurrency 1 --requests-per-level 16 --out "$OUT/hop15.json" 2>&1 | grep -E "^\| c|Error"
+  $B --rate ${RATES:-8,15} --duration 15 --out "$OUT/open.json" 2>&1 | grep -E "^\| r|busy|Error"
+  $B --offline --concurrency 64 --requests-per-level 128 --out "$OUT/offline.json" 2>&1 | grep -E "^\| c|busy|Error"
   python3 -m cosystream.cli serve --model-dir /tmp/m05 $POOL --log-level warning > /tmp/serve.log 2>&1 &
   SERVER=$!
   python3 benchmarks/workload.py /tmp/wl > /dev/null
