@@ -3,8 +3,10 @@
 Each stream holds a slot of a static pool that keeps, for every Euler step, the estimator's keys/values
 of its finished frames and its causal-conv tails (models/flow_stream.py explains why that is exact). A
 batch of chunks that add the same number of frames runs the whole 10-step ODE as one graph replay,
-keyed by (batch bucket, new frames, attended-length bucket); the per-request encoder step runs before
-it. Pool memory: models.flow_stream.cache_bytes_per_frame × slots × frames (≈ 2.3 MB per frame for
+keyed by (batch bucket, new frames, attended-length bucket); before it, one batched encoder step per
+group of streams at the same token (the slot's encoder caches are pooled too). Official final chunks
+(full attention, finalizing encoder) run as one graph per (batch bucket, padded length).
+Pool memory: models.flow_stream.cache_bytes_per_frame × slots × frames (≈ 2.3 MB per frame for
 CosyVoice2-0.5B in bf16), so the pool is sized by EngineConfig.flow_slots × flow_frames; a stream that
 does not fit runs on the eager per-request path instead.
 """
