@@ -77,8 +77,6 @@ class FlowRunner:
         self.final_graphs = GraphCache(self._final_core, self.device, use_graphs, stream=capture_stream)
         self._step = maybe_compile(est.step, compile)
         self.watch = watch or Stopwatch(self.device)
-        self.profile = False  # record CUDA events around the encoder and the ODE (last_timing)
-        self.last_timing: list[torch.cuda.Event] | None = None
         self.attention_ops = flow_kernels if fused_kernels and triton_usable(self.device) else reference_kernels
         if self.attention_ops is flow_kernels:
             est.set_kernels(flow_kernels)  # fused norms, residual adds and pool writes in the estimator
@@ -126,7 +124,6 @@ class FlowRunner:
         windows[i] = (new position ids [n], look-ahead ids [3] or None); all n must be equal.
         Returns each stream's new frames [80, 2n] (float32), prompt frames included.
         """
-        timing = self._events() if self.profile else None
         starts = [s.num_frames for s in streams]
         num_new = UPSAMPLE * windows[0][0].shape[0]
         b, padded = len(streams), bucket(len(streams))
@@ -149,13 +146,8 @@ class FlowRunner:
         # Capturing runs the step once outside the graph, which would advance these streams' conv tails
         # and then replay over them: capture a new shape on the scratch slot first.
         self.capture(padded, num_new, attn_len)
-        if timing:
-            timing[1].record()
         self.watch.lap("ode_setup")
         (x,) = self.graphs.run((padded, num_new, attn_len), [z, mu, spks, cond, slots, start_t, marker])
-        if timing:
-            timing[2].record()
-            self.last_timing = timing
         out = [x[i].clone() for i in range(b)]
         self.watch.lap("ode")
         return out
@@ -239,14 +231,6 @@ class FlowRunner:
         self.enc_tokens.index_copy_(0, slots, kv_tokens)
         self.enc_frames.index_copy_(0, slots, kv_frames)
         return self.flow.encoder_proj(h).transpose(1, 2), la_out, up_out
-
-    def _events(self) -> list[torch.cuda.Event] | None:
-        """benchmarks/profile_stages.py: CUDA events before the encoder, before the ODE and after it."""
-        if self.device.type != "cuda":
-            return None
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-        events[0].record()
-        return events
 
     def capture(self, batch: int, num_new: int, attn_len: int) -> None:
         """Capture the graph for one shape ahead of traffic, on the scratch slot (warm-up)."""
