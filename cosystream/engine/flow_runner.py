@@ -65,9 +65,8 @@ class FlowRunner:
         self.conv = torch.zeros(steps, rows, est.conv_state_channels, 2, device=self.device, dtype=self.dtype)
         # every slot's encoder caches (pooled streams' EncoderState tensors are views of their slot's row),
         # so the encoder steps of many streams run as one batch that reads and writes the pool in place
-        pool_enc = flow.encoder.new_state(max_frames // UPSAMPLE)
-        self.enc_tokens = pool_enc.kv_tokens.unsqueeze(0).repeat(num_slots + 1, 1, 1, 1, 1)
-        self.enc_frames = pool_enc.kv_frames.unsqueeze(0).repeat(num_slots + 1, 1, 1, 1, 1)
+        empty = flow.encoder.new_state(max_frames // UPSAMPLE)
+        self.enc_tokens, self.enc_frames, _, _ = empty.batch_rows(num_slots + 1)
         self.max_frames = max_frames
         self.free = list(range(num_slots))
         self.scratch = num_slots

@@ -54,6 +54,11 @@ class EncoderState:
         self.kv_tokens = grow_axis(self.kv_tokens, 2, num_tokens)
         self.kv_frames = grow_axis(self.kv_frames, 2, UPSAMPLE * num_tokens)
 
+    def batch_rows(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """kv_tokens, kv_frames, lookahead_tail, up_tail copied into `rows` batch rows (step_batch's layout)."""
+        tensors = (self.kv_tokens, self.kv_frames, self.lookahead_tail, self.up_tail)
+        return tuple(t.unsqueeze(0).repeat(rows, *[1] * t.dim()) for t in tensors)  # type: ignore[return-value]
+
     def trimmed(self) -> EncoderState:
         """A compact copy holding exactly num_tokens positions."""
         n = self.num_tokens
@@ -294,14 +299,9 @@ class Flow(nn.Module):
         """The finalizing full-attention encoder over B padded rows: ids [B, T], valid [B] real tokens per
         row -> mu [B, 80, 2T]; each row's first 2·valid[b] frames equal `encode` of its real tokens alone
         (projected), the rest is padding."""
-        enc, (b, t) = self.encoder, tokens.shape
-        w = enc.after_norm.weight
-        d, kw = enc.dims.output_size, {"device": w.device, "dtype": w.dtype}
-        h, _, _ = enc.step_batch(
-            self.embed_tokens(tokens), None, torch.zeros(b, len(enc.encoders), 2, t, d, **kw),
-            torch.zeros(b, len(enc.up_encoders), 2, UPSAMPLE * t, d, **kw),
-            torch.zeros(b, LOOKAHEAD_CONTEXT, d, **kw), torch.zeros(b, UP_CONTEXT, d, **kw), 0, streaming=False,
-            valid=valid)
+        b, t = tokens.shape
+        caches = self.encoder.new_state(t).batch_rows(b)
+        h, _, _ = self.encoder.step_batch(self.embed_tokens(tokens), None, *caches, 0, streaming=False, valid=valid)
         return self.encoder_proj(h).transpose(1, 2)
 
     def generate(self, tokens: torch.Tensor, prompt_mel: torch.Tensor, spks: torch.Tensor, streaming: bool,
