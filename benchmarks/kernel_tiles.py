@@ -88,8 +88,9 @@ def cases(m: int, dev: str, dt: torch.dtype) -> dict:
 
 
 def candidates(kind: str) -> list[Tile]:
-    if kind == "conv":  # block_m = frames per program, block_n = input channels per step
-        return [Tile(bt, bc, w, s) for bt, bc, w, s in itertools.product((16, 32, 64), (32, 64), (4, 8), (2, 3))]
+    if kind == "conv":  # block_m = frames per program, block_n = input channels per step, output-channel blocks
+        return [Tile(bt, bc, w, s, co) for bt, bc, w, s, co in itertools.product((16, 32), (32, 64), (4, 8), (2, 3),
+                                                                                 (1, 2, 4, 8))]
     return [Tile(bm, bn, w, s) for bm, bn, w, s in itertools.product((16, 32, 64), (64, 128), (4, 8), (2, 3))]
 
 
@@ -113,7 +114,8 @@ def main() -> None:
                 except Exception as e:  # a tile that does not fit (shared memory) is skipped, not fatal
                     print(f"<!-- {name} {tile}: {type(e).__name__} -->")
             best = min(timed, key=timed.get)
-            spread = ", ".join(f"{t.block_m}x{t.block_n}w{t.warps}s{t.stages}:{us:.1f}" for t, us in timed.items())
+            spread = ", ".join(f"{t.block_m}x{t.block_n}w{t.warps}s{t.stages}c{t.co_blocks}:{us:.1f}"
+                               for t, us in timed.items())
             print(f"| {name} | {m} | {base:.1f} | {best} | {timed[best]:.1f} | {spread} |", flush=True)
             results.append({"op": name, "rows": m, "baseline_us": base, "best": vars(best), "best_us": timed[best],
                             "all": [{**vars(t), "us": us} for t, us in timed.items()]})

@@ -22,6 +22,7 @@ from cosystream.engine.lm_runner import LMRunner, RowSampling
 from cosystream.engine.loader import load_flow, load_hift, load_llm
 from cosystream.engine.token2wav import Token2WavRunner
 from cosystream.frontend import ModelInputs
+from cosystream.kernels import decode as decode_ops
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -88,6 +89,10 @@ def bench_lm(ckpt, device, dtype, batches, iters, graphs: bool, compile: bool = 
     runner.prefill(0, prompt)
     out["first_prefill_incl_compile_s"] = time.perf_counter() - t0
     out["prefill_212_ms"] = timed(lambda: runner.prefill(0, prompt), device, iters)
+    padded = torch.zeros(1, 224, d.hidden_size, device=device, dtype=dtype)
+    padded[0, :212] = prompt
+    one = torch.zeros(1, dtype=torch.long, device=device)
+    out["prefill_kernels"] = count_kernels(lambda: runner._prefill_core(padded, one, one + 211), device, show=12)
     for slot in range(max(batches)):
         runner.prefill(slot, prompt)
         runner.set_active(slot, True)
@@ -176,10 +181,14 @@ def main() -> None:
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--no-fused", action="store_true", help="the unfused torch decode step (A/B)")
+    ap.add_argument("--cublas-linear", action="store_true",
+                    help="the decode step's linears on cuBLAS, not the weight-streaming kernel (A/B)")
     ap.add_argument("--only", default="lm,t2w")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    if args.cublas_linear:
+        decode_ops.MAX_LINEAR_ROWS = 0
     batches = [int(b) for b in args.batches.split(",")]
     ckpt = load_checkpoint(args.model_dir)
     results = {}

@@ -227,7 +227,8 @@ class LMRunner:
         else:
             h = self._forward(emb.unsqueeze(1), self.positions[:b], self.cache, attn_len=attn_len)[:, -1]
         if self.fused_sampler:
-            self._sample_and_record_fused(self.lm.llm_decoder(h), b)
+            head = self.lm.llm_decoder
+            self._sample_and_record_fused(self.ops.linear(h, head.weight, head.bias, partials=False), b)
             return
         logp = self.lm.logp(h)
         token = self._sample(logp, self._rows(0, b), self.eos)

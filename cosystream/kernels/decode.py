@@ -11,9 +11,12 @@ the interpreter (TRITON_INTERPRET=1) can run them on the CPU for tests.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
+
+from cosystream.kernels import reference
 
 _KEYS_PER_BLOCK = 64  # keys loaded per inner step of the attention kernel
 _MAX_SPLITS = 16  # attention programs per (row, kv head); their partial softmaxes are combined after
@@ -25,12 +28,18 @@ def _kernels() -> SimpleNamespace:
     import triton.language as tl
 
     @triton.jit
-    def add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
-                            HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    def add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, part_stride, eps,
+                            HAS_RES: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
-        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+        if PARTS > 0:  # x is a linear's split-K partial sums [PARTS, rows, n]: their sum is its output
+            acc = tl.zeros((BLOCK,), tl.float32)
+            for p in tl.static_range(PARTS):  # unrolled: the loads go out together
+                acc += tl.load(x_ptr + p * part_stride + row * n_cols + cols, mask=mask, other=0.0)
+            x = acc.to(out_ptr.dtype.element_ty)  # PARITY: the linear's output is rounded once
+        else:
+            x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
         if HAS_RES:
             r = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)
             x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)  # PARITY: bf16 add
@@ -43,8 +52,9 @@ def _kernels() -> SimpleNamespace:
 
     @triton.jit
     def rope_write_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_out_ptr, k_ptr, v_ptr,
-                             slot_stride, head_stride, NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr,
-                             HEAD_DIM: tl.constexpr):
+                             slot_stride, head_stride, part_stride, NUM_HEADS: tl.constexpr,
+                             NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr, PARTS: tl.constexpr,
+                             PARTS_BLOCK: tl.constexpr):
         row = tl.program_id(0)
         head = tl.program_id(1)  # [0, H): a query head; [H, H+KV): a key head (and its value head)
         half = HEAD_DIM // 2
@@ -52,9 +62,16 @@ def _kernels() -> SimpleNamespace:
         pos = tl.load(pos_ptr + row)
         c = tl.load(cos_ptr + pos * half + offs)
         s = tl.load(sin_ptr + pos * half + offs)
-        base = qkv_ptr + row * (NUM_HEADS + 2 * NUM_KV) * HEAD_DIM + head * HEAD_DIM
-        x1 = tl.load(base + offs).to(tl.float32)
-        x2 = tl.load(base + half + offs).to(tl.float32)
+        base = row * (NUM_HEADS + 2 * NUM_KV) * HEAD_DIM + head * HEAD_DIM
+        # qkv may be split-K partial sums [PARTS, ...] (PARTS = 0: one plain tensor): rows of one load, summed
+        part_offs = tl.arange(0, PARTS_BLOCK)[:, None] * part_stride
+        part_ok = tl.arange(0, PARTS_BLOCK)[:, None] < max(PARTS, 1)
+        x1 = tl.sum(tl.load(qkv_ptr + part_offs + (base + offs)[None, :], mask=part_ok, other=0.0).to(tl.float32), 0)
+        x2 = tl.sum(tl.load(qkv_ptr + part_offs + (base + half + offs)[None, :], mask=part_ok, other=0.0
+                            ).to(tl.float32), 0)
+        if PARTS > 0:  # PARITY: the linear's output is rounded once
+            x1 = x1.to(q_out_ptr.dtype.element_ty).to(tl.float32)
+            x2 = x2.to(q_out_ptr.dtype.element_ty).to(tl.float32)
         o1 = (x1 * c - x2 * s).to(q_out_ptr.dtype.element_ty)
         o2 = (x2 * c + x1 * s).to(q_out_ptr.dtype.element_ty)
         if head < NUM_HEADS:
@@ -68,7 +85,9 @@ def _kernels() -> SimpleNamespace:
             tl.store(k_ptr + cache_off + half + offs, o2)
             v_src = base + NUM_KV * HEAD_DIM  # the value head sits NUM_KV heads after its key head
             full = tl.arange(0, HEAD_DIM)
-            tl.store(v_ptr + cache_off + full, tl.load(v_src + full))
+            v = tl.sum(tl.load(qkv_ptr + part_offs + (v_src + full)[None, :], mask=part_ok, other=0.0
+                               ).to(tl.float32), 0)
+            tl.store(v_ptr + cache_off + full, v.to(v_ptr.dtype.element_ty))
 
     @triton.jit
     def attention_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_part_ptr, ml_part_ptr, slot_stride, head_stride,
@@ -138,30 +157,90 @@ def _kernels() -> SimpleNamespace:
         act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)  # PARITY: bf16 silu
         tl.store(out_ptr + row * n_cols + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
+    @triton.jit
+    def linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, rows, n_out, n_in, x_stride, x_part_stride, k_per_split,
+                      part_stride, X_PARTS: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      PARTIAL: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr):
+        # Weight-streaming GEMM for a few rows: out^T [BLOCK_N, rows] = W tile @ x^T, so the weight's
+        # output features fill the MMA's wide side and the rows (padded to 16) its narrow one.
+        pid_n = tl.program_id(0)
+        split = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, BLOCK_M)
+        n_ok = offs_n < n_out
+        m_ok = offs_m < rows
+        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        k_start = split * k_per_split
+        for kk in range(0, k_per_split, BLOCK_K):
+            offs_k = k_start + kk + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < n_in
+            w = tl.load(w_ptr + offs_n[:, None] * n_in + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            x_mask = m_ok[None, :] & k_ok[:, None]
+            x_offs = offs_m[None, :] * x_stride + offs_k[:, None]
+            if SILU:  # x = [gate | up] of width 2·n_in: the input is silu(gate)·up, rounded as torch does
+                gate = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0).to(tl.float32)
+                up = tl.load(x_ptr + n_in + x_offs, mask=x_mask, other=0.0).to(tl.float32)
+                if X_PARTS > 0:  # [gate | up] given as X_PARTS split-K partial sums of the gate/up linear
+                    for p in tl.static_range(1, X_PARTS):
+                        gate += tl.load(x_ptr + p * x_part_stride + x_offs, mask=x_mask, other=0.0)
+                        up += tl.load(x_ptr + p * x_part_stride + n_in + x_offs, mask=x_mask, other=0.0)
+                    gate = gate.to(w.dtype).to(tl.float32)  # PARITY: the gate/up linear's output is rounded once
+                    up = up.to(w.dtype).to(tl.float32)
+                act = (gate / (1.0 + tl.exp(-gate))).to(w.dtype).to(tl.float32)
+                xt = (act * up).to(w.dtype)
+            else:
+                xt = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
+            acc = tl.dot(w, xt, acc, input_precision=PRECISION)
+        if HAS_BIAS:  # added once, by the first split
+            bias = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            acc += tl.where(split == 0, bias, 0.0)[:, None]
+        out_offs = offs_m[None, :] * n_out + offs_n[:, None]
+        out_mask = n_ok[:, None] & m_ok[None, :]
+        if PARTIAL:  # float32 partial sums [splits, rows, n_out]; the consumer adds them (no atomics: deterministic)
+            tl.store(out_ptr + split * part_stride + out_offs, acc, mask=out_mask)
+        else:
+            tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
     return SimpleNamespace(**{k: v for k, v in locals().items() if k.endswith("_kernel")},
                            next_power_of_2=triton.next_power_of_2)
 
 
+def _parts(x: torch.Tensor) -> int:
+    """Split-K partial count of a linear's output: 0 for a plain [rows, n] tensor."""
+    return x.shape[0] if x.dim() == 3 else 0
+
+
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [rows, n], or a `linear` output given as float32 partials [S, rows, n] (summed here)."""
     k = _kernels()
-    rows, n_cols = x.shape
-    out = torch.empty_like(x)
-    res_out = torch.empty_like(x) if residual is not None else x
-    k.add_rms_norm_kernel[(rows,)](x, x if residual is None else residual, weight, out, res_out, n_cols, eps,
-                                   HAS_RES=residual is not None, BLOCK=k.next_power_of_2(n_cols))
+    parts = _parts(x)
+    rows, n_cols = x.shape[-2:]
+    dtype = weight.dtype if parts else x.dtype
+    out = torch.empty(rows, n_cols, device=x.device, dtype=dtype)
+    res_out = torch.empty_like(out) if residual is not None else x
+    if residual is None and parts:
+        raise ValueError("add_rms_norm: partial sums need a residual stream to land in")
+    k.add_rms_norm_kernel[(rows,)](x, x if residual is None else residual, weight, out, res_out, n_cols,
+                                   rows * n_cols, eps, HAS_RES=residual is not None, PARTS=parts,
+                                   BLOCK=k.next_power_of_2(n_cols))
     return out, res_out
 
 
 def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   cache_k: torch.Tensor, cache_v: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """qkv: [B, (H + 2·KV)·D], or a `linear` output given as float32 partials [S, B, ...] (summed here)."""
     k = _kernels()
-    batch = qkv.shape[0]
+    parts = _parts(qkv)
+    batch = qkv.shape[-2]
     head_dim = cache_k.shape[-1]
-    q = torch.empty(batch, num_heads, head_dim, device=qkv.device, dtype=qkv.dtype)
+    q = torch.empty(batch, num_heads, head_dim, device=qkv.device, dtype=cache_k.dtype)
     k.rope_write_kv_kernel[(batch, num_heads + num_kv_heads)](
         qkv, positions, cos, sin, q, cache_k, cache_v, cache_k.stride(0), cache_k.stride(1),
-        NUM_HEADS=num_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim)
+        qkv[0].numel() if parts else 0, NUM_HEADS=num_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, PARTS=parts,
+        PARTS_BLOCK=k.next_power_of_2(max(parts, 1)))
     return q
 
 
@@ -198,4 +277,99 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, n_cols, device=gate_up.device, dtype=gate_up.dtype)
     block = 1024
     k.silu_mul_kernel[(rows, -(-n_cols // block))](gate_up, out, n_cols, BLOCK=block)
+    return out
+
+
+# Rows up to which `linear` streams the weight itself; above, cuBLAS's GEMM tiles win (and the step is
+# no longer bound by reading the weight once).
+MAX_LINEAR_ROWS = 32
+
+
+@dataclass(frozen=True)
+class LinearTile:
+    block_n: int  # output features per program
+    block_k: int  # inputs per inner step
+    splits: int  # programs along the input dimension (float32 partials when > 1)
+    warps: int
+    stages: int
+
+
+def linear_tile(rows: int, n_out: int, n_in: int) -> LinearTile:
+    """Launch shape for a weight-streaming linear: enough programs to keep every SM's loads in flight."""
+    return _LINEAR_TILES.get((n_out, n_in, _rows_bucket(rows))) or _default_tile(n_out, n_in)
+
+
+def _rows_bucket(rows: int) -> int:
+    return 1 if rows <= 4 else 16 if rows <= 16 else 32
+
+
+def _default_tile(n_out: int, n_in: int) -> LinearTile:
+    # the measured winners' pattern: 64 outputs a program, input split until there are ~128+ programs
+    splits = 1
+    while -(-n_out // 64) * splits < 128 and n_in // (splits * 2) >= 64:
+        splits *= 2
+    return LinearTile(64, 64, splits, 4, 3)
+
+
+# (n_out, n_in, rows bucket) -> tile, measured on the H100 (benchmarks/linear_tiles.py; µs per call in a
+# graph of 24 calls on distinct weights, against cuBLAS): CosyVoice2-0.5B's q/k/v, o, gate/up, down, head.
+_LINEAR_TILES: dict[tuple[int, int, int], LinearTile] = {
+    (1152, 896, 1): LinearTile(64, 128, 4, 4, 3),  # q/k/v: 3.32 µs (cuBLAS 4.43)
+    (896, 896, 1): LinearTile(64, 64, 8, 4, 4),  # o: 2.61 (4.27)
+    (9728, 896, 1): LinearTile(64, 64, 8, 4, 4),  # gate/up: 8.22 (8.61)
+    (896, 4864, 1): LinearTile(64, 128, 8, 8, 3),  # down: 7.29 (10.98 with the SiLU·up kernel)
+    (6564, 896, 1): LinearTile(64, 128, 1, 4, 4),  # head (never split): 6.65 (8.66)
+    (1152, 896, 16): LinearTile(64, 64, 8, 4, 3),  # 3.36 (4.70)
+    (896, 896, 16): LinearTile(64, 64, 8, 4, 3),  # 2.71 (4.17)
+    (9728, 896, 16): LinearTile(64, 64, 2, 4, 3),  # 8.48 (8.77)
+    (896, 4864, 16): LinearTile(64, 128, 8, 4, 3),  # 7.17 (12.63)
+    (6564, 896, 16): LinearTile(64, 128, 1, 4, 4),  # 6.67 (13.22)
+    (1152, 896, 32): LinearTile(64, 64, 8, 4, 4),  # 3.55 (4.82)
+    (896, 896, 32): LinearTile(64, 64, 8, 4, 3),  # 2.79 (4.34)
+    (9728, 896, 32): LinearTile(128, 128, 1, 8, 4),  # 8.65 (8.89)
+    (896, 4864, 32): LinearTile(64, 128, 8, 8, 3),  # 9.10 (13.02)
+    (6564, 896, 32): LinearTile(64, 128, 1, 4, 4),  # 6.95 (11.76)
+}
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, partials: bool = True,
+           tile: LinearTile | None = None) -> torch.Tensor:
+    """x [rows, n_in] @ weight[n_out, n_in]^T (+ bias). PERF: for up to MAX_LINEAR_ROWS rows the weight is
+    streamed once by many programs; with splits > 1 the result comes back as float32 partial sums
+    [splits, rows, n_out] that `add_rms_norm` and `rope_write_kv` add up (their sum, rounded once, is
+    the output: no reduce kernel, no atomics); partials=False asks for the plain [rows, n_out] output."""
+    return _linear(x, weight, bias, silu=False, tile=tile, partials=partials)
+
+
+def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, tile: LinearTile | None = None) -> torch.Tensor:
+    """linear(silu(gate) · up, weight) for gate_up = [gate | up] ([rows, 2·n_in], or the gate/up linear's
+    float32 partials [S, rows, 2·n_in]): the activation is computed while the weight streams (no kernel
+    of its own); output as `linear`'s."""
+    return _linear(gate_up, weight, None, silu=True, tile=tile, partials=True)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool,
+            tile: LinearTile | None, partials: bool) -> torch.Tensor:
+    x_parts = _parts(x)
+    if x_parts and not silu:
+        raise ValueError("linear: partial sums are taken only by silu_linear")
+    rows = x.shape[-2]
+    n_out, n_in = weight.shape
+    if rows > MAX_LINEAR_ROWS:
+        whole = x.sum(0).to(weight.dtype) if x_parts else x
+        return torch.nn.functional.linear(reference.silu_mul(whole) if silu else whole, weight, bias)
+    k = _kernels()
+    tile = tile or linear_tile(rows, n_out, n_in)
+    k_per_split = -(-n_in // ((tile.splits if partials else 1) * tile.block_k)) * tile.block_k
+    splits = -(-n_in // k_per_split)
+    shape = (splits, rows, n_out) if splits > 1 else (rows, n_out)
+    out = torch.empty(shape, device=x.device, dtype=torch.float32 if splits > 1 else weight.dtype)
+    grid = (-(-n_out // tile.block_n), splits)
+    k.linear_kernel[grid](x, weight, weight if bias is None else bias, out, rows, n_out, n_in, x.stride(-2),
+                          x.stride(0) if x_parts else 0, k_per_split, rows * n_out, X_PARTS=x_parts, SILU=silu,
+                          HAS_BIAS=bias is not None, PARTIAL=splits > 1,
+                          # float32 models get float32 products (tf32 would silently drop precision)
+                          PRECISION="ieee" if weight.dtype == torch.float32 else "tf32", BLOCK_N=tile.block_n,
+                          BLOCK_K=tile.block_k, BLOCK_M=max(16, k.next_power_of_2(rows)),
+                          num_warps=tile.warps, num_stages=tile.stages)
     return out

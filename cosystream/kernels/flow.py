@@ -187,37 +187,45 @@ def _kernels() -> SimpleNamespace:
                            sa_r, sa_c, sr_r, sr_c, sr_t, st_r, st_c, st_t,
                            HAS_NORM: tl.constexpr, MISH: tl.constexpr, HAS_ADD: tl.constexpr, HAS_RES: tl.constexpr,
                            PRECISION: tl.constexpr, BLOCK_CO: tl.constexpr, BLOCK_CI: tl.constexpr,
-                           BLOCK_T: tl.constexpr):
+                           BLOCK_T: tl.constexpr, PHASE: tl.constexpr):
         # One program: BLOCK_T frames of row r × every output channel (the channel LayerNorm stays in the
         # program). Implicit GEMM [frames, 3·Cin] x [3·Cin, Cout] over the weights stored [3, Cin, Cout]
         # (coalesced along Cout), one tap and BLOCK_CI input channels a step.
+        # PHASE 0 does it all. When there are too few such programs to spread the weight reads over the
+        # GPU, PHASE 1 computes conv + bias for BLOCK_CO of the channels (program_id 2) and PHASE 2, with
+        # x = PHASE 1's output [R, Cout, T], applies the per-frame epilogue (norm, Mish, add, res).
         r = tl.program_id(0)
         tile = tl.program_id(1)
+        co_block = tl.program_id(2)
         offs_t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
-        offs_o = tl.arange(0, BLOCK_CO)
+        offs_o = co_block * BLOCK_CO + tl.arange(0, BLOCK_CO)
         offs_i = tl.arange(0, BLOCK_CI)
         live_t = offs_t < num_t
         live_o = offs_o < n_out
         x_row = x_ptr + r.to(tl.int64) * sx_r
         s_row = s_ptr + r.to(tl.int64) * ss_r  # already at the conv's first state channel
-        acc = tl.zeros((BLOCK_T, BLOCK_CO), tl.float32)
-        for c0 in range(0, n_in, BLOCK_CI):
-            ci = c0 + offs_i
-            live_i = ci < n_in
-            for k in tl.static_range(3):
-                f = offs_t + (k - 2)  # the input frame tap k reads; f < 0: tail slot f + 2
-                in_x = ((f >= 0) & live_t)[:, None] & live_i[None, :]
-                in_s = ((f < 0) & live_t)[:, None] & live_i[None, :]
-                xv = tl.load(x_row + f[:, None] * sx_t + ci[None, :] * sx_c, mask=in_x, other=0.0)
-                sv = tl.load(s_row + (f + 2)[:, None] * ss_t + ci[None, :] * ss_c, mask=in_s, other=0.0)
-                w = tl.load(wt_ptr + (k * n_in + ci)[:, None] * n_out + offs_o[None, :],
-                            mask=live_i[:, None] & live_o[None, :], other=0.0)
-                acc = tl.dot(tl.where(in_s, sv, xv), w, acc, input_precision=PRECISION)
         dt = out_ptr.dtype.element_ty
-        b = tl.load(b_ptr + offs_o, mask=live_o, other=0.0).to(tl.float32)
-        # PARITY: cuDNN returns the conv rounded and torch adds the bias after it, rounded again; each
-        # later step is rounded as its torch op's output (padded channels stay exactly 0 throughout).
-        h = (acc.to(dt).to(tl.float32) + b[None, :]).to(dt).to(tl.float32)
+        if PHASE == 2:
+            h = tl.load(x_row + offs_o[None, :] * num_t + offs_t[:, None], mask=live_t[:, None] & live_o[None, :],
+                        other=0.0).to(tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_T, BLOCK_CO), tl.float32)
+            for c0 in range(0, n_in, BLOCK_CI):
+                ci = c0 + offs_i
+                live_i = ci < n_in
+                for k in tl.static_range(3):
+                    f = offs_t + (k - 2)  # the input frame tap k reads; f < 0: tail slot f + 2
+                    in_x = ((f >= 0) & live_t)[:, None] & live_i[None, :]
+                    in_s = ((f < 0) & live_t)[:, None] & live_i[None, :]
+                    xv = tl.load(x_row + f[:, None] * sx_t + ci[None, :] * sx_c, mask=in_x, other=0.0)
+                    sv = tl.load(s_row + (f + 2)[:, None] * ss_t + ci[None, :] * ss_c, mask=in_s, other=0.0)
+                    w = tl.load(wt_ptr + (k * n_in + ci)[:, None] * n_out + offs_o[None, :],
+                                mask=live_i[:, None] & live_o[None, :], other=0.0)
+                    acc = tl.dot(tl.where(in_s, sv, xv), w, acc, input_precision=PRECISION)
+            b = tl.load(b_ptr + offs_o, mask=live_o, other=0.0).to(tl.float32)
+            # PARITY: cuDNN returns the conv rounded and torch adds the bias after it, rounded again; each
+            # later step is rounded as its torch op's output (padded channels stay exactly 0 throughout).
+            h = (acc.to(dt).to(tl.float32) + b[None, :]).to(dt).to(tl.float32)
         if HAS_NORM:
             mean = tl.sum(h, axis=1) / n_out
             diff = tl.where(live_o[None, :], h - mean[:, None], 0.0)
@@ -240,20 +248,21 @@ def _kernels() -> SimpleNamespace:
                          mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + (r.to(tl.int64) * n_out + offs_o[None, :]) * num_t + offs_t[:, None], h.to(dt), mask=mask)
         # The new tail, the last 2 frames of [old tail, x], goes to a buffer nobody reads during this launch
-        # (see causal_conv); the program of the last frame tile writes it.
-        if tile == (num_t - 1) // BLOCK_T:
-            j = tl.arange(0, 2)
-            f = num_t - 2 + j
-            t_row = tail_ptr + r.to(tl.int64) * st_r
-            for c0 in range(0, n_in, BLOCK_CI):
-                ci = c0 + offs_i
-                live_i = ci < n_in
-                xv = tl.load(x_row + ci[:, None] * sx_c + f[None, :] * sx_t, mask=live_i[:, None] & (f >= 0)[None, :],
-                             other=0.0)
-                sv = tl.load(s_row + ci[:, None] * ss_c + (f + 2)[None, :] * ss_t,
-                             mask=live_i[:, None] & (f < 0)[None, :], other=0.0)
-                tl.store(t_row + ci[:, None] * st_c + j[None, :] * st_t, tl.where((f < 0)[None, :], sv, xv),
-                         mask=live_i[:, None])
+        # (see causal_conv); the program of the last frame tile (and first channel block) writes it.
+        if PHASE != 2:  # noqa: SIM102 - a compile-time branch around a run-time one
+            if (tile == (num_t - 1) // BLOCK_T) & (co_block == 0):
+                j = tl.arange(0, 2)
+                f = num_t - 2 + j
+                t_row = tail_ptr + r.to(tl.int64) * st_r
+                for c0 in range(0, n_in, BLOCK_CI):
+                    ci = c0 + offs_i
+                    live_i = ci < n_in
+                    xv = tl.load(x_row + ci[:, None] * sx_c + f[None, :] * sx_t,
+                                 mask=live_i[:, None] & (f >= 0)[None, :], other=0.0)
+                    sv = tl.load(s_row + ci[:, None] * ss_c + (f + 2)[None, :] * ss_t,
+                                 mask=live_i[:, None] & (f < 0)[None, :], other=0.0)
+                    tl.store(t_row + ci[:, None] * st_c + j[None, :] * st_t, tl.where((f < 0)[None, :], sv, xv),
+                             mask=live_i[:, None])
 
     return SimpleNamespace(pooled_attention_kernel=pooled_attention_kernel, add_layer_norm_kernel=add_layer_norm_kernel,
                            channel_norm_mish_kernel=channel_norm_mish_kernel, pool_write_kernel=pool_write_kernel,
@@ -332,6 +341,7 @@ class Tile:
     block_n: int
     warps: int = 4
     stages: int = 3
+    co_blocks: int = 1  # conv only: output-channel blocks (> 1: conv and epilogue as two launches)
 
 
 # (kind, small M) -> tile; small M = at most 512 rows (one or two streams' chunk). Picked on the H100 with
@@ -339,7 +349,8 @@ class Tile:
 TILES: dict[tuple[str, bool], Tile] = {
     ("qkv", True): Tile(32, 128, 4, 2), ("qkv", False): Tile(64, 128, 4, 2),
     ("gelu", True): Tile(32, 64, 8, 2), ("gelu", False): Tile(64, 128, 4, 2),
-    ("conv", True): Tile(16, 64, 8, 3), ("conv", False): Tile(16, 64, 8, 2),  # block_m frames, block_n in-ch.
+    # conv: block_m frames, block_n input channels a step, output channels in co_blocks launches
+    ("conv", True): Tile(16, 32, 8, 2, 4), ("conv", False): Tile(16, 64, 8, 2),
 }
 
 # (chunk-masked, at most 512 query rows) -> attention tile; chunk-masked: a streamed chunk (False: the
@@ -435,17 +446,32 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, offset: int, weight: 
     out = torch.empty(rows, n_out, num_t, device=x.device, dtype=x.dtype)
     t = tile if tile is not None else TILES[("conv", rows * num_t <= 512)]
     block_t, block_ci, warps, stages = t.block_m, t.block_n, t.warps, t.stages
-    block_co = kern.next_power_of_2(n_out)
     weight_t = _taps_first(weight)
     norm = norm_weight is not None
     a = out if add is None else add
     rs = out if res is None else res
-    kern.causal_conv_kernel[(rows, -(-num_t // block_t))](
-        x, state, weight_t, bias, norm_weight if norm else out, norm_bias if norm else out, a, rs, out, tail,
-        n_in, n_out, num_t, eps, *x.stride(), *state.stride(), a.stride(0), a.stride(1),
-        rs.stride(0), rs.stride(1), rs.stride(-1), *tail.stride(), HAS_NORM=norm, MISH=mish,
-        HAS_ADD=add is not None, HAS_RES=res is not None, PRECISION=_precision(x), BLOCK_CO=block_co,
-        BLOCK_CI=block_ci, BLOCK_T=block_t, num_warps=warps, num_stages=stages)
+    epilogue = dict(HAS_NORM=norm, MISH=mish, HAS_ADD=add is not None, HAS_RES=res is not None)
+    co_blocks = t.co_blocks if n_out % t.co_blocks == 0 else 1
+    # PERF: few frame tiles (one stream's chunk: 14 programs, each reading the whole weight) leave most
+    # SMs idle; splitting the output channels spreads the weight reads, the epilogue runs after.
+    split = co_blocks > 1
+    conv_out = torch.empty_like(out) if split and any(epilogue.values()) else out
+    grid = (rows, -(-num_t // block_t))
+
+    def launch(phase: int, x_in: torch.Tensor, dst: torch.Tensor, blocks: int, flags: dict) -> None:
+        kern.causal_conv_kernel[grid + (blocks,)](
+            x_in, state, weight_t, bias, norm_weight if norm else out, norm_bias if norm else out, a, rs, dst, tail,
+            n_in, n_out, num_t, eps, *x_in.stride(), *state.stride(), a.stride(0), a.stride(1),
+            rs.stride(0), rs.stride(1), rs.stride(-1), *tail.stride(), **flags, PRECISION=_precision(x),
+            BLOCK_CO=kern.next_power_of_2(n_out // blocks), BLOCK_CI=block_ci, BLOCK_T=block_t, PHASE=phase,
+            num_warps=warps, num_stages=stages)
+
+    if not split:
+        launch(0, x, out, 1, epilogue)
+    else:
+        launch(1, x, conv_out, co_blocks, {k: False for k in epilogue})
+        if conv_out is not out:
+            launch(2, conv_out, out, 1, epilogue)
     if tail_out is None:
         state.copy_(tail)
     return out

@@ -59,6 +59,18 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, partials: bool = True
+           ) -> torch.Tensor:
+    """x @ weight^T (+ bias), rounded to x's dtype (nn.Linear's numbers); always the whole output (the
+    Triton version may return split-K partial sums unless partials=False)."""
+    return F.linear(x, weight, bias)
+
+
+def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """linear(silu(gate) · up, weight) for gate_up = [gate | up] (the MLP's down projection)."""
+    return F.linear(silu_mul(gate_up), weight)
+
+
 def pooled_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, rows: torch.Tensor,
                      q_pos: torch.Tensor, key_limit: torch.Tensor, chunk: int, attn_len: int,
                      num_heads: int) -> torch.Tensor:

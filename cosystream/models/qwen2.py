@@ -171,18 +171,20 @@ class SpeechLM(nn.Module):
 
         embeds [B, d]; positions [B] (where each row's token goes). `ops` is `cosystream.kernels.decode`
         (Triton, CUDA) or `cosystream.kernels.reference` (torch); both compute `forward`'s numbers.
-        PERF: the residual add rides in the next norm's kernel, RoPE and the cache write are one kernel.
+        PERF: the residual add rides in the next norm's kernel, RoPE and the cache write are one kernel;
+        `ops.linear` may hand its output on as split-K partial sums that the next norm / RoPE kernel adds.
         """
         d = self.dims
         cos, sin = self.rope_table(cache.max_len, embeds.device)
         h, residual = embeds, None
         for i, layer in enumerate(self.layers):
             a, residual = ops.add_rms_norm(h, residual, layer.input_layernorm.weight, d.rms_norm_eps)
-            q = ops.rope_write_kv(layer.qkv_proj(a), positions, cos, sin, cache.k[i], cache.v[i],
-                                  d.num_heads, d.num_kv_heads)
-            attn = layer.o_proj(ops.decode_attention(q, cache.k[i], cache.v[i], positions, attn_len))
+            qkv = ops.linear(a, layer.qkv_proj.weight, layer.qkv_proj.bias)
+            q = ops.rope_write_kv(qkv, positions, cos, sin, cache.k[i], cache.v[i], d.num_heads, d.num_kv_heads)
+            attn = ops.linear(ops.decode_attention(q, cache.k[i], cache.v[i], positions, attn_len),
+                              layer.o_proj.weight)
             m, residual = ops.add_rms_norm(attn, residual, layer.post_attention_layernorm.weight, d.rms_norm_eps)
-            h = layer.down_proj(ops.silu_mul(layer.gate_up_proj(m)))
+            h = ops.silu_linear(ops.linear(m, layer.gate_up_proj.weight), layer.down_proj.weight)
         out, _ = ops.add_rms_norm(h, residual, self.norm.weight, d.rms_norm_eps)
         return out
 

@@ -87,3 +87,101 @@ def test_decode_attention_ignores_keys_past_each_row(device: str, dtype: torch.d
     first = decode.decode_attention(q, k, v, positions, 256)
     k[0, :, 11:], v[0, :, 11:], k[1, :, 101:], v[1, :, 101:] = 1e4, 1e4, -1e4, 1e4
     assert torch.equal(decode.decode_attention(q, k, v, positions, 256), first)
+
+
+def _linear_case(device: str, dtype: torch.dtype, rows: int, n_out: int, n_in: int, seed: int, silu: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 2 * n_in if silu else n_in, generator=g).to(device, dtype)
+    w = (torch.randn(n_out, n_in, generator=g) * n_in ** -0.5).to(device, dtype)
+    b = (0.1 * torch.randn(n_out, generator=g)).to(device, dtype)
+    return x, w, b
+
+
+def _whole(y: torch.Tensor) -> torch.Tensor:
+    return y.float().sum(0) if y.dim() == 3 else y.float()
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("tile", [decode.LinearTile(32, 64, 1, 4, 2), decode.LinearTile(16, 64, 3, 4, 2)])
+def test_linear(device: str, dtype: torch.dtype, rows: int, with_bias: bool, tile: decode.LinearTile) -> None:
+    # 200 outputs, 320 inputs: off the tiles (masked lanes), and 3 splits of 128 leave the last one short
+    x, w, b = _linear_case(device, dtype, rows, 200, 320, seed=rows)
+    bias = b if with_bias else None
+    y = decode.linear(x, w, bias, tile=tile)
+    if tile.splits > 1:  # float32 partial sums, the bias counted once
+        assert y.shape == (3, rows, 200) and y.dtype == torch.float32
+    else:
+        assert y.shape == (rows, 200) and y.dtype == dtype
+    assert _rel(_whole(y), reference.linear(x, w, bias)) < _tol(dtype)
+    plain = decode.linear(x, w, bias, tile=tile, partials=False)
+    assert plain.shape == (rows, 200) and _rel(plain, reference.linear(x, w, bias)) < _tol(dtype)
+
+
+def test_silu_linear(device: str, dtype: torch.dtype) -> None:
+    x, w, _ = _linear_case(device, dtype, 4, 96, 300, seed=7, silu=True)
+    y = decode.silu_linear(x, w, tile=decode.LinearTile(32, 64, 2, 4, 2))
+    assert y.shape == (2, 4, 96)
+    assert _rel(_whole(y), reference.silu_linear(x, w)) < _tol(dtype)
+
+
+def test_silu_linear_takes_the_gate_up_partials(device: str, dtype: torch.dtype) -> None:
+    m, w_gu, _ = _linear_case(device, dtype, 3, 2 * 96, 128, seed=9)
+    _, w_down, _ = _linear_case(device, dtype, 3, 64, 96, seed=10)
+    gate_up = decode.linear(m, w_gu, tile=decode.LinearTile(32, 32, 2, 4, 2))
+    assert gate_up.shape == (2, 3, 192)
+    y = decode.silu_linear(gate_up, w_down, tile=decode.LinearTile(32, 32, 1, 4, 2))
+    assert _rel(y, reference.silu_linear(reference.linear(m, w_gu), w_down)) < _tol(dtype)
+
+
+def test_linear_past_max_rows_is_torchs(device: str, dtype: torch.dtype) -> None:
+    x, w, b = _linear_case(device, dtype, decode.MAX_LINEAR_ROWS + 1, 64, 96, seed=8)
+    assert torch.equal(decode.linear(x, w, b), torch.nn.functional.linear(x, w, b))
+
+
+def test_norm_and_rope_add_up_partials(device: str, dtype: torch.dtype) -> None:
+    """Consumers of a split linear: add_rms_norm and rope_write_kv sum the partials, then round once."""
+    g = torch.Generator().manual_seed(11)
+    x, w, _ = _linear_case(device, dtype, 3, 896, 256, seed=12)
+    partial = decode.linear(x, w, tile=decode.LinearTile(64, 64, 4, 4, 2))
+    r = torch.randn(3, 896, generator=g).to(device, dtype)
+    nw = (1 + 0.1 * torch.randn(896, generator=g)).to(device, dtype)
+    out, res = decode.add_rms_norm(partial, r, nw, 1e-6)
+    want_out, want_res = reference.add_rms_norm(reference.linear(x, w), r, nw, 1e-6)
+    assert _rel(res, want_res) < _tol(dtype) and _rel(out, want_out) < _tol(dtype)
+
+    x, w, b = _linear_case(device, dtype, 3, (H + 2 * KV) * D, 256, seed=13)
+    qkv = decode.linear(x, w, b, tile=decode.LinearTile(64, 64, 2, 4, 2))
+    positions = torch.tensor([0, 17, 299], device=device)
+    angles = torch.arange(300).float().unsqueeze(1) * 1e4 ** (-torch.arange(D // 2) / (D // 2))
+    cos, sin = angles.cos().to(device), angles.sin().to(device)
+    k1, v1 = _cache(device, dtype, max_len=300)
+    k2, v2 = k1.clone(), v1.clone()
+    q = decode.rope_write_kv(qkv, positions, cos, sin, k1, v1, H, KV)
+    want_q = reference.rope_write_kv(reference.linear(x, w, b), positions, cos, sin, k2, v2, H, KV)
+    assert _rel(q, want_q) < _tol(dtype) and _rel(k1, k2) < _tol(dtype) and _rel(v1, v2) < _tol(dtype)
+
+
+@pytest.mark.parametrize("split_all", [False, True])
+def test_triton_decode_step_matches_fixture_logp(checkpoint, load_fixture, device: str, split_all: bool,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole fused decode step on the Triton kernels (on the CPU in the interpreter, float32)
+    reproduces the official teacher-forced log-probs of the fixture; split_all: every linear of the
+    step hands float32 partials to its consumer (the tiny model's own tiles split only the down one)."""
+    from cosystream.engine.loader import load_llm
+    from cosystream.models.qwen2 import KVCache
+
+    if split_all:
+        monkeypatch.setattr(decode, "_default_tile", lambda n_out, n_in: decode.LinearTile(32, 32, 2, 4, 2))
+
+    lm = load_llm(checkpoint, device)
+    f = load_fixture("llm")
+    forced = f["forced_tokens"].tolist()[:6]
+    n0 = f["lm_input"].shape[1]
+    cache = KVCache(lm.dims, 1, n0 + len(forced) + 8, device, torch.float32)
+    lm(f["lm_input"].to(device), torch.tensor([0], device=device), cache, attn_len=n0,
+       slots=torch.tensor([0], device=device))
+    for step, token in enumerate(forced[:-1]):
+        emb = lm.speech_embedding.weight[token][None]
+        h = lm.decode(emb, torch.tensor([n0 + step], device=device), cache, cache.max_len, decode)
+        torch.testing.assert_close(lm.logp(h)[0].cpu(), f["step_logp"][step + 1], atol=1e-4, rtol=0)

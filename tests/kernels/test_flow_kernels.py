@@ -189,6 +189,23 @@ def test_causal_conv(device: str, dtype: torch.dtype, num_t: int, epilogue: str)
     assert _rel(out, want) < (8e-3 if dtype == torch.bfloat16 else 1e-5)
 
 
+@pytest.mark.parametrize("co_blocks", [2, 4])
+@pytest.mark.parametrize("epilogue", ["none", "norm_mish_add_res", "mish_res"])
+def test_causal_conv_split_over_output_channels(device: str, dtype: torch.dtype, co_blocks: int,
+                                                epilogue: str) -> None:
+    """Conv in channel blocks, then the per-frame epilogue as its own launch: the same numbers and tail."""
+    x, state, w, b, (nw, nb), add, res = _conv_case(device, dtype, seed=30 + co_blocks, num_t=45)
+    kw = {"norm_weight": nw if "norm" in epilogue else None, "norm_bias": nb if "norm" in epilogue else None,
+          "eps": 1e-5, "mish": "mish" in epilogue, "add": add if "add" in epilogue else None,
+          "res": res if "res" in epilogue else None}
+    want_state = state.clone()
+    want = reference.causal_conv(x, want_state, 24, w, b, **kw)
+    tail_out = torch.full_like(state, float("nan"))
+    out = flow.causal_conv(x, state, 24, w, b, **kw, tail_out=tail_out, tile=Tile(16, 32, 4, 2, co_blocks))
+    assert torch.equal(tail_out[:, 24:104], want_state[:, 24:104])
+    assert _rel(out, want) < (8e-3 if dtype == torch.bfloat16 else 1e-5)
+
+
 def test_causal_conv_tail_uses_the_state_and_every_row_its_own() -> None:
     """The reference itself: the left context is the row's own tail (a conv with zeros there differs)."""
     x, state, w, b, _, _, _ = _conv_case("cpu", torch.float32, seed=5, num_t=4, strided=False)
