@@ -114,9 +114,12 @@ class LMRunner:
         if self.use_graphs and start_pos == 0:
             return self._prefill_graphed(slot, embeds)
         slots = torch.tensor([slot], device=self.device)
-        start = torch.tensor([start_pos], device=self.device)
-        h = self._forward(embeds.to(self.device, self.dtype).unsqueeze(0), start, self.cache,
-                          attn_len=start_pos + n, slots=slots)[:, -1]
+        x = embeds.to(self.device, self.dtype).unsqueeze(0)
+        if start_pos == 0:
+            h = self._fresh(x, slots)[:, -1]
+        else:  # an extension (text streamed in after the prompt) attends over what the cache holds
+            start = torch.tensor([start_pos], device=self.device)
+            h = self._forward(x, start, self.cache, attn_len=start_pos + n, slots=slots)[:, -1]
         logp = self.lm.logp(h)
         token = self._sample(logp, self._rows(slot, slot + 1), self.eos)
         self._record(slice(slot, slot + 1), token, torch.ones(1, dtype=torch.bool, device=self.device))
@@ -180,8 +183,7 @@ class LMRunner:
 
     def _prefill_core(self, x: torch.Tensor, slot: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor]:
         rows, _, width = x.shape
-        zero = torch.zeros(rows, device=self.device, dtype=torch.long)
-        h = self._forward(x, zero, self.cache, attn_len=x.shape[1], slots=slot)
+        h = self._fresh(x, slot)
         h = h.gather(1, last.view(rows, 1, 1).expand(rows, 1, width)).squeeze(1)  # each row's last position
         s = self.sampling
         picked = SamplingBatch(*(getattr(s, f).index_select(0, slot) for f in SamplingBatch.__dataclass_fields__))
@@ -193,6 +195,13 @@ class LMRunner:
         s.history.index_copy_(0, slot, torch.cat([picked.history[:, 1:], token.unsqueeze(1)], dim=1))
         self.positions.index_copy_(0, slot, last + 1)
         return (mark_non_finite(logp, token),)
+
+    def _fresh(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Hidden states of new prompts x [B, n, d] written from position 0 into cache rows `slots`."""
+        if self.fused:
+            return self.lm.prefill(x, slots, self.cache, self.ops)
+        zero = torch.zeros(x.shape[0], device=self.device, dtype=torch.long)
+        return self._forward(x, zero, self.cache, attn_len=x.shape[1], slots=slots)
 
     def _record(self, rows: slice, token: torch.Tensor, active: torch.Tensor) -> None:
         # Rows that are not decoding (free, parked for text) keep their state untouched.

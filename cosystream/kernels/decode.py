@@ -16,8 +16,6 @@ from types import SimpleNamespace
 
 import torch
 
-from cosystream.kernels import reference
-
 _KEYS_PER_BLOCK = 64  # keys loaded per inner step of the attention kernel
 _MAX_SPLITS = 16  # attention programs per (row, kv head); their partial softmaxes are combined after
 
@@ -51,10 +49,10 @@ def _kernels() -> SimpleNamespace:
         tl.store(out_ptr + row * n_cols + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def rope_write_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_out_ptr, k_ptr, v_ptr,
+    def rope_write_kv_kernel(qkv_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, q_out_ptr, k_ptr, v_ptr,
                              slot_stride, head_stride, part_stride, NUM_HEADS: tl.constexpr,
                              NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr, PARTS: tl.constexpr,
-                             PARTS_BLOCK: tl.constexpr):
+                             PARTS_BLOCK: tl.constexpr, HAS_SLOTS: tl.constexpr):
         row = tl.program_id(0)
         head = tl.program_id(1)  # [0, H): a query head; [H, H+KV): a key head (and its value head)
         half = HEAD_DIM // 2
@@ -80,7 +78,8 @@ def _kernels() -> SimpleNamespace:
             tl.store(dst + half + offs, o2)
         else:
             kv = head - NUM_HEADS
-            cache_off = row * slot_stride + kv * head_stride + pos * HEAD_DIM
+            slot = tl.load(slot_ptr + row).to(tl.int64) if HAS_SLOTS else row  # its cache row
+            cache_off = slot * slot_stride + kv * head_stride + pos * HEAD_DIM
             tl.store(k_ptr + cache_off + offs, o1)
             tl.store(k_ptr + cache_off + half + offs, o2)
             v_src = base + NUM_KV * HEAD_DIM  # the value head sits NUM_KV heads after its key head
@@ -92,7 +91,8 @@ def _kernels() -> SimpleNamespace:
     @triton.jit
     def attention_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_part_ptr, ml_part_ptr, slot_stride, head_stride,
                                keys_per_split, num_splits, scale, GROUPS: tl.constexpr, NUM_KV: tl.constexpr,
-                               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                               PRECISION: tl.constexpr):
         row = tl.program_id(0)
         kv = tl.program_id(1)
         split = tl.program_id(2)
@@ -112,13 +112,13 @@ def _kernels() -> SimpleNamespace:
             offs_n = block + tl.arange(0, BLOCK_N)
             valid = offs_n < stop
             k = tl.load(k_ptr + cache + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=valid[None, :], other=0.0)
-            s = tl.dot(q, k) * scale
+            s = tl.dot(q, k, input_precision=PRECISION) * scale
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
             v = tl.load(v_ptr + cache + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=valid[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
         # partials [B, KV, splits, BLOCK_M, D]; an empty split leaves m = -inf, l = 0
@@ -158,8 +158,8 @@ def _kernels() -> SimpleNamespace:
         tl.store(out_ptr + row * n_cols + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, rows, n_out, n_in, x_stride, x_part_stride, k_per_split,
-                      part_stride, X_PARTS: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
+    def linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, rows, n_out, n_in, x_stride, k_per_split, part_stride,
+                      SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
                       PARTIAL: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr):
         # Weight-streaming GEMM for a few rows: out^T [BLOCK_N, rows] = W tile @ x^T, so the weight's
@@ -182,12 +182,6 @@ def _kernels() -> SimpleNamespace:
             if SILU:  # x = [gate | up] of width 2·n_in: the input is silu(gate)·up, rounded as torch does
                 gate = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0).to(tl.float32)
                 up = tl.load(x_ptr + n_in + x_offs, mask=x_mask, other=0.0).to(tl.float32)
-                if X_PARTS > 0:  # [gate | up] given as X_PARTS split-K partial sums of the gate/up linear
-                    for p in tl.static_range(1, X_PARTS):
-                        gate += tl.load(x_ptr + p * x_part_stride + x_offs, mask=x_mask, other=0.0)
-                        up += tl.load(x_ptr + p * x_part_stride + n_in + x_offs, mask=x_mask, other=0.0)
-                    gate = gate.to(w.dtype).to(tl.float32)  # PARITY: the gate/up linear's output is rounded once
-                    up = up.to(w.dtype).to(tl.float32)
                 act = (gate / (1.0 + tl.exp(-gate))).to(w.dtype).to(tl.float32)
                 xt = (act * up).to(w.dtype)
             else:
@@ -205,6 +199,11 @@ def _kernels() -> SimpleNamespace:
 
     return SimpleNamespace(**{k: v for k, v in locals().items() if k.endswith("_kernel")},
                            next_power_of_2=triton.next_power_of_2)
+
+
+def _precision(x: torch.Tensor) -> str:
+    # float32 models get float32 products (tf32 would be a silent precision drop); bf16/fp16 ignore it
+    return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
 def _parts(x: torch.Tensor) -> int:
@@ -230,17 +229,19 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 
 def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  cache_k: torch.Tensor, cache_v: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
-    """qkv: [B, (H + 2·KV)·D], or a `linear` output given as float32 partials [S, B, ...] (summed here)."""
+                  cache_k: torch.Tensor, cache_v: torch.Tensor, num_heads: int, num_kv_heads: int,
+                  slots: torch.Tensor | None = None) -> torch.Tensor:
+    """qkv: [B, (H + 2·KV)·D], or a `linear` output given as float32 partials [S, B, ...] (summed here);
+    row b's k/v go to cache row slots[b] (b without slots)."""
     k = _kernels()
     parts = _parts(qkv)
     batch = qkv.shape[-2]
     head_dim = cache_k.shape[-1]
     q = torch.empty(batch, num_heads, head_dim, device=qkv.device, dtype=cache_k.dtype)
     k.rope_write_kv_kernel[(batch, num_heads + num_kv_heads)](
-        qkv, positions, cos, sin, q, cache_k, cache_v, cache_k.stride(0), cache_k.stride(1),
-        qkv[0].numel() if parts else 0, NUM_HEADS=num_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, PARTS=parts,
-        PARTS_BLOCK=k.next_power_of_2(max(parts, 1)))
+        qkv, positions, positions if slots is None else slots, cos, sin, q, cache_k, cache_v, cache_k.stride(0),
+        cache_k.stride(1), qkv[0].numel() if parts else 0, NUM_HEADS=num_heads, NUM_KV=num_kv_heads,
+        HEAD_DIM=head_dim, PARTS=parts, PARTS_BLOCK=k.next_power_of_2(max(parts, 1)), HAS_SLOTS=slots is not None)
     return q
 
 
@@ -262,7 +263,7 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
     k.attention_split_kernel[(batch, kv_heads, splits)](
         q, cache_k, cache_v, positions, o_part, ml_part, cache_k.stride(0), cache_k.stride(1), keys_per_split,
         splits, head_dim ** -0.5, GROUPS=groups, NUM_KV=kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m,
-        BLOCK_N=_KEYS_PER_BLOCK)
+        BLOCK_N=_KEYS_PER_BLOCK, PRECISION=_precision(q))
     out = torch.empty(batch, num_heads * head_dim, device=q.device, dtype=q.dtype)
     k.attention_combine_kernel[(batch, num_heads)](
         o_part, ml_part, out, splits, GROUPS=groups, NUM_KV=kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m,
@@ -316,12 +317,12 @@ def _default_tile(n_out: int, n_in: int) -> LinearTile:
 _LINEAR_TILES: dict[tuple[int, int, int], LinearTile] = {
     (1152, 896, 1): LinearTile(64, 128, 4, 4, 3),  # q/k/v: 3.32 µs (cuBLAS 4.43)
     (896, 896, 1): LinearTile(64, 64, 8, 4, 4),  # o: 2.61 (4.27)
-    (9728, 896, 1): LinearTile(64, 64, 8, 4, 4),  # gate/up: 8.22 (8.61)
+    (9728, 896, 1): LinearTile(128, 128, 1, 4, 4),  # gate/up (whole, for the down's prologue): 8.31 (8.61)
     (896, 4864, 1): LinearTile(64, 128, 8, 8, 3),  # down: 7.29 (10.98 with the SiLU·up kernel)
     (6564, 896, 1): LinearTile(64, 128, 1, 4, 4),  # head (never split): 6.65 (8.66)
     (1152, 896, 16): LinearTile(64, 64, 8, 4, 3),  # 3.36 (4.70)
     (896, 896, 16): LinearTile(64, 64, 8, 4, 3),  # 2.71 (4.17)
-    (9728, 896, 16): LinearTile(64, 64, 2, 4, 3),  # 8.48 (8.77)
+    (9728, 896, 16): LinearTile(128, 128, 1, 8, 4),  # 8.48 (8.77)
     (896, 4864, 16): LinearTile(64, 128, 8, 4, 3),  # 7.17 (12.63)
     (6564, 896, 16): LinearTile(64, 128, 1, 4, 4),  # 6.67 (13.22)
     (1152, 896, 32): LinearTile(64, 64, 8, 4, 4),  # 3.55 (4.82)
@@ -342,22 +343,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, tile: LinearTile | None = None) -> torch.Tensor:
-    """linear(silu(gate) · up, weight) for gate_up = [gate | up] ([rows, 2·n_in], or the gate/up linear's
-    float32 partials [S, rows, 2·n_in]): the activation is computed while the weight streams (no kernel
-    of its own); output as `linear`'s."""
+    """linear(silu(gate) · up, weight) for gate_up = [gate | up] ([rows, 2·n_in], whole: the gate/up
+    linear runs with partials=False): the activation is computed while the weight streams (no kernel of
+    its own); output as `linear`'s."""
     return _linear(gate_up, weight, None, silu=True, tile=tile, partials=True)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool,
             tile: LinearTile | None, partials: bool) -> torch.Tensor:
-    x_parts = _parts(x)
-    if x_parts and not silu:
-        raise ValueError("linear: partial sums are taken only by silu_linear")
-    rows = x.shape[-2]
+    if x.dim() != 2:
+        raise ValueError("linear: the input must be a whole [rows, n_in] tensor, not partial sums")
+    rows = x.shape[0]
     n_out, n_in = weight.shape
     if rows > MAX_LINEAR_ROWS:
-        whole = x.sum(0).to(weight.dtype) if x_parts else x
-        return torch.nn.functional.linear(reference.silu_mul(whole) if silu else whole, weight, bias)
+        return torch.nn.functional.linear(silu_mul(x) if silu else x, weight, bias)
     k = _kernels()
     tile = tile or linear_tile(rows, n_out, n_in)
     k_per_split = -(-n_in // ((tile.splits if partials else 1) * tile.block_k)) * tile.block_k
@@ -365,11 +364,10 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
     shape = (splits, rows, n_out) if splits > 1 else (rows, n_out)
     out = torch.empty(shape, device=x.device, dtype=torch.float32 if splits > 1 else weight.dtype)
     grid = (-(-n_out // tile.block_n), splits)
-    k.linear_kernel[grid](x, weight, weight if bias is None else bias, out, rows, n_out, n_in, x.stride(-2),
-                          x.stride(0) if x_parts else 0, k_per_split, rows * n_out, X_PARTS=x_parts, SILU=silu,
+    k.linear_kernel[grid](x, weight, weight if bias is None else bias, out, rows, n_out, n_in, x.stride(0),
+                          k_per_split, rows * n_out, SILU=silu,
                           HAS_BIAS=bias is not None, PARTIAL=splits > 1,
-                          # float32 models get float32 products (tf32 would silently drop precision)
-                          PRECISION="ieee" if weight.dtype == torch.float32 else "tf32", BLOCK_N=tile.block_n,
+                          PRECISION=_precision(weight), BLOCK_N=tile.block_n,
                           BLOCK_K=tile.block_k, BLOCK_M=max(16, k.next_power_of_2(rows)),
                           num_warps=tile.warps, num_stages=tile.stages)
     return out

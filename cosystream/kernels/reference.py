@@ -22,9 +22,10 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 
 def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  cache_k: torch.Tensor, cache_v: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
-    """Rotate q and k (rotate-half RoPE at each row's position), store k and v in cache rows [0, B) at
-    `positions`, and return the rotated queries [B, H, D]."""
+                  cache_k: torch.Tensor, cache_v: torch.Tensor, num_heads: int, num_kv_heads: int,
+                  slots: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotate q and k (rotate-half RoPE at each row's position), store k and v in cache rows slots[b]
+    (rows [0, B) without slots) at `positions`, and return the rotated queries [B, H, D]."""
     batch = qkv.shape[0]
     head_dim = cache_k.shape[-1]
     heads = qkv.view(batch, num_heads + 2 * num_kv_heads, head_dim)
@@ -34,7 +35,7 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     half = head_dim // 2
     rotated = torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
     qk = (qk.float() * c + rotated.float() * s).to(qkv.dtype)
-    rows = torch.arange(batch, device=qkv.device)
+    rows = torch.arange(batch, device=qkv.device) if slots is None else slots
     cache_k[rows, :, positions] = qk[:, num_heads:]
     cache_v[rows, :, positions] = heads[:, num_heads + num_kv_heads:]
     return qk[:, :num_heads].contiguous()

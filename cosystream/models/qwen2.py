@@ -184,9 +184,36 @@ class SpeechLM(nn.Module):
             attn = ops.linear(ops.decode_attention(q, cache.k[i], cache.v[i], positions, attn_len),
                               layer.o_proj.weight)
             m, residual = ops.add_rms_norm(attn, residual, layer.post_attention_layernorm.weight, d.rms_norm_eps)
-            h = ops.silu_linear(ops.linear(m, layer.gate_up_proj.weight), layer.down_proj.weight)
+            h = ops.silu_linear(ops.linear(m, layer.gate_up_proj.weight, partials=False), layer.down_proj.weight)
         out, _ = ops.add_rms_norm(h, residual, self.norm.weight, d.rms_norm_eps)
         return out
+
+    def prefill(self, embeds: torch.Tensor, slots: torch.Tensor, cache: KVCache, ops: ModuleType) -> torch.Tensor:
+        """Fresh prompts from position 0 into cache rows `slots` [B]: embeds [B, n, d] -> final-norm hidden
+        [B, n, d], the numbers of `forward(embeds, zeros, cache, attn_len=n, slots=slots)`.
+
+        PERF: ~14 kernels a layer instead of ~43: the decode step's fused ops on the B·n rows, and causal
+        attention over the prompt's own keys (no mask tensor; GQA inside SDPA, no repeated K/V).
+        """
+        d = self.dims
+        batch, n, width = embeds.shape
+        cos, sin = self.rope_table(cache.max_len, embeds.device)
+        positions = torch.arange(n, device=embeds.device).repeat(batch)
+        rows = slots.repeat_interleave(n)
+        h, residual = embeds.reshape(batch * n, width), None
+        for i, layer in enumerate(self.layers):
+            a, residual = ops.add_rms_norm(h, residual, layer.input_layernorm.weight, d.rms_norm_eps)
+            qkv = ops.linear(a, layer.qkv_proj.weight, layer.qkv_proj.bias)
+            q = ops.rope_write_kv(qkv, positions, cos, sin, cache.k[i], cache.v[i], d.num_heads, d.num_kv_heads,
+                                  slots=rows)
+            q = q.view(batch, n, d.num_heads, d.head_dim).transpose(1, 2)
+            keys, values = cache.k[i][slots, :, :n], cache.v[i][slots, :, :n]  # the prompt's rotated keys
+            attn = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
+            attn = ops.linear(attn.transpose(1, 2).reshape(batch * n, width), layer.o_proj.weight)
+            m, residual = ops.add_rms_norm(attn, residual, layer.post_attention_layernorm.weight, d.rms_norm_eps)
+            h = ops.silu_linear(ops.linear(m, layer.gate_up_proj.weight, partials=False), layer.down_proj.weight)
+        out, _ = ops.add_rms_norm(h, residual, self.norm.weight, d.rms_norm_eps)
+        return out.view(batch, n, width)
 
     def rope_table(self, max_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [max_len, head_dim / 2] float32 for every position (the same values `rope_tables` makes)."""

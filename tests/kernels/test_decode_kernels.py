@@ -125,13 +125,11 @@ def test_silu_linear(device: str, dtype: torch.dtype) -> None:
     assert _rel(_whole(y), reference.silu_linear(x, w)) < _tol(dtype)
 
 
-def test_silu_linear_takes_the_gate_up_partials(device: str, dtype: torch.dtype) -> None:
-    m, w_gu, _ = _linear_case(device, dtype, 3, 2 * 96, 128, seed=9)
-    _, w_down, _ = _linear_case(device, dtype, 3, 64, 96, seed=10)
-    gate_up = decode.linear(m, w_gu, tile=decode.LinearTile(32, 32, 2, 4, 2))
-    assert gate_up.shape == (2, 3, 192)
-    y = decode.silu_linear(gate_up, w_down, tile=decode.LinearTile(32, 32, 1, 4, 2))
-    assert _rel(y, reference.silu_linear(reference.linear(m, w_gu), w_down)) < _tol(dtype)
+def test_linear_refuses_partial_sums_as_input(device: str, dtype: torch.dtype) -> None:
+    x, w, _ = _linear_case(device, dtype, 2, 64, 128, seed=9)
+    partial = decode.linear(x, w, tile=decode.LinearTile(32, 32, 2, 4, 2))
+    with pytest.raises(ValueError, match="whole"):
+        decode.silu_linear(partial, w[:, :64])
 
 
 def test_linear_past_max_rows_is_torchs(device: str, dtype: torch.dtype) -> None:
@@ -185,3 +183,22 @@ def test_triton_decode_step_matches_fixture_logp(checkpoint, load_fixture, devic
         emb = lm.speech_embedding.weight[token][None]
         h = lm.decode(emb, torch.tensor([n0 + step], device=device), cache, cache.max_len, decode)
         torch.testing.assert_close(lm.logp(h)[0].cpu(), f["step_logp"][step + 1], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("n", [12, 20])  # 24 rows: the Triton linears; 40 rows: torch's GEMMs
+def test_triton_prefill_computes_forwards_numbers(checkpoint, device: str, n: int) -> None:
+    """The fused prefill on the Triton kernels matches the unfused forward: hidden states and the
+    keys/values written into the prompts' cache rows."""
+    from cosystream.engine.loader import load_llm
+    from cosystream.models.qwen2 import KVCache
+
+    lm = load_llm(checkpoint, device)
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(2, n, lm.dims.hidden_size, generator=g) * 0.5).to(device)
+    slots = torch.tensor([2, 0], device=device)
+    caches = [KVCache(lm.dims, max_slots=3, max_len=32, device=device, dtype=torch.float32) for _ in range(2)]
+    fused = lm.prefill(x, slots, caches[0], decode)
+    plain = lm(x, torch.zeros(2, dtype=torch.long, device=device), caches[1], attn_len=n, slots=slots)
+    torch.testing.assert_close(fused, plain, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(caches[0].k, caches[1].k, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(caches[0].v, caches[1].v, atol=1e-4, rtol=1e-4)

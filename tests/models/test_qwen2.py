@@ -134,3 +134,24 @@ def test_fused_decode_step_matches_fixture_logp(lm, load_fixture):
     logp = torch.stack(logps)  # [steps, 2, V]
     torch.testing.assert_close(logp[:, 0], f["step_logp"][1:], atol=ATOL_LOGP, rtol=0)
     torch.testing.assert_close(logp[1:, 1], f["step_logp"][1:-1], atol=ATOL_LOGP, rtol=0)
+
+
+def _prefill_both_ways(lm, ops):
+    """New prompts of 9 positions into cache rows 3 and 1: the fused prefill and `forward`."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 9, lm.dims.hidden_size, generator=g) * 0.5
+    slots = torch.tensor([3, 1])
+    caches = [KVCache(lm.dims, max_slots=4, max_len=16, device="cpu", dtype=torch.float32) for _ in range(2)]
+    fused = lm.prefill(x, slots, caches[0], ops)
+    plain = lm(x, torch.zeros(2, dtype=torch.long), caches[1], attn_len=9, slots=slots)
+    return fused, plain, caches
+
+
+def test_fused_prefill_computes_forwards_numbers(lm):
+    from cosystream.kernels import reference
+
+    fused, plain, (c_fused, c_plain) = _prefill_both_ways(lm, reference)
+    torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(c_fused.k, c_plain.k, atol=1e-5, rtol=1e-5)  # same rows, same positions
+    torch.testing.assert_close(c_fused.v, c_plain.v, atol=1e-5, rtol=1e-5)
+    assert c_fused.k[:, [0, 2]].abs().sum() == 0  # rows not prefilled stay untouched
