@@ -1,7 +1,8 @@
 """EngineCore: the one thread that owns the GPU. Requests in through a queue, audio chunks out.
 
 Each loop iteration: take new messages (blocking only when idle: no polling), admit waiting
-segments into free LM slots (prefill), run one batched decode step for every decoding stream, then
+segments into free LM slots (prefill), launch one batched decode step for every decoding stream and
+read the previous step's tokens (one step in flight: the GPU works while the host reads), then
 run the token-to-wave chunks that became ready, first chunks of new requests ahead of later chunks
 of older ones, several requests per batch (spec/streaming.md §2 for the schedule).
 
@@ -26,7 +27,7 @@ import torch
 
 from cosystream.engine import faults
 from cosystream.engine.bistream import BistreamState, Feed
-from cosystream.engine.lm_runner import LMRunner, RowSampling
+from cosystream.engine.lm_runner import LMRunner, RowSampling, StepTicket
 from cosystream.engine.request import LMStatus, RequestState, Segment
 from cosystream.errors import EngineDead
 from cosystream.outputs import AudioChunk
@@ -45,6 +46,14 @@ class _Job:
     open_args: dict | None = None  # the segment's stream opens with this chunk (on whoever runs the batch)
     state: Any = None  # the segment's token-to-wave stream
     error: Exception | None = None  # this job alone failed (e.g. its stream could not open)
+
+
+@dataclass
+class _Step:
+    """A launched decode step: the rows it ran, as (slot, request, segment) when launched."""
+
+    rows: list[tuple[int, RequestState, Segment]]
+    ticket: StepTicket
 
 
 @dataclass
@@ -91,6 +100,7 @@ class EngineCore:
         # and pool would be used from two threads at once): done when the batch comes back.
         self._after_batch: list[Any] = []  # callables
         self._deferred_calls: list[_Message] = []
+        self._step_ahead: _Step | None = None  # a launched decode step whose tokens are not read yet
 
     # ------------------------------------------------------------------ thread-safe API
     def start(self) -> None:
@@ -228,7 +238,7 @@ class EngineCore:
 
     def _busy(self) -> bool:
         """Is there work that needs no new message? (Rows parked for text are not work.)"""
-        decoding = self._lm_decoding() and not self._decode_paused()
+        decoding = (self._lm_decoding() and not self._decode_paused()) or self._step_ahead is not None
         admittable = bool(self.waiting) and bool(self.free_slots)
         if decoding or admittable:
             return True
@@ -385,18 +395,45 @@ class EngineCore:
         self.lm_runner.set_active(seg.slot, decoding)
 
     def _decode(self) -> None:
-        if self._decode_paused():
-            return
-        rows = [s for s, r in self.slot_owner.items()
-                if r.lm_segment is not None and r.lm_segment.lm_status == LMStatus.decoding]
-        if not rows:
-            return
-        max_pos = max(self.slot_owner[s].lm_segment.pos for s in rows)
-        tokens = self.lm_runner.decode(max(rows) + 1, max_pos)
+        """Run a decode step and read the tokens of the one before it.
+
+        PERF: a step is read one call after it is launched, so the GPU computes step N+1 while the host
+        reads step N's tokens, plans chunks and admits (launch-ahead; a step's inputs never leave the
+        GPU). A row that ends at step N has already run step N+1: that token is dropped (its state is
+        reset before the slot is reused, and the K/V it wrote lie past what any reader attends to).
+        Rows fed by text streaming decide on each token whether to run again, so while any decodes
+        every step is read before the next is launched.
+        """
+        previous, self._step_ahead = self._step_ahead, None
+        current = None
+        if not self._decode_paused():
+            rows = self._decoding_rows()
+            if rows:
+                current = self._launch_step(rows, ahead=previous is not None)
+        if previous is not None:
+            self._read_step(previous)
+        if current is not None:
+            if all(seg.bistream is None for _, _, seg in current.rows):
+                self._step_ahead = current
+            else:
+                self._read_step(current)
+
+    def _decoding_rows(self) -> list[tuple[int, RequestState, Segment]]:
+        return [(slot, req, req.lm_segment) for slot, req in sorted(self.slot_owner.items())
+                if req.lm_segment is not None and req.lm_segment.lm_status == LMStatus.decoding]
+
+    def _launch_step(self, rows: list, ahead: bool) -> _Step:
+        # with a step still in flight every row stands one position further on the GPU than on the host
+        max_pos = max(seg.pos for _, _, seg in rows) + int(ahead)
+        ticket = self.lm_runner.launch(rows[-1][0] + 1, max_pos)
         self.num_steps += 1
-        for slot in rows:
-            req = self.slot_owner[slot]
-            seg = req.lm_segment
+        return _Step(rows, ticket)
+
+    def _read_step(self, step: _Step) -> None:
+        tokens = self.lm_runner.collect(step.ticket)
+        for slot, req, seg in step.rows:
+            if seg.lm_status != LMStatus.decoding or seg.slot != slot or self.slot_owner.get(slot) is not req:
+                continue  # the row ended (or failed) on an earlier token: this one was computed ahead
             seg.pos += 1
             self._accept_token(req, seg, tokens[slot])
 

@@ -29,6 +29,14 @@ _PREFILL_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640
 
 
 @dataclass(frozen=True)
+class StepTicket:
+    """A launched decode step: where its tokens land on the host, and the event that says they have."""
+
+    host: torch.Tensor
+    done: torch.cuda.Event | None
+
+
+@dataclass(frozen=True)
 class RowSampling:
     """Sampling settings of one stream, resolved against the model defaults."""
 
@@ -73,8 +81,9 @@ class LMRunner:
         self.len_buckets = [n for n in _LEN_BUCKETS if n < max_len] + [max_len]
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
-        self._host_tokens = torch.zeros(max_slots, dtype=torch.int64,
-                                        pin_memory=self.device.type == "cuda")
+        self._host_tokens = torch.zeros(2, max_slots, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        self._flip = 0
+        self._done_events = [torch.cuda.Event() for _ in range(2)] if self.device.type == "cuda" else []
 
     def _alloc_state(self, n: int) -> None:
         z = dict(device=self.device)
@@ -259,17 +268,34 @@ class LMRunner:
     @torch.inference_mode()
     def decode(self, num_rows: int, max_position: int) -> list[int]:
         """One step for rows [0, num_rows): returns each row's new token (host ints)."""
+        return self.collect(self.launch(num_rows, max_position))
+
+    @torch.inference_mode()
+    def launch(self, num_rows: int, max_position: int) -> StepTicket:
+        """Queue one step for rows [0, num_rows) (no row past `max_position`) and the copy of its tokens
+        to the host; `collect` waits for them. PERF: the next step can be queued before this one's
+        tokens are read (its inputs never leave the GPU), so the host's bookkeeping hides behind it."""
         b, attn_len = self.bucket_for(num_rows, max_position)
         if self.use_graphs:
             graph = self.graphs.get((b, attn_len)) or self._capture(b, attn_len)
             graph.replay()
         else:
             self._step(b, attn_len)
-        host = self._host_tokens[:num_rows]
+        self._flip ^= 1  # two host buffers: a step's tokens stay readable while the next one is queued
+        host = self._host_tokens[self._flip, :num_rows]
         host.copy_(self.out[:num_rows], non_blocking=True)
+        done = None
         if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        return host.tolist()
+            done = self._done_events[self._flip]
+            done.record()
+        return StepTicket(host, done)
+
+    @staticmethod
+    def collect(ticket: StepTicket) -> list[int]:
+        """The tokens of a launched step (waits for the GPU to reach it)."""
+        if ticket.done is not None:
+            ticket.done.synchronize()
+        return ticket.host.tolist()
 
     def _capture(self, b: int, attn_len: int) -> torch.cuda.CUDAGraph:
         # Capturing runs the step twice: keep every row's small state; the K/V it writes lands at the

@@ -156,18 +156,18 @@ def test_out_of_memory_in_a_token_to_wave_batch_fails_only_that_batch(engine, vo
 
 def test_out_of_memory_in_an_lm_step_fails_the_decoding_rows_only(engine, voice, fixture_dir, monkeypatch):
     runner = engine.async_engine.core.lm_runner
-    real_decode, calls = runner.decode, []
+    real_launch, calls = runner.launch, []
 
-    def decode_or_oom(num_rows: int, max_position: int) -> list[int]:
+    def launch_or_oom(num_rows: int, max_position: int):
         calls.append(num_rows)
         if len(calls) == 5:
             raise _oom_for("the decode batch")
-        return real_decode(num_rows, max_position)
+        return real_launch(num_rows, max_position)
 
     vc = SynthesisParams(mode=Mode.vc, voice=voice, source_audio=str(fixture_dir / "prompt_16k.wav"),
                          sampling=SamplingParams(seed=9))  # the seed also places the vocoder's noise
     vc_alone = engine.synthesize(vc).pcm
-    monkeypatch.setattr(runner, "decode", decode_or_oom)
+    monkeypatch.setattr(runner, "launch", launch_or_oom)
     decoding, converted = _together(engine, [_params(voice, 0, request_id=BAD), vc])
     _expect(decoding, "out_of_memory")
     assert isinstance(converted, np.ndarray)  # voice conversion has no LM rows: it was never in the batch
