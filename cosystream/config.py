@@ -48,6 +48,10 @@ class EngineConfig:
     # of audio buffered waits for a batch that an urgent chunk (a first chunk, a client about to run dry)
     # opens: fewer, fuller flow batches. 0: every ready chunk runs at once.
     chunk_slack_s: float = 0.6
+    # A ready first chunk waits up to this long for other streams whose first chunk is due sooner than
+    # that (their missing tokens × the measured decode step), so a burst's first chunks share one flow
+    # batch instead of queueing behind the earliest stream's lone one. 0: never wait.
+    first_chunk_wait_s: float = 0.05
     fused_kernels: bool = True  # CUDA: Triton kernels for the LM decode step (False: the unfused torch step)
     compile: bool = False  # torch.compile the hot steps (fewer, fused kernels; minutes of compile at start)
     schedule: ChunkSchedule = ChunkSchedule()
@@ -74,6 +78,8 @@ class EngineConfig:
             raise ValueError(f"final_attention: 'full' or 'chunk', got {self.final_attention!r}")
         if self.chunk_slack_s < 0:
             raise ValueError(f"chunk_slack_s: must be >= 0, got {self.chunk_slack_s}")
+        if self.first_chunk_wait_s < 0:
+            raise ValueError(f"first_chunk_wait_s: must be >= 0, got {self.first_chunk_wait_s}")
         self.schedule.validate()
 
     @property

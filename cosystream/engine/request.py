@@ -66,6 +66,7 @@ class RequestState:
     t_submit: float = field(default_factory=time.perf_counter)
     t_admit: float | None = None
     t_first_token: float | None = None
+    t_first_ready: float | None = None  # when its first chunk's tokens were all there
 
     @property
     def lm_segment(self) -> Segment | None:

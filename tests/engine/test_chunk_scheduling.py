@@ -24,9 +24,10 @@ class _Pool:
         return self.free
 
 
-def _core(free_slots: int | None = 4, slack: float = 0.6) -> EngineCore:
+def _core(free_slots: int | None = 4, slack: float = 0.6, first_wait: float = 0.0) -> EngineCore:
     runner = SimpleNamespace(max_slots=8, device=torch.device("cpu"))
-    return EngineCore(runner, _Pool(free_slots), lm=None, overlap=False, chunk_slack_s=slack)
+    return EngineCore(runner, _Pool(free_slots), lm=None, overlap=False, chunk_slack_s=slack,
+                      first_chunk_wait_s=first_wait)
 
 
 def _request(core: EngineCore, name: str, *, buffered_s: float | None, lm: LMStatus, slot: int,
@@ -117,3 +118,38 @@ def test_a_batch_with_a_first_chunk_leaves_out_official_finals_that_can_wait():
     core.t2w.final_attention = "chunk"  # an incremental final costs what any chunk costs
     core.t2w.free = 2
     assert len(core._without_costly_finals(_ready(new, ending), now)) == 2
+
+
+def _with_tokens(req: RequestState, n: int) -> RequestState:
+    req.audio_segment.tokens = list(range(n))
+    return req
+
+
+def test_ready_first_chunks_wait_for_first_chunks_due_within_the_wait():
+    core = _core(first_wait=0.05)
+    core._step_s = 0.002  # measured decode step: 2 ms
+    need = ChunkPlanner(ChunkSchedule(), 150).tokens_needed()
+    first = _with_tokens(_request(core, "first", buffered_s=None, lm=LMStatus.decoding, slot=0), need)
+    near = _with_tokens(_request(core, "near", buffered_s=None, lm=LMStatus.decoding, slot=1), need - 10)
+    now = time.perf_counter()
+    assert core._first_chunks_due_soon(_ready(first), now)  # "near" is 10 steps = 20 ms away
+    assert not core._first_chunks_due_soon(_ready(first), now + 0.04)  # 10 ms left of the wait: too far
+    near.audio_segment.tokens = list(range(need - 30))  # 60 ms away: never worth the wait
+    first.t_first_ready = None
+    assert not core._first_chunks_due_soon(_ready(first), now)
+
+
+def test_first_chunks_do_not_wait_for_streams_not_decoding_or_a_client_running_dry():
+    core = _core(first_wait=0.05)
+    core._step_s = 0.002
+    need = ChunkPlanner(ChunkSchedule(), 150).tokens_needed()
+    first = _with_tokens(_request(core, "first", buffered_s=None, lm=LMStatus.decoding, slot=0), need)
+    parked = _with_tokens(_request(core, "parked", buffered_s=None, lm=LMStatus.waiting_text, slot=1), need - 5)
+    now = time.perf_counter()
+    assert not core._first_chunks_due_soon(_ready(first), now)  # parked for text: no tokens are coming
+    _with_tokens(_request(core, "near", buffered_s=None, lm=LMStatus.decoding, slot=2), need - 5)
+    dry = _request(core, "dry", buffered_s=0.3, lm=LMStatus.decoding, slot=3)
+    assert not core._first_chunks_due_soon(_ready(first, dry), now)  # a later chunk about to run dry
+    assert parked.t_first_ready is None
+    assert core._first_chunks_due_soon(_ready(first), now)
+    assert not _core(first_wait=0.0)._first_chunks_due_soon(_ready(first), now)  # off
