@@ -353,6 +353,8 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
             tile: LinearTile | None, partials: bool) -> torch.Tensor:
     if x.dim() != 2:
         raise ValueError("linear: the input must be a whole [rows, n_in] tensor, not partial sums")
+    if x.stride(1) != 1 or not weight.is_contiguous():
+        raise ValueError("linear: the input's rows and the weight must be contiguous")
     rows = x.shape[0]
     n_out, n_in = weight.shape
     if rows > MAX_LINEAR_ROWS:

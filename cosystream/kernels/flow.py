@@ -353,6 +353,10 @@ TILES: dict[tuple[str, bool], Tile] = {
     ("conv", True): Tile(16, 32, 8, 2, 4), ("conv", False): Tile(16, 64, 8, 2),
 }
 
+# The channel split was measured at 256 output channels (four blocks of 64); narrower blocks were not, so
+# the default tiles never split below this width (explicit tiles do, for tests and sweeps).
+_MIN_CO_BLOCK = 64
+
 # (chunk-masked, at most 512 query rows) -> attention tile; chunk-masked: a streamed chunk (False: the
 # official final pass, full attention over the whole utterance). Picked on the H100 with
 # benchmarks/attention_tiles.py (docs/benchmarks.md).
@@ -452,6 +456,8 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, offset: int, weight: 
     rs = out if res is None else res
     epilogue = dict(HAS_NORM=norm, MISH=mish, HAS_ADD=add is not None, HAS_RES=res is not None)
     co_blocks = t.co_blocks if n_out % t.co_blocks == 0 else 1
+    if tile is None and n_out // co_blocks < _MIN_CO_BLOCK:
+        co_blocks = 1
     # PERF: few frame tiles (one stream's chunk: 14 programs, each reading the whole weight) leave most
     # SMs idle; splitting the output channels spreads the weight reads, the epilogue runs after.
     split = co_blocks > 1

@@ -130,6 +130,8 @@ def test_linear_refuses_partial_sums_as_input(device: str, dtype: torch.dtype) -
     partial = decode.linear(x, w, tile=decode.LinearTile(32, 32, 2, 4, 2))
     with pytest.raises(ValueError, match="whole"):
         decode.silu_linear(partial, w[:, :64])
+    with pytest.raises(ValueError, match="contiguous"):
+        decode.linear(x.t().contiguous().t(), w)
 
 
 def test_linear_past_max_rows_is_torchs(device: str, dtype: torch.dtype) -> None:
