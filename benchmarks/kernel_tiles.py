@@ -26,12 +26,14 @@ DIM, INNER, FF = 256, 512, 1024
 CALLS, REPLAYS = 20, 10
 
 
-def per_call_us(fn) -> float:
-    fn()  # compile / warm up outside the graph
+def graph_us(calls: list) -> float:
+    """Median µs per call of the callables, run back to back inside one CUDA graph, replayed."""
+    for fn in {id(c): c for c in calls}.values():
+        fn()  # compile / warm up outside the graph
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(CALLS):
+        for fn in calls:
             fn()
     graph.replay()
     samples = []
@@ -41,8 +43,12 @@ def per_call_us(fn) -> float:
         graph.replay()
         end.record()
         end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / CALLS)
+        samples.append(start.elapsed_time(end) * 1e3 / len(calls))
     return statistics.median(samples)
+
+
+def per_call_us(fn) -> float:
+    return graph_us([fn] * CALLS)
 
 
 def cases(m: int, dev: str, dt: torch.dtype) -> dict:

@@ -15,16 +15,16 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
+from kernel_tiles import graph_us  # beside this file
 
 from cosystream.kernels import decode, reference
 from cosystream.kernels.decode import LinearTile
 
-LAYERS, REPLAYS = 24, 10
+LAYERS = 24
 # name -> (n_out, n_in, bias, silu prologue)
 SHAPES = {
     "qkv": (1152, 896, True, False),
@@ -33,27 +33,6 @@ SHAPES = {
     "down": (896, 4864, False, True),
     "head": (6564, 896, True, False),
 }
-
-
-def graph_us(calls) -> float:
-    """Median µs per call of the callables, run back to back inside one CUDA graph."""
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    samples = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / len(calls))
-    return statistics.median(samples)
 
 
 def candidates(n_in: int) -> list[LinearTile]:

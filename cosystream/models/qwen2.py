@@ -7,6 +7,7 @@ the decode step has static shapes and can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -174,19 +175,10 @@ class SpeechLM(nn.Module):
         PERF: the residual add rides in the next norm's kernel, RoPE and the cache write are one kernel;
         `ops.linear` may hand its output on as split-K partial sums that the next norm / RoPE kernel adds.
         """
-        d = self.dims
-        cos, sin = self.rope_table(cache.max_len, embeds.device)
-        h, residual = embeds, None
-        for i, layer in enumerate(self.layers):
-            a, residual = ops.add_rms_norm(h, residual, layer.input_layernorm.weight, d.rms_norm_eps)
-            qkv = ops.linear(a, layer.qkv_proj.weight, layer.qkv_proj.bias)
-            q = ops.rope_write_kv(qkv, positions, cos, sin, cache.k[i], cache.v[i], d.num_heads, d.num_kv_heads)
-            attn = ops.linear(ops.decode_attention(q, cache.k[i], cache.v[i], positions, attn_len),
-                              layer.o_proj.weight)
-            m, residual = ops.add_rms_norm(attn, residual, layer.post_attention_layernorm.weight, d.rms_norm_eps)
-            h = ops.silu_linear(ops.linear(m, layer.gate_up_proj.weight, partials=False), layer.down_proj.weight)
-        out, _ = ops.add_rms_norm(h, residual, self.norm.weight, d.rms_norm_eps)
-        return out
+        def attend(i: int, q: torch.Tensor) -> torch.Tensor:
+            return ops.decode_attention(q, cache.k[i], cache.v[i], positions, attn_len)
+
+        return self._fused_stack(embeds, positions, None, cache, ops, attend)
 
     def prefill(self, embeds: torch.Tensor, slots: torch.Tensor, cache: KVCache, ops: ModuleType) -> torch.Tensor:
         """Fresh prompts from position 0 into cache rows `slots` [B]: embeds [B, n, d] -> final-norm hidden
@@ -197,23 +189,36 @@ class SpeechLM(nn.Module):
         """
         d = self.dims
         batch, n, width = embeds.shape
-        cos, sin = self.rope_table(cache.max_len, embeds.device)
         positions = torch.arange(n, device=embeds.device).repeat(batch)
-        rows = slots.repeat_interleave(n)
-        h, residual = embeds.reshape(batch * n, width), None
+
+        def attend(i: int, q: torch.Tensor) -> torch.Tensor:
+            q = q.view(batch, n, d.num_heads, d.head_dim).transpose(1, 2)
+            keys, values = cache.k[i][slots, :, :n], cache.v[i][slots, :, :n]  # the prompt's rotated keys
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
+            return out.transpose(1, 2).reshape(batch * n, width)
+
+        out = self._fused_stack(embeds.reshape(batch * n, width), positions, slots.repeat_interleave(n), cache,
+                                ops, attend)
+        return out.view(batch, n, width)
+
+    def _fused_stack(self, h: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None, cache: KVCache,
+                     ops: ModuleType, attend: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The fused-op layers over token rows h [R, d] (at `positions`, K/V into cache rows `rows`, or
+        [0, R) when None), shared by `decode` and `prefill`, which differ only in `attend(layer index,
+        rotated queries [R, H, D]) -> [R, H·D]`. Returns the final-norm hidden states [R, d]."""
+        d = self.dims
+        cos, sin = self.rope_table(cache.max_len, h.device)
+        residual = None
         for i, layer in enumerate(self.layers):
             a, residual = ops.add_rms_norm(h, residual, layer.input_layernorm.weight, d.rms_norm_eps)
             qkv = ops.linear(a, layer.qkv_proj.weight, layer.qkv_proj.bias)
             q = ops.rope_write_kv(qkv, positions, cos, sin, cache.k[i], cache.v[i], d.num_heads, d.num_kv_heads,
                                   slots=rows)
-            q = q.view(batch, n, d.num_heads, d.head_dim).transpose(1, 2)
-            keys, values = cache.k[i][slots, :, :n], cache.v[i][slots, :, :n]  # the prompt's rotated keys
-            attn = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
-            attn = ops.linear(attn.transpose(1, 2).reshape(batch * n, width), layer.o_proj.weight)
+            attn = ops.linear(attend(i, q), layer.o_proj.weight)
             m, residual = ops.add_rms_norm(attn, residual, layer.post_attention_layernorm.weight, d.rms_norm_eps)
             h = ops.silu_linear(ops.linear(m, layer.gate_up_proj.weight, partials=False), layer.down_proj.weight)
         out, _ = ops.add_rms_norm(h, residual, self.norm.weight, d.rms_norm_eps)
-        return out.view(batch, n, width)
+        return out
 
     def rope_table(self, max_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [max_len, head_dim / 2] float32 for every position (the same values `rope_tables` makes)."""
