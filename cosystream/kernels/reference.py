@@ -9,6 +9,8 @@ fused step computes the same numbers as `SpeechLM.forward` up to summation order
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -60,14 +62,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, partials: bool = True
-           ) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, partials: bool = True,
+           prefetch: Sequence[torch.Tensor] = ()) -> torch.Tensor:
     """x @ weight^T (+ bias), rounded to x's dtype (nn.Linear's numbers); always the whole output (the
-    Triton version may return split-K partial sums unless partials=False)."""
+    Triton version may return split-K partial sums unless partials=False, and pulls `prefetch` into L2)."""
     return F.linear(x, weight, bias)
 
 
-def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, prefetch: Sequence[torch.Tensor] = ()) -> torch.Tensor:
     """linear(silu(gate) · up, weight) for gate_up = [gate | up] (the MLP's down projection)."""
     return F.linear(silu_mul(gate_up), weight)
 

@@ -1,0 +1,95 @@
+"""A/B of the decode step's launch-level options (kernels/decode.py L2_PREFETCH and PDL) on one machine.
+
+    python benchmarks/decode_launch.py --model-dir /tmp/m05 --batches 1,16
+
+Each variant gets its own LMRunner whose graphs are captured with the option set; the variants are then
+timed in interleaved rounds (so drift of the machine hits all of them alike). Per batch and variant:
+`step_ms`, the median of one synchronous step (`LMRunner.decode`: replay, token copy, host wait) as the
+engine's first-audio path sees it, and `stream_ms`, 100 replays queued back to back over their count (the
+device time per step when the host keeps ahead, as in steady decoding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from cosystream.checkpoint import load_checkpoint
+from cosystream.engine.lm_runner import LMRunner, RowSampling
+from cosystream.engine.loader import load_llm
+from cosystream.kernels import decode as decode_ops
+
+VARIANTS = {"plain": (False, False), "prefetch": (True, False), "pdl": (False, True), "prefetch+pdl": (True, True)}
+
+
+def make_runner(lm, batches: list[int], prefetch: bool, pdl: bool) -> LMRunner:
+    decode_ops.L2_PREFETCH, decode_ops.PDL = prefetch, pdl
+    d = lm.dims
+    runner = LMRunner(lm, max_slots=max(batches), max_len=1024)
+    sampling = RowSampling(seed=0, top_p=d.top_p, top_k=d.top_k, win_size=d.win_size, tau_r=d.tau_r,
+                           min_len=100_000, ban_special=True)
+    prompt = torch.randn(212, d.hidden_size, device=runner.device, dtype=runner.dtype) * 0.02
+    for slot in range(max(batches)):
+        runner.set_row_sampling(slot, sampling)
+        runner.prefill(slot, prompt)
+        runner.set_active(slot, True)
+    for b in batches:
+        runner.decode(b, 500)  # captures this variant's graph with its options
+    return runner
+
+
+def time_variant(runner: LMRunner, b: int, iters: int) -> tuple[float, float]:
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        runner.decode(b, 500)
+        samples.append((time.perf_counter() - t0) * 1e3)
+    graph = runner.graphs[runner.bucket_for(b, 500)]
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(100):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return statistics.median(samples), start.elapsed_time(end) / 100
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    names = args.variants.split(",")
+    with torch.inference_mode():
+        lm = load_llm(load_checkpoint(args.model_dir), torch.device("cuda"), torch.bfloat16)
+        runners = {name: make_runner(lm, batches, *VARIANTS[name]) for name in names}
+        results: dict[str, dict[str, list[float]]] = {}
+        for _ in range(args.rounds):
+            for name, runner in runners.items():
+                for b in batches:
+                    step, stream = time_variant(runner, b, args.iters)
+                    r = results.setdefault(f"{name} b{b}", {"step_ms": [], "stream_ms": []})
+                    r["step_ms"].append(step)
+                    r["stream_ms"].append(stream)
+    print("| variant | step ms (median of rounds) | stream ms/step | rounds (step) |\n|---|---|---|---|")
+    for key, r in results.items():
+        print(f"| {key} | {statistics.median(r['step_ms']):.3f} | {statistics.median(r['stream_ms']):.3f} | "
+              f"{', '.join(f'{x:.3f}' for x in r['step_ms'])} |", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": {"device": torch.cuda.get_device_name(), "batches": batches}, "results": results},
+                      f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

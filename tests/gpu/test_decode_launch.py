@@ -1,0 +1,88 @@
+"""On a GPU: the decode step's launch-level speed-ups (L2 prefetch of later weights, programmatic dependent
+launch) change no number. Both are pure scheduling, so the outputs must be identical bit for bit; a missing
+wait in a PDL kernel would show here as a race (a kernel reading its predecessor's output too early)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cosystream.checkpoint.hparams import LLMDims
+from cosystream.kernels import decode
+from cosystream.models.qwen2 import KVCache, SpeechLM
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# CosyVoice2-0.5B's backbone (a small text vocabulary: the decode step never reads it)
+DIMS_05B = LLMDims(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64,
+                   intermediate_size=4864, rms_norm_eps=1e-6, rope_theta=1e6, text_vocab_size=16,
+                   speech_token_size=6561, mix_ratio=(5, 15), top_p=0.8, top_k=25, win_size=10, tau_r=0.1)
+
+
+def _weights(*shapes: tuple[int, int], seed: int) -> list[torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(s, generator=g, device="cuda", dtype=torch.bfloat16) * s[-1] ** -0.5 for s in shapes]
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+def test_linear_with_l2_prefetch_gives_the_same_bits(rows: int) -> None:
+    x, x_wide = _weights((rows, 896), (rows, 2 * 4864), seed=rows)
+    gate_up, down, qkv, o = _weights((9728, 896), (896, 4864), (1152, 896), (896, 896), seed=1)
+    odd = torch.randn(7, device="cuda", dtype=torch.bfloat16)  # 14 bytes: no bulk prefetch can take it
+    assert decode.L2_PREFETCH
+    torch.testing.assert_close(decode.linear(x, gate_up, partials=False, prefetch=(down, qkv)),
+                               decode.linear(x, gate_up, partials=False), rtol=0, atol=0)
+    torch.testing.assert_close(decode.linear(x, qkv, prefetch=(o, odd)), decode.linear(x, qkv), rtol=0, atol=0)
+    torch.testing.assert_close(decode.silu_linear(x_wide, down, prefetch=(qkv,)), decode.silu_linear(x_wide, down),
+                               rtol=0, atol=0)
+    with pytest.raises(ValueError, match="at most two"):
+        decode.linear(x, qkv, prefetch=(o, down, gate_up))
+
+
+def _graphed_steps(lm: SpeechLM, batch: int, steps: int, pdl: bool, prefetch: bool,
+                   monkeypatch: pytest.MonkeyPatch) -> tuple[list[torch.Tensor], KVCache]:
+    """`steps` replays of one captured decode step (rows [0, batch)), each at a new position."""
+    monkeypatch.setattr(decode, "PDL", pdl)
+    monkeypatch.setattr(decode, "L2_PREFETCH", prefetch)
+    cache = KVCache(lm.dims, batch, 256, "cuda", torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    cache.k.normal_(generator=g)
+    cache.v.normal_(generator=g)
+    embeds = torch.zeros(batch, lm.dims.hidden_size, device="cuda", dtype=torch.bfloat16)
+    positions = torch.zeros(batch, dtype=torch.long, device="cuda")
+    lm.rope_table(cache.max_len, embeds.device)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        lm.decode(embeds, positions, cache, cache.max_len, decode)  # compiles every kernel outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        hidden = lm.decode(embeds, positions, cache, cache.max_len, decode)
+    outs = []
+    for step in range(steps):
+        embeds.copy_(lm.speech_embedding.weight[torch.arange(batch, device="cuda") * 7 + step])
+        positions.copy_(torch.arange(batch, device="cuda") * 3 + 100 + step)
+        graph.replay()
+        outs.append(hidden.clone())
+    torch.cuda.synchronize()
+    return outs, cache
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+def test_pdl_and_prefetch_decode_steps_equal_plain_launches_at_full_size(batch: int,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    if not decode._kernels().has_gdc or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs Hopper and a Triton with grid dependency control")
+    torch.manual_seed(0)
+    lm = SpeechLM(DIMS_05B).to("cuda", torch.bfloat16)
+    with torch.inference_mode():
+        for p in lm.parameters():  # weights of the real model's scale, so activations stay finite
+            p.normal_(0, 0.02)
+        want, want_cache = _graphed_steps(lm, batch, 12, pdl=False, prefetch=False, monkeypatch=monkeypatch)
+        got, got_cache = _graphed_steps(lm, batch, 12, pdl=True, prefetch=True, monkeypatch=monkeypatch)
+    assert all(torch.isfinite(h).all() for h in want)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(got_cache.k, want_cache.k, rtol=0, atol=0)
+    torch.testing.assert_close(got_cache.v, want_cache.v, rtol=0, atol=0)
