@@ -1,4 +1,4 @@
-"""A/B of the decode step's launch-level options (kernels/decode.py L2_PREFETCH and PDL) on one machine.
+"""A/B of the decode step's launch-level options (kernels/decode.py PREFETCH_NEXT, PREFETCH_OWN, PDL).
 
     python benchmarks/decode_launch.py --model-dir /tmp/m05 --batches 1,16
 
@@ -23,11 +23,13 @@ from cosystream.engine.lm_runner import LMRunner, RowSampling
 from cosystream.engine.loader import load_llm
 from cosystream.kernels import decode as decode_ops
 
-VARIANTS = {"plain": (False, False), "prefetch": (True, False), "pdl": (False, True), "prefetch+pdl": (True, True)}
+# name -> (PREFETCH_NEXT, PREFETCH_OWN, PDL)
+VARIANTS = {"plain": (False, False, False), "next": (True, False, False), "pdl": (False, False, True),
+            "pdl+own": (False, True, True), "pdl+next": (True, False, True), "pdl+own+next": (True, True, True)}
 
 
-def make_runner(lm, batches: list[int], prefetch: bool, pdl: bool) -> LMRunner:
-    decode_ops.L2_PREFETCH, decode_ops.PDL = prefetch, pdl
+def make_runner(lm, batches: list[int], prefetch_next: bool, prefetch_own: bool, pdl: bool) -> LMRunner:
+    decode_ops.PREFETCH_NEXT, decode_ops.PREFETCH_OWN, decode_ops.PDL = prefetch_next, prefetch_own, pdl
     d = lm.dims
     runner = LMRunner(lm, max_slots=max(batches), max_len=1024)
     sampling = RowSampling(seed=0, top_p=d.top_p, top_k=d.top_k, win_size=d.win_size, tau_r=d.tau_r,

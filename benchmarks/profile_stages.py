@@ -183,16 +183,16 @@ def main() -> None:
     ap.add_argument("--no-fused", action="store_true", help="the unfused torch decode step (A/B)")
     ap.add_argument("--cublas-linear", action="store_true",
                     help="the decode step's linears on cuBLAS, not the weight-streaming kernel (A/B)")
-    ap.add_argument("--no-prefetch", action="store_true", help="no L2 prefetch of later weights (A/B)")
-    ap.add_argument("--pdl", action="store_true", help="programmatic dependent launch of the decode kernels (A/B)")
+    ap.add_argument("--launch", default=None, help="decode-kernel launch options PREFETCH_NEXT,PREFETCH_OWN,PDL "
+                    "as three 0/1 (A/B; default: kernels/decode.py's)")
     ap.add_argument("--only", default="lm,t2w")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     if args.cublas_linear:
         decode_ops.MAX_LINEAR_ROWS = 0
-    decode_ops.L2_PREFETCH = not args.no_prefetch
-    decode_ops.PDL = args.pdl or decode_ops.PDL
+    if args.launch:
+        decode_ops.PREFETCH_NEXT, decode_ops.PREFETCH_OWN, decode_ops.PDL = (x == "1" for x in args.launch.split(","))
     batches = [int(b) for b in args.batches.split(",")]
     ckpt = load_checkpoint(args.model_dir)
     results = {}

@@ -21,9 +21,12 @@ _KEYS_PER_BLOCK = 64  # keys loaded per inner step of the attention kernel
 _MAX_SPLITS = 16  # attention programs per (row, kv head); their partial softmaxes are combined after
 
 # PERF switches, read when a kernel is launched (so at CUDA-graph capture); benchmarks A/B them.
-# L2_PREFETCH: a linear may pull the weights of the linears after it into L2 (`linear(..., prefetch=)`), so
-# the weight bytes stream from HBM while the small kernels between the linears run.
-L2_PREFETCH = True
+# PREFETCH_NEXT: a linear pulls the weights of the linears after it into L2 once its own are read
+# (`linear(..., prefetch=)`), so HBM streams them while the small kernels between the linears run.
+# PREFETCH_OWN (with PDL only): a linear pulls its own weight rows into L2 before it waits for the kernel
+# before it, so the weight read overlaps that kernel.
+PREFETCH_NEXT = True
+PREFETCH_OWN = True
 # PDL: launch each kernel with programmatic dependent launch: its launch and prologue overlap the end of
 # the kernel before it (needs Hopper or newer and a Triton with grid dependency control).
 PDL = False
@@ -49,16 +52,20 @@ def _kernels() -> SimpleNamespace:
         gdc_launch_dependents()
 
     @triton.jit
-    def prefetch_l2(ptr, nbytes, program, programs, LANES):  # LANES: a constexpr (no annotation: it would not resolve)
-        # This program's share of the bytes [ptr, ptr + nbytes) into L2: one bulk prefetch per lane, no
-        # registers or shared memory held and nothing to wait for (the copy engine finishes it after exit).
-        lane = tl.arange(0, LANES)
-        chunk = tl.cdiv(tl.cdiv(nbytes, programs * LANES), 16) * 16  # bulk copies move 16-byte multiples
-        start = (program * LANES + lane).to(tl.int64) * chunk
-        size = tl.minimum(tl.maximum(nbytes - start, 0), chunk).to(tl.int32)
+    def bulk_prefetch(addr, size):
+        # One bulk L2 prefetch per element (addresses int64, sizes 16-byte multiples, 0 = none): nothing
+        # held in registers or shared memory and nothing to wait for (it completes after the kernel exits).
         tl.inline_asm_elementwise(
             "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [ptr.to(tl.int64) + start, size], dtype=tl.int32, is_pure=False, pack=1)
+            "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def prefetch_share(ptr, nbytes, program, programs, LANES):  # LANES: a constexpr (no annotation here)
+        # This program's share of the bytes [ptr, ptr + nbytes), one piece per lane.
+        lane = tl.arange(0, LANES)
+        chunk = tl.cdiv(tl.cdiv(nbytes, programs * LANES), 16) * 16
+        start = (program * LANES + lane).to(tl.int64) * chunk
+        bulk_prefetch(ptr.to(tl.int64) + start, tl.minimum(tl.maximum(nbytes - start, 0), chunk).to(tl.int32))
 
     @triton.jit
     def add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, part_stride, eps,
@@ -206,25 +213,24 @@ def _kernels() -> SimpleNamespace:
                       SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
                       PARTIAL: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, PREFETCH: tl.constexpr, LANES: tl.constexpr,
-                      PDL: tl.constexpr):
+                      PREFETCH_OWN: tl.constexpr, PDL: tl.constexpr):
         # Weight-streaming GEMM for a few rows: out^T [BLOCK_N, rows] = W tile @ x^T, so the weight's
         # output features fill the MMA's wide side and the rows (padded to 16) its narrow one.
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
-        if PREFETCH > 0:  # later kernels' weights (pfN), first: they depend on nothing
-            program = pid_n + split * tl.num_programs(0)
-            programs = tl.num_programs(0) * tl.num_programs(1)
-            prefetch_l2(pf0_ptr, pf0_bytes, program, programs, LANES)
-            if PREFETCH > 1:
-                prefetch_l2(pf1_ptr, pf1_bytes, program, programs, LANES)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        k_start = split * k_per_split
+        if PREFETCH_OWN:  # this program's weight rows into L2; under PDL while the kernel before still runs
+            seg = tl.minimum(k_per_split, n_in - k_start)
+            esize = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+            bulk_prefetch(w_ptr.to(tl.int64) + (offs_n.to(tl.int64) * n_in + k_start) * esize,
+                          tl.where(offs_n < n_out, seg * esize, 0).to(tl.int32))
         if PDL:
             follow_previous()
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
         n_ok = offs_n < n_out
         m_ok = offs_m < rows
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-        k_start = split * k_per_split
         for kk in range(0, k_per_split, BLOCK_K):
             offs_k = k_start + kk + tl.arange(0, BLOCK_K)
             k_ok = offs_k < n_in
@@ -240,6 +246,12 @@ def _kernels() -> SimpleNamespace:
             else:
                 xt = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
             acc = tl.dot(w, xt, acc, input_precision=PRECISION)
+        if PREFETCH > 0:  # later kernels' weights (pfN), after this one's own reads: HBM streams them
+            program = pid_n + split * tl.num_programs(0)  # while the small kernels in between run
+            programs = tl.num_programs(0) * tl.num_programs(1)
+            prefetch_share(pf0_ptr, pf0_bytes, program, programs, LANES)
+            if PREFETCH > 1:
+                prefetch_share(pf1_ptr, pf1_bytes, program, programs, LANES)
         if HAS_BIAS:  # added once, by the first split
             bias = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
             acc += tl.where(split == 0, bias, 0.0)[:, None]
@@ -254,9 +266,14 @@ def _kernels() -> SimpleNamespace:
                            next_power_of_2=triton.next_power_of_2, has_gdc=gdc_wait is not None)
 
 
+def _hopper(device: torch.device) -> bool:
+    """Grid dependency control and bulk prefetches need compute capability 9.0 or newer."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _pdl(x: torch.Tensor) -> dict:
     """The PDL constexpr and launch option for a kernel on x's device."""
-    on = PDL and _kernels().has_gdc and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+    on = PDL and _hopper(x.device) and _kernels().has_gdc
     return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
 
 
@@ -413,13 +430,12 @@ def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, tile: LinearTile | 
 
 def _prefetchable(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """The tensors a bulk L2 prefetch can take (contiguous, 16-byte aligned and sized, on the device)."""
-    if not (L2_PREFETCH and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9):
-        return []
-    ok = [t for t in tensors if t.device == device and t.is_contiguous() and t.data_ptr() % 16 == 0
-          and (t.numel() * t.element_size()) % 16 == 0]
-    if len(ok) > 2:
+    if len(tensors) > 2:
         raise ValueError("linear: at most two tensors to prefetch")
-    return ok
+    if not (PREFETCH_NEXT and _hopper(device)):
+        return []
+    return [t for t in tensors if t.device == device and t.is_contiguous() and t.data_ptr() % 16 == 0
+            and (t.numel() * t.element_size()) % 16 == 0]
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool,
@@ -440,6 +456,10 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
     out = torch.empty(shape, device=x.device, dtype=torch.float32 if splits > 1 else weight.dtype)
     grid = (-(-n_out // tile.block_n), splits)
     pf = _prefetchable(prefetch, x.device)
+    pdl = _pdl(x)
+    esize = weight.element_size()
+    own = (PREFETCH_OWN and pdl["PDL"] and weight.data_ptr() % 16 == 0 and (n_in * esize) % 16 == 0
+           and (k_per_split * esize) % 16 == 0)
     pf_args: list = []
     for t in pf + [None] * (2 - len(pf)):  # unused slots: any pointer, zero bytes
         pf_args += [weight, 0] if t is None else [t, t.numel() * t.element_size()]
@@ -448,5 +468,6 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
                           HAS_BIAS=bias is not None, PARTIAL=splits > 1,
                           PRECISION=_precision(weight), BLOCK_N=tile.block_n,
                           BLOCK_K=tile.block_k, BLOCK_M=max(16, k.next_power_of_2(rows)), PREFETCH=len(pf),
-                          LANES=32 * tile.warps, num_warps=tile.warps, num_stages=tile.stages, **_pdl(x))
+                          LANES=32 * tile.warps, PREFETCH_OWN=own, num_warps=tile.warps, num_stages=tile.stages,
+                          **pdl)
     return out

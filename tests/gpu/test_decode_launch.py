@@ -29,7 +29,7 @@ def test_linear_with_l2_prefetch_gives_the_same_bits(rows: int) -> None:
     x, x_wide = _weights((rows, 896), (rows, 2 * 4864), seed=rows)
     gate_up, down, qkv, o = _weights((9728, 896), (896, 4864), (1152, 896), (896, 896), seed=1)
     odd = torch.randn(7, device="cuda", dtype=torch.bfloat16)  # 14 bytes: no bulk prefetch can take it
-    assert decode.L2_PREFETCH
+    assert decode.PREFETCH_NEXT
     torch.testing.assert_close(decode.linear(x, gate_up, partials=False, prefetch=(down, qkv)),
                                decode.linear(x, gate_up, partials=False), rtol=0, atol=0)
     torch.testing.assert_close(decode.linear(x, qkv, prefetch=(o, odd)), decode.linear(x, qkv), rtol=0, atol=0)
@@ -39,11 +39,26 @@ def test_linear_with_l2_prefetch_gives_the_same_bits(rows: int) -> None:
         decode.linear(x, qkv, prefetch=(o, down, gate_up))
 
 
-def _graphed_steps(lm: SpeechLM, batch: int, steps: int, pdl: bool, prefetch: bool,
+def test_linear_under_pdl_with_its_own_prefetch_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not decode._kernels().has_gdc or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs Hopper and a Triton with grid dependency control")
+    x, w = _weights((4, 896), (896, 896), seed=2)
+    norm_w = torch.ones(896, device="cuda", dtype=torch.bfloat16)
+
+    def norm_then_linear() -> torch.Tensor:  # the linear must wait for the norm's output
+        return decode.linear(decode.add_rms_norm(x, None, norm_w, 1e-6)[0], w)
+
+    want = norm_then_linear()
+    monkeypatch.setattr(decode, "PDL", True)
+    monkeypatch.setattr(decode, "PREFETCH_OWN", True)
+    torch.testing.assert_close(norm_then_linear(), want, rtol=0, atol=0)
+
+
+def _graphed_steps(lm: SpeechLM, batch: int, steps: int, launch_options: bool,
                    monkeypatch: pytest.MonkeyPatch) -> tuple[list[torch.Tensor], KVCache]:
     """`steps` replays of one captured decode step (rows [0, batch)), each at a new position."""
-    monkeypatch.setattr(decode, "PDL", pdl)
-    monkeypatch.setattr(decode, "L2_PREFETCH", prefetch)
+    for option in ("PDL", "PREFETCH_NEXT", "PREFETCH_OWN"):
+        monkeypatch.setattr(decode, option, launch_options)
     cache = KVCache(lm.dims, batch, 256, "cuda", torch.bfloat16)
     g = torch.Generator(device="cuda").manual_seed(5)
     cache.k.normal_(generator=g)
@@ -79,8 +94,8 @@ def test_pdl_and_prefetch_decode_steps_equal_plain_launches_at_full_size(batch: 
     with torch.inference_mode():
         for p in lm.parameters():  # weights of the real model's scale, so activations stay finite
             p.normal_(0, 0.02)
-        want, want_cache = _graphed_steps(lm, batch, 12, pdl=False, prefetch=False, monkeypatch=monkeypatch)
-        got, got_cache = _graphed_steps(lm, batch, 12, pdl=True, prefetch=True, monkeypatch=monkeypatch)
+        want, want_cache = _graphed_steps(lm, batch, 12, launch_options=False, monkeypatch=monkeypatch)
+        got, got_cache = _graphed_steps(lm, batch, 12, launch_options=True, monkeypatch=monkeypatch)
     assert all(torch.isfinite(h).all() for h in want)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
