@@ -1,4 +1,4 @@
-"""A/B of the decode step's launch-level options (kernels/decode.py PREFETCH_NEXT, PREFETCH_OWN, PDL).
+"""A/B of programmatic dependent launch (cosystream.kernels.PDL) for the LM decode step on one machine.
 
     python benchmarks/decode_launch.py --model-dir /tmp/m05 --batches 1,16
 
@@ -18,18 +18,16 @@ import time
 
 import torch
 
+from cosystream import kernels
 from cosystream.checkpoint import load_checkpoint
 from cosystream.engine.lm_runner import LMRunner, RowSampling
 from cosystream.engine.loader import load_llm
-from cosystream.kernels import decode as decode_ops
 
-# name -> (PREFETCH_NEXT, PREFETCH_OWN, PDL)
-VARIANTS = {"plain": (False, False, False), "next": (True, False, False), "pdl": (False, False, True),
-            "pdl+own": (False, True, True), "pdl+next": (True, False, True), "pdl+own+next": (True, True, True)}
+VARIANTS = {"plain": False, "pdl": True}  # name -> PDL
 
 
-def make_runner(lm, batches: list[int], prefetch_next: bool, prefetch_own: bool, pdl: bool) -> LMRunner:
-    decode_ops.PREFETCH_NEXT, decode_ops.PREFETCH_OWN, decode_ops.PDL = prefetch_next, prefetch_own, pdl
+def make_runner(lm, batches: list[int], pdl: bool) -> LMRunner:
+    kernels.PDL = pdl
     d = lm.dims
     runner = LMRunner(lm, max_slots=max(batches), max_len=1024)
     sampling = RowSampling(seed=0, top_p=d.top_p, top_k=d.top_k, win_size=d.win_size, tau_r=d.tau_r,
@@ -74,7 +72,7 @@ def main() -> None:
     names = args.variants.split(",")
     with torch.inference_mode():
         lm = load_llm(load_checkpoint(args.model_dir), torch.device("cuda"), torch.bfloat16)
-        runners = {name: make_runner(lm, batches, *VARIANTS[name]) for name in names}
+        runners = {name: make_runner(lm, batches, VARIANTS[name]) for name in names}
         results: dict[str, dict[str, list[float]]] = {}
         for _ in range(args.rounds):
             for name, runner in runners.items():

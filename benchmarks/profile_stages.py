@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from cosystream import kernels
 from cosystream.checkpoint import load_checkpoint
 from cosystream.config import ChunkSchedule, EngineConfig
 from cosystream.engine.chunking import ChunkPlanner
@@ -23,6 +24,7 @@ from cosystream.engine.loader import load_flow, load_hift, load_llm
 from cosystream.engine.token2wav import Token2WavRunner
 from cosystream.frontend import ModelInputs
 from cosystream.kernels import decode as decode_ops
+from cosystream.kernels import flow as flow_ops
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -183,16 +185,20 @@ def main() -> None:
     ap.add_argument("--no-fused", action="store_true", help="the unfused torch decode step (A/B)")
     ap.add_argument("--cublas-linear", action="store_true",
                     help="the decode step's linears on cuBLAS, not the weight-streaming kernel (A/B)")
-    ap.add_argument("--launch", default=None, help="decode-kernel launch options PREFETCH_NEXT,PREFETCH_OWN,PDL "
-                    "as three 0/1 (A/B; default: kernels/decode.py's)")
+    ap.add_argument("--pdl", type=int, choices=(0, 1), default=None,
+                    help="programmatic dependent launch of the Triton kernels (A/B; default: cosystream.kernels.PDL)")
+    ap.add_argument("--flow-linear", choices=("triton", "torch"), default=None,
+                    help="the estimator's plain GEMMs on Triton or cuBLAS/cuDNN (A/B)")
     ap.add_argument("--only", default="lm,t2w")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     if args.cublas_linear:
         decode_ops.MAX_LINEAR_ROWS = 0
-    if args.launch:
-        decode_ops.PREFETCH_NEXT, decode_ops.PREFETCH_OWN, decode_ops.PDL = (x == "1" for x in args.launch.split(","))
+    if args.pdl is not None:
+        kernels.PDL = bool(args.pdl)
+    if args.flow_linear is not None:
+        flow_ops.TRITON_LINEAR = args.flow_linear == "triton"
     batches = [int(b) for b in args.batches.split(",")]
     ckpt = load_checkpoint(args.model_dir)
     results = {}

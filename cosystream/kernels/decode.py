@@ -11,25 +11,15 @@ the interpreter (TRITON_INTERPRET=1) can run them on the CPU for tests.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
 
+from cosystream.kernels import pdl_launch
+
 _KEYS_PER_BLOCK = 64  # keys loaded per inner step of the attention kernel
 _MAX_SPLITS = 16  # attention programs per (row, kv head); their partial softmaxes are combined after
-
-# PERF switches, read when a kernel is launched (so at CUDA-graph capture); benchmarks A/B them.
-# PREFETCH_NEXT: a linear pulls the weights of the linears after it into L2 once its own are read
-# (`linear(..., prefetch=)`), so HBM streams them while the small kernels between the linears run.
-# PREFETCH_OWN (with PDL only): a linear pulls its own weight rows into L2 before it waits for the kernel
-# before it, so the weight read overlaps that kernel.
-PREFETCH_NEXT = True
-PREFETCH_OWN = True
-# PDL: launch each kernel with programmatic dependent launch: its launch and prologue overlap the end of
-# the kernel before it (needs Hopper or newer and a Triton with grid dependency control).
-PDL = False
 
 
 @functools.cache
@@ -37,35 +27,7 @@ def _kernels() -> SimpleNamespace:
     import triton
     import triton.language as tl
 
-    try:
-        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-    except ImportError:  # a Triton without grid dependency control: PDL stays off (see pdl_supported)
-        gdc_wait = gdc_launch_dependents = None
-
-    @triton.jit
-    def follow_previous():
-        # Launched with programmatic dependent launch, a kernel may start while the one before it is still
-        # running: wait here for its results (and its own predecessors', transitively) before reading or
-        # writing anything it touches, then let the next kernel launch in turn. (Called under `if PDL:`,
-        # a constexpr, so Triton's CPU interpreter, which cannot see this helper, never reaches it.)
-        gdc_wait()
-        gdc_launch_dependents()
-
-    @triton.jit
-    def bulk_prefetch(addr, size):
-        # One bulk L2 prefetch per element (addresses int64, sizes 16-byte multiples, 0 = none): nothing
-        # held in registers or shared memory and nothing to wait for (it completes after the kernel exits).
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
-    def prefetch_share(ptr, nbytes, program, programs, LANES):  # LANES: a constexpr (no annotation here)
-        # This program's share of the bytes [ptr, ptr + nbytes), one piece per lane.
-        lane = tl.arange(0, LANES)
-        chunk = tl.cdiv(tl.cdiv(nbytes, programs * LANES), 16) * 16
-        start = (program * LANES + lane).to(tl.int64) * chunk
-        bulk_prefetch(ptr.to(tl.int64) + start, tl.minimum(tl.maximum(nbytes - start, 0), chunk).to(tl.int32))
+    from cosystream.kernels._launch_jit import follow_previous  # under `if PDL:` (see _launch_jit)
 
     @triton.jit
     def add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, part_stride, eps,
@@ -209,28 +171,21 @@ def _kernels() -> SimpleNamespace:
 
     @triton.jit
     def linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, rows, n_out, n_in, x_stride, k_per_split, part_stride,
-                      pf0_ptr, pf0_bytes, pf1_ptr, pf1_bytes,
                       SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
                       PARTIAL: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, PREFETCH: tl.constexpr, LANES: tl.constexpr,
-                      PREFETCH_OWN: tl.constexpr, PDL: tl.constexpr):
+                      BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
         # Weight-streaming GEMM for a few rows: out^T [BLOCK_N, rows] = W tile @ x^T, so the weight's
         # output features fill the MMA's wide side and the rows (padded to 16) its narrow one.
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        k_start = split * k_per_split
-        if PREFETCH_OWN:  # this program's weight rows into L2; under PDL while the kernel before still runs
-            seg = tl.minimum(k_per_split, n_in - k_start)
-            esize = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-            bulk_prefetch(w_ptr.to(tl.int64) + (offs_n.to(tl.int64) * n_in + k_start) * esize,
-                          tl.where(offs_n < n_out, seg * esize, 0).to(tl.int32))
         if PDL:
             follow_previous()
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
         n_ok = offs_n < n_out
         m_ok = offs_m < rows
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        k_start = split * k_per_split
         for kk in range(0, k_per_split, BLOCK_K):
             offs_k = k_start + kk + tl.arange(0, BLOCK_K)
             k_ok = offs_k < n_in
@@ -246,12 +201,6 @@ def _kernels() -> SimpleNamespace:
             else:
                 xt = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
             acc = tl.dot(w, xt, acc, input_precision=PRECISION)
-        if PREFETCH > 0:  # later kernels' weights (pfN), after this one's own reads: HBM streams them
-            program = pid_n + split * tl.num_programs(0)  # while the small kernels in between run
-            programs = tl.num_programs(0) * tl.num_programs(1)
-            prefetch_share(pf0_ptr, pf0_bytes, program, programs, LANES)
-            if PREFETCH > 1:
-                prefetch_share(pf1_ptr, pf1_bytes, program, programs, LANES)
         if HAS_BIAS:  # added once, by the first split
             bias = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
             acc += tl.where(split == 0, bias, 0.0)[:, None]
@@ -263,18 +212,7 @@ def _kernels() -> SimpleNamespace:
             tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
     return SimpleNamespace(**{k: v for k, v in locals().items() if k.endswith("_kernel")},
-                           next_power_of_2=triton.next_power_of_2, has_gdc=gdc_wait is not None)
-
-
-def _hopper(device: torch.device) -> bool:
-    """Grid dependency control and bulk prefetches need compute capability 9.0 or newer."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def _pdl(x: torch.Tensor) -> dict:
-    """The PDL constexpr and launch option for a kernel on x's device."""
-    on = PDL and _hopper(x.device) and _kernels().has_gdc
-    return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
+                           next_power_of_2=triton.next_power_of_2)
 
 
 def _precision(x: torch.Tensor) -> str:
@@ -300,7 +238,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         raise ValueError("add_rms_norm: partial sums need a residual stream to land in")
     k.add_rms_norm_kernel[(rows,)](x, x if residual is None else residual, weight, out, res_out, n_cols,
                                    rows * n_cols, eps, HAS_RES=residual is not None, PARTS=parts,
-                                   BLOCK=k.next_power_of_2(n_cols), **_pdl(x))
+                                   BLOCK=k.next_power_of_2(n_cols), **pdl_launch(x))
     return out, res_out
 
 
@@ -318,7 +256,7 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
         qkv, positions, positions if slots is None else slots, cos, sin, q, cache_k, cache_v, cache_k.stride(0),
         cache_k.stride(1), qkv[0].numel() if parts else 0, NUM_HEADS=num_heads, NUM_KV=num_kv_heads,
         HEAD_DIM=head_dim, PARTS=parts, PARTS_BLOCK=k.next_power_of_2(max(parts, 1)), HAS_SLOTS=slots is not None,
-        **_pdl(qkv))
+        **pdl_launch(qkv))
     return q
 
 
@@ -340,11 +278,11 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
     k.attention_split_kernel[(batch, kv_heads, splits)](
         q, cache_k, cache_v, positions, o_part, ml_part, cache_k.stride(0), cache_k.stride(1), keys_per_split,
         splits, head_dim ** -0.5, GROUPS=groups, NUM_KV=kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m,
-        BLOCK_N=_KEYS_PER_BLOCK, PRECISION=_precision(q), **_pdl(q))
+        BLOCK_N=_KEYS_PER_BLOCK, PRECISION=_precision(q), **pdl_launch(q))
     out = torch.empty(batch, num_heads * head_dim, device=q.device, dtype=q.dtype)
     k.attention_combine_kernel[(batch, num_heads)](
         o_part, ml_part, out, splits, GROUPS=groups, NUM_KV=kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m,
-        SPLITS=k.next_power_of_2(splits), **_pdl(q))
+        SPLITS=k.next_power_of_2(splits), **pdl_launch(q))
     return out
 
 
@@ -411,35 +349,23 @@ _LINEAR_TILES: dict[tuple[int, int, int], LinearTile] = {
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, partials: bool = True,
-           tile: LinearTile | None = None, prefetch: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+           tile: LinearTile | None = None) -> torch.Tensor:
     """x [rows, n_in] @ weight[n_out, n_in]^T (+ bias). PERF: for up to MAX_LINEAR_ROWS rows the weight is
     streamed once by many programs; with splits > 1 the result comes back as float32 partial sums
     [splits, rows, n_out] that `add_rms_norm` and `rope_write_kv` add up (their sum, rounded once, is
-    the output: no reduce kernel, no atomics); partials=False asks for the plain [rows, n_out] output.
-    prefetch: up to two tensors (the weights of linears that run soon after) pulled into L2 on the way."""
-    return _linear(x, weight, bias, silu=False, tile=tile, partials=partials, prefetch=prefetch)
+    the output: no reduce kernel, no atomics); partials=False asks for the plain [rows, n_out] output."""
+    return _linear(x, weight, bias, silu=False, tile=tile, partials=partials)
 
 
-def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, tile: LinearTile | None = None,
-                prefetch: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, tile: LinearTile | None = None) -> torch.Tensor:
     """linear(silu(gate) · up, weight) for gate_up = [gate | up] ([rows, 2·n_in], whole: the gate/up
     linear runs with partials=False): the activation is computed while the weight streams (no kernel of
-    its own); output and prefetch as `linear`'s."""
-    return _linear(gate_up, weight, None, silu=True, tile=tile, partials=True, prefetch=prefetch)
-
-
-def _prefetchable(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """The tensors a bulk L2 prefetch can take (contiguous, 16-byte aligned and sized, on the device)."""
-    if len(tensors) > 2:
-        raise ValueError("linear: at most two tensors to prefetch")
-    if not (PREFETCH_NEXT and _hopper(device)):
-        return []
-    return [t for t in tensors if t.device == device and t.is_contiguous() and t.data_ptr() % 16 == 0
-            and (t.numel() * t.element_size()) % 16 == 0]
+    its own); output as `linear`'s."""
+    return _linear(gate_up, weight, None, silu=True, tile=tile, partials=True)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool,
-            tile: LinearTile | None, partials: bool, prefetch: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+            tile: LinearTile | None, partials: bool) -> torch.Tensor:
     if x.dim() != 2:
         raise ValueError("linear: the input must be a whole [rows, n_in] tensor, not partial sums")
     if x.stride(1) != 1 or not weight.is_contiguous():
@@ -455,19 +381,10 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
     shape = (splits, rows, n_out) if splits > 1 else (rows, n_out)
     out = torch.empty(shape, device=x.device, dtype=torch.float32 if splits > 1 else weight.dtype)
     grid = (-(-n_out // tile.block_n), splits)
-    pf = _prefetchable(prefetch, x.device)
-    pdl = _pdl(x)
-    esize = weight.element_size()
-    own = (PREFETCH_OWN and pdl["PDL"] and weight.data_ptr() % 16 == 0 and (n_in * esize) % 16 == 0
-           and (k_per_split * esize) % 16 == 0)
-    pf_args: list = []
-    for t in pf + [None] * (2 - len(pf)):  # unused slots: any pointer, zero bytes
-        pf_args += [weight, 0] if t is None else [t, t.numel() * t.element_size()]
     k.linear_kernel[grid](x, weight, weight if bias is None else bias, out, rows, n_out, n_in, x.stride(0),
-                          k_per_split, rows * n_out, *pf_args, SILU=silu,
+                          k_per_split, rows * n_out, SILU=silu,
                           HAS_BIAS=bias is not None, PARTIAL=splits > 1,
                           PRECISION=_precision(weight), BLOCK_N=tile.block_n,
-                          BLOCK_K=tile.block_k, BLOCK_M=max(16, k.next_power_of_2(rows)), PREFETCH=len(pf),
-                          LANES=32 * tile.warps, PREFETCH_OWN=own, num_warps=tile.warps, num_stages=tile.stages,
-                          **pdl)
+                          BLOCK_K=tile.block_k, BLOCK_M=max(16, k.next_power_of_2(rows)),
+                          num_warps=tile.warps, num_stages=tile.stages, **pdl_launch(x))
     return out

@@ -9,8 +9,6 @@ fused step computes the same numbers as `SpeechLM.forward` up to summation order
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import torch.nn.functional as F
 
@@ -62,14 +60,19 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, partials: bool = True,
-           prefetch: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, partials: bool = True
+           ) -> torch.Tensor:
     """x @ weight^T (+ bias), rounded to x's dtype (nn.Linear's numbers); always the whole output (the
-    Triton version may return split-K partial sums unless partials=False, and pulls `prefetch` into L2)."""
+    Triton version may return split-K partial sums unless partials=False)."""
     return F.linear(x, weight, bias)
 
 
-def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, prefetch: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+def pointwise_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A kernel-1 conv: x [R, Cin, T], weight [Cout, Cin, 1] -> [R, Cout, T] (the ResNets' residual convs)."""
+    return F.conv1d(x, weight, bias)
+
+
+def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """linear(silu(gate) · up, weight) for gate_up = [gate | up] (the MLP's down projection)."""
     return F.linear(silu_mul(gate_up), weight)
 

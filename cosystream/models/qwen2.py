@@ -209,20 +209,14 @@ class SpeechLM(nn.Module):
         d = self.dims
         cos, sin = self.rope_table(cache.max_len, h.device)
         residual = None
-        layers = list(self.layers)
-        for i, layer in enumerate(layers):
-            # PERF: each linear pulls the weights of later linears into L2 while the small kernels between
-            # them run (the step reads ~0.74 GB of weights; HBM would otherwise idle between linears)
-            after = layers[i + 1].qkv_proj.weight if i + 1 < len(layers) else self.llm_decoder.weight
+        for i, layer in enumerate(self.layers):
             a, residual = ops.add_rms_norm(h, residual, layer.input_layernorm.weight, d.rms_norm_eps)
-            qkv = ops.linear(a, layer.qkv_proj.weight, layer.qkv_proj.bias,
-                             prefetch=(layer.o_proj.weight, layer.gate_up_proj.weight))
+            qkv = ops.linear(a, layer.qkv_proj.weight, layer.qkv_proj.bias)
             q = ops.rope_write_kv(qkv, positions, cos, sin, cache.k[i], cache.v[i], d.num_heads, d.num_kv_heads,
                                   slots=rows)
-            attn = ops.linear(attend(i, q), layer.o_proj.weight, prefetch=(layer.down_proj.weight,))
+            attn = ops.linear(attend(i, q), layer.o_proj.weight)
             m, residual = ops.add_rms_norm(attn, residual, layer.post_attention_layernorm.weight, d.rms_norm_eps)
-            gate_up = ops.linear(m, layer.gate_up_proj.weight, partials=False, prefetch=(after,))
-            h = ops.silu_linear(gate_up, layer.down_proj.weight)
+            h = ops.silu_linear(ops.linear(m, layer.gate_up_proj.weight, partials=False), layer.down_proj.weight)
         out, _ = ops.add_rms_norm(h, residual, self.norm.weight, d.rms_norm_eps)
         return out
 
