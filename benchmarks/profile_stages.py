@@ -24,7 +24,6 @@ from cosystream.engine.loader import load_flow, load_hift, load_llm
 from cosystream.engine.token2wav import Token2WavRunner
 from cosystream.frontend import ModelInputs
 from cosystream.kernels import decode as decode_ops
-from cosystream.kernels import flow as flow_ops
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -186,9 +185,9 @@ def main() -> None:
     ap.add_argument("--cublas-linear", action="store_true",
                     help="the decode step's linears on cuBLAS, not the weight-streaming kernel (A/B)")
     ap.add_argument("--pdl", type=int, choices=(0, 1), default=None,
-                    help="programmatic dependent launch of the Triton kernels (A/B; default: cosystream.kernels.PDL)")
-    ap.add_argument("--flow-linear", choices=("triton", "torch"), default=None,
-                    help="the estimator's plain GEMMs on Triton or cuBLAS/cuDNN (A/B)")
+                    help="programmatic dependent launch of the decode kernels (A/B; default: cosystream.kernels.PDL)")
+    ap.add_argument("--flow-pdl", type=int, choices=(0, 1), default=None,
+                    help="programmatic dependent launch of the estimator's kernels (A/B)")
     ap.add_argument("--only", default="lm,t2w")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -196,9 +195,9 @@ def main() -> None:
     if args.cublas_linear:
         decode_ops.MAX_LINEAR_ROWS = 0
     if args.pdl is not None:
-        kernels.PDL = bool(args.pdl)
-    if args.flow_linear is not None:
-        flow_ops.TRITON_LINEAR = args.flow_linear == "triton"
+        kernels.PDL["decode"] = bool(args.pdl)
+    if args.flow_pdl is not None:
+        kernels.PDL["flow"] = bool(args.flow_pdl)
     batches = [int(b) for b in args.batches.split(",")]
     ckpt = load_checkpoint(args.model_dir)
     results = {}

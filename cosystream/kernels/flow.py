@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 
 from cosystream.kernels import pdl_launch
 
@@ -283,38 +282,7 @@ def _kernels() -> SimpleNamespace:
                     tl.store(t_row + ci[:, None] * st_c + j[None, :] * st_t, tl.where((f < 0)[None, :], sv, xv),
                              mask=live_i[:, None])
 
-    @triton.jit
-    def linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, num_t, sx_r, sx_t, sx_k, so_r, so_t, so_n,
-                      HAS_BIAS: tl.constexpr, ROUND_BEFORE_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-        # out[r, t, :] = W @ x[r, t, :] (+ bias) for rows m = r · num_t + t; x and out address (r, t, feature)
-        # through strides, so [R, T, K] rows and [R, K, T] channel-first frames (a 1×1 conv) are one kernel.
-        if PDL:
-            follow_previous()
-        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_ok = offs_m < M
-        n_ok = offs_n < N
-        r = (offs_m // num_t).to(tl.int64)
-        t = offs_m % num_t
-        x_rows = x_ptr + r * sx_r + t * sx_t
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < K
-            a = tl.load(x_rows[:, None] + offs_k[None, :] * sx_k, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptr + offs_n[None, :] * K + offs_k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-            acc = tl.dot(a, w, acc, input_precision=PRECISION)
-        dt = out_ptr.dtype.element_ty
-        if HAS_BIAS:
-            bias = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-            if ROUND_BEFORE_BIAS:  # PARITY: a cuDNN conv's output is rounded before torch adds the bias
-                acc = acc.to(dt).to(tl.float32)
-            acc += bias[None, :]
-        dst = out_ptr + (r * so_r + t * so_t)[:, None] + offs_n[None, :] * so_n
-        tl.store(dst, acc.to(dt), mask=m_ok[:, None] & n_ok[None, :])
-
-    return SimpleNamespace(pooled_attention_kernel=pooled_attention_kernel, linear_kernel=linear_kernel,
+    return SimpleNamespace(pooled_attention_kernel=pooled_attention_kernel,
                            add_layer_norm_kernel=add_layer_norm_kernel,
                            channel_norm_mish_kernel=channel_norm_mish_kernel, pool_write_kernel=pool_write_kernel,
                            norm_gemm_kernel=norm_gemm_kernel, causal_conv_kernel=causal_conv_kernel,
@@ -336,7 +304,7 @@ def pooled_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor
     _kernels().pooled_attention_kernel[grid](
         q, pool_k, pool_v, out, rows, q_pos.contiguous(), key_limit, num_q, q.stride(0), q.stride(1),
         pool_k.stride(0), pool_k.stride(1), head_dim ** -0.5, CHUNK=chunk, HEAD_DIM=head_dim, INNER=inner,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.warps, num_stages=t.stages, **pdl_launch(q))
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.warps, num_stages=t.stages, **pdl_launch(q, "flow"))
     return out
 
 
@@ -351,7 +319,7 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
     k.add_layer_norm_kernel[(rows, -(-num_t // block_t))](
         x, out if residual is None else residual, weight, bias, out, total, num_t, x.stride(0), x.stride(1),
         x.stride(2), n_cols, eps, HAS_RES=residual is not None, BLOCK=k.next_power_of_2(n_cols), BLOCK_T=block_t,
-        **pdl_launch(x))
+        **pdl_launch(x, "flow"))
     return out, total
 
 
@@ -366,7 +334,7 @@ def channel_norm_mish(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     block_t = 16
     k.channel_norm_mish_kernel[(rows, -(-num_t // block_t))](
         x, weight, bias, out if add is None else add.contiguous(), out, n_ch, num_t, eps, HAS_ADD=add is not None,
-        BLOCK_C=k.next_power_of_2(n_ch), BLOCK_T=block_t, **pdl_launch(x))
+        BLOCK_C=k.next_power_of_2(n_ch), BLOCK_T=block_t, **pdl_launch(x, "flow"))
     return out
 
 
@@ -378,52 +346,7 @@ def pool_write(k: torch.Tensor, v: torch.Tensor, pool_k: torch.Tensor, pool_v: t
     assert k.stride() == v.stride() and k.stride(2) == 1 and pool_k.stride() == pool_v.stride()
     kern.pool_write_kernel[(batch, num_c)](k, v, pool_k, pool_v, rows, write_pos.contiguous(), num_c, k.stride(0),
                                            k.stride(1), pool_k.stride(0), pool_k.stride(1), INNER=inner,
-                                           **pdl_launch(k))
-
-
-# A/B switch (benchmarks/profile_stages.py --flow-linear): False sends `linear` and `pointwise_conv` to
-# cuBLAS / cuDNN.
-TRITON_LINEAR = True
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, tile: Tile | None = None
-           ) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [R, T, K] (unit last stride): the estimator's output and second
-    feed-forward projections. PERF: a Triton GEMM instead of cuBLAS's, so that under PDL the kernels on
-    either side of it overlap it too (cuBLAS's are not launched that way)."""
-    if not TRITON_LINEAR:
-        return F.linear(x, weight, bias)
-    rows, num_t, k_in = x.shape
-    out = torch.empty(rows, num_t, weight.shape[0], device=x.device, dtype=x.dtype)
-    _launch_linear(x, (x.stride(0), x.stride(1), x.stride(2)), weight, bias, out,
-                   (out.stride(0), out.stride(1), out.stride(2)), num_t, round_before_bias=False, tile=tile)
-    return out
-
-
-def pointwise_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                   tile: Tile | None = None) -> torch.Tensor:
-    """F.conv1d(x, weight, bias) for a kernel-1 conv: x [R, Cin, T] (any strides), weight [Cout, Cin, 1];
-    returns [R, Cout, T] contiguous (the ResNets' residual convs, as `linear`)."""
-    if not TRITON_LINEAR:
-        return F.conv1d(x, weight, bias)
-    rows, c_in, num_t = x.shape
-    out = torch.empty(rows, weight.shape[0], num_t, device=x.device, dtype=x.dtype)
-    _launch_linear(x, (x.stride(0), x.stride(2), x.stride(1)), weight[:, :, 0], bias, out,
-                   (out.stride(0), out.stride(2), out.stride(1)), num_t, round_before_bias=True, tile=tile)
-    return out
-
-
-def _launch_linear(x: torch.Tensor, x_strides: tuple[int, int, int], weight: torch.Tensor, bias: torch.Tensor | None,
-                   out: torch.Tensor, out_strides: tuple[int, int, int], num_t: int, *, round_before_bias: bool,
-                   tile: Tile | None) -> None:
-    n, k_in = weight.shape
-    assert weight.stride(1) == 1 and weight.stride(0) == k_in
-    m = out.numel() // n
-    t = tile if tile is not None else TILES[("linear", m <= 512)]
-    _kernels().linear_kernel[(-(-m // t.block_m), -(-n // t.block_n))](
-        x, weight, bias if bias is not None else weight, out, m, n, k_in, num_t, *x_strides, *out_strides,
-        HAS_BIAS=bias is not None, ROUND_BEFORE_BIAS=round_before_bias, PRECISION=_precision(x),
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=64, num_warps=t.warps, num_stages=t.stages, **pdl_launch(x))
+                                           **pdl_launch(k, "flow"))
 
 
 def _precision(x: torch.Tensor) -> str:
@@ -449,8 +372,6 @@ TILES: dict[tuple[str, bool], Tile] = {
     ("gelu", True): Tile(32, 64, 8, 2), ("gelu", False): Tile(64, 128, 4, 2),
     # conv: block_m frames, block_n input channels a step, output channels in co_blocks launches
     ("conv", True): Tile(16, 32, 8, 2, 4), ("conv", False): Tile(16, 64, 8, 2),
-    # plain GEMM (`linear`, `pointwise_conv`): K in steps of 64 (not swept)
-    ("linear", True): Tile(32, 64, 4, 3), ("linear", False): Tile(64, 64, 4, 3),
 }
 
 # The channel split was measured at 256 output channels (four blocks of 64); narrower blocks were not, so
@@ -491,7 +412,7 @@ def _launch_norm_gemm(x: torch.Tensor, residual: torch.Tensor | None, norm: tupl
         pk.stride(0) if pool is not None else 0, pk.stride(1) if pool is not None else 0, m, n, num_t, DIM=dim,
         BLOCK_D=kern.next_power_of_2(dim), HAS_RES=residual is not None, HAS_BIAS=bias is not None, GELU=gelu,
         QKV=pool is not None, INNER=inner, PRECISION=_precision(x), BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-        num_warps=t.warps, num_stages=t.stages, **pdl_launch(x))
+        num_warps=t.warps, num_stages=t.stages, **pdl_launch(x, "flow"))
     return total
 
 
@@ -570,7 +491,7 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, offset: int, weight: 
             n_in, n_out, num_t, eps, *x_in.stride(), *state.stride(), a.stride(0), a.stride(1),
             rs.stride(0), rs.stride(1), rs.stride(-1), *tail.stride(), **flags, PRECISION=_precision(x),
             BLOCK_CO=kern.next_power_of_2(n_out // blocks), BLOCK_CI=block_ci, BLOCK_T=block_t, PHASE=phase,
-            num_warps=warps, num_stages=stages, **pdl_launch(x))
+            num_warps=warps, num_stages=stages, **pdl_launch(x, "flow"))
 
     if not split:
         launch(0, x, out, 1, epilogue)

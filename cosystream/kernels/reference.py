@@ -67,11 +67,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def pointwise_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """A kernel-1 conv: x [R, Cin, T], weight [Cout, Cin, 1] -> [R, Cout, T] (the ResNets' residual convs)."""
-    return F.conv1d(x, weight, bias)
-
-
 def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """linear(silu(gate) · up, weight) for gate_up = [gate | up] (the MLP's down projection)."""
     return F.linear(silu_mul(gate_up), weight)

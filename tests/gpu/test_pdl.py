@@ -1,6 +1,6 @@
-"""On a GPU: programmatic dependent launch (cosystream.kernels.PDL) changes no number. It is pure scheduling,
-so the outputs must be identical bit for bit; a missing wait in a PDL kernel would show here as a race (a
-kernel reading its predecessor's output before that one has finished)."""
+"""On a GPU: programmatic dependent launch (both families of cosystream.kernels.PDL) changes no number. It is
+pure scheduling, so the outputs must be identical bit for bit; a missing wait in a PDL kernel would show here
+as a race (a kernel reading its predecessor's output before that one has finished)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ needs_pdl = pytest.mark.skipif(not (torch.cuda.is_available() and _pdl_available
 def _graphed_steps(lm: SpeechLM, batch: int, steps: int, pdl: bool,
                    monkeypatch: pytest.MonkeyPatch) -> tuple[list[torch.Tensor], KVCache]:
     """`steps` replays of one captured decode step (rows [0, batch)), each at a new position."""
-    monkeypatch.setattr(kernels, "PDL", pdl)
+    monkeypatch.setitem(kernels.PDL, "decode", pdl)
     cache = KVCache(lm.dims, batch, 256, "cuda", torch.bfloat16)
     g = torch.Generator(device="cuda").manual_seed(5)
     cache.k.normal_(generator=g)
@@ -83,7 +83,7 @@ def test_pdl_decode_steps_equal_plain_launches_at_full_size(batch: int, monkeypa
 
 def _pooled_flow_chunks(checkpoint, f, pdl: bool, monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
     """Velocity outputs of two streams' chunks through the graphed pooled ODE (captured with PDL or not)."""
-    monkeypatch.setattr(kernels, "PDL", pdl)
+    monkeypatch.setitem(kernels.PDL, "flow", pdl)
     flow = load_flow(checkpoint, "cuda", torch.bfloat16)
     stream = FlowStream(flow, final_attention="chunk")
     prompt = stream.build_prompt_cache(f["prompt_token"].cuda(), f["prompt_feat"].cuda(), f["embedding"].cuda())

@@ -229,27 +229,3 @@ def test_causal_conv_tail_out(device: str, dtype: torch.dtype, num_t: int) -> No
     assert torch.equal(tail_out[:, 10:90], want_state[:, 10:90])
     assert tail_out[:, :10].isnan().all() and tail_out[:, 90:].isnan().all()
     assert _rel(out, want) < (8e-3 if dtype == torch.bfloat16 else 1e-5)
-
-
-@pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("tile", [None, Tile(16, 32, 4, 2)])
-def test_linear_on_rows(device: str, dtype: torch.dtype, with_bias: bool, tile: Tile | None) -> None:
-    # 3 rows × 45 frames; 200 outputs and 160 inputs are off the tiles (masked lanes, a short last K step)
-    g = torch.Generator().manual_seed(21)
-    x = torch.randn(3, 50, 160, generator=g).to(device, dtype)[:, 5:]  # a view: row stride 50 · 160
-    w = (torch.randn(200, 160, generator=g) / 160 ** 0.5).to(device, dtype)
-    b = torch.randn(200, generator=g).to(device, dtype) if with_bias else None
-    got = flow.linear(x, w, b, tile=tile)
-    assert got.shape == (3, 45, 200)
-    assert _rel(got, reference.linear(x, w, b)) < (2e-2 if dtype == torch.bfloat16 else 1e-5)
-
-
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_pointwise_conv_on_channel_first_frames(device: str, dtype: torch.dtype, with_bias: bool) -> None:
-    g = torch.Generator().manual_seed(22)
-    x = torch.randn(3, 45, 96, generator=g).to(device, dtype).transpose(1, 2)  # [R, C, T], a strided view
-    w = (torch.randn(72, 96, 1, generator=g) / 96 ** 0.5).to(device, dtype)
-    b = torch.randn(72, generator=g).to(device, dtype) if with_bias else None
-    got = flow.pointwise_conv(x, w, b)
-    assert got.shape == (3, 72, 45) and got.is_contiguous()
-    assert _rel(got, reference.pointwise_conv(x, w, b)) < (2e-2 if dtype == torch.bfloat16 else 1e-5)
