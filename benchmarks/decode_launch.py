@@ -1,4 +1,4 @@
-"""A/B of programmatic dependent launch (cosystream.kernels.PDL["decode"]) for the LM decode step on one machine.
+"""A/B of programmatic dependent launch (cosystream.kernels.PDL) for the LM decode step on one machine.
 
     python benchmarks/decode_launch.py --model-dir /tmp/m05 --batches 1,16
 
@@ -27,7 +27,7 @@ VARIANTS = {"plain": False, "pdl": True}  # name -> PDL
 
 
 def make_runner(lm, batches: list[int], pdl: bool) -> LMRunner:
-    kernels.PDL["decode"] = pdl
+    kernels.PDL = pdl
     d = lm.dims
     runner = LMRunner(lm, max_slots=max(batches), max_len=1024)
     sampling = RowSampling(seed=0, top_p=d.top_p, top_k=d.top_k, win_size=d.win_size, tau_r=d.tau_r,

@@ -186,8 +186,6 @@ def main() -> None:
                     help="the decode step's linears on cuBLAS, not the weight-streaming kernel (A/B)")
     ap.add_argument("--pdl", type=int, choices=(0, 1), default=None,
                     help="programmatic dependent launch of the decode kernels (A/B; default: cosystream.kernels.PDL)")
-    ap.add_argument("--flow-pdl", type=int, choices=(0, 1), default=None,
-                    help="programmatic dependent launch of the estimator's kernels (A/B)")
     ap.add_argument("--only", default="lm,t2w")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -195,9 +193,7 @@ def main() -> None:
     if args.cublas_linear:
         decode_ops.MAX_LINEAR_ROWS = 0
     if args.pdl is not None:
-        kernels.PDL["decode"] = bool(args.pdl)
-    if args.flow_pdl is not None:
-        kernels.PDL["flow"] = bool(args.flow_pdl)
+        kernels.PDL = bool(args.pdl)
     batches = [int(b) for b in args.batches.split(",")]
     ckpt = load_checkpoint(args.model_dir)
     results = {}

@@ -18,16 +18,17 @@ def triton_usable(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" and importlib.util.find_spec("triton") is not None
 
 
-# PERF: programmatic dependent launch (`_launch_jit`; Hopper or newer and a Triton with grid dependency
-# control) per kernel family. Read at launch, so at CUDA-graph capture. Measured on the H100:
-# "decode" (the LM step; benchmarks/decode_launch.py): a batch-1 step 0.91 -> 0.81 ms, batch 16 1.00 -> 0.90;
-# "flow" (the estimator; profile_stages.py --flow-pdl): off until it measures as a gain at both 1 and 16 streams.
-PDL = {"decode": True, "flow": False}
+# PERF: launch the LM decode step's kernels with programmatic dependent launch (`_launch_jit`; Hopper or
+# newer and a Triton with grid dependency control). Read at launch, so at CUDA-graph capture. Measured on
+# the H100 (benchmarks/decode_launch.py): a batch-1 step 0.91 -> 0.81 ms, batch 16 1.00 -> 0.90 ms. The
+# flow estimator's kernels gained nothing from it (they alternate with cuBLAS GEMMs, which PDL cannot
+# overlap; docs/benchmarks.md), so they launch plainly.
+PDL = True
 
 
-def pdl_launch(x: torch.Tensor, family: str) -> dict:
-    """The `PDL` constexpr and launch option of a kernel of `family` (a key of PDL) working on x's device."""
-    if not (PDL[family] and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9):
+def pdl_launch(x: torch.Tensor) -> dict:
+    """The `PDL` constexpr and launch option of a decode kernel working on x's device."""
+    if not (PDL and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9):
         return {"PDL": False}
     from cosystream.kernels._launch_jit import HAS_GDC
 

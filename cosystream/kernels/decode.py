@@ -238,7 +238,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         raise ValueError("add_rms_norm: partial sums need a residual stream to land in")
     k.add_rms_norm_kernel[(rows,)](x, x if residual is None else residual, weight, out, res_out, n_cols,
                                    rows * n_cols, eps, HAS_RES=residual is not None, PARTS=parts,
-                                   BLOCK=k.next_power_of_2(n_cols), **pdl_launch(x, "decode"))
+                                   BLOCK=k.next_power_of_2(n_cols), **pdl_launch(x))
     return out, res_out
 
 
@@ -256,7 +256,7 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
         qkv, positions, positions if slots is None else slots, cos, sin, q, cache_k, cache_v, cache_k.stride(0),
         cache_k.stride(1), qkv[0].numel() if parts else 0, NUM_HEADS=num_heads, NUM_KV=num_kv_heads,
         HEAD_DIM=head_dim, PARTS=parts, PARTS_BLOCK=k.next_power_of_2(max(parts, 1)), HAS_SLOTS=slots is not None,
-        **pdl_launch(qkv, "decode"))
+        **pdl_launch(qkv))
     return q
 
 
@@ -278,11 +278,11 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
     k.attention_split_kernel[(batch, kv_heads, splits)](
         q, cache_k, cache_v, positions, o_part, ml_part, cache_k.stride(0), cache_k.stride(1), keys_per_split,
         splits, head_dim ** -0.5, GROUPS=groups, NUM_KV=kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m,
-        BLOCK_N=_KEYS_PER_BLOCK, PRECISION=_precision(q), **pdl_launch(q, "decode"))
+        BLOCK_N=_KEYS_PER_BLOCK, PRECISION=_precision(q), **pdl_launch(q))
     out = torch.empty(batch, num_heads * head_dim, device=q.device, dtype=q.dtype)
     k.attention_combine_kernel[(batch, num_heads)](
         o_part, ml_part, out, splits, GROUPS=groups, NUM_KV=kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m,
-        SPLITS=k.next_power_of_2(splits), **pdl_launch(q, "decode"))
+        SPLITS=k.next_power_of_2(splits), **pdl_launch(q))
     return out
 
 
@@ -386,5 +386,5 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
                           HAS_BIAS=bias is not None, PARTIAL=splits > 1,
                           PRECISION=_precision(weight), BLOCK_N=tile.block_n,
                           BLOCK_K=tile.block_k, BLOCK_M=max(16, k.next_power_of_2(rows)),
-                          num_warps=tile.warps, num_stages=tile.stages, **pdl_launch(x, "decode"))
+                          num_warps=tile.warps, num_stages=tile.stages, **pdl_launch(x))
     return out

@@ -16,23 +16,17 @@ from types import SimpleNamespace
 
 import torch
 
-from cosystream.kernels import pdl_launch
-
 
 @functools.cache
 def _kernels() -> SimpleNamespace:
     import triton
     import triton.language as tl
 
-    from cosystream.kernels._launch_jit import follow_previous  # under `if PDL:` (see _launch_jit)
-
     @triton.jit
     def pooled_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, rows_ptr, qpos_ptr, limit_ptr, num_q,
                                 q_row_stride, q_frame_stride, pool_row_stride, pool_frame_stride, scale,
                                 CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, INNER: tl.constexpr,
-                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
-        if PDL:
-            follow_previous()
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         r = tl.program_id(0)
         head = tl.program_id(1)
         offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -73,10 +67,7 @@ def _kernels() -> SimpleNamespace:
 
     @triton.jit
     def add_layer_norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, num_t, sx_r, sx_t, sx_c,
-                              n_cols, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
-                              PDL: tl.constexpr):
-        if PDL:
-            follow_previous()
+                              n_cols, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr):
         r = tl.program_id(0)
         offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
         cols = tl.arange(0, BLOCK)
@@ -98,10 +89,7 @@ def _kernels() -> SimpleNamespace:
 
     @triton.jit
     def channel_norm_mish_kernel(x_ptr, w_ptr, b_ptr, add_ptr, out_ptr, n_ch, num_t, eps,
-                                 HAS_ADD: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
-                                 PDL: tl.constexpr):
-        if PDL:
-            follow_previous()
+                                 HAS_ADD: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr):
         r = tl.program_id(0)
         offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
         offs_c = tl.arange(0, BLOCK_C)
@@ -125,9 +113,7 @@ def _kernels() -> SimpleNamespace:
 
     @triton.jit
     def pool_write_kernel(k_ptr, v_ptr, pk_ptr, pv_ptr, rows_ptr, pos_ptr, num_c, s_r, s_c, pool_row_stride,
-                          pool_frame_stride, INNER: tl.constexpr, PDL: tl.constexpr):
-        if PDL:
-            follow_previous()
+                          pool_frame_stride, INNER: tl.constexpr):
         r = tl.program_id(0)
         c = tl.program_id(1)
         offs = tl.arange(0, INNER)
@@ -142,9 +128,7 @@ def _kernels() -> SimpleNamespace:
                          sum_ptr, pk_ptr, pv_ptr, rows_ptr, pos_ptr, pool_row_stride, pool_frame_stride, M, N,
                          num_t, DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RES: tl.constexpr,
                          HAS_BIAS: tl.constexpr, GELU: tl.constexpr, QKV: tl.constexpr, INNER: tl.constexpr,
-                         PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
-        if PDL:
-            follow_previous()
+                         PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         # prologue: s = x + res (rounded), a = LayerNorm(s) over the whole row (DIM fits one tile)
         pid_n = tl.program_id(1)
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -203,9 +187,7 @@ def _kernels() -> SimpleNamespace:
                            sa_r, sa_c, sr_r, sr_c, sr_t, st_r, st_c, st_t,
                            HAS_NORM: tl.constexpr, MISH: tl.constexpr, HAS_ADD: tl.constexpr, HAS_RES: tl.constexpr,
                            PRECISION: tl.constexpr, BLOCK_CO: tl.constexpr, BLOCK_CI: tl.constexpr,
-                           BLOCK_T: tl.constexpr, PHASE: tl.constexpr, PDL: tl.constexpr):
-        if PDL:
-            follow_previous()
+                           BLOCK_T: tl.constexpr, PHASE: tl.constexpr):
         # One program: BLOCK_T frames of row r × every output channel (the channel LayerNorm stays in the
         # program). Implicit GEMM [frames, 3·Cin] x [3·Cin, Cout] over the weights stored [3, Cin, Cout]
         # (coalesced along Cout), one tap and BLOCK_CI input channels a step.
@@ -282,8 +264,7 @@ def _kernels() -> SimpleNamespace:
                     tl.store(t_row + ci[:, None] * st_c + j[None, :] * st_t, tl.where((f < 0)[None, :], sv, xv),
                              mask=live_i[:, None])
 
-    return SimpleNamespace(pooled_attention_kernel=pooled_attention_kernel,
-                           add_layer_norm_kernel=add_layer_norm_kernel,
+    return SimpleNamespace(pooled_attention_kernel=pooled_attention_kernel, add_layer_norm_kernel=add_layer_norm_kernel,
                            channel_norm_mish_kernel=channel_norm_mish_kernel, pool_write_kernel=pool_write_kernel,
                            norm_gemm_kernel=norm_gemm_kernel, causal_conv_kernel=causal_conv_kernel,
                            next_power_of_2=triton.next_power_of_2)
@@ -304,7 +285,7 @@ def pooled_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor
     _kernels().pooled_attention_kernel[grid](
         q, pool_k, pool_v, out, rows, q_pos.contiguous(), key_limit, num_q, q.stride(0), q.stride(1),
         pool_k.stride(0), pool_k.stride(1), head_dim ** -0.5, CHUNK=chunk, HEAD_DIM=head_dim, INNER=inner,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.warps, num_stages=t.stages, **pdl_launch(q, "flow"))
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.warps, num_stages=t.stages)
     return out
 
 
@@ -318,8 +299,7 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
     block_t = 16
     k.add_layer_norm_kernel[(rows, -(-num_t // block_t))](
         x, out if residual is None else residual, weight, bias, out, total, num_t, x.stride(0), x.stride(1),
-        x.stride(2), n_cols, eps, HAS_RES=residual is not None, BLOCK=k.next_power_of_2(n_cols), BLOCK_T=block_t,
-        **pdl_launch(x, "flow"))
+        x.stride(2), n_cols, eps, HAS_RES=residual is not None, BLOCK=k.next_power_of_2(n_cols), BLOCK_T=block_t)
     return out, total
 
 
@@ -334,7 +314,7 @@ def channel_norm_mish(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     block_t = 16
     k.channel_norm_mish_kernel[(rows, -(-num_t // block_t))](
         x, weight, bias, out if add is None else add.contiguous(), out, n_ch, num_t, eps, HAS_ADD=add is not None,
-        BLOCK_C=k.next_power_of_2(n_ch), BLOCK_T=block_t, **pdl_launch(x, "flow"))
+        BLOCK_C=k.next_power_of_2(n_ch), BLOCK_T=block_t)
     return out
 
 
@@ -345,8 +325,7 @@ def pool_write(k: torch.Tensor, v: torch.Tensor, pool_k: torch.Tensor, pool_v: t
     batch, num_c, inner = k.shape
     assert k.stride() == v.stride() and k.stride(2) == 1 and pool_k.stride() == pool_v.stride()
     kern.pool_write_kernel[(batch, num_c)](k, v, pool_k, pool_v, rows, write_pos.contiguous(), num_c, k.stride(0),
-                                           k.stride(1), pool_k.stride(0), pool_k.stride(1), INNER=inner,
-                                           **pdl_launch(k, "flow"))
+                                           k.stride(1), pool_k.stride(0), pool_k.stride(1), INNER=inner)
 
 
 def _precision(x: torch.Tensor) -> str:
@@ -412,7 +391,7 @@ def _launch_norm_gemm(x: torch.Tensor, residual: torch.Tensor | None, norm: tupl
         pk.stride(0) if pool is not None else 0, pk.stride(1) if pool is not None else 0, m, n, num_t, DIM=dim,
         BLOCK_D=kern.next_power_of_2(dim), HAS_RES=residual is not None, HAS_BIAS=bias is not None, GELU=gelu,
         QKV=pool is not None, INNER=inner, PRECISION=_precision(x), BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-        num_warps=t.warps, num_stages=t.stages, **pdl_launch(x, "flow"))
+        num_warps=t.warps, num_stages=t.stages)
     return total
 
 
@@ -491,7 +470,7 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, offset: int, weight: 
             n_in, n_out, num_t, eps, *x_in.stride(), *state.stride(), a.stride(0), a.stride(1),
             rs.stride(0), rs.stride(1), rs.stride(-1), *tail.stride(), **flags, PRECISION=_precision(x),
             BLOCK_CO=kern.next_power_of_2(n_out // blocks), BLOCK_CI=block_ci, BLOCK_T=block_t, PHASE=phase,
-            num_warps=warps, num_stages=stages, **pdl_launch(x, "flow"))
+            num_warps=warps, num_stages=stages)
 
     if not split:
         launch(0, x, out, 1, epilogue)
