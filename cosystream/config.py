@@ -68,6 +68,11 @@ class EngineConfig:
     max_text_chars: int = 5000  # longer inputs are refused with BadInput
     voices_db: str | None = None  # None: $COSYSTREAM_HOME/voices.db or ~/.cache/cosystream/voices.db
     frontend_threads: int = 2
+    # Python's thread switch interval while an engine runs (sys.setswitchinterval; process-wide, restored
+    # by close). The engine thread drives the GPU from Python; with the interpreter's default of 5 ms a
+    # request's frontend thread or the server's event loop can wait that long for the GIL behind it.
+    # None: leave the interpreter's setting.
+    gil_switch_interval_s: float | None = 0.0005
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -80,6 +85,8 @@ class EngineConfig:
             raise ValueError(f"chunk_slack_s: must be >= 0, got {self.chunk_slack_s}")
         if self.first_chunk_wait_s < 0:
             raise ValueError(f"first_chunk_wait_s: must be >= 0, got {self.first_chunk_wait_s}")
+        if self.gil_switch_interval_s is not None and not self.gil_switch_interval_s > 0:
+            raise ValueError(f"gil_switch_interval_s: must be > 0 (or None), got {self.gil_switch_interval_s}")
         self.schedule.validate()
 
     @property

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -63,6 +64,9 @@ class AsyncEngine:
         persist = config.persist_voice_caches
         if persist or (persist is None and device.type == "cpu"):
             t2w.on_new_voice_cache = self._store_voice_cache
+        self._switch_interval = sys.getswitchinterval()
+        if config.gil_switch_interval_s is not None:
+            sys.setswitchinterval(config.gil_switch_interval_s)
         self.core.start()
 
     @classmethod
@@ -73,6 +77,7 @@ class AsyncEngine:
     def close(self) -> None:
         self.core.stop()
         self.pool.shutdown(wait=False)
+        sys.setswitchinterval(self._switch_interval)
 
     # ------------------------------------------------------------------ synthesis
     async def synthesize(self, params: SynthesisParams) -> AsyncIterator[AudioChunk]:
