@@ -327,7 +327,8 @@ class FlowRunner:
         rows = torch.stack([2 * slots, 2 * slots + 1], dim=1).flatten()
         self.conv.index_fill_(1, rows, 0)
         frames = UPSAMPLE * valid
-        return self._integrate(z, mu, spks, cond, slots, torch.zeros_like(frames), frames, 0, z.shape[-1])
+        return self._integrate(z, mu, spks, cond, slots, torch.zeros_like(frames), frames, 0, z.shape[-1],
+                               own_keys=True)
 
     def _ode(self, z, mu, spks, cond, slots, starts, marker) -> tuple[torch.Tensor]:
         """The 10-step CFG Euler ODE for a padded batch (graph body: static shapes, no host syncs).
@@ -335,8 +336,9 @@ class FlowRunner:
         key_limit = starts + z.shape[-1]
         return self._integrate(z, mu, spks, cond, slots, starts, key_limit, self.chunk, marker.shape[0])
 
-    def _integrate(self, z, mu, spks, cond, slots, starts, key_limit, chunk: int, attn_len: int
-                   ) -> tuple[torch.Tensor]:
+    def _integrate(self, z, mu, spks, cond, slots, starts, key_limit, chunk: int, attn_len: int,
+                   own_keys: bool = False) -> tuple[torch.Tensor]:
+        """own_keys: a whole-utterance pass from frame 0 (see PooledKV.own_keys)."""
         num_new = z.shape[-1]
         rows = torch.stack([2 * slots, 2 * slots + 1], dim=1).flatten()  # [2B]: (cond, uncond) per stream
         q_pos = starts.unsqueeze(1) + torch.arange(num_new, device=z.device)  # [B, C]
@@ -345,7 +347,7 @@ class FlowRunner:
 
         def velocity(k: int, x, mu_in, spks_in, cond_in, t):
             conv = self.conv[k][rows]
-            pooled = PooledKV(self.kv[k], rows, write_pos, limits, chunk, attn_len, self.attention_ops)
+            pooled = PooledKV(self.kv[k], rows, write_pos, limits, chunk, attn_len, self.attention_ops, own_keys)
             v = self._step(x, mu_in, spks_in, cond_in, t, [pooled], conv, write_pos, [])
             self.conv[k][rows] = conv
             return v
