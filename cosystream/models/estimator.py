@@ -65,9 +65,10 @@ class PooledKV:
     chunk: int
     attn_len: int
     ops: ModuleType
-    # The keys of every query are this call's own frames (a whole-utterance pass from frame 0, each row's
-    # write_pos = 0, 1, ..., attn_len - 1): attention reads them where the q/k/v projection put them and the
-    # pool is not written (nothing reads it later: each Euler step recomputes every frame).
+    # The keys of every query are this call's own frames (a whole-utterance pass from frame 0 with full
+    # attention: chunk 0, each row's write_pos = 0, 1, ..., attn_len - 1): attention reads them where the
+    # q/k/v projection put them and the pool is not written (nothing reads it later: each Euler step
+    # recomputes every frame).
     own_keys: bool = False
 
     def __getitem__(self, block: int) -> PooledBlock:
@@ -203,9 +204,7 @@ class Attention(nn.Module):
         """All rows at once: write the new keys into the pool, then attend over each row's pool row."""
         p = view.parent
         if p.own_keys:  # PERF: no pool write (2 × rows × frames × inner) and no gather of the pool rows
-            own_rows = torch.arange(q.shape[0], device=q.device)
-            return p.ops.pooled_attention(q, k, v, own_rows, p.write_pos, p.key_limit, p.chunk, p.attn_len,
-                                          self.num_heads)
+            return p.ops.own_keys_attention(q, k, v, p.write_pos, p.key_limit, self.num_heads)
         pool_k, pool_v = p.pool[view.block, 0], p.pool[view.block, 1]
         if self.kernels is not None:
             self.kernels.pool_write(k, v, pool_k, pool_v, p.rows, p.write_pos)

@@ -229,3 +229,28 @@ def test_causal_conv_tail_out(device: str, dtype: torch.dtype, num_t: int) -> No
     assert torch.equal(tail_out[:, 10:90], want_state[:, 10:90])
     assert tail_out[:, :10].isnan().all() and tail_out[:, 90:].isnan().all()
     assert _rel(out, want) < (8e-3 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("sdpa", [True, False])
+def test_own_keys_attention_reads_the_projection_in_place(device: str, dtype: torch.dtype, sdpa: bool,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The final pass's attention: q/k/v are views of one projection; row r sees its first key_limit[r] frames."""
+    monkeypatch.setattr(flow, "FINAL_PASS_SDPA", sdpa)
+    g = torch.Generator().manual_seed(23)
+    rows, frames = 4, 96
+    qkv = torch.randn(rows, frames, 3 * INNER, generator=g).to(device, dtype)
+    q, k, v = qkv[..., :INNER], qkv[..., INNER:2 * INNER], qkv[..., 2 * INNER:]
+    q_pos = torch.arange(frames, device=device).repeat(rows, 1)
+    limit = torch.tensor([96, 50, 1, 64], device=device)
+    got = flow.own_keys_attention(q, k, v, q_pos, limit, HEADS)
+    want = reference.own_keys_attention(q, k, v, q_pos, limit, HEADS)
+    assert got.shape == (rows, frames, INNER)
+    assert _rel(got, want) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+    # keys past a row's limit do not count: the Triton kernel never reads them (NaN there changes nothing);
+    # SDPA reads them under a -inf bias (any finite values there change nothing)
+    poison = 1e4 if sdpa else float("nan")
+    qkv[1, 50:, INNER:] = poison
+    qkv[2, 1:, INNER:] = poison
+    again = flow.own_keys_attention(q, k, v, q_pos, limit, HEADS)
+    assert torch.isfinite(again).all()
+    torch.testing.assert_close(again, got, rtol=0, atol=1e-6)
