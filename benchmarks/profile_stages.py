@@ -24,7 +24,6 @@ from cosystream.engine.loader import load_flow, load_hift, load_llm
 from cosystream.engine.token2wav import Token2WavRunner
 from cosystream.frontend import ModelInputs
 from cosystream.kernels import decode as decode_ops
-from cosystream.kernels import flow as flow_ops
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -187,8 +186,6 @@ def main() -> None:
                     help="the decode step's linears on cuBLAS, not the weight-streaming kernel (A/B)")
     ap.add_argument("--pdl", type=int, choices=(0, 1), default=None,
                     help="programmatic dependent launch of the decode kernels (A/B; default: cosystream.kernels.PDL)")
-    ap.add_argument("--final-sdpa", type=int, choices=(0, 1), default=None,
-                    help="the final pass's attention through SDPA (1) or the pooled Triton kernel (0) (A/B)")
     ap.add_argument("--only", default="lm,t2w")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -197,8 +194,6 @@ def main() -> None:
         decode_ops.MAX_LINEAR_ROWS = 0
     if args.pdl is not None:
         kernels.PDL = bool(args.pdl)
-    if args.final_sdpa is not None:
-        flow_ops.FINAL_PASS_SDPA = bool(args.final_sdpa)
     batches = [int(b) for b in args.batches.split(",")]
     ckpt = load_checkpoint(args.model_dir)
     results = {}
