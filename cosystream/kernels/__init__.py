@@ -8,6 +8,7 @@ first used on a CUDA device, so the package imports without it.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -28,8 +29,16 @@ PDL = True
 
 def pdl_launch(x: torch.Tensor) -> dict:
     """The `PDL` constexpr and launch option of a decode kernel working on x's device."""
-    if not (PDL and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9):
-        return {"PDL": False}
+    if PDL and x.is_cuda and _pdl_capable(x.get_device()):  # get_device: the CUDA index, never None
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
+
+
+@functools.cache
+def _pdl_capable(device_index: int) -> bool:
+    """Hopper or newer, and a Triton with grid dependency control."""
+    if torch.cuda.get_device_capability(device_index)[0] < 9:
+        return False
     from cosystream.kernels._launch_jit import HAS_GDC
 
-    return {"PDL": True, "launch_pdl": True} if HAS_GDC else {"PDL": False}
+    return HAS_GDC

@@ -289,15 +289,6 @@ def pooled_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor
     return out
 
 
-def own_keys_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                       key_limit: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Same contract as `reference.own_keys_attention`: the pooled kernel over the projection's own k/v
-    views. PERF: measured against torch SDPA (cuDNN's flash kernel with the key-length bias) on the H100's
-    final pass of 16 streams: 109 vs 123 ms of attention, 299 vs 320 ms in all."""
-    rows = torch.arange(q.shape[0], device=q.device)
-    return pooled_attention(q, k, v, rows, q_pos, key_limit, 0, q.shape[1], num_heads)
-
-
 def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `reference.add_layer_norm` for x [R, T, C] (any strides) and residual contiguous."""

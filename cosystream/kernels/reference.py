@@ -98,15 +98,6 @@ def pooled_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor
     return out.transpose(1, 2).reshape(batch, num_q, inner)
 
 
-def own_keys_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                       key_limit: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Full attention of a whole-utterance pass: row r's frames (at positions q_pos[r] = 0, 1, ...) over its
-    own first key_limit[r] frames. q, k, v [R, F, inner] with a unit last stride (views of one q/k/v
-    projection). Returns [R, F, inner]."""
-    rows = torch.arange(q.shape[0], device=q.device)
-    return pooled_attention(q, k, v, rows, q_pos, key_limit, 0, q.shape[1], num_heads)
-
-
 def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(layer_norm(x + residual), x + residual) over the last dimension; x may be a strided view.

@@ -20,13 +20,7 @@ DIMS_05B = LLMDims(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
                    speech_token_size=6561, mix_ratio=(5, 15), top_p=0.8, top_k=25, win_size=10, tau_r=0.1)
 
 
-def _pdl_available() -> bool:
-    from cosystream.kernels._launch_jit import HAS_GDC
-
-    return HAS_GDC and torch.cuda.get_device_capability()[0] >= 9
-
-
-needs_pdl = pytest.mark.skipif(not (torch.cuda.is_available() and _pdl_available()),
+needs_pdl = pytest.mark.skipif(not (torch.cuda.is_available() and kernels._pdl_capable(torch.cuda.current_device())),
                                reason="programmatic dependent launch needs Hopper and grid dependency control")
 
 

@@ -231,15 +231,17 @@ def test_causal_conv_tail_out(device: str, dtype: torch.dtype, num_t: int) -> No
     assert _rel(out, want) < (8e-3 if dtype == torch.bfloat16 else 1e-5)
 
 
-def test_own_keys_attention_reads_the_projection_in_place(device: str, dtype: torch.dtype) -> None:
-    """The final pass's attention: q/k/v are views of one projection; row r sees its first key_limit[r] frames."""
+def test_pooled_attention_over_the_projections_own_keys(device: str, dtype: torch.dtype) -> None:
+    """The final pass's attention (PooledKV.own_keys): q/k/v are views of one projection, each row its own pool
+    row; row r sees its first key_limit[r] frames."""
     g = torch.Generator().manual_seed(23)
     rows, frames = 4, 96
     qkv = torch.randn(rows, frames, 3 * INNER, generator=g).to(device, dtype)
     q, k, v = qkv[..., :INNER], qkv[..., INNER:2 * INNER], qkv[..., 2 * INNER:]
     q_pos = torch.arange(frames, device=device).repeat(rows, 1)
     limit = torch.tensor([96, 50, 1, 64], device=device)
-    got = flow.own_keys_attention(q, k, v, q_pos, limit, HEADS)
+    own_rows = torch.arange(rows, device=device)
+    got = flow.pooled_attention(q, k, v, own_rows, q_pos, limit, 0, frames, HEADS)
     keys = torch.arange(frames, device=device)
     bias = torch.zeros(rows, 1, 1, frames, device=device, dtype=dtype).masked_fill(
         (keys[None, :] >= limit[:, None]).view(rows, 1, 1, frames), float("-inf"))
@@ -253,5 +255,5 @@ def test_own_keys_attention_reads_the_projection_in_place(device: str, dtype: to
     # keys past a row's limit are never read: NaN there changes nothing
     qkv[1, 50:, INNER:] = float("nan")
     qkv[2, 1:, INNER:] = float("nan")
-    again = flow.own_keys_attention(q, k, v, q_pos, limit, HEADS)
+    again = flow.pooled_attention(q, k, v, own_rows, q_pos, limit, 0, frames, HEADS)
     assert torch.isfinite(again).all() and torch.equal(again, got)
