@@ -56,6 +56,7 @@ for _ in range(300):
     time.sleep(1)
 PY
   python3 -m cosystream.cli bench --url http://127.0.0.1:8000 --target tts --workload /tmp/wl/workload.json \
-    --concurrency 1,16 --requests-per-level 32 --warmup-requests 3 --out "$OUT/http.json" --plot "$OUT/http.png" 2>&1 | tail -4
+    --concurrency 1,16 --requests-per-level 32 --warmup-requests 3 --out "$OUT/http.json" --plot "$OUT/http.png" \
+    --tag "commit=${COSYSTREAM_COMMIT:-unknown}" --tag gpu="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" 2>&1 | tail -4
   kill $SERVER
 fi

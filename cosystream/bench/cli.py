@@ -60,6 +60,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help="do not POST the workload's prompt_wav to /v1/voices before starting")
     p.add_argument("--out", default="bench_results.json", help="JSON with every request and the summaries")
     p.add_argument("--plot", default=None, help="PNG of first-audio percentiles and aggregate RTF per level")
+    p.add_argument("--tag", action="append", default=[], metavar="KEY=VALUE",
+                   help="a fact about the run kept in the JSON's meta.tags, e.g. commit=abc1234 or gpu=H100; "
+                        "repeatable")
     p.set_defaults(handler=run_bench)
     return p
 
@@ -75,6 +78,7 @@ def run_bench(args: argparse.Namespace) -> int:
     try:
         spec, upload = _spec_from_args(args)
         plans = _plans_from_args(args)
+        tags = _tags(args.tag)
     except (ValueError, OSError) as exc:
         print(f"cosystream bench: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -84,7 +88,7 @@ def run_bench(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # the second Ctrl-C: no results
         _log("aborted")
         return EXIT_INTERRUPTED
-    meta = _meta(args, spec, plans, started_at, interrupted)
+    meta = {**_meta(args, spec, plans, started_at, interrupted), "tags": tags}
     path = write_json(args.out, build_results(meta, summaries, records))
     print(format_table(summaries))
     _log(f"wrote {path}")
@@ -218,6 +222,16 @@ def _stop_on_signals(stop: asyncio.Event):
                 loop.remove_signal_handler(sig)
 
     return remove
+
+
+def _tags(items: list[str]) -> dict[str, str]:
+    tags: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--tag: expected KEY=VALUE, got {item!r}")
+        tags[key.strip()] = value.strip()
+    return tags
 
 
 def _meta(args: argparse.Namespace, spec: RequestSpec, plans: list[LevelPlan], started_at: str,

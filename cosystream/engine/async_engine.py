@@ -87,8 +87,14 @@ class AsyncEngine:
         if self.core.queue_depth >= self.config.max_queue:
             raise Overloaded(f"queue full ({self.core.queue_depth} waiting); retry later", retry_after_s=1.0)
         queue: asyncio.Queue[AudioChunk | BaseException] = asyncio.Queue()
-        req = await loop.run_in_executor(self.pool, self._build_request, params,
-                                         lambda item: loop.call_soon_threadsafe(queue.put_nowait, item))
+
+        def emit(item: AudioChunk | BaseException) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        if self._cheap_frontend(params):
+            req = self._build_request(params, emit)
+        else:
+            req = await loop.run_in_executor(self.pool, self._build_request, params, emit)
         req.emit = self._emit_or_abort(req.request_id, req.emit)
         req.times.frontend_s = loop.time() - t_submit
         req.t_submit -= req.times.frontend_s  # the request's clock starts at submission
@@ -109,6 +115,18 @@ class AsyncEngine:
                 pump.cancel()
             if not req.finished:
                 self.core.abort(req.request_id)
+
+    def _cheap_frontend(self, params: SynthesisParams) -> bool:
+        """Is preparing this request quick enough for the event loop (see EngineConfig.inline_frontend_chars)?"""
+        if not isinstance(params.text, str) or len(params.text) > self.config.inline_frontend_chars:
+            return False
+        if params.prompt_audio is not None or params.source_audio is not None:
+            return False
+        try:
+            mode = Mode(params.mode)
+        except ValueError:  # _build_request names the problem
+            return False
+        return mode == Mode.sft or params.voice in self._voice_prompts
 
     def _emit_or_abort(self, request_id: str, emit: Any) -> Any:
         """The request's emit, made safe for the engine thread: if the caller's event loop has closed, nobody

@@ -296,9 +296,9 @@ class EngineCore:
         elif msg.kind == "text_end":
             self._on_text_end(msg.payload)
         elif msg.kind == "chunks_done":
-            jobs, results, error, now, busy_s = msg.payload
+            jobs, results, error, now, busy_s, last = msg.payload
             self.t2w_busy_s += busy_s
-            self._chunks_done(jobs, results, error, now)
+            self._chunks_done(jobs, results, error, now, last)
 
     @staticmethod
     def _call(msg: _Message) -> None:
@@ -596,30 +596,36 @@ class EngineCore:
         jobs = [_Job(req, seg, seg.planner.next_plan(len(seg.tokens), seg.lm_status == LMStatus.done),
                      open_args=self._open_args(req, seg) if seg.t2w is None else None, state=seg.t2w)
                 for req, seg in ready]
+        phases = _phases(jobs)
         if self._chunks is not None:
             self._in_flight = jobs
             self._first_in_flight = {id(job.req) for job in jobs if job.req.is_first_chunk}
-            self._chunks.submit(jobs)
+            self._chunks.submit(phases)
             return
-        for start in range(0, len(jobs), self.max_chunk_batch):
-            batch = jobs[start:start + self.max_chunk_batch]
-            t0 = time.perf_counter()
-            results, error = None, None
-            try:
-                results = run_jobs(self.t2w, batch, self.lm_runner.device)
-            except Exception as e:
-                error = e
-            now = time.perf_counter()
-            self.t2w_busy_s += now - t0
-            self._chunks_done(batch, results, error, now)
+        for phase in phases:
+            for start in range(0, len(phase), self.max_chunk_batch):
+                batch = phase[start:start + self.max_chunk_batch]
+                t0 = time.perf_counter()
+                results, error = None, None
+                try:
+                    results = run_jobs(self.t2w, batch, self.lm_runner.device)
+                except Exception as e:
+                    error = e
+                now = time.perf_counter()
+                self.t2w_busy_s += now - t0
+                self._chunks_done(batch, results, error, now)
 
     def _worth_a_batch(self, ready: list, now: float) -> bool:
         """PERF: a flow batch costs nearly the same for one chunk as for sixteen (it is launch-bound), so
         while the LM is still producing tokens, chunks whose client has more than `chunk_slack_s` of audio
         buffered wait to share a batch with an urgent one. Urgent: a first chunk, a chunk whose client
         is about to run dry, and, while new streams wait for a flow slot, a chunk of a stream whose LM is
-        done (its end frees a slot)."""
+        done (its end frees a slot). Nor do chunks wait when no other stream could join them: a lone
+        stream's chunks run as soon as they are ready, so its last ones do not pile up behind its final
+        token."""
         if self.chunk_slack_s <= 0 or not self._lm_decoding() or len(ready) >= self.max_chunk_batch // 4:
+            return True
+        if not self._others_could_join(ready):
             return True
         slots_short = self._flow_slots_short()
         for req, seg in ready:
@@ -628,6 +634,13 @@ class EngineCore:
             if slots_short and seg.lm_status == LMStatus.done:
                 return True
         return False
+
+    def _others_could_join(self, ready: list) -> bool:
+        """Is there a request not in `ready` that still has audio to voice (so a chunk of it may soon be
+        ready to share a batch)?"""
+        taken = {id(req) for req, _ in ready}
+        return any(id(req) not in taken and not req.cancelled and req.audio_segment is not None
+                   for req in self.requests.values())
 
     def _first_chunks_due_soon(self, ready: list, now: float) -> bool:
         """PERF: in a burst the earliest stream's first chunk ran alone (≈ 40 ms of flow on the H100) and
@@ -702,12 +715,18 @@ class EngineCore:
                     seed=req.sampling.seed + req.audio_index, stored=req.voice_cache)
 
     def _chunks_done(self, jobs: list[_Job], results: list | None, error: BaseException | None,
-                     now: float) -> None:
-        """A batch came back (from the worker or inline): emit its audio, or fail its requests alone
-        (the batch failed: its requests fail, the others never were in it)."""
-        self._in_flight = None
-        self._first_in_flight = set()
-        self.t2w_batches += 1
+                     now: float, last: bool = True) -> None:
+        """A batch, or one phase of it (`last`: the batch's last phase), came back from the worker or
+        inline: emit its audio, or fail its requests alone (the phase failed: its requests fail, the
+        others never were in it). Until the last phase the worker still uses the flow and HiFT."""
+        done = {id(job) for job in jobs}
+        if last or self._in_flight is None:
+            self._in_flight = None
+            self._first_in_flight = set()
+            self.t2w_batches += 1
+        else:
+            self._in_flight = [job for job in self._in_flight if id(job) not in done]
+            self._first_in_flight -= {id(job.req) for job in jobs}
         self.t2w_chunks += len(jobs)
         for job in jobs:  # streams the batch opened belong to their segments now (or are given back)
             if job.open_args is not None and job.state is not None:
@@ -715,9 +734,10 @@ class EngineCore:
                     job.seg.t2w = job.state
                 else:
                     self.t2w.release(job.state)
-        later, self._after_batch = self._after_batch, []
-        for fn in later:
-            fn()
+        if self._in_flight is None:
+            later, self._after_batch = self._after_batch, []
+            for fn in later:
+                fn()
         if error is not None:
             log.error("token-to-wave batch failed: %r", error)
             err = error if isinstance(error, Exception) else RuntimeError(repr(error))
@@ -732,9 +752,10 @@ class EngineCore:
                 self.t2w_vocoder_s += timed[2]
             for job, result in zip(jobs, results, strict=True):
                 self._job_done(job, result, now)
-        calls, self._deferred_calls = self._deferred_calls, []
-        for msg in calls:
-            self._call(msg)
+        if self._in_flight is None:
+            calls, self._deferred_calls = self._deferred_calls, []
+            for msg in calls:
+                self._call(msg)
 
     def _job_done(self, job: _Job, result: tuple | None, now: float) -> None:
         req = job.req
@@ -790,6 +811,18 @@ def _buffered_audio_s(req: RequestState, now: float) -> float:
     return req.t_submit + req.times.first_audio_s + req.times.audio_s - now
 
 
+def _phases(jobs: list[_Job]) -> list[list[_Job]]:
+    """A batch's jobs in the order they are voiced and handed back: first chunks, then later chunks, then
+    final chunks. PERF: each phase's audio goes out as soon as that phase is done, so a new request's first
+    chunk never waits for the official final passes (a whole-utterance ODE each, ~300 ms for sixteen
+    streams on the H100) or the later chunks that share its batch; the phases would not have shared a
+    flow or vocoder call anyway (different frame counts, cached or not)."""
+    order: list[list[_Job]] = [[], [], []]
+    for job in jobs:
+        order[0 if job.req.is_first_chunk else 2 if job.plan.is_final else 1].append(job)
+    return [phase for phase in order if phase]
+
+
 def run_jobs(t2w: Any, jobs: list[_Job], device: torch.device) -> list[tuple | None]:
     """Open the streams that start with this batch, then voice every job whose stream is open. Returns
     each job's (pcm, flow_s, vocoder_s); None for a job that failed alone (its error is on the job)."""
@@ -827,20 +860,22 @@ class _ChunkWorker:
         self.jobs.put(None)
         self.thread.join(timeout=30)
 
-    def submit(self, jobs: list[_Job]) -> None:
-        self.jobs.put(jobs)
+    def submit(self, phases: list[list[_Job]]) -> None:
+        self.jobs.put(phases)
 
     def _run(self) -> None:
         torch.set_grad_enabled(False)
-        while (jobs := self.jobs.get()) is not None:
-            results, error = None, None
-            t0 = time.perf_counter()
-            try:
-                results = self._compute(jobs)
-            except BaseException as e:  # reported with the batch; the engine thread decides
-                error = e
-            now = time.perf_counter()
-            self.core.inbox.put(_Message("chunks_done", (jobs, results, error, now, now - t0)))
+        while (phases := self.jobs.get()) is not None:
+            for i, jobs in enumerate(phases):
+                results, error = None, None
+                t0 = time.perf_counter()
+                try:
+                    results = self._compute(jobs)
+                except BaseException as e:  # reported with the phase; the engine thread decides
+                    error = e
+                now = time.perf_counter()
+                last = i == len(phases) - 1
+                self.core.inbox.put(_Message("chunks_done", (jobs, results, error, now, now - t0, last)))
 
     def _compute(self, jobs: list[_Job]) -> list:
         device = self.core.lm_runner.device

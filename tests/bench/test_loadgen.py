@@ -71,9 +71,10 @@ def test_openai_target_errors_and_wav_header(fake_server: FakeServer, tmp_path: 
     out = tmp_path / "r.json"
     status = run_cli("--url", fake_server.url, "--target", "openai", "--voice", "alloy", "--text", "fast.",
                      "--text", "broken.", "--text", "wav fast.", "--requests-per-level", "3",
-                     "--warmup-requests", "0", "--out", str(out))
+                     "--warmup-requests", "0", "--out", str(out), "--tag", "commit=abc1234", "--tag", "gpu = H100")
     assert status == 0
     results = json.loads(out.read_text())
+    assert results["meta"]["tags"] == {"commit": "abc1234", "gpu": "H100"}
     level = results["levels"][0]
     assert (level["num_ok"], level["num_errors"], level["num_refused"]) == (2, 1, 0)
     fast, broken, wav = sorted(results["requests"], key=lambda r: r["index"])
@@ -103,6 +104,8 @@ def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert run_cli("--concurrency", "1") == 2  # no text
     assert "--text" in capsys.readouterr().err
     assert run_cli("--text", "x.", "--concurrency", "0") == 2
+    assert run_cli("--text", "x.", "--tag", "no-equals-sign") == 2
+    assert "--tag: expected KEY=VALUE, got 'no-equals-sign'" in capsys.readouterr().err
 
 
 async def test_request_timeout_keeps_partial_audio(fake_server: FakeServer) -> None:

@@ -8,11 +8,12 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 from cosystream.config import ChunkSchedule
 from cosystream.engine.chunking import ChunkPlanner
-from cosystream.engine.core import EngineCore, _Job
+from cosystream.engine.core import EngineCore, _Job, _phases
 from cosystream.engine.request import LMStatus, RequestState, Segment
 
 
@@ -25,7 +26,7 @@ class _Pool:
 
 
 def _core(free_slots: int | None = 4, slack: float = 0.6, first_wait: float = 0.0) -> EngineCore:
-    runner = SimpleNamespace(max_slots=8, device=torch.device("cpu"))
+    runner = SimpleNamespace(max_slots=8, device=torch.device("cpu"), set_active=lambda slot, active: None)
     return EngineCore(runner, _Pool(free_slots), lm=None, overlap=False, chunk_slack_s=slack,
                       first_chunk_wait_s=first_wait)
 
@@ -71,6 +72,7 @@ def test_a_finished_lm_stream_goes_when_new_streams_wait_for_a_flow_slot():
     core = _core(free_slots=0)
     decoding = _request(core, "decoding", buffered_s=5.0, lm=LMStatus.decoding, slot=0)
     ending = _request(core, "ending", buffered_s=5.0, lm=LMStatus.done, slot=1)
+    _request(core, "partner", buffered_s=5.0, lm=LMStatus.decoding, slot=3)  # could share their batch
     now = time.perf_counter()
     assert not core._worth_a_batch(_ready(decoding, ending), now)  # nobody waits for its slot
     _request(core, "waiting", buffered_s=None, lm=LMStatus.decoding, slot=2, has_stream=False)
@@ -78,10 +80,27 @@ def test_a_finished_lm_stream_goes_when_new_streams_wait_for_a_flow_slot():
     assert not core._worth_a_batch(_ready(decoding), now)  # a decoding stream frees no slot soon
 
 
+def test_chunks_wait_only_for_streams_that_could_join_them():
+    core = _core()
+    alone = _request(core, "alone", buffered_s=5.0, lm=LMStatus.decoding, slot=0)
+    now = time.perf_counter()
+    assert core._worth_a_batch(_ready(alone), now)  # nobody could share the batch: waiting only delays it
+    later = _request(core, "later", buffered_s=5.0, lm=LMStatus.decoding, slot=1)
+    assert not core._worth_a_batch(_ready(alone), now)  # "later"'s next chunk may join
+    assert core._worth_a_batch(_ready(alone, later), now)  # every stream is in the batch already
+    later.cancelled = True
+    assert core._worth_a_batch(_ready(alone), now)
+    queued = RequestState(request_id="queued", segments=[Segment(inputs=None, planner=None, min_len=0, max_len=1)],
+                          sampling=None, emit=lambda _: None)
+    core.requests["queued"] = queued  # submitted, not yet admitted: its first chunk will come
+    assert not core._worth_a_batch(_ready(alone), now)
+
+
 def test_many_ready_chunks_or_no_slack_run_at_once():
     core = _core()
-    reqs = [_request(core, f"r{i}", buffered_s=5.0, lm=LMStatus.decoding, slot=i % 8) for i in range(16)]
-    assert core._worth_a_batch(_ready(*reqs), time.perf_counter())  # a quarter of the largest batch
+    reqs = [_request(core, f"r{i}", buffered_s=5.0, lm=LMStatus.decoding, slot=i % 8) for i in range(17)]
+    assert core._worth_a_batch(_ready(*reqs[:16]), time.perf_counter())  # a quarter of the largest batch
+    assert not core._worth_a_batch(_ready(*reqs[:15]), time.perf_counter())
     eager = _core(slack=0.0)
     ahead = _request(eager, "ahead", buffered_s=5.0, lm=LMStatus.decoding, slot=0)
     assert eager._worth_a_batch(_ready(ahead), time.perf_counter())
@@ -153,3 +172,42 @@ def test_first_chunks_do_not_wait_for_streams_not_decoding_or_a_client_running_d
     assert parked.t_first_ready is None
     assert core._first_chunks_due_soon(_ready(first), now)
     assert not _core(first_wait=0.0)._first_chunks_due_soon(_ready(first), now)  # off
+
+
+def _job(req: RequestState, final: bool) -> _Job:
+    return _Job(req, req.audio_segment, plan=SimpleNamespace(is_final=final, offset=0, num_new=25))
+
+
+def test_a_batch_is_voiced_first_chunks_then_later_chunks_then_finals():
+    core = _core()
+    ending = _request(core, "ending", buffered_s=0.1, lm=LMStatus.done, slot=0)
+    new = _request(core, "new", buffered_s=None, lm=LMStatus.decoding, slot=1)
+    middle = _request(core, "middle", buffered_s=2.0, lm=LMStatus.decoding, slot=2)
+    short = _request(core, "short", buffered_s=None, lm=LMStatus.done, slot=3)  # its first chunk is its last
+    jobs = [_job(ending, True), _job(middle, False), _job(new, False), _job(short, True)]
+    phases = _phases(jobs)
+    assert [[j.req.request_id for j in phase] for phase in phases] == [["new", "short"], ["middle"], ["ending"]]
+    assert [len(phase) for phase in _phases(jobs[1:2])] == [1]  # no empty phases
+
+
+def test_a_phase_that_comes_back_is_emitted_while_the_rest_of_its_batch_still_runs():
+    core = _core()
+    got: dict[str, list] = {"new": [], "ending": []}
+    ending = _request(core, "ending", buffered_s=0.1, lm=LMStatus.done, slot=0)
+    new = _request(core, "new", buffered_s=None, lm=LMStatus.decoding, slot=1)
+    for req in (ending, new):
+        req.emit = got[req.request_id].append
+    jobs = [_job(new, False), _job(ending, True)]
+    core._in_flight = list(jobs)
+    core._first_in_flight = {id(new)}
+    ran: list[str] = []
+    core._after_batch.append(lambda: ran.append("release"))  # e.g. a flow slot given back
+    pcm = np.zeros(480, dtype=np.float32)
+    core._chunks_done(jobs[:1], [(pcm, 0.02, 0.003)], None, time.perf_counter(), last=False)
+    assert len(got["new"]) == 1 and not got["ending"]  # the first chunk is out, the final still computes
+    assert core._in_flight == jobs[1:] and not core._first_in_flight and not core._decode_paused()
+    assert ran == []  # the worker still uses the flow: slot releases wait for the batch's end
+    assert core.t2w_batches == 0
+    core._chunks_done(jobs[1:], [(pcm, 0.3, 0.01)], None, time.perf_counter(), last=True)
+    assert len(got["ending"]) == 1 and got["ending"][0].is_final
+    assert core._in_flight is None and ran == ["release"] and core.t2w_batches == 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -162,3 +163,28 @@ def test_short_first_hops_stream_every_sample_once(engine, voice):
         assert chunks[0].pcm.shape[0] == 960 * hop - 3840  # the first chunk holds back 8 mel frames
     with pytest.raises(BadInput, match="first_hop"):
         engine.synthesize(SynthesisParams(text="short hop.", voice=voice, first_hop=0))
+
+
+def test_short_requests_in_a_loaded_voice_are_prepared_on_the_event_loop(engine, voice, fixture_dir, monkeypatch):
+    ae = engine.async_engine
+    engine.synthesize(SynthesisParams(text=TEXTS[2], voice=voice, force_tokens=10))  # the voice is in memory now
+    threads: list[str] = []
+    build = ae._build_request
+
+    def recording(params, emit):
+        threads.append(threading.current_thread().name)
+        return build(params, emit)
+
+    monkeypatch.setattr(ae, "_build_request", recording)
+    short = SynthesisParams(text=TEXTS[2], voice=voice, force_tokens=30, sampling=SamplingParams(seed=3))
+    inline = engine.synthesize(short)
+    config = ae.config
+    monkeypatch.setattr(ae, "config", replace(config, inline_frontend_chars=0))  # 0: always the threads
+    threaded = engine.synthesize(short)
+    monkeypatch.setattr(ae, "config", config)
+    engine.synthesize(SynthesisParams(text="x" * 401 + ".", voice=voice, force_tokens=10))  # too long to inline
+    engine.synthesize(_params(fixture_dir, TEXTS[2], force_tokens=10))  # prompt audio to analyse
+    with pytest.raises(BadInput, match="text"):  # bad input inline is refused as on a thread
+        engine.synthesize(SynthesisParams(text="...!?", voice=voice))
+    assert [name.startswith("frontend") for name in threads] == [False, True, True, True, False]
+    np.testing.assert_array_equal(inline.pcm, threaded.pcm)
