@@ -1,4 +1,7 @@
-"""A/B of programmatic dependent launch (cosystream.kernels.PDL) for the LM decode step on one machine.
+"""A/B of the LM decode step's launch options on one machine: programmatic dependent launch
+(cosystream.kernels.PDL) and the fused attention block (kernels.decode.FUSED_ATTENTION_BLOCK: RoPE, the
+cache write and the split combine inside the attention and output-projection kernels, 7 kernels a layer
+instead of 9).
 
     python benchmarks/decode_launch.py --model-dir /tmp/m05 --batches 1,16
 
@@ -22,12 +25,13 @@ from cosystream import kernels
 from cosystream.checkpoint import load_checkpoint
 from cosystream.engine.lm_runner import LMRunner, RowSampling
 from cosystream.engine.loader import load_llm
+from cosystream.kernels import decode
 
-VARIANTS = {"plain": False, "pdl": True}  # name -> PDL
+VARIANTS = {"plain": (False, False), "pdl": (True, False), "pdl_fused": (True, True)}  # name -> (PDL, fused)
 
 
-def make_runner(lm, batches: list[int], pdl: bool) -> LMRunner:
-    kernels.PDL = pdl
+def make_runner(lm, batches: list[int], options: tuple[bool, bool]) -> LMRunner:
+    kernels.PDL, decode.FUSED_ATTENTION_BLOCK = options
     d = lm.dims
     runner = LMRunner(lm, max_slots=max(batches), max_len=1024)
     sampling = RowSampling(seed=0, top_p=d.top_p, top_k=d.top_k, win_size=d.win_size, tau_r=d.tau_r,

@@ -1,23 +1,28 @@
 """Triton kernels of the LM decode step; same signatures and numbers as `reference.py`.
 
 PERF: the unfused step is ~30 kernels per layer (RMSNorm casts, RoPE's cat/neg/mul/add, index_put,
-SDPA with a materialised mask, SiLU and mul); this is 9 per layer: norm, qkv GEMM, rope+cache write,
-attention (split over the keys, then a combine), o GEMM, norm, gate/up GEMM, silu·up, down GEMM.
+SDPA with a materialised mask, SiLU and mul); this is 7 per layer: norm, qkv GEMM, attention split
+over the keys (with RoPE and the cache write), o GEMM (combining the splits), norm, gate/up GEMM, and
+the down GEMM (with silu·up).
 
-The kernels are defined on first use (`_kernels()`), so importing this module needs no Triton and
-the interpreter (TRITON_INTERPRET=1) can run them on the CPU for tests.
+The kernels (`_decode_jit.py`) are imported on first use (`_kernels()`), so importing this module needs no
+Triton and the interpreter (TRITON_INTERPRET=1) can run them on the CPU for tests.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 import torch
 
 from cosystream.kernels import pdl_launch
 
+# The decode step's attention block as two kernels (rope_attention_linear); False: RoPE + cache write,
+# attention, combine and the output projection as four (the A/B of benchmarks/decode_launch.py). Read
+# when a step is traced, so set it before graphs are captured.
+FUSED_ATTENTION_BLOCK = True
 _KEYS_PER_BLOCK = 64  # keys loaded per inner step of the attention kernel
 _MAX_SPLITS = 16  # attention programs per (row, kv head); their partial softmaxes are combined after
 
@@ -25,194 +30,11 @@ _MAX_SPLITS = 16  # attention programs per (row, kv head); their partial softmax
 @functools.cache
 def _kernels() -> SimpleNamespace:
     import triton
-    import triton.language as tl
 
-    from cosystream.kernels._launch_jit import follow_previous  # under `if PDL:` (see _launch_jit)
+    from cosystream.kernels import _decode_jit
 
-    @triton.jit
-    def add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, part_stride, eps,
-                            HAS_RES: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        if PDL:
-            follow_previous()
-        row = tl.program_id(0)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        if PARTS > 0:  # x is a linear's split-K partial sums [PARTS, rows, n]: their sum is its output
-            acc = tl.zeros((BLOCK,), tl.float32)
-            for p in tl.static_range(PARTS):  # unrolled: the loads go out together
-                acc += tl.load(x_ptr + p * part_stride + row * n_cols + cols, mask=mask, other=0.0)
-            x = acc.to(out_ptr.dtype.element_ty)  # PARITY: the linear's output is rounded once
-        else:
-            x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
-        if HAS_RES:
-            r = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)  # PARITY: bf16 add
-            tl.store(res_out_ptr + row * n_cols + cols, x, mask=mask)
-        xf = x.to(tl.float32)
-        inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-        normed = (xf * inv).to(out_ptr.dtype.element_ty).to(tl.float32)  # PARITY: cast before the weight
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * n_cols + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def rope_write_kv_kernel(qkv_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, q_out_ptr, k_ptr, v_ptr,
-                             slot_stride, head_stride, part_stride, NUM_HEADS: tl.constexpr,
-                             NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr, PARTS: tl.constexpr,
-                             PARTS_BLOCK: tl.constexpr, HAS_SLOTS: tl.constexpr, PDL: tl.constexpr):
-        if PDL:
-            follow_previous()
-        row = tl.program_id(0)
-        head = tl.program_id(1)  # [0, H): a query head; [H, H+KV): a key head (and its value head)
-        half = HEAD_DIM // 2
-        offs = tl.arange(0, HEAD_DIM // 2)
-        pos = tl.load(pos_ptr + row)
-        c = tl.load(cos_ptr + pos * half + offs)
-        s = tl.load(sin_ptr + pos * half + offs)
-        base = row * (NUM_HEADS + 2 * NUM_KV) * HEAD_DIM + head * HEAD_DIM
-        # qkv may be split-K partial sums [PARTS, ...] (PARTS = 0: one plain tensor): rows of one load, summed
-        part_offs = tl.arange(0, PARTS_BLOCK)[:, None] * part_stride
-        part_ok = tl.arange(0, PARTS_BLOCK)[:, None] < max(PARTS, 1)
-        x1 = tl.sum(tl.load(qkv_ptr + part_offs + (base + offs)[None, :], mask=part_ok, other=0.0).to(tl.float32), 0)
-        x2 = tl.sum(tl.load(qkv_ptr + part_offs + (base + half + offs)[None, :], mask=part_ok, other=0.0
-                            ).to(tl.float32), 0)
-        if PARTS > 0:  # PARITY: the linear's output is rounded once
-            x1 = x1.to(q_out_ptr.dtype.element_ty).to(tl.float32)
-            x2 = x2.to(q_out_ptr.dtype.element_ty).to(tl.float32)
-        o1 = (x1 * c - x2 * s).to(q_out_ptr.dtype.element_ty)
-        o2 = (x2 * c + x1 * s).to(q_out_ptr.dtype.element_ty)
-        if head < NUM_HEADS:
-            dst = q_out_ptr + (row * NUM_HEADS + head) * HEAD_DIM
-            tl.store(dst + offs, o1)
-            tl.store(dst + half + offs, o2)
-        else:
-            kv = head - NUM_HEADS
-            slot = tl.load(slot_ptr + row).to(tl.int64) if HAS_SLOTS else row  # its cache row
-            cache_off = slot * slot_stride + kv * head_stride + pos * HEAD_DIM
-            tl.store(k_ptr + cache_off + offs, o1)
-            tl.store(k_ptr + cache_off + half + offs, o2)
-            v_src = base + NUM_KV * HEAD_DIM  # the value head sits NUM_KV heads after its key head
-            full = tl.arange(0, HEAD_DIM)
-            v = tl.sum(tl.load(qkv_ptr + part_offs + (v_src + full)[None, :], mask=part_ok, other=0.0
-                               ).to(tl.float32), 0)
-            tl.store(v_ptr + cache_off + full, v.to(v_ptr.dtype.element_ty))
-
-    @triton.jit
-    def attention_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_part_ptr, ml_part_ptr, slot_stride, head_stride,
-                               keys_per_split, num_splits, scale, GROUPS: tl.constexpr, NUM_KV: tl.constexpr,
-                               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                               PRECISION: tl.constexpr, PDL: tl.constexpr):
-        if PDL:
-            follow_previous()
-        row = tl.program_id(0)
-        kv = tl.program_id(1)
-        split = tl.program_id(2)
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, HEAD_DIM)
-        n_keys = tl.load(pos_ptr + row) + 1
-        head0 = kv * GROUPS
-        q = tl.load(q_ptr + (row * NUM_KV * GROUPS + head0 + offs_m[:, None]) * HEAD_DIM + offs_d[None, :],
-                    mask=offs_m[:, None] < GROUPS, other=0.0)
-        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        l_i = tl.zeros((BLOCK_M,), tl.float32)
-        acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
-        start = split * keys_per_split
-        stop = tl.minimum(start + keys_per_split, n_keys)
-        cache = row * slot_stride + kv * head_stride
-        for block in range(start, stop, BLOCK_N):
-            offs_n = block + tl.arange(0, BLOCK_N)
-            valid = offs_n < stop
-            k = tl.load(k_ptr + cache + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=valid[None, :], other=0.0)
-            s = tl.dot(q, k, input_precision=PRECISION) * scale
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            v = tl.load(v_ptr + cache + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=valid[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
-        # partials [B, KV, splits, BLOCK_M, D]; an empty split leaves m = -inf, l = 0
-        part = ((row * NUM_KV + kv) * num_splits + split) * BLOCK_M
-        tl.store(o_part_ptr + (part + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], acc)
-        tl.store(ml_part_ptr + (part + offs_m) * 2, m_i)
-        tl.store(ml_part_ptr + (part + offs_m) * 2 + 1, l_i)
-
-    @triton.jit
-    def attention_combine_kernel(o_part_ptr, ml_part_ptr, out_ptr, num_splits, GROUPS: tl.constexpr,
-                                 NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                                 SPLITS: tl.constexpr, PDL: tl.constexpr):
-        if PDL:
-            follow_previous()
-        row = tl.program_id(0)
-        head = tl.program_id(1)
-        kv = head // GROUPS
-        g = head % GROUPS
-        offs_s = tl.arange(0, SPLITS)
-        offs_d = tl.arange(0, HEAD_DIM)
-        live = offs_s < num_splits
-        part = ((row * NUM_KV + kv) * num_splits + offs_s) * BLOCK_M + g
-        m = tl.load(ml_part_ptr + part * 2, mask=live, other=float("-inf"))
-        l_part = tl.load(ml_part_ptr + part * 2 + 1, mask=live, other=0.0)
-        m_max = tl.max(m, axis=0)
-        w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)
-        o = tl.load(o_part_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=live[:, None], other=0.0)
-        out = tl.sum(o * w[:, None], axis=0) / tl.sum(l_part * w, axis=0)
-        tl.store(out_ptr + (row * NUM_KV * GROUPS + head) * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty))
-
-    @triton.jit
-    def silu_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        gate = tl.load(x_ptr + row * 2 * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + row * 2 * n_cols + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)  # PARITY: bf16 silu
-        tl.store(out_ptr + row * n_cols + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, rows, n_out, n_in, x_stride, k_per_split, part_stride,
-                      SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      PARTIAL: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
-        # Weight-streaming GEMM for a few rows: out^T [BLOCK_N, rows] = W tile @ x^T, so the weight's
-        # output features fill the MMA's wide side and the rows (padded to 16) its narrow one.
-        pid_n = tl.program_id(0)
-        split = tl.program_id(1)
-        if PDL:
-            follow_previous()
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_m = tl.arange(0, BLOCK_M)
-        n_ok = offs_n < n_out
-        m_ok = offs_m < rows
-        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-        k_start = split * k_per_split
-        for kk in range(0, k_per_split, BLOCK_K):
-            offs_k = k_start + kk + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < n_in
-            w = tl.load(w_ptr + offs_n[:, None] * n_in + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-            x_mask = m_ok[None, :] & k_ok[:, None]
-            x_offs = offs_m[None, :] * x_stride + offs_k[:, None]
-            if SILU:  # x = [gate | up] of width 2·n_in: the input is silu(gate)·up, rounded as torch does
-                gate = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0).to(tl.float32)
-                up = tl.load(x_ptr + n_in + x_offs, mask=x_mask, other=0.0).to(tl.float32)
-                act = (gate / (1.0 + tl.exp(-gate))).to(w.dtype).to(tl.float32)
-                xt = (act * up).to(w.dtype)
-            else:
-                xt = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
-            acc = tl.dot(w, xt, acc, input_precision=PRECISION)
-        if HAS_BIAS:  # added once, by the first split
-            bias = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-            acc += tl.where(split == 0, bias, 0.0)[:, None]
-        out_offs = offs_m[None, :] * n_out + offs_n[:, None]
-        out_mask = n_ok[:, None] & m_ok[None, :]
-        if PARTIAL:  # float32 partial sums [splits, rows, n_out]; the consumer adds them (no atomics: deterministic)
-            tl.store(out_ptr + split * part_stride + out_offs, acc, mask=out_mask)
-        else:
-            tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-    return SimpleNamespace(**{k: v for k, v in locals().items() if k.endswith("_kernel")},
-                           next_power_of_2=triton.next_power_of_2)
+    kernels = {name: getattr(_decode_jit, name) for name in dir(_decode_jit) if name.endswith("_kernel")}
+    return SimpleNamespace(**kernels, next_power_of_2=triton.next_power_of_2)
 
 
 def _precision(x: torch.Tensor) -> str:
@@ -265,9 +87,53 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
     """Split-K decode attention: each program covers `keys_per_split` keys of one (row, kv head); the
     split count is fixed by `attn_len` (a static bucket), so the launch shape suits CUDA graphs, while
     each program reads only keys below its row's own length."""
+    parts = _attention_parts(q, None, cache_k, cache_v, positions, attn_len)
+    return _combine(parts, q.shape[1])
+
+
+def rope_attention_linear(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          cache_k: torch.Tensor, cache_v: torch.Tensor, num_heads: int, num_kv_heads: int,
+                          attn_len: int, weight: torch.Tensor, tile: LinearTile | None = None) -> torch.Tensor:
+    """The decode step's attention block in two kernels: linear(decode_attention(rope_write_kv(...)), weight)
+    for rows [0, B) of the cache. PERF: the attention programs rotate their queries and the new key
+    themselves and store the new key/value (no RoPE kernel), and the output projection combines the
+    attention's split partials while its weight streams (no combine kernel). qkv as `rope_write_kv`'s;
+    output as `linear`'s (float32 partial sums when split)."""
+    if not FUSED_ATTENTION_BLOCK:
+        q = rope_write_kv(qkv, positions, cos, sin, cache_k, cache_v, num_heads, num_kv_heads)
+        return linear(decode_attention(q, cache_k, cache_v, positions, attn_len), weight, tile=tile)
+    parts = _attention_parts(qkv, (cos, sin), cache_k, cache_v, positions, attn_len)
+    if parts.groups * num_kv_heads != num_heads or parts.o.shape[1] != num_kv_heads:
+        raise ValueError(f"rope_attention_linear: qkv of width {qkv.shape[-1]} does not hold {num_heads} query "
+                         f"and 2 × {num_kv_heads} key/value heads of {cache_k.shape[-1]}")
+    if parts.shape[0] > MAX_LINEAR_ROWS:  # torch's GEMM takes a whole input: combined by its own kernel
+        return torch.nn.functional.linear(_combine(parts, num_heads), weight)
+    return _linear(parts, weight, None, silu=False, tile=tile, partials=True)
+
+
+@dataclass(frozen=True)
+class _AttentionParts:
+    """decode attention's per-split partial softmaxes: o [B, KV, splits, BLOCK_M, D], (max, sum) pairs."""
+
+    o: torch.Tensor
+    ml: torch.Tensor
+    groups: int
+    dtype: torch.dtype  # of the attention output (the cache's)
+
+    @property
+    def shape(self) -> tuple[int, int]:  # [rows, H·D] of the attention output it stands for
+        batch, kv_heads, _, _, head_dim = self.o.shape
+        return batch, kv_heads * self.groups * head_dim
+
+
+def _attention_parts(q: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, cache_k: torch.Tensor,
+                     cache_v: torch.Tensor, positions: torch.Tensor, attn_len: int) -> _AttentionParts:
+    """rope None: q [B, H, D] rotated queries, every key in the cache; else q is the q/k/v projection (see
+    rope_attention_linear) and the new keys/values are stored here."""
     k = _kernels()
-    batch, num_heads, head_dim = q.shape
-    kv_heads = cache_k.shape[1]
+    kv_heads, head_dim = cache_k.shape[1], cache_k.shape[-1]
+    batch = q.shape[-2] if rope is not None else q.shape[0]
+    num_heads = q.shape[-1] // head_dim - 2 * kv_heads if rope is not None else q.shape[1]
     groups = num_heads // kv_heads
     block_m = max(16, k.next_power_of_2(groups))  # tl.dot needs at least 16 rows
     keys_per_split = max(_KEYS_PER_BLOCK, -(-attn_len // _MAX_SPLITS))
@@ -275,14 +141,23 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
     splits = -(-attn_len // keys_per_split)
     o_part = torch.empty(batch, kv_heads, splits, block_m, head_dim, device=q.device, dtype=torch.float32)
     ml_part = torch.empty(batch, kv_heads, splits, block_m, 2, device=q.device, dtype=torch.float32)
+    parts = _parts(q) if rope is not None else 0
+    cos, sin = rope if rope is not None else (positions, positions)  # unused without RoPE
     k.attention_split_kernel[(batch, kv_heads, splits)](
-        q, cache_k, cache_v, positions, o_part, ml_part, cache_k.stride(0), cache_k.stride(1), keys_per_split,
-        splits, head_dim ** -0.5, GROUPS=groups, NUM_KV=kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m,
-        BLOCK_N=_KEYS_PER_BLOCK, PRECISION=_precision(q), **pdl_launch(q))
-    out = torch.empty(batch, num_heads * head_dim, device=q.device, dtype=q.dtype)
+        q, cache_k, cache_v, positions, cos, sin, o_part, ml_part, cache_k.stride(0), cache_k.stride(1),
+        q[0].numel() if parts else 0, keys_per_split, splits, head_dim ** -0.5, GROUPS=groups, NUM_KV=kv_heads,
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=_KEYS_PER_BLOCK, ROPE=rope is not None, PARTS=parts,
+        PRECISION=_precision(cache_k), **pdl_launch(q))
+    return _AttentionParts(o_part, ml_part, groups, cache_k.dtype)
+
+
+def _combine(parts: _AttentionParts, num_heads: int) -> torch.Tensor:
+    k = _kernels()
+    batch, kv_heads, splits, block_m, head_dim = parts.o.shape
+    out = torch.empty(batch, num_heads * head_dim, device=parts.o.device, dtype=parts.dtype)
     k.attention_combine_kernel[(batch, num_heads)](
-        o_part, ml_part, out, splits, GROUPS=groups, NUM_KV=kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m,
-        SPLITS=k.next_power_of_2(splits), **pdl_launch(q))
+        parts.o, parts.ml, out, splits, GROUPS=parts.groups, NUM_KV=kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m,
+        SPLITS=k.next_power_of_2(splits), **pdl_launch(parts.o))
     return out
 
 
@@ -364,11 +239,15 @@ def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, tile: LinearTile | 
     return _linear(gate_up, weight, None, silu=True, tile=tile, partials=True)
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool,
+def _linear(x: torch.Tensor | _AttentionParts, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool,
             tile: LinearTile | None, partials: bool) -> torch.Tensor:
-    if x.dim() != 2:
-        raise ValueError("linear: the input must be a whole [rows, n_in] tensor, not partial sums")
-    if x.stride(1) != 1 or not weight.is_contiguous():
+    combine = isinstance(x, _AttentionParts)
+    if not combine:
+        if x.dim() != 2:
+            raise ValueError("linear: the input must be a whole [rows, n_in] tensor, not partial sums")
+        if x.stride(1) != 1:
+            raise ValueError("linear: the input's rows and the weight must be contiguous")
+    if not weight.is_contiguous():
         raise ValueError("linear: the input's rows and the weight must be contiguous")
     rows = x.shape[0]
     n_out, n_in = weight.shape
@@ -376,15 +255,21 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
         return torch.nn.functional.linear(silu_mul(x) if silu else x, weight, bias)
     k = _kernels()
     tile = tile or linear_tile(rows, n_out, n_in)
+    if combine:  # one head per input block
+        tile = replace(tile, block_k=x.o.shape[-1])
     k_per_split = -(-n_in // ((tile.splits if partials else 1) * tile.block_k)) * tile.block_k
     splits = -(-n_in // k_per_split)
     shape = (splits, rows, n_out) if splits > 1 else (rows, n_out)
-    out = torch.empty(shape, device=x.device, dtype=torch.float32 if splits > 1 else weight.dtype)
+    x_in = x.o if combine else x
+    out = torch.empty(shape, device=x_in.device, dtype=torch.float32 if splits > 1 else weight.dtype)
     grid = (-(-n_out // tile.block_n), splits)
-    k.linear_kernel[grid](x, weight, weight if bias is None else bias, out, rows, n_out, n_in, x.stride(0),
-                          k_per_split, rows * n_out, SILU=silu,
+    k.linear_kernel[grid](x_in, weight, weight if bias is None else bias, out, rows, n_out, n_in,
+                          0 if combine else x.stride(0), k_per_split, rows * n_out,
+                          x.ml if combine else x_in, x.o.shape[2] if combine else 0, SILU=silu,
                           HAS_BIAS=bias is not None, PARTIAL=splits > 1,
                           PRECISION=_precision(weight), BLOCK_N=tile.block_n,
                           BLOCK_K=tile.block_k, BLOCK_M=max(16, k.next_power_of_2(rows)),
-                          num_warps=tile.warps, num_stages=tile.stages, **pdl_launch(x))
+                          COMBINE=combine, GROUPS=x.groups if combine else 1,
+                          NUM_KV=x.o.shape[1] if combine else 1, ATT_BLOCK_M=x.o.shape[3] if combine else 16,
+                          num_warps=tile.warps, num_stages=tile.stages, **pdl_launch(x_in))
     return out

@@ -54,6 +54,15 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
     return out.reshape(batch, num_heads * head_dim)
 
 
+def rope_attention_linear(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          cache_k: torch.Tensor, cache_v: torch.Tensor, num_heads: int, num_kv_heads: int,
+                          attn_len: int, weight: torch.Tensor) -> torch.Tensor:
+    """The decode step's attention block for rows [0, B): RoPE and the cache write, attention, and the
+    output projection (no bias)."""
+    q = rope_write_kv(qkv, positions, cos, sin, cache_k, cache_v, num_heads, num_kv_heads)
+    return linear(decode_attention(q, cache_k, cache_v, positions, attn_len), weight)
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) · up for gate_up = [gate | up] along the last dimension."""
     gate, up = gate_up.chunk(2, dim=-1)

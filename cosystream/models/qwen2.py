@@ -172,13 +172,18 @@ class SpeechLM(nn.Module):
 
         embeds [B, d]; positions [B] (where each row's token goes). `ops` is `cosystream.kernels.decode`
         (Triton, CUDA) or `cosystream.kernels.reference` (torch); both compute `forward`'s numbers.
-        PERF: the residual add rides in the next norm's kernel, RoPE and the cache write are one kernel;
-        `ops.linear` may hand its output on as split-K partial sums that the next norm / RoPE kernel adds.
+        PERF: 7 kernels a layer. The residual add rides in the next norm's kernel; the attention kernel
+        rotates q and the new key and writes the cache; the output projection combines the attention's
+        split partials; `ops.linear` may hand its output on as split-K partial sums that the next kernel adds.
         """
-        def attend(i: int, q: torch.Tensor) -> torch.Tensor:
-            return ops.decode_attention(q, cache.k[i], cache.v[i], positions, attn_len)
+        d = self.dims
+        cos, sin = self.rope_table(cache.max_len, embeds.device)
 
-        return self._fused_stack(embeds, positions, None, cache, ops, attend)
+        def attention(i: int, qkv: torch.Tensor) -> torch.Tensor:
+            return ops.rope_attention_linear(qkv, positions, cos, sin, cache.k[i], cache.v[i], d.num_heads,
+                                             d.num_kv_heads, attn_len, self.layers[i].o_proj.weight)
+
+        return self._fused_stack(embeds, cache, ops, attention)
 
     def prefill(self, embeds: torch.Tensor, slots: torch.Tensor, cache: KVCache, ops: ModuleType) -> torch.Tensor:
         """Fresh prompts from position 0 into cache rows `slots` [B]: embeds [B, n, d] -> final-norm hidden
@@ -190,31 +195,29 @@ class SpeechLM(nn.Module):
         d = self.dims
         batch, n, width = embeds.shape
         positions = torch.arange(n, device=embeds.device).repeat(batch)
+        rows = slots.repeat_interleave(n)
+        cos, sin = self.rope_table(cache.max_len, embeds.device)
 
-        def attend(i: int, q: torch.Tensor) -> torch.Tensor:
+        def attention(i: int, qkv: torch.Tensor) -> torch.Tensor:
+            q = ops.rope_write_kv(qkv, positions, cos, sin, cache.k[i], cache.v[i], d.num_heads, d.num_kv_heads,
+                                  slots=rows)
             q = q.view(batch, n, d.num_heads, d.head_dim).transpose(1, 2)
             keys, values = cache.k[i][slots, :, :n], cache.v[i][slots, :, :n]  # the prompt's rotated keys
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
-            return out.transpose(1, 2).reshape(batch * n, width)
+            return ops.linear(out.transpose(1, 2).reshape(batch * n, width), self.layers[i].o_proj.weight)
 
-        out = self._fused_stack(embeds.reshape(batch * n, width), positions, slots.repeat_interleave(n), cache,
-                                ops, attend)
-        return out.view(batch, n, width)
+        return self._fused_stack(embeds.reshape(batch * n, width), cache, ops, attention).view(batch, n, width)
 
-    def _fused_stack(self, h: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None, cache: KVCache,
-                     ops: ModuleType, attend: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """The fused-op layers over token rows h [R, d] (at `positions`, K/V into cache rows `rows`, or
-        [0, R) when None), shared by `decode` and `prefill`, which differ only in `attend(layer index,
-        rotated queries [R, H, D]) -> [R, H·D]`. Returns the final-norm hidden states [R, d]."""
+    def _fused_stack(self, h: torch.Tensor, cache: KVCache, ops: ModuleType,
+                     attention: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The fused-op layers over token rows h [R, d], shared by `decode` and `prefill`, which differ only
+        in `attention(layer index, q/k/v projection) -> output projection`: RoPE, the K/V cache write,
+        attention and o_proj. Returns the final-norm hidden states [R, d]."""
         d = self.dims
-        cos, sin = self.rope_table(cache.max_len, h.device)
         residual = None
         for i, layer in enumerate(self.layers):
             a, residual = ops.add_rms_norm(h, residual, layer.input_layernorm.weight, d.rms_norm_eps)
-            qkv = ops.linear(a, layer.qkv_proj.weight, layer.qkv_proj.bias)
-            q = ops.rope_write_kv(qkv, positions, cos, sin, cache.k[i], cache.v[i], d.num_heads, d.num_kv_heads,
-                                  slots=rows)
-            attn = ops.linear(attend(i, q), layer.o_proj.weight)
+            attn = attention(i, ops.linear(a, layer.qkv_proj.weight, layer.qkv_proj.bias))
             m, residual = ops.add_rms_norm(attn, residual, layer.post_attention_layernorm.weight, d.rms_norm_eps)
             h = ops.silu_linear(ops.linear(m, layer.gate_up_proj.weight, partials=False), layer.down_proj.weight)
         out, _ = ops.add_rms_norm(h, residual, self.norm.weight, d.rms_norm_eps)

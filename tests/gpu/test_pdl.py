@@ -1,6 +1,8 @@
-"""On a GPU: programmatic dependent launch of the decode kernels (cosystream.kernels.PDL) changes no number. It
-is pure scheduling, so the outputs must be identical bit for bit; a missing wait in a PDL kernel would show here
-as a race (a kernel reading its predecessor's output before that one has finished)."""
+"""On a GPU, at the 0.5B size, graphed: programmatic dependent launch of the decode kernels
+(cosystream.kernels.PDL) changes no number. It is pure scheduling, so the outputs must be identical bit for bit;
+a missing wait in a PDL kernel would show here as a race (a kernel reading its predecessor's output before that
+one has finished). The fused attention block (kernels.decode.FUSED_ATTENTION_BLOCK) computes what the four
+kernels it replaces compute, up to float32 summation order."""
 
 from __future__ import annotations
 
@@ -24,10 +26,11 @@ needs_pdl = pytest.mark.skipif(not (torch.cuda.is_available() and kernels._pdl_c
                                reason="programmatic dependent launch needs Hopper and grid dependency control")
 
 
-def _graphed_steps(lm: SpeechLM, batch: int, steps: int, pdl: bool,
-                   monkeypatch: pytest.MonkeyPatch) -> tuple[list[torch.Tensor], KVCache]:
+def _graphed_steps(lm: SpeechLM, batch: int, steps: int, pdl: bool, monkeypatch: pytest.MonkeyPatch,
+                   fused: bool = True) -> tuple[list[torch.Tensor], KVCache]:
     """`steps` replays of one captured decode step (rows [0, batch)), each at a new position."""
     monkeypatch.setattr(kernels, "PDL", pdl)
+    monkeypatch.setattr(decode, "FUSED_ATTENTION_BLOCK", fused)
     cache = KVCache(lm.dims, batch, 256, "cuda", torch.bfloat16)
     g = torch.Generator(device="cuda").manual_seed(5)
     cache.k.normal_(generator=g)
@@ -53,14 +56,20 @@ def _graphed_steps(lm: SpeechLM, batch: int, steps: int, pdl: bool,
     return outs, cache
 
 
-@needs_pdl
-@pytest.mark.parametrize("batch", [1, 16])
-def test_pdl_decode_steps_equal_plain_launches_at_full_size(batch: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def _lm_05b() -> SpeechLM:
     torch.manual_seed(0)
     lm = SpeechLM(DIMS_05B).to("cuda", torch.bfloat16)
     with torch.inference_mode():
         for p in lm.parameters():  # weights of the real model's scale, so activations stay finite
             p.normal_(0, 0.02)
+    return lm
+
+
+@needs_pdl
+@pytest.mark.parametrize("batch", [1, 16])
+def test_pdl_decode_steps_equal_plain_launches_at_full_size(batch: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    lm = _lm_05b()
+    with torch.inference_mode():
         want, want_cache = _graphed_steps(lm, batch, 12, pdl=False, monkeypatch=monkeypatch)
         got, got_cache = _graphed_steps(lm, batch, 12, pdl=True, monkeypatch=monkeypatch)
     assert all(torch.isfinite(h).all() for h in want)
@@ -69,3 +78,25 @@ def test_pdl_decode_steps_equal_plain_launches_at_full_size(batch: int, monkeypa
     torch.testing.assert_close(got_cache.k, want_cache.k, rtol=0, atol=0)
     torch.testing.assert_close(got_cache.v, want_cache.v, rtol=0, atol=0)
 
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("batch", [1, 16, 48])  # 48 rows: past the weight-streaming linear
+def test_fused_attention_block_computes_the_unfused_steps(batch: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    lm = _lm_05b()
+    with torch.inference_mode():
+        want, want_cache = _graphed_steps(lm, batch, 12, pdl=kernels.PDL, monkeypatch=monkeypatch, fused=False)
+        got, got_cache = _graphed_steps(lm, batch, 12, pdl=kernels.PDL, monkeypatch=monkeypatch, fused=True)
+    assert all(torch.isfinite(h).all() for h in got)
+    for a, b in zip(got, want, strict=True):
+        assert _rel(a, b) < 1e-2  # bf16 hidden states through 24 layers; float32 sums in another order
+    rows = torch.arange(batch, device="cuda").unsqueeze(1)
+    written = rows * 3 + 100 + torch.arange(12, device="cuda")  # where _graphed_steps put each row's keys
+    for got_kv, want_kv in ((got_cache.k, want_cache.k), (got_cache.v, want_cache.v)):
+        new_got = got_kv[:, rows, :, written]
+        new_want = want_kv[:, rows, :, written]
+        assert _rel(new_got, new_want) < 4e-3
+        torch.testing.assert_close(got_kv[..., :100, :], want_kv[..., :100, :], rtol=0, atol=0)  # untouched

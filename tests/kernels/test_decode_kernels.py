@@ -89,6 +89,47 @@ def test_decode_attention_ignores_keys_past_each_row(device: str, dtype: torch.d
     assert torch.equal(decode.decode_attention(q, k, v, positions, 256), first)
 
 
+def _rope_tables(max_len: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    angles = torch.arange(max_len).float().unsqueeze(1) * 1e4 ** (-torch.arange(D // 2) / (D // 2))
+    return angles.cos().to(device), angles.sin().to(device)
+
+
+@pytest.mark.parametrize(("batch", "attn_len", "parts"), [(4, 300, 0), (4, 300, 3), (33, 128, 2)])
+def test_rope_attention_linear(device: str, dtype: torch.dtype, batch: int, attn_len: int, parts: int) -> None:
+    """The fused attention block (RoPE and the cache write inside the attention kernel, the splits combined
+    inside the output projection) equals its unfused statement: output and the whole cache. 33 rows: past
+    the weight-streaming linear, the splits are combined by their own kernel. parts: the q/k/v projection
+    handed over as split-K partial sums."""
+    g = torch.Generator().manual_seed(batch + parts)
+    x, w, b = _linear_case(device, dtype, batch, (H + 2 * KV) * D, 256, seed=parts)
+    qkv = decode.linear(x, w, b, tile=decode.LinearTile(64, 64, parts, 4, 2)) if parts else reference.linear(x, w, b)
+    # rows at position 0, at split edges (64 keys a split) and at the last attended position
+    edges = torch.tensor([0, 63, 64, attn_len - 1])
+    positions = edges[torch.arange(batch) % 4].to(device)
+    cos, sin = _rope_tables(attn_len + 8, device)
+    k1, v1 = _cache(device, dtype, slots=batch, max_len=attn_len + 8, seed=batch)
+    rows = torch.arange(batch, device=device)
+    k1[rows, :, positions], v1[rows, :, positions] = 1e4, -1e4  # stale: the new key/value must replace them
+    k2, v2 = k1.clone(), v1.clone()
+    o_w = (torch.randn(H * D, H * D, generator=g) * (H * D) ** -0.5).to(device, dtype)
+    out = _whole(decode.rope_attention_linear(qkv, positions, cos, sin, k1, v1, H, KV, attn_len, o_w))
+    want = reference.rope_attention_linear(reference.linear(x, w, b), positions, cos, sin, k2, v2, H, KV, attn_len,
+                                           o_w)
+    assert out.shape == (batch, H * D)
+    assert _rel(out, want) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+    assert _rel(k1, k2) < _tol(dtype) and _rel(v1, v2) < _tol(dtype)
+    assert _rel(k1[rows, :, positions], k2[rows, :, positions]) < _tol(dtype)
+
+
+def test_rope_attention_linear_refuses_mismatched_heads(device: str, dtype: torch.dtype) -> None:
+    qkv = torch.zeros(2, (H + 2 * KV) * D, device=device, dtype=dtype)
+    k, v = _cache(device, dtype, slots=2, max_len=64)
+    cos, sin = _rope_tables(64, device)
+    with pytest.raises(ValueError, match="does not hold 12 query and 2 × 2 key/value heads"):
+        decode.rope_attention_linear(qkv, torch.zeros(2, dtype=torch.long, device=device), cos, sin, k, v, 12, KV,
+                                     64, torch.zeros(H * D, H * D, device=device, dtype=dtype))
+
+
 def _linear_case(device: str, dtype: torch.dtype, rows: int, n_out: int, n_in: int, seed: int, silu: bool = False):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, 2 * n_in if silu else n_in, generator=g).to(device, dtype)
