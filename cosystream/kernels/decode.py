@@ -19,10 +19,12 @@ import torch
 
 from cosystream.kernels import pdl_launch
 
-# The decode step's attention block as two kernels (rope_attention_linear); False: RoPE + cache write,
-# attention, combine and the output projection as four (the A/B of benchmarks/decode_launch.py). Read
-# when a step is traced, so set it before graphs are captured.
-FUSED_ATTENTION_BLOCK = True
+# How rope_attention_linear runs the decode step's attention block (A/B in benchmarks/decode_launch.py; read
+# when a step is traced, so set them before graphs are captured). ROPE_IN_ATTENTION: the attention kernel
+# rotates q and the new key and writes the cache (else a RoPE + cache-write kernel first);
+# COMBINE_IN_PROJECTION: the output projection combines the attention's splits (else a combine kernel).
+ROPE_IN_ATTENTION = True
+COMBINE_IN_PROJECTION = True
 _KEYS_PER_BLOCK = 64  # keys loaded per inner step of the attention kernel
 _MAX_SPLITS = 16  # attention programs per (row, kv head); their partial softmaxes are combined after
 
@@ -99,15 +101,16 @@ def rope_attention_linear(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
     themselves and store the new key/value (no RoPE kernel), and the output projection combines the
     attention's split partials while its weight streams (no combine kernel). qkv as `rope_write_kv`'s;
     output as `linear`'s (float32 partial sums when split)."""
-    if not FUSED_ATTENTION_BLOCK:
-        q = rope_write_kv(qkv, positions, cos, sin, cache_k, cache_v, num_heads, num_kv_heads)
-        return linear(decode_attention(q, cache_k, cache_v, positions, attn_len), weight, tile=tile)
-    parts = _attention_parts(qkv, (cos, sin), cache_k, cache_v, positions, attn_len)
-    if parts.groups * num_kv_heads != num_heads or parts.o.shape[1] != num_kv_heads:
+    if (num_heads + 2 * num_kv_heads) * cache_k.shape[-1] != qkv.shape[-1] or cache_k.shape[1] != num_kv_heads:
         raise ValueError(f"rope_attention_linear: qkv of width {qkv.shape[-1]} does not hold {num_heads} query "
                          f"and 2 × {num_kv_heads} key/value heads of {cache_k.shape[-1]}")
-    if parts.shape[0] > MAX_LINEAR_ROWS:  # torch's GEMM takes a whole input: combined by its own kernel
-        return torch.nn.functional.linear(_combine(parts, num_heads), weight)
+    if ROPE_IN_ATTENTION:
+        parts = _attention_parts(qkv, (cos, sin), cache_k, cache_v, positions, attn_len)
+    else:
+        q = rope_write_kv(qkv, positions, cos, sin, cache_k, cache_v, num_heads, num_kv_heads)
+        parts = _attention_parts(q, None, cache_k, cache_v, positions, attn_len)
+    if parts.shape[0] > MAX_LINEAR_ROWS or not COMBINE_IN_PROJECTION:
+        return linear(_combine(parts, num_heads), weight, tile=tile)  # the splits combined by their own kernel
     return _linear(parts, weight, None, silu=False, tile=tile, partials=True)
 
 
@@ -271,5 +274,6 @@ def _linear(x: torch.Tensor | _AttentionParts, weight: torch.Tensor, bias: torch
                           BLOCK_K=tile.block_k, BLOCK_M=max(16, k.next_power_of_2(rows)),
                           COMBINE=combine, GROUPS=x.groups if combine else 1,
                           NUM_KV=x.o.shape[1] if combine else 1, ATT_BLOCK_M=x.o.shape[3] if combine else 16,
+                          SPLITS=k.next_power_of_2(x.o.shape[2]) if combine else 1,
                           num_warps=tile.warps, num_stages=tile.stages, **pdl_launch(x_in))
     return out

@@ -1,8 +1,8 @@
 """On a GPU, at the 0.5B size, graphed: programmatic dependent launch of the decode kernels
 (cosystream.kernels.PDL) changes no number. It is pure scheduling, so the outputs must be identical bit for bit;
 a missing wait in a PDL kernel would show here as a race (a kernel reading its predecessor's output before that
-one has finished). The fused attention block (kernels.decode.FUSED_ATTENTION_BLOCK) computes what the four
-kernels it replaces compute, up to float32 summation order."""
+one has finished). The fused attention block (kernels.decode.ROPE_IN_ATTENTION and COMBINE_IN_PROJECTION)
+computes what the four kernels it replaces compute, up to float32 summation order."""
 
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ def _graphed_steps(lm: SpeechLM, batch: int, steps: int, pdl: bool, monkeypatch:
                    fused: bool = True) -> tuple[list[torch.Tensor], KVCache]:
     """`steps` replays of one captured decode step (rows [0, batch)), each at a new position."""
     monkeypatch.setattr(kernels, "PDL", pdl)
-    monkeypatch.setattr(decode, "FUSED_ATTENTION_BLOCK", fused)
+    monkeypatch.setattr(decode, "ROPE_IN_ATTENTION", fused)
+    monkeypatch.setattr(decode, "COMBINE_IN_PROJECTION", fused)
     cache = KVCache(lm.dims, batch, 256, "cuda", torch.bfloat16)
     g = torch.Generator(device="cuda").manual_seed(5)
     cache.k.normal_(generator=g)
