@@ -211,47 +211,12 @@ def silu_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
     tl.store(out_ptr + row * n_cols + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 @triton.jit
-def combined_heads(o_part_ptr, ml_part_ptr, k0, n_in, offs_m, m_ok, num_splits, HEAD_DIM: tl.constexpr,
-                   GROUPS: tl.constexpr, NUM_KV: tl.constexpr, ATT_BLOCK_M: tl.constexpr, BLOCK_M: tl.constexpr,
-                   SPLITS: tl.constexpr):
-    """The attention output of head k0 // HEAD_DIM for rows offs_m, transposed [HEAD_DIM, BLOCK_M]:
-    its splits' partial softmaxes (attention_split_kernel) combined, as attention_combine_kernel does.
-    PERF: the split loop is unrolled (SPLITS: a power of two >= num_splits), so its loads go out together."""
-    head = k0 // HEAD_DIM
-    kv = head // GROUPS
-    g = head % GROUPS
-    ok = m_ok & ((offs_m * 0 + k0) < n_in)  # a vector: the interpreter refuses scalar masks
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_s = tl.arange(0, SPLITS)
-    base = (offs_m * NUM_KV + kv) * num_splits * ATT_BLOCK_M + g  # [BLOCK_M]
-    parts = base[None, :] + offs_s[:, None] * ATT_BLOCK_M  # [SPLITS, BLOCK_M]
-    live = (offs_s[:, None] < num_splits) & ok[None, :]
-    m = tl.load(ml_part_ptr + parts * 2, mask=live, other=float("-inf"))
-    l_part = tl.load(ml_part_ptr + parts * 2 + 1, mask=live, other=0.0)
-    m_max = tl.max(m, axis=0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # rows past the batch: nothing live
-    w = tl.where(m > float("-inf"), tl.exp(m - m_max[None, :]), 0.0)
-    total = tl.sum(l_part * w, axis=0)
-    acc = tl.zeros((HEAD_DIM, BLOCK_M), tl.float32)
-    for split in tl.static_range(SPLITS):
-        w_s = tl.sum(tl.where(offs_s[:, None] == split, w, 0.0), axis=0)
-        o_s = tl.load(o_part_ptr + (base + split * ATT_BLOCK_M)[None, :] * HEAD_DIM + offs_d[:, None],
-                      mask=ok[None, :] & ((offs_m * 0 + split) < num_splits)[None, :], other=0.0)
-        acc += o_s * w_s[None, :]
-    return acc / tl.where(total > 0, total, 1.0)[None, :]
-
-
-@triton.jit
 def linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, rows, n_out, n_in, x_stride, k_per_split, part_stride,
-                  ml_part_ptr, num_att_splits,
                   SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
                   PARTIAL: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, COMBINE: tl.constexpr, GROUPS: tl.constexpr,
-                  NUM_KV: tl.constexpr, ATT_BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
+                  BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
     # Weight-streaming GEMM for a few rows: out^T [BLOCK_N, rows] = W tile @ x^T, so the weight's
     # output features fill the MMA's wide side and the rows (padded to 16) its narrow one.
-    # COMBINE: x is the decode attention's split partials (x_ptr: its o_part, ml_part_ptr its max/sum),
-    # combined per head while the weight streams; each input block is one head (BLOCK_K = head_dim).
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     if PDL:
@@ -269,10 +234,7 @@ def linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, rows, n_out, n_in, x_stride, k_p
                     other=0.0)
         x_mask = m_ok[None, :] & k_ok[:, None]
         x_offs = offs_m[None, :] * x_stride + offs_k[:, None]
-        if COMBINE:  # PARITY: the combined attention output is rounded as attention_combine_kernel's
-            xt = combined_heads(x_ptr, ml_part_ptr, k_start + kk, n_in, offs_m, m_ok, num_att_splits,
-                                 BLOCK_K, GROUPS, NUM_KV, ATT_BLOCK_M, BLOCK_M, SPLITS).to(w.dtype)
-        elif SILU:  # x = [gate | up] of width 2·n_in: the input is silu(gate)·up, rounded as torch does
+        if SILU:  # x = [gate | up] of width 2·n_in: the input is silu(gate)·up, rounded as torch does
             gate = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0).to(tl.float32)
             up = tl.load(x_ptr + n_in + x_offs, mask=x_mask, other=0.0).to(tl.float32)
             act = (gate / (1.0 + tl.exp(-gate))).to(w.dtype).to(tl.float32)

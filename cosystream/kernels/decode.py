@@ -1,9 +1,9 @@
 """Triton kernels of the LM decode step; same signatures and numbers as `reference.py`.
 
 PERF: the unfused step is ~30 kernels per layer (RMSNorm casts, RoPE's cat/neg/mul/add, index_put,
-SDPA with a materialised mask, SiLU and mul); this is 7 per layer: norm, qkv GEMM, attention split
-over the keys (with RoPE and the cache write), o GEMM (combining the splits), norm, gate/up GEMM, and
-the down GEMM (with silu·up).
+SDPA with a materialised mask, SiLU and mul); this is 8 per layer: norm, qkv GEMM, attention split
+over the keys (with RoPE and the cache write), its combine, o GEMM, norm, gate/up GEMM, and the down
+GEMM (with silu·up).
 
 The kernels (`_decode_jit.py`) are imported on first use (`_kernels()`), so importing this module needs no
 Triton and the interpreter (TRITON_INTERPRET=1) can run them on the CPU for tests.
@@ -12,19 +12,19 @@ Triton and the interpreter (TRITON_INTERPRET=1) can run them on the CPU for test
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
 
 from cosystream.kernels import pdl_launch
 
-# How rope_attention_linear runs the decode step's attention block (A/B in benchmarks/decode_launch.py; read
-# when a step is traced, so set them before graphs are captured). ROPE_IN_ATTENTION: the attention kernel
-# rotates q and the new key and writes the cache (else a RoPE + cache-write kernel first);
-# COMBINE_IN_PROJECTION: the output projection combines the attention's splits (else a combine kernel).
+# rope_attention_linear: the attention kernel rotates q and the new key and writes the cache; False: a RoPE +
+# cache-write kernel first (the A/B of benchmarks/decode_launch.py; read when a step is traced, so set it
+# before graphs are captured). Measured on the H100 at adc8964: batch-1 step 0.819 -> 0.799 ms, batch 16
+# 0.903 -> 0.880. (Combining the attention's splits inside the output projection instead of in a kernel
+# of their own was slower there: 0.903 -> 0.941 ms at batch 16; removed after that commit.)
 ROPE_IN_ATTENTION = True
-COMBINE_IN_PROJECTION = True
 _KEYS_PER_BLOCK = 64  # keys loaded per inner step of the attention kernel
 _MAX_SPLITS = 16  # attention programs per (row, kv head); their partial softmaxes are combined after
 
@@ -89,50 +89,30 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
     """Split-K decode attention: each program covers `keys_per_split` keys of one (row, kv head); the
     split count is fixed by `attn_len` (a static bucket), so the launch shape suits CUDA graphs, while
     each program reads only keys below its row's own length."""
-    parts = _attention_parts(q, None, cache_k, cache_v, positions, attn_len)
-    return _combine(parts, q.shape[1])
+    return _attention(q, None, cache_k, cache_v, positions, attn_len)
 
 
 def rope_attention_linear(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                           cache_k: torch.Tensor, cache_v: torch.Tensor, num_heads: int, num_kv_heads: int,
                           attn_len: int, weight: torch.Tensor, tile: LinearTile | None = None) -> torch.Tensor:
-    """The decode step's attention block in two kernels: linear(decode_attention(rope_write_kv(...)), weight)
-    for rows [0, B) of the cache. PERF: the attention programs rotate their queries and the new key
-    themselves and store the new key/value (no RoPE kernel), and the output projection combines the
-    attention's split partials while its weight streams (no combine kernel). qkv as `rope_write_kv`'s;
-    output as `linear`'s (float32 partial sums when split)."""
+    """The decode step's attention block: linear(decode_attention(rope_write_kv(...)), weight) for rows
+    [0, B) of the cache. PERF: the attention programs rotate their queries and the new key themselves
+    and store the new key/value: no RoPE kernel. qkv as `rope_write_kv`'s; output as `linear`'s."""
     if (num_heads + 2 * num_kv_heads) * cache_k.shape[-1] != qkv.shape[-1] or cache_k.shape[1] != num_kv_heads:
         raise ValueError(f"rope_attention_linear: qkv of width {qkv.shape[-1]} does not hold {num_heads} query "
                          f"and 2 × {num_kv_heads} key/value heads of {cache_k.shape[-1]}")
     if ROPE_IN_ATTENTION:
-        parts = _attention_parts(qkv, (cos, sin), cache_k, cache_v, positions, attn_len)
+        attn = _attention(qkv, (cos, sin), cache_k, cache_v, positions, attn_len)
     else:
         q = rope_write_kv(qkv, positions, cos, sin, cache_k, cache_v, num_heads, num_kv_heads)
-        parts = _attention_parts(q, None, cache_k, cache_v, positions, attn_len)
-    if parts.shape[0] > MAX_LINEAR_ROWS or not COMBINE_IN_PROJECTION:
-        return linear(_combine(parts, num_heads), weight, tile=tile)  # the splits combined by their own kernel
-    return _linear(parts, weight, None, silu=False, tile=tile, partials=True)
+        attn = _attention(q, None, cache_k, cache_v, positions, attn_len)
+    return linear(attn, weight, tile=tile)
 
 
-@dataclass(frozen=True)
-class _AttentionParts:
-    """decode attention's per-split partial softmaxes: o [B, KV, splits, BLOCK_M, D], (max, sum) pairs."""
-
-    o: torch.Tensor
-    ml: torch.Tensor
-    groups: int
-    dtype: torch.dtype  # of the attention output (the cache's)
-
-    @property
-    def shape(self) -> tuple[int, int]:  # [rows, H·D] of the attention output it stands for
-        batch, kv_heads, _, _, head_dim = self.o.shape
-        return batch, kv_heads * self.groups * head_dim
-
-
-def _attention_parts(q: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, cache_k: torch.Tensor,
-                     cache_v: torch.Tensor, positions: torch.Tensor, attn_len: int) -> _AttentionParts:
-    """rope None: q [B, H, D] rotated queries, every key in the cache; else q is the q/k/v projection (see
-    rope_attention_linear) and the new keys/values are stored here."""
+def _attention(q: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, cache_k: torch.Tensor,
+               cache_v: torch.Tensor, positions: torch.Tensor, attn_len: int) -> torch.Tensor:
+    """Split attention, then its combine: [B, H·D]. rope None: q [B, H, D] rotated queries, every key in the
+    cache; else q is the q/k/v projection (see rope_attention_linear) and the new keys/values are stored."""
     k = _kernels()
     kv_heads, head_dim = cache_k.shape[1], cache_k.shape[-1]
     batch = q.shape[-2] if rope is not None else q.shape[0]
@@ -151,16 +131,10 @@ def _attention_parts(q: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | 
         q[0].numel() if parts else 0, keys_per_split, splits, head_dim ** -0.5, GROUPS=groups, NUM_KV=kv_heads,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=_KEYS_PER_BLOCK, ROPE=rope is not None, PARTS=parts,
         PRECISION=_precision(cache_k), **pdl_launch(q))
-    return _AttentionParts(o_part, ml_part, groups, cache_k.dtype)
-
-
-def _combine(parts: _AttentionParts, num_heads: int) -> torch.Tensor:
-    k = _kernels()
-    batch, kv_heads, splits, block_m, head_dim = parts.o.shape
-    out = torch.empty(batch, num_heads * head_dim, device=parts.o.device, dtype=parts.dtype)
+    out = torch.empty(batch, num_heads * head_dim, device=q.device, dtype=cache_k.dtype)
     k.attention_combine_kernel[(batch, num_heads)](
-        parts.o, parts.ml, out, splits, GROUPS=parts.groups, NUM_KV=kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m,
-        SPLITS=k.next_power_of_2(splits), **pdl_launch(parts.o))
+        o_part, ml_part, out, splits, GROUPS=groups, NUM_KV=kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m,
+        SPLITS=k.next_power_of_2(splits), **pdl_launch(q))
     return out
 
 
@@ -242,15 +216,11 @@ def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, tile: LinearTile | 
     return _linear(gate_up, weight, None, silu=True, tile=tile, partials=True)
 
 
-def _linear(x: torch.Tensor | _AttentionParts, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool,
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool,
             tile: LinearTile | None, partials: bool) -> torch.Tensor:
-    combine = isinstance(x, _AttentionParts)
-    if not combine:
-        if x.dim() != 2:
-            raise ValueError("linear: the input must be a whole [rows, n_in] tensor, not partial sums")
-        if x.stride(1) != 1:
-            raise ValueError("linear: the input's rows and the weight must be contiguous")
-    if not weight.is_contiguous():
+    if x.dim() != 2:
+        raise ValueError("linear: the input must be a whole [rows, n_in] tensor, not partial sums")
+    if x.stride(1) != 1 or not weight.is_contiguous():
         raise ValueError("linear: the input's rows and the weight must be contiguous")
     rows = x.shape[0]
     n_out, n_in = weight.shape
@@ -258,22 +228,15 @@ def _linear(x: torch.Tensor | _AttentionParts, weight: torch.Tensor, bias: torch
         return torch.nn.functional.linear(silu_mul(x) if silu else x, weight, bias)
     k = _kernels()
     tile = tile or linear_tile(rows, n_out, n_in)
-    if combine:  # one head per input block
-        tile = replace(tile, block_k=x.o.shape[-1])
     k_per_split = -(-n_in // ((tile.splits if partials else 1) * tile.block_k)) * tile.block_k
     splits = -(-n_in // k_per_split)
     shape = (splits, rows, n_out) if splits > 1 else (rows, n_out)
-    x_in = x.o if combine else x
-    out = torch.empty(shape, device=x_in.device, dtype=torch.float32 if splits > 1 else weight.dtype)
+    out = torch.empty(shape, device=x.device, dtype=torch.float32 if splits > 1 else weight.dtype)
     grid = (-(-n_out // tile.block_n), splits)
-    k.linear_kernel[grid](x_in, weight, weight if bias is None else bias, out, rows, n_out, n_in,
-                          0 if combine else x.stride(0), k_per_split, rows * n_out,
-                          x.ml if combine else x_in, x.o.shape[2] if combine else 0, SILU=silu,
+    k.linear_kernel[grid](x, weight, weight if bias is None else bias, out, rows, n_out, n_in, x.stride(0),
+                          k_per_split, rows * n_out, SILU=silu,
                           HAS_BIAS=bias is not None, PARTIAL=splits > 1,
                           PRECISION=_precision(weight), BLOCK_N=tile.block_n,
                           BLOCK_K=tile.block_k, BLOCK_M=max(16, k.next_power_of_2(rows)),
-                          COMBINE=combine, GROUPS=x.groups if combine else 1,
-                          NUM_KV=x.o.shape[1] if combine else 1, ATT_BLOCK_M=x.o.shape[3] if combine else 16,
-                          SPLITS=k.next_power_of_2(x.o.shape[2]) if combine else 1,
-                          num_warps=tile.warps, num_stages=tile.stages, **pdl_launch(x_in))
+                          num_warps=tile.warps, num_stages=tile.stages, **pdl_launch(x))
     return out

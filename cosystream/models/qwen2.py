@@ -172,9 +172,9 @@ class SpeechLM(nn.Module):
 
         embeds [B, d]; positions [B] (where each row's token goes). `ops` is `cosystream.kernels.decode`
         (Triton, CUDA) or `cosystream.kernels.reference` (torch); both compute `forward`'s numbers.
-        PERF: 7 kernels a layer. The residual add rides in the next norm's kernel; the attention kernel
-        rotates q and the new key and writes the cache; the output projection combines the attention's
-        split partials; `ops.linear` may hand its output on as split-K partial sums that the next kernel adds.
+        PERF: 8 kernels a layer. The residual add rides in the next norm's kernel; the attention kernel
+        rotates q and the new key and writes the cache; `ops.linear` may hand its output on as split-K
+        partial sums that the next kernel adds.
         """
         d = self.dims
         cos, sin = self.rope_table(cache.max_len, embeds.device)

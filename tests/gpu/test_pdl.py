@@ -1,8 +1,8 @@
 """On a GPU, at the 0.5B size, graphed: programmatic dependent launch of the decode kernels
 (cosystream.kernels.PDL) changes no number. It is pure scheduling, so the outputs must be identical bit for bit;
 a missing wait in a PDL kernel would show here as a race (a kernel reading its predecessor's output before that
-one has finished). The fused attention block (kernels.decode.ROPE_IN_ATTENTION and COMBINE_IN_PROJECTION)
-computes what the four kernels it replaces compute, up to float32 summation order."""
+one has finished). RoPE and the cache write inside the attention kernel (kernels.decode.ROPE_IN_ATTENTION)
+compute what the RoPE kernel did, up to float32 rounding."""
 
 from __future__ import annotations
 
@@ -31,7 +31,6 @@ def _graphed_steps(lm: SpeechLM, batch: int, steps: int, pdl: bool, monkeypatch:
     """`steps` replays of one captured decode step (rows [0, batch)), each at a new position."""
     monkeypatch.setattr(kernels, "PDL", pdl)
     monkeypatch.setattr(decode, "ROPE_IN_ATTENTION", fused)
-    monkeypatch.setattr(decode, "COMBINE_IN_PROJECTION", fused)
     cache = KVCache(lm.dims, batch, 256, "cuda", torch.bfloat16)
     g = torch.Generator(device="cuda").manual_seed(5)
     cache.k.normal_(generator=g)
@@ -86,7 +85,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("batch", [1, 16, 48])  # 48 rows: past the weight-streaming linear
-def test_fused_attention_block_computes_the_unfused_steps(batch: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rope_in_attention_computes_the_unfused_steps(batch: int, monkeypatch: pytest.MonkeyPatch) -> None:
     lm = _lm_05b()
     with torch.inference_mode():
         want, want_cache = _graphed_steps(lm, batch, 12, pdl=kernels.PDL, monkeypatch=monkeypatch, fused=False)

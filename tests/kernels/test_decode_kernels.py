@@ -95,15 +95,13 @@ def _rope_tables(max_len: int, device: str) -> tuple[torch.Tensor, torch.Tensor]
 
 
 @pytest.mark.parametrize(("batch", "attn_len", "parts"), [(4, 300, 0), (4, 300, 3), (33, 128, 2)])
-@pytest.mark.parametrize(("rope_in", "combine_in"), [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("rope_in", [True, False])
 def test_rope_attention_linear(device: str, dtype: torch.dtype, batch: int, attn_len: int, parts: int,
-                               rope_in: bool, combine_in: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The fused attention block (RoPE and the cache write inside the attention kernel, the splits combined
-    inside the output projection; each fusion also alone) equals its unfused statement: output and the whole
-    cache. 33 rows: past the weight-streaming linear, the splits are combined by their own kernel. parts: the
-    q/k/v projection handed over as split-K partial sums."""
+                               rope_in: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attention block (RoPE and the cache write inside the attention kernel, or in a kernel before it)
+    equals its unfused statement: output and the whole cache. 33 rows: past the weight-streaming linear.
+    parts: the q/k/v projection handed over as split-K partial sums."""
     monkeypatch.setattr(decode, "ROPE_IN_ATTENTION", rope_in)
-    monkeypatch.setattr(decode, "COMBINE_IN_PROJECTION", combine_in)
     g = torch.Generator().manual_seed(batch + parts)
     x, w, b = _linear_case(device, dtype, batch, (H + 2 * KV) * D, 256, seed=parts)
     qkv = decode.linear(x, w, b, tile=decode.LinearTile(64, 64, parts, 4, 2)) if parts else reference.linear(x, w, b)
