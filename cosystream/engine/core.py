@@ -596,7 +596,7 @@ class EngineCore:
         jobs = [_Job(req, seg, seg.planner.next_plan(len(seg.tokens), seg.lm_status == LMStatus.done),
                      open_args=self._open_args(req, seg) if seg.t2w is None else None, state=seg.t2w)
                 for req, seg in ready]
-        phases = _phases(jobs)
+        phases = _phases(jobs, now, self.chunk_slack_s / 2)
         if self._chunks is not None:
             self._in_flight = jobs
             self._first_in_flight = {id(job.req) for job in jobs if job.req.is_first_chunk}
@@ -811,15 +811,22 @@ def _buffered_audio_s(req: RequestState, now: float) -> float:
     return req.t_submit + req.times.first_audio_s + req.times.audio_s - now
 
 
-def _phases(jobs: list[_Job]) -> list[list[_Job]]:
-    """A batch's jobs in the order they are voiced and handed back: first chunks, then later chunks, then
-    final chunks. PERF: each phase's audio goes out as soon as that phase is done, so a new request's first
-    chunk never waits for the official final passes (a whole-utterance ODE each, ~300 ms for sixteen
-    streams on the H100) or the later chunks that share its batch; the phases would not have shared a
-    flow or vocoder call anyway (different frame counts, cached or not)."""
-    order: list[list[_Job]] = [[], [], []]
+def _phases(jobs: list[_Job], now: float, dry_s: float) -> list[list[_Job]]:
+    """A batch's jobs in the order they are voiced and handed back: chunks of clients with less than `dry_s`
+    of audio left, first chunks, later chunks, final chunks. PERF: each phase's audio goes out as soon as
+    that phase is done, so a new request's first chunk never waits for the official final passes (a
+    whole-utterance ODE each, ~300 ms for sixteen streams on the H100) or the later chunks in its batch;
+    the phases would not have shared a flow or vocoder call anyway (different frame counts, cached or
+    not). A client about to run dry goes first: its first audio went out early, at the end of a phase,
+    so its next chunk may have waited for the rest of that batch."""
+    order: list[list[_Job]] = [[], [], [], []]
     for job in jobs:
-        order[0 if job.req.is_first_chunk else 2 if job.plan.is_final else 1].append(job)
+        if job.req.is_first_chunk:
+            order[1].append(job)
+        elif _buffered_audio_s(job.req, now) < dry_s:
+            order[0].append(job)
+        else:
+            order[3 if job.plan.is_final else 2].append(job)
     return [phase for phase in order if phase]
 
 

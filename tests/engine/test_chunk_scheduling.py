@@ -178,16 +178,21 @@ def _job(req: RequestState, final: bool) -> _Job:
     return _Job(req, req.audio_segment, plan=SimpleNamespace(is_final=final, offset=0, num_new=25))
 
 
-def test_a_batch_is_voiced_first_chunks_then_later_chunks_then_finals():
+def test_a_batch_is_voiced_dry_clients_first_chunks_later_chunks_then_finals():
     core = _core()
-    ending = _request(core, "ending", buffered_s=0.1, lm=LMStatus.done, slot=0)
+    ending = _request(core, "ending", buffered_s=0.5, lm=LMStatus.done, slot=0)
     new = _request(core, "new", buffered_s=None, lm=LMStatus.decoding, slot=1)
     middle = _request(core, "middle", buffered_s=2.0, lm=LMStatus.decoding, slot=2)
     short = _request(core, "short", buffered_s=None, lm=LMStatus.done, slot=3)  # its first chunk is its last
-    jobs = [_job(ending, True), _job(middle, False), _job(new, False), _job(short, True)]
-    phases = _phases(jobs)
-    assert [[j.req.request_id for j in phase] for phase in phases] == [["new", "short"], ["middle"], ["ending"]]
-    assert [len(phase) for phase in _phases(jobs[1:2])] == [1]  # no empty phases
+    dry = _request(core, "dry", buffered_s=0.1, lm=LMStatus.decoding, slot=4)
+    dry_final = _request(core, "dry_final", buffered_s=0.2, lm=LMStatus.done, slot=5)
+    jobs = [_job(ending, True), _job(middle, False), _job(dry_final, True), _job(new, False), _job(short, True),
+            _job(dry, False)]
+    phases = _phases(jobs, time.perf_counter(), dry_s=0.3)
+    assert [[j.req.request_id for j in phase] for phase in phases] == [
+        ["dry_final", "dry"], ["new", "short"], ["middle"], ["ending"]]
+    assert [len(phase) for phase in _phases(jobs[1:2], time.perf_counter(), 0.3)] == [1]  # no empty phases
+    assert len(_phases(jobs, time.perf_counter(), dry_s=0.0)) == 3  # no client counts as dry
 
 
 def test_a_phase_that_comes_back_is_emitted_while_the_rest_of_its_batch_still_runs():
