@@ -4,11 +4,33 @@
 #   bash benchmarks/gpu_final.sh engine   # GPU tests, stage times, closed-loop engine levels 1..128
 #   bash benchmarks/gpu_final.sh more     # first hop 15, open loop, offline batch RTF, HTTP
 #   bash benchmarks/gpu_final.sh stages   # GPU tests, stage times, levels 1/16/28 with token-to-wave stage lines
+#   bash benchmarks/gpu_final.sh http     # only the HTTP levels (HTTP_LEVELS, HTTP_N)
 # JSON/PNG go under $OUT.
 source benchmarks/gpu_prep.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 POOL="--config flow_slots=28 --config flow_frames=832"
 B="python3 benchmarks/bench_engine.py --model-dir /tmp/m05 --device cuda --dtype bfloat16 --warmup-requests 3 $POOL"
+
+http_bench() {  # cosystream serve + cosystream bench over HTTP; HTTP_LEVELS (1,16) and HTTP_N (32) requests per level
+  python3 -m cosystream.cli serve --model-dir /tmp/m05 $POOL --log-level warning > /tmp/serve.log 2>&1 &
+  SERVER=$!
+  python3 benchmarks/workload.py /tmp/wl > /dev/null
+  python3 - <<'PY'
+import time, httpx
+for _ in range(300):
+    try:
+        if httpx.get("http://127.0.0.1:8000/ready", timeout=2).status_code == 200:
+            break
+    except httpx.HTTPError:
+        pass
+    time.sleep(1)
+PY
+  python3 -m cosystream.cli bench --url http://127.0.0.1:8000 --target tts --workload /tmp/wl/workload.json \
+    --concurrency ${HTTP_LEVELS:-1,16} --requests-per-level ${HTTP_N:-32} --warmup-requests 3 --out "$OUT/http.json" \
+    --plot "$OUT/http.png" --tag "commit=${COSYSTREAM_COMMIT:-unknown}" \
+    --tag gpu="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" 2>&1 | tail -4
+  kill $SERVER
+}
 
 if [ "${1:-engine}" = stages ]; then
   # where the time goes: GPU tests, token-to-wave stage times, engine levels with per-level busy/stage lines
@@ -28,6 +50,8 @@ elif [ "${1:-engine}" = ab ]; then
     timeout -s ABRT 280 $B --config overlap_token2wav=$ov --concurrency ${LEVELS:-1,16,28} --requests-per-level 32 \
       --out "$OUT/engine_overlap$ov.json" 2>&1 | grep -E "^\| [cro]|engine busy|Error|Fatal Python|Thread 0x|File \"" | head -80
   done
+elif [ "${1:-engine}" = http ]; then
+  http_bench
 elif [ "${1:-engine}" = engine ]; then
   if [ -d .fixtures ]; then
     COSYSTREAM_FIXTURES=$PWD/.fixtures/cosyvoice2-tiny python3 -m pytest -q -p no:cacheprovider tests/gpu tests/kernels \
@@ -42,21 +66,5 @@ else
   $B --first-hop 15 --concurrency 1 --requests-per-level 16 --out "$OUT/hop15.json" 2>&1 | grep -E "^\| c|Error"
   $B --rate ${RATES:-8,15} --duration 15 --out "$OUT/open.json" 2>&1 | grep -E "^\| r|busy|Error"
   $B --offline --concurrency 64 --requests-per-level 128 --out "$OUT/offline.json" 2>&1 | grep -E "^\| c|busy|Error"
-  python3 -m cosystream.cli serve --model-dir /tmp/m05 $POOL --log-level warning > /tmp/serve.log 2>&1 &
-  SERVER=$!
-  python3 benchmarks/workload.py /tmp/wl > /dev/null
-  python3 - <<'PY'
-import time, httpx
-for _ in range(300):
-    try:
-        if httpx.get("http://127.0.0.1:8000/ready", timeout=2).status_code == 200:
-            break
-    except httpx.HTTPError:
-        pass
-    time.sleep(1)
-PY
-  python3 -m cosystream.cli bench --url http://127.0.0.1:8000 --target tts --workload /tmp/wl/workload.json \
-    --concurrency 1,16 --requests-per-level 32 --warmup-requests 3 --out "$OUT/http.json" --plot "$OUT/http.png" \
-    --tag "commit=${COSYSTREAM_COMMIT:-unknown}" --tag gpu="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" 2>&1 | tail -4
-  kill $SERVER
+  http_bench
 fi
