@@ -188,3 +188,11 @@ def test_short_requests_in_a_loaded_voice_are_prepared_on_the_event_loop(engine,
         engine.synthesize(SynthesisParams(text="...!?", voice=voice))
     assert [name.startswith("frontend") for name in threads] == [False, True, True, True, False]
     np.testing.assert_array_equal(inline.pcm, threaded.pcm)
+
+
+def test_a_negative_inline_frontend_limit_is_refused_by_name():
+    from cosystream.config import EngineConfig
+
+    with pytest.raises(ValueError, match="inline_frontend_chars: must be >= 0, got -1"):
+        EngineConfig(inline_frontend_chars=-1)
+    assert EngineConfig(inline_frontend_chars=0).inline_frontend_chars == 0
