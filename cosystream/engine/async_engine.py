@@ -91,9 +91,12 @@ class AsyncEngine:
         def emit(item: AudioChunk | BaseException) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
-        if self._cheap_frontend(params):
-            req = self._build_request(params, emit)
-        else:
+        req = None
+        # on the loop only when it cannot wait there: a frontend thread normalising a long text holds the normaliser
+        with self.frontend.normalizer_if_free() as free:
+            if free and self._cheap_frontend(params):
+                req = self._build_request(params, emit)
+        if req is None:
             req = await loop.run_in_executor(self.pool, self._build_request, params, emit)
         req.emit = self._emit_or_abort(req.request_id, req.emit)
         req.times.frontend_s = loop.time() - t_submit

@@ -12,7 +12,9 @@ dataclasses here stay cheap to import for the voice store and the CLI.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 
 from cosystream.checkpoint import Checkpoint
 from cosystream.errors import BadInput, UnknownVoice
@@ -57,7 +59,9 @@ class Frontend:
         self.speaker_encoder = SpeakerEncoder(files.campplus, device)
         self.speakers: dict[str, BuiltinSpeaker] = load_spk2info(files.spk2info) if files.spk2info else {}
         self._normalizer = TextNormalizer(self.tokenizer.encode)
-        self._normalizer_lock = threading.Lock()  # inflect keeps per-call state on its engine
+        # inflect keeps per-call state on its engine; re-entrant so that a caller can hold it around a whole
+        # request (normalizer_if_free)
+        self._normalizer_lock = threading.RLock()
 
     # text
 
@@ -69,6 +73,17 @@ class Frontend:
         with self._normalizer_lock:
             result = self._normalizer.normalize(text, split=split)
         return result if isinstance(result, list) else [result]
+
+    @contextlib.contextmanager
+    def normalizer_if_free(self) -> Iterator[bool]:
+        """Hold the text normaliser if no other thread is using it (yields True), without waiting (False):
+        a caller that must not block (an event loop) prepares its request inside, or hands it to a thread."""
+        free = self._normalizer_lock.acquire(blocking=False)
+        try:
+            yield free
+        finally:
+            if free:
+                self._normalizer_lock.release()
 
     def segments(self, text: str) -> list[str]:
         """The text segments to synthesise one by one; BadInput when there is nothing to say."""

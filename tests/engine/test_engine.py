@@ -186,7 +186,27 @@ def test_short_requests_in_a_loaded_voice_are_prepared_on_the_event_loop(engine,
     engine.synthesize(_params(fixture_dir, TEXTS[2], force_tokens=10))  # prompt audio to analyse
     with pytest.raises(BadInput, match="text"):  # bad input inline is refused as on a thread
         engine.synthesize(SynthesisParams(text="...!?", voice=voice))
-    assert [name.startswith("frontend") for name in threads] == [False, True, True, True, False]
+    busy, release = threading.Event(), threading.Event()
+
+    def hold_normalizer() -> None:  # a frontend thread normalising a long text
+        with ae.frontend.normalizer_if_free() as free:
+            assert free
+            busy.set()
+            release.wait(timeout=60)
+
+    holder = threading.Thread(target=hold_normalizer)
+    holder.start()
+    busy.wait(timeout=60)
+    waiting = threading.Thread(target=engine.synthesize, args=(short,))
+    waiting.start()  # the loop must not wait for the normaliser: this request goes to a frontend thread
+    for _ in range(6000):  # until the request is being prepared (at most a minute)
+        if len(threads) == 6:
+            break
+        waiting.join(timeout=0.01)
+    release.set()
+    holder.join(timeout=60)
+    waiting.join(timeout=120)
+    assert [name.startswith("frontend") for name in threads] == [False, True, True, True, False, True]
     np.testing.assert_array_equal(inline.pcm, threaded.pcm)
 
 
