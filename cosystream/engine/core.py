@@ -719,12 +719,12 @@ class EngineCore:
         """A batch, or one phase of it (`last`: the batch's last phase), came back from the worker or
         inline: emit its audio, or fail its requests alone (the phase failed: its requests fail, the
         others never were in it). Until the last phase the worker still uses the flow and HiFT."""
-        done = {id(job) for job in jobs}
         if last or self._in_flight is None:
             self._in_flight = None
             self._first_in_flight = set()
             self.t2w_batches += 1
         else:
+            done = {id(job) for job in jobs}
             self._in_flight = [job for job in self._in_flight if id(job) not in done]
             self._first_in_flight -= {id(job.req) for job in jobs}
         self.t2w_chunks += len(jobs)

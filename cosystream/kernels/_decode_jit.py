@@ -15,13 +15,8 @@ def add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, par
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    if PARTS > 0:  # x is a linear's split-K partial sums [PARTS, rows, n]: their sum is its output
-        acc = tl.zeros((BLOCK,), tl.float32)
-        for p in tl.static_range(PARTS):  # unrolled: the loads go out together
-            acc += tl.load(x_ptr + p * part_stride + row * n_cols + cols, mask=mask, other=0.0)
-        x = acc.to(out_ptr.dtype.element_ty)  # PARITY: the linear's output is rounded once
-    else:
-        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    # x may be a linear's split-K partial sums [PARTS, rows, n]: their sum is its output
+    x = sum_parts(x_ptr, row * n_cols + cols, mask, part_stride, PARTS, out_ptr.dtype.element_ty)
     if HAS_RES:
         r = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)  # PARITY: bf16 add
@@ -32,47 +27,34 @@ def add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, par
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * n_cols + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
+
 @triton.jit
 def rope_write_kv_kernel(qkv_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, q_out_ptr, k_ptr, v_ptr,
                          slot_stride, head_stride, part_stride, NUM_HEADS: tl.constexpr,
                          NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr, PARTS: tl.constexpr,
-                         PARTS_BLOCK: tl.constexpr, HAS_SLOTS: tl.constexpr, PDL: tl.constexpr):
+                         HAS_SLOTS: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         follow_previous()
     row = tl.program_id(0)
     head = tl.program_id(1)  # [0, H): a query head; [H, H+KV): a key head (and its value head)
-    half = HEAD_DIM // 2
-    offs = tl.arange(0, HEAD_DIM // 2)
+    offs_d = tl.arange(0, HEAD_DIM)
+    all_d = offs_d < HEAD_DIM
     pos = tl.load(pos_ptr + row)
-    c = tl.load(cos_ptr + pos * half + offs)
-    s = tl.load(sin_ptr + pos * half + offs)
+    partner, sign, cos, sin = rope_terms(cos_ptr, sin_ptr, pos, HEAD_DIM)
     base = row * (NUM_HEADS + 2 * NUM_KV) * HEAD_DIM + head * HEAD_DIM
-    # qkv may be split-K partial sums [PARTS, ...] (PARTS = 0: one plain tensor): rows of one load, summed
-    part_offs = tl.arange(0, PARTS_BLOCK)[:, None] * part_stride
-    part_ok = tl.arange(0, PARTS_BLOCK)[:, None] < max(PARTS, 1)
-    x1 = tl.sum(tl.load(qkv_ptr + part_offs + (base + offs)[None, :], mask=part_ok, other=0.0).to(tl.float32), 0)
-    x2 = tl.sum(tl.load(qkv_ptr + part_offs + (base + half + offs)[None, :], mask=part_ok, other=0.0
-                        ).to(tl.float32), 0)
-    if PARTS > 0:  # PARITY: the linear's output is rounded once
-        x1 = x1.to(q_out_ptr.dtype.element_ty).to(tl.float32)
-        x2 = x2.to(q_out_ptr.dtype.element_ty).to(tl.float32)
-    o1 = (x1 * c - x2 * s).to(q_out_ptr.dtype.element_ty)
-    o2 = (x2 * c + x1 * s).to(q_out_ptr.dtype.element_ty)
+    dtype = q_out_ptr.dtype.element_ty
+    out = rotate(qkv_ptr, base + offs_d, base + partner, all_d, cos, sin, sign, part_stride, PARTS, dtype)
     if head < NUM_HEADS:
-        dst = q_out_ptr + (row * NUM_HEADS + head) * HEAD_DIM
-        tl.store(dst + offs, o1)
-        tl.store(dst + half + offs, o2)
+        tl.store(q_out_ptr + (row * NUM_HEADS + head) * HEAD_DIM + offs_d, out)
     else:
         kv = head - NUM_HEADS
         slot = tl.load(slot_ptr + row).to(tl.int64) if HAS_SLOTS else row  # its cache row
         cache_off = slot * slot_stride + kv * head_stride + pos * HEAD_DIM
-        tl.store(k_ptr + cache_off + offs, o1)
-        tl.store(k_ptr + cache_off + half + offs, o2)
-        v_src = base + NUM_KV * HEAD_DIM  # the value head sits NUM_KV heads after its key head
-        full = tl.arange(0, HEAD_DIM)
-        v = tl.sum(tl.load(qkv_ptr + part_offs + (v_src + full)[None, :], mask=part_ok, other=0.0
-                           ).to(tl.float32), 0)
-        tl.store(v_ptr + cache_off + full, v.to(v_ptr.dtype.element_ty))
+        tl.store(k_ptr + cache_off + offs_d, out)
+        # the value head sits NUM_KV heads after its key head
+        v = sum_parts(qkv_ptr, base + NUM_KV * HEAD_DIM + offs_d, all_d, part_stride, PARTS, dtype)
+        tl.store(v_ptr + cache_off + offs_d, v.to(v_ptr.dtype.element_ty))
+
 
 @triton.jit
 def attention_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, o_part_ptr, ml_part_ptr, slot_stride,
@@ -96,12 +78,8 @@ def attention_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, o_par
     m_ok = offs_m < GROUPS
     dtype = k_ptr.dtype.element_ty
     width = (NUM_KV * GROUPS + 2 * NUM_KV) * HEAD_DIM
-    half = HEAD_DIM // 2
-    partner = (offs_d + half) % HEAD_DIM  # rotate_half(x)[d] = -x[d + half] below half, x[d - half] above
-    sign = tl.where(offs_d < half, -1.0, 1.0)
     if ROPE:
-        cos = tl.load(cos_ptr + pos * half + offs_d % half)
-        sin = tl.load(sin_ptr + pos * half + offs_d % half)
+        partner, sign, cos, sin = rope_terms(cos_ptr, sin_ptr, pos, HEAD_DIM)
         q_at = row * width + (head0 + offs_m[:, None]) * HEAD_DIM
         q = rotate(q_ptr, q_at + offs_d[None, :], q_at + partner[None, :], m_ok[:, None], cos[None, :],
                    sin[None, :], sign[None, :], part_stride, PARTS, dtype)
@@ -159,9 +137,22 @@ def attention_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, o_par
 
 
 @triton.jit
+def rope_terms(cos_ptr, sin_ptr, pos, HEAD_DIM: tl.constexpr):
+    """Rotate-half RoPE at `pos` over a whole head [HEAD_DIM]: rotate_half(x)[d] = sign[d] · x[partner[d]]
+    (-x[d + half] below half, x[d - half] above), and cos / sin repeated over both halves."""
+    half = HEAD_DIM // 2
+    offs_d = tl.arange(0, HEAD_DIM)
+    partner = (offs_d + half) % HEAD_DIM
+    sign = tl.where(offs_d < half, -1.0, 1.0)
+    cos = tl.load(cos_ptr + pos * half + offs_d % half)
+    sin = tl.load(sin_ptr + pos * half + offs_d % half)
+    return partner, sign, cos, sin
+
+
+@triton.jit
 def rotate(ptr, offs, partner, mask, c, s, sign, part_stride, PARTS: tl.constexpr, dtype: tl.constexpr):
     """Rotate-half RoPE of a linear's output at offs: x·cos + rotate_half(x)·sin, rounded to dtype, where
-    rotate_half(x) = sign · x[partner] (see attention_split_kernel)."""
+    rotate_half(x) = sign · x[partner] (see rope_terms)."""
     x = sum_parts(ptr, offs, mask, part_stride, PARTS, dtype)
     xr = sum_parts(ptr, partner, mask, part_stride, PARTS, dtype)
     return (x * c + sign * xr * s).to(dtype)
@@ -177,6 +168,7 @@ def sum_parts(ptr, offs, mask, part_stride, PARTS: tl.constexpr, dtype: tl.const
     for p in tl.static_range(1, PARTS):
         acc += tl.load(ptr + p * part_stride + offs, mask=mask, other=0.0)
     return acc.to(dtype).to(tl.float32)
+
 
 @triton.jit
 def attention_combine_kernel(o_part_ptr, ml_part_ptr, out_ptr, num_splits, GROUPS: tl.constexpr,
@@ -200,6 +192,7 @@ def attention_combine_kernel(o_part_ptr, ml_part_ptr, out_ptr, num_splits, GROUP
     out = tl.sum(o * w[:, None], axis=0) / tl.sum(l_part * w, axis=0)
     tl.store(out_ptr + (row * NUM_KV * GROUPS + head) * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty))
 
+
 @triton.jit
 def silu_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -209,6 +202,7 @@ def silu_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
     up = tl.load(x_ptr + row * 2 * n_cols + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
     act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)  # PARITY: bf16 silu
     tl.store(out_ptr + row * n_cols + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
 
 @triton.jit
 def linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, rows, n_out, n_in, x_stride, k_per_split, part_stride,

@@ -79,8 +79,7 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     k.rope_write_kv_kernel[(batch, num_heads + num_kv_heads)](
         qkv, positions, positions if slots is None else slots, cos, sin, q, cache_k, cache_v, cache_k.stride(0),
         cache_k.stride(1), qkv[0].numel() if parts else 0, NUM_HEADS=num_heads, NUM_KV=num_kv_heads,
-        HEAD_DIM=head_dim, PARTS=parts, PARTS_BLOCK=k.next_power_of_2(max(parts, 1)), HAS_SLOTS=slots is not None,
-        **pdl_launch(qkv))
+        HEAD_DIM=head_dim, PARTS=parts, HAS_SLOTS=slots is not None, **pdl_launch(qkv))
     return q
 
 

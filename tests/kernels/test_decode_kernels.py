@@ -49,13 +49,17 @@ def _cache(device: str, dtype: torch.dtype, slots: int = 4, max_len: int = 300, 
     return k, v
 
 
+def _rope_tables(max_len: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    angles = torch.arange(max_len).float().unsqueeze(1) * 1e4 ** (-torch.arange(D // 2) / (D // 2))
+    return angles.cos().to(device), angles.sin().to(device)
+
+
 def test_rope_write_kv(device: str, dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(4)
     batch, max_len = 3, 300
     qkv = torch.randn(batch, (H + 2 * KV) * D, generator=g).to(device, dtype)
     positions = torch.tensor([0, 17, 299], device=device)
-    angles = torch.arange(max_len).float().unsqueeze(1) * 1e4 ** (-torch.arange(D // 2) / (D // 2))
-    cos, sin = angles.cos().to(device), angles.sin().to(device)
+    cos, sin = _rope_tables(max_len, device)
     k1, v1 = _cache(device, dtype, max_len=max_len)
     k2, v2 = k1.clone(), v1.clone()
     q = decode.rope_write_kv(qkv, positions, cos, sin, k1, v1, H, KV)
@@ -87,11 +91,6 @@ def test_decode_attention_ignores_keys_past_each_row(device: str, dtype: torch.d
     first = decode.decode_attention(q, k, v, positions, 256)
     k[0, :, 11:], v[0, :, 11:], k[1, :, 101:], v[1, :, 101:] = 1e4, 1e4, -1e4, 1e4
     assert torch.equal(decode.decode_attention(q, k, v, positions, 256), first)
-
-
-def _rope_tables(max_len: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    angles = torch.arange(max_len).float().unsqueeze(1) * 1e4 ** (-torch.arange(D // 2) / (D // 2))
-    return angles.cos().to(device), angles.sin().to(device)
 
 
 @pytest.mark.parametrize(("batch", "attn_len", "parts"), [(4, 300, 0), (4, 300, 3), (33, 128, 2)])
@@ -196,8 +195,7 @@ def test_norm_and_rope_add_up_partials(device: str, dtype: torch.dtype) -> None:
     x, w, b = _linear_case(device, dtype, 3, (H + 2 * KV) * D, 256, seed=13)
     qkv = decode.linear(x, w, b, tile=decode.LinearTile(64, 64, 2, 4, 2))
     positions = torch.tensor([0, 17, 299], device=device)
-    angles = torch.arange(300).float().unsqueeze(1) * 1e4 ** (-torch.arange(D // 2) / (D // 2))
-    cos, sin = angles.cos().to(device), angles.sin().to(device)
+    cos, sin = _rope_tables(300, device)
     k1, v1 = _cache(device, dtype, max_len=300)
     k2, v2 = k1.clone(), v1.clone()
     q = decode.rope_write_kv(qkv, positions, cos, sin, k1, v1, H, KV)
