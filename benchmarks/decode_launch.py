@@ -1,7 +1,6 @@
 """A/B of the LM decode step's launch options on one machine: programmatic dependent launch
-(cosystream.kernels.PDL), RoPE with the cache write inside the attention kernel
-(kernels.decode.ROPE_IN_ATTENTION: one kernel a layer fewer) and the linears' weight prefetch into L2 before
-their PDL wait (kernels.PREFETCH_WEIGHTS).
+(cosystream.kernels.PDL) and RoPE with the cache write inside the attention kernel
+(kernels.decode.ROPE_IN_ATTENTION: one kernel a layer fewer).
 
     python benchmarks/decode_launch.py --model-dir /tmp/m05 --batches 1,16
 
@@ -27,13 +26,12 @@ from cosystream.engine.lm_runner import LMRunner, RowSampling
 from cosystream.engine.loader import load_llm
 from cosystream.kernels import decode
 
-# name -> (PDL, decode.ROPE_IN_ATTENTION, PREFETCH_WEIGHTS)
-VARIANTS = {"plain": (False, False, False), "pdl": (True, False, False), "pdl_rope": (True, True, False),
-            "pdl_rope_prefetch": (True, True, True)}
+# name -> (PDL, decode.ROPE_IN_ATTENTION)
+VARIANTS = {"plain": (False, False), "pdl": (True, False), "pdl_rope": (True, True)}
 
 
-def make_runner(lm, batches: list[int], options: tuple[bool, bool, bool]) -> LMRunner:
-    kernels.PDL, decode.ROPE_IN_ATTENTION, kernels.PREFETCH_WEIGHTS = options
+def make_runner(lm, batches: list[int], options: tuple[bool, bool]) -> LMRunner:
+    kernels.PDL, decode.ROPE_IN_ATTENTION = options
     d = lm.dims
     runner = LMRunner(lm, max_slots=max(batches), max_len=1024)
     sampling = RowSampling(seed=0, top_p=d.top_p, top_k=d.top_k, win_size=d.win_size, tau_r=d.tau_r,

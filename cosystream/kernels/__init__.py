@@ -27,22 +27,6 @@ def triton_usable(device: torch.device | str) -> bool:
 PDL = True
 
 
-# PERF: a weight-streaming kernel launched with PDL asks for its weight slice (into L2) before it waits for
-# the kernel before it (`_launch_jit.prefetch_to_l2`), so weight reads overlap the previous kernel. Read at
-# launch, like PDL; without PDL it does nothing (the kernel before has finished when it starts).
-PREFETCH_WEIGHTS = True
-
-
-def weight_prefetch(pdl: dict, weight: torch.Tensor, *segment_elems: int) -> dict:
-    """The `PREFETCH` / `ELEM_BYTES` constexprs of a PDL launch (`pdl`, from `pdl_launch`) whose programs
-    prefetch segments of `weight` starting at multiples of each of `segment_elems` elements: on only when
-    every segment is 16-byte aligned (the prefetch instruction's rule)."""
-    elem = weight.element_size()
-    aligned = weight.data_ptr() % 16 == 0 and all(n * elem % 16 == 0 for n in segment_elems)
-    on = PREFETCH_WEIGHTS and pdl.get("PDL", False) and aligned
-    return {"PREFETCH": on, "ELEM_BYTES": elem}
-
-
 def pdl_launch(x: torch.Tensor) -> dict:
     """The `PDL` constexpr and launch option of a decode kernel working on x's device."""
     if PDL and x.is_cuda and _pdl_capable(x.get_device()):  # get_device: the CUDA index, never None

@@ -4,7 +4,7 @@ Triton resolves the helpers a kernel calls from module globals). Each kernel's `
 import triton
 import triton.language as tl
 
-from cosystream.kernels._launch_jit import follow_previous, prefetch_to_l2
+from cosystream.kernels._launch_jit import follow_previous
 
 
 @triton.jit
@@ -208,25 +208,19 @@ def silu_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
 def linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, rows, n_out, n_in, x_stride, k_per_split, part_stride,
                   SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
                   PARTIAL: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr,
-                  PREFETCH: tl.constexpr = False, ELEM_BYTES: tl.constexpr = 2):
+                  BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
     # Weight-streaming GEMM for a few rows: out^T [BLOCK_N, rows] = W tile @ x^T, so the weight's
     # output features fill the MMA's wide side and the rows (padded to 16) its narrow one.
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < n_out
-    k_start = split * k_per_split
-    if PREFETCH:
-        # PERF: launched early under PDL, the program asks for its weight slice (one segment per output row)
-        # while the kernel before it still runs, so the stream below starts from L2
-        seg = tl.minimum(k_per_split, n_in - k_start) * ELEM_BYTES
-        prefetch_to_l2(w_ptr + offs_n.to(tl.int64) * n_in + k_start, tl.where(n_ok, seg, 0).to(tl.int32))
     if PDL:
         follow_previous()
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
+    n_ok = offs_n < n_out
     m_ok = offs_m < rows
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    k_start = split * k_per_split
     for kk in range(0, k_per_split, BLOCK_K):
         offs_k = k_start + kk + tl.arange(0, BLOCK_K)
         k_ok = offs_k < n_in

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import torch
 
-from cosystream.kernels import pdl_launch, weight_prefetch
+from cosystream.kernels import pdl_launch
 
 # rope_attention_linear: the attention kernel rotates q and the new key and writes the cache; False: a RoPE +
 # cache-write kernel first (the A/B of benchmarks/decode_launch.py; read when a step is traced, so set it
@@ -232,12 +232,10 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
     shape = (splits, rows, n_out) if splits > 1 else (rows, n_out)
     out = torch.empty(shape, device=x.device, dtype=torch.float32 if splits > 1 else weight.dtype)
     grid = (-(-n_out // tile.block_n), splits)
-    pdl = pdl_launch(x)
     k.linear_kernel[grid](x, weight, weight if bias is None else bias, out, rows, n_out, n_in, x.stride(0),
                           k_per_split, rows * n_out, SILU=silu,
                           HAS_BIAS=bias is not None, PARTIAL=splits > 1,
                           PRECISION=_precision(weight), BLOCK_N=tile.block_n,
                           BLOCK_K=tile.block_k, BLOCK_M=max(16, k.next_power_of_2(rows)),
-                          num_warps=tile.warps, num_stages=tile.stages, **pdl,
-                          **weight_prefetch(pdl, weight, n_in, k_per_split))
+                          num_warps=tile.warps, num_stages=tile.stages, **pdl_launch(x))
     return out

@@ -1,6 +1,5 @@
 """On a GPU, at the 0.5B size, graphed: programmatic dependent launch of the decode kernels
-(cosystream.kernels.PDL), with or without the linears' weight prefetch (kernels.PREFETCH_WEIGHTS), changes no
-number. It is pure scheduling, so the outputs must be identical bit for bit;
+(cosystream.kernels.PDL) changes no number. It is pure scheduling, so the outputs must be identical bit for bit;
 a missing wait in a PDL kernel would show here as a race (a kernel reading its predecessor's output before that
 one has finished). RoPE and the cache write inside the attention kernel (kernels.decode.ROPE_IN_ATTENTION)
 compute what the RoPE kernel did, up to float32 rounding."""
@@ -28,10 +27,9 @@ needs_pdl = pytest.mark.skipif(not (torch.cuda.is_available() and kernels._pdl_c
 
 
 def _graphed_steps(lm: SpeechLM, batch: int, steps: int, pdl: bool, monkeypatch: pytest.MonkeyPatch,
-                   fused: bool = True, prefetch: bool = True) -> tuple[list[torch.Tensor], KVCache]:
+                   fused: bool = True) -> tuple[list[torch.Tensor], KVCache]:
     """`steps` replays of one captured decode step (rows [0, batch)), each at a new position."""
     monkeypatch.setattr(kernels, "PDL", pdl)
-    monkeypatch.setattr(kernels, "PREFETCH_WEIGHTS", prefetch)
     monkeypatch.setattr(decode, "ROPE_IN_ATTENTION", fused)
     cache = KVCache(lm.dims, batch, 256, "cuda", torch.bfloat16)
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -68,14 +66,12 @@ def _lm_05b() -> SpeechLM:
 
 
 @needs_pdl
-@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("batch", [1, 16])
-def test_pdl_decode_steps_equal_plain_launches_at_full_size(batch: int, prefetch: bool,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pdl_decode_steps_equal_plain_launches_at_full_size(batch: int, monkeypatch: pytest.MonkeyPatch) -> None:
     lm = _lm_05b()
     with torch.inference_mode():
         want, want_cache = _graphed_steps(lm, batch, 12, pdl=False, monkeypatch=monkeypatch)
-        got, got_cache = _graphed_steps(lm, batch, 12, pdl=True, monkeypatch=monkeypatch, prefetch=prefetch)
+        got, got_cache = _graphed_steps(lm, batch, 12, pdl=True, monkeypatch=monkeypatch)
     assert all(torch.isfinite(h).all() for h in want)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
