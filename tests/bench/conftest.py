@@ -81,7 +81,7 @@ class FakeServer:
             self.requests.append({"path": path, "content_type": headers.get("content-type", ""), "body": body})
             return self.send_plain(writer, 201, b'{"name": "ok"}')
         data = json.loads(body)
-        self.requests.append({"path": path, "json": data})
+        self.requests.append({"path": path, "json": data, "peer": writer.get_extra_info("peername")})
         text = data.get("text") or data.get("input") or ""
         if "busy" in text:
             return self.send_plain(writer, 503, b"overloaded", extra="Retry-After: 2\r\n")

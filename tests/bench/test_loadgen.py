@@ -120,6 +120,26 @@ async def test_request_timeout_keeps_partial_audio(fake_server: FakeServer) -> N
     assert rec.error == "timeout after 0.3 s" and rec.first_audio_s is not None and rec.audio_s == 0.1
 
 
+async def test_each_request_in_flight_has_its_own_kept_alive_connection(fake_server: FakeServer) -> None:
+    client = HttpClient(fake_server.url, "tts", RequestSpec(texts=("fast connections.",)), timeout_s=10.0,
+                        origin_s=time.perf_counter())
+
+    def peers() -> list[tuple]:
+        return [r["peer"] for r in fake_server.requests if r.get("json", {}).get("text") == "fast connections."]
+
+    try:
+        together = await asyncio.gather(*(client.send("c=4", i) for i in range(4)))
+        first = peers()
+        for i in range(4):  # one after another: the connections of the first four are reused
+            await client.send("c=1", 4 + i)
+    finally:
+        await client.aclose()
+    assert all(r.ok for r in together)
+    assert len(first) == 4 and len(set(first)) == 4  # concurrent requests never share a connection
+    assert set(peers()[4:]) <= set(first)
+    assert not client._all and not client._idle  # aclose closed every connection
+
+
 # ---- request building -----------------------------------------------------------------------------------
 
 
