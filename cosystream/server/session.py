@@ -196,7 +196,18 @@ class SynthesisSession:
         log_event("request_done", request_id=self.request_id, endpoint=self.endpoint, outcome=self.outcome,
                   format=self.fmt.value, chunks=self.num_chunks, audio_s=self.num_samples / SAMPLE_RATE,
                   first_audio_s=self.server_first_audio_s if self.server_first_audio_s is not None else "",
-                  total_s=self.elapsed_s)
+                  total_s=self.elapsed_s, **self._engine_stages())
+
+    def _engine_stages(self) -> dict[str, float]:
+        """The engine's per-stage seconds of a finished request, for the log line (`engine_` + StageTimes
+        field): first audio as the server saw it (from arrival) against the engine's (from submission)
+        shows the server's own share."""
+        if self.times is None or not hasattr(self.times, "as_dict"):
+            return {}
+        keep = ("queue_s", "frontend_s", "llm_prefill_s", "first_token_s", "first_chunk_flow_s",
+                "first_chunk_vocoder_s", "first_audio_s", "total_s")
+        stages = self.times.as_dict()
+        return {f"engine_{k}": float(stages[k]) for k in keep if k in stages}
 
     def done_event(self) -> DoneEvent:
         times = self.times.as_dict() if hasattr(self.times, "as_dict") else {}

@@ -128,3 +128,19 @@ def test_audio_arrives_while_the_engine_is_still_working(live, client):
         assert live.engine.core.num_active == 1  # streamed: the request is still being synthesised
         rest = b"".join(pieces)
     assert decode(first + rest, "pcm").shape == (300 * SAMPLES_PER_TOKEN,)
+
+
+def test_request_log_line_has_the_engine_stage_breakdown(client, caplog):
+    with caplog.at_level("INFO", logger="cosystream.server"):
+        response = client.post("/v1/tts", json={"text": TEXT, "voice": VOICE, "force_tokens": 5,
+                                                "response_format": "pcm"})
+    assert response.status_code == 200
+    rid = response.headers["x-request-id"]
+    lines = [r.getMessage() for r in caplog.records if "event=request_done" in r.getMessage() and rid in r.getMessage()]
+    assert len(lines) == 1
+    fields = dict(part.split("=", 1) for part in lines[0].split())
+    assert fields["outcome"] == "ok"
+    for stage in STAGES:
+        assert float(fields[f"engine_{stage}"]) >= 0
+    # the server counts first audio from the request's arrival, the engine from its submission
+    assert float(fields["first_audio_s"]) >= float(fields["engine_first_audio_s"]) > 0
