@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -64,13 +65,16 @@ class _Message:
 
 class EngineCore:
     def __init__(self, lm_runner: LMRunner, token2wav: Any, lm: Any, max_chunk_batch: int = 64,
-                 overlap: bool = True, chunk_slack_s: float = 0.0, first_chunk_wait_s: float = 0.0) -> None:
+                 overlap: bool = True, chunk_slack_s: float = 0.0, first_chunk_wait_s: float = 0.0,
+                 preempt: bool = True, final_phase_streams: int = 0) -> None:
         self.lm_runner = lm_runner
         self.t2w = token2wav
         self.lm = lm
         self.max_chunk_batch = max_chunk_batch
         self.chunk_slack_s = chunk_slack_s
         self.first_chunk_wait_s = first_chunk_wait_s
+        self.preempt = preempt
+        self.final_phase_streams = final_phase_streams
         self._step_s: float | None = None  # decode step period (moving average), for first-chunk waits
         self._last_read_t: float | None = None
         self.inbox: queue.Queue[_Message] = queue.Queue()
@@ -103,6 +107,9 @@ class EngineCore:
         # and pool would be used from two threads at once): done when the batch comes back.
         self._after_batch: list[Any] = []  # callables
         self._deferred_calls: list[_Message] = []
+        # planned jobs of a batch the worker handed back before running them (preempted): the next batch
+        # voices them, in their phase order, with the urgent chunks that preempted them
+        self._returned: list[_Job] = []
         self._step_ahead: _Step | None = None  # a launched decode step whose tokens are not read yet
 
     # ------------------------------------------------------------------ thread-safe API
@@ -296,9 +303,9 @@ class EngineCore:
         elif msg.kind == "text_end":
             self._on_text_end(msg.payload)
         elif msg.kind == "chunks_done":
-            jobs, results, error, now, busy_s, last = msg.payload
+            jobs, results, error, now, busy_s, last, returned = msg.payload
             self.t2w_busy_s += busy_s
-            self._chunks_done(jobs, results, error, now, last)
+            self._chunks_done(jobs, results, error, now, last, returned)
 
     @staticmethod
     def _call(msg: _Message) -> None:
@@ -573,30 +580,43 @@ class EngineCore:
     def _expected_tokens(req: RequestState, seg: Segment) -> int:
         return min(req.force_tokens or seg.max_len, 1024)
 
-    def _token2wav(self) -> None:
-        if self._in_flight is not None:
-            return
+    def _ready_chunks(self, skip: set[int]) -> list:
+        """(request, segment) of every segment with a chunk ready to voice, but those in `skip` (ids of
+        segments whose chunk is planned already); first chunks first, then by submission."""
         ready = []
         for req in self.requests.values():
             seg = req.audio_segment
-            if seg is None or req.cancelled or not self._can_voice(req, seg):
+            if seg is None or req.cancelled or id(seg) in skip or not self._can_voice(req, seg):
                 continue
             if seg.planner.has_plan(len(seg.tokens), seg.lm_status == LMStatus.done):
                 ready.append((req, seg))
-        if not ready:
+        ready.sort(key=lambda j: (not j[0].is_first_chunk, j[0].t_submit))
+        return ready
+
+    def _token2wav(self) -> None:
+        if self._in_flight is not None:
+            self._maybe_preempt()
             return
-        ready.sort(key=lambda j: (not j[0].is_first_chunk, j[0].t_submit))  # first chunks first
-        ready = self._within_free_slots(ready)
+        returned = [job for job in self._returned if job.req.request_id in self.requests and not job.req.cancelled]
+        self._returned = []
+        ready = self._ready_chunks({id(job.seg) for job in returned})
+        if not ready and not returned:
+            return
+        unopened = sum(1 for job in returned if job.open_args is not None)
+        ready = self._within_free_slots(ready, reserved=unopened)
         now = time.perf_counter()
-        if not ready or not self._worth_a_batch(ready, now) or self._first_chunks_due_soon(ready, now):
+        # handed-back jobs were planned for a batch already: they go now, whatever else is ready
+        if not returned and (not ready or not self._worth_a_batch(ready, now)
+                             or self._first_chunks_due_soon(ready, now)):
             return
         ready = self._without_costly_finals(ready, now)
         if self._chunks is not None:
-            ready = ready[:self.max_chunk_batch]  # the rest waits for the next batch, plans untouched
-        jobs = [_Job(req, seg, seg.planner.next_plan(len(seg.tokens), seg.lm_status == LMStatus.done),
-                     open_args=self._open_args(req, seg) if seg.t2w is None else None, state=seg.t2w)
-                for req, seg in ready]
-        phases = _phases(jobs, now, self.chunk_slack_s / 2)
+            # the rest waits for the next batch, plans untouched
+            ready = ready[:max(0, self.max_chunk_batch - len(returned))]
+        jobs = returned + [_Job(req, seg, seg.planner.next_plan(len(seg.tokens), seg.lm_status == LMStatus.done),
+                                open_args=self._open_args(req, seg) if seg.t2w is None else None, state=seg.t2w)
+                           for req, seg in ready]
+        phases = _phases(jobs, now, self.chunk_slack_s / 2, self.final_phase_streams)
         if self._chunks is not None:
             self._in_flight = jobs
             self._first_in_flight = {id(job.req) for job in jobs if job.req.is_first_chunk}
@@ -614,6 +634,24 @@ class EngineCore:
                 now = time.perf_counter()
                 self.t2w_busy_s += now - t0
                 self._chunks_done(batch, results, error, now)
+
+    def _maybe_preempt(self) -> None:
+        """PERF: a batch on the worker runs phase after phase (core._phases). When a first chunk, or a chunk
+        of a client about to run dry, becomes ready after the batch was planned, the worker is asked to hand
+        back the phases it has not started (later chunks, official final passes: hundreds of ms for many
+        streams), so the new chunk waits for one phase, not for the whole batch; the handed-back jobs open
+        the next batch, behind it. Not while the new first chunk would wait for others of its burst anyway
+        (`_first_chunks_due_soon`)."""
+        worker = self._chunks
+        if not self.preempt or worker is None or worker.preempt.is_set() or not self._in_flight:
+            return
+        now = time.perf_counter()
+        dry_s = self.chunk_slack_s / 2
+        urgent = [(req, seg) for req, seg in self._ready_chunks({id(job.seg) for job in self._in_flight})
+                  if req.is_first_chunk or _buffered_audio_s(req, now) < dry_s]
+        urgent = self._within_free_slots(urgent)
+        if urgent and not self._first_chunks_due_soon(urgent, now):
+            worker.preempt.set()
 
     def _worth_a_batch(self, ready: list, now: float) -> bool:
         """PERF: a flow batch costs nearly the same for one chunk as for sixteen (it is launch-bound), so
@@ -693,13 +731,15 @@ class EngineCore:
                       if not r.cancelled and r.audio_segment is not None and r.audio_segment.t2w is None)
         return wanting > free
 
-    def _within_free_slots(self, ready: list) -> list:
+    def _within_free_slots(self, ready: list, reserved: int = 0) -> list:
         """Open no more new streams in one batch than there are free flow slots: each one beyond would fall
         to the eager path and its own multi-GB key/value cache (at 64 streams on the H100 that ran the GPU
-        out of memory); the rest start in a later batch, oldest first."""
+        out of memory); the rest start in a later batch, oldest first. `reserved`: slots the batch's
+        handed-back jobs will open."""
         free = self.t2w.free_slots()
         if free is None:
             return ready
+        free = max(0, free - reserved)
         kept = []
         for req, seg in ready:
             if seg.t2w is None and self.t2w.needs_slot(seg.inputs, self._expected_tokens(req, seg)):
@@ -715,10 +755,13 @@ class EngineCore:
                     seed=req.sampling.seed + req.audio_index, stored=req.voice_cache)
 
     def _chunks_done(self, jobs: list[_Job], results: list | None, error: BaseException | None,
-                     now: float, last: bool = True) -> None:
+                     now: float, last: bool = True, returned: Sequence[_Job] = ()) -> None:
         """A batch, or one phase of it (`last`: the batch's last phase), came back from the worker or
         inline: emit its audio, or fail its requests alone (the phase failed: its requests fail, the
-        others never were in it). Until the last phase the worker still uses the flow and HiFT."""
+        others never were in it). Until the last phase the worker still uses the flow and HiFT.
+        `returned`: the planned jobs of the phases a preempted worker did not start (they open the next
+        batch)."""
+        self._returned.extend(returned)
         if last or self._in_flight is None:
             self._in_flight = None
             self._first_in_flight = set()
@@ -811,9 +854,10 @@ def _buffered_audio_s(req: RequestState, now: float) -> float:
     return req.t_submit + req.times.first_audio_s + req.times.audio_s - now
 
 
-def _phases(jobs: list[_Job], now: float, dry_s: float) -> list[list[_Job]]:
+def _phases(jobs: list[_Job], now: float, dry_s: float, max_finals: int = 0) -> list[list[_Job]]:
     """A batch's jobs in the order they are voiced and handed back: chunks of clients with less than `dry_s`
-    of audio left, first chunks, later chunks, final chunks. PERF: each phase's audio goes out as soon as
+    of audio left, first chunks, later chunks, final chunks (in phases of at most `max_finals` streams when
+    > 0: a preempting first chunk then waits for fewer of them). PERF: each phase's audio goes out as soon as
     that phase is done, so a new request's first chunk never waits for the official final passes (a
     whole-utterance ODE each, ~300 ms for sixteen streams on the H100) or the later chunks in its batch;
     the phases would not have shared a flow or vocoder call anyway (different frame counts, cached or
@@ -827,6 +871,9 @@ def _phases(jobs: list[_Job], now: float, dry_s: float) -> list[list[_Job]]:
             order[0].append(job)
         else:
             order[3 if job.plan.is_final else 2].append(job)
+    finals = order.pop()
+    size = max_finals if max_finals > 0 else max(1, len(finals))
+    order += [finals[i:i + size] for i in range(0, len(finals), size)]
     return [phase for phase in order if phase]
 
 
@@ -856,6 +903,7 @@ class _ChunkWorker:
     def __init__(self, core: EngineCore) -> None:
         self.core = core
         self.jobs: queue.Queue[list | None] = queue.Queue()
+        self.preempt = threading.Event()  # set by the engine thread: stop after the running phase
         self.thread = threading.Thread(target=self._run, name="cosystream-token2wav", daemon=True)
         device = core.lm_runner.device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -868,6 +916,7 @@ class _ChunkWorker:
         self.thread.join(timeout=30)
 
     def submit(self, phases: list[list[_Job]]) -> None:
+        self.preempt.clear()  # a request to stop early is about the batch before this one
         self.jobs.put(phases)
 
     def _run(self) -> None:
@@ -881,8 +930,14 @@ class _ChunkWorker:
                 except BaseException as e:  # reported with the phase; the engine thread decides
                     error = e
                 now = time.perf_counter()
-                last = i == len(phases) - 1
-                self.core.inbox.put(_Message("chunks_done", (jobs, results, error, now, now - t0, last)))
+                rest = phases[i + 1:]
+                stop = bool(rest) and self.preempt.is_set()
+                # one message with the unstarted jobs: the engine must not plan before it has them back
+                returned = [job for phase in rest for job in phase] if stop else []
+                self.core.inbox.put(_Message("chunks_done", (jobs, results, error, now, now - t0,
+                                                             not rest or stop, returned)))
+                if stop:
+                    break
 
     def _compute(self, jobs: list[_Job]) -> list:
         device = self.core.lm_runner.device

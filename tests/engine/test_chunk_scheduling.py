@@ -5,6 +5,8 @@ audio it produces is checked by the engine tests (test_overlap, test_engine...).
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from types import SimpleNamespace
 
@@ -216,3 +218,140 @@ def test_a_phase_that_comes_back_is_emitted_while_the_rest_of_its_batch_still_ru
     core._chunks_done(jobs[1:], [(pcm, 0.3, 0.01)], None, time.perf_counter(), last=True)
     assert len(got["ending"]) == 1 and got["ending"][0].is_final
     assert core._in_flight is None and ran == ["release"] and core.t2w_batches == 1
+
+
+def test_final_passes_are_voiced_in_phases_of_at_most_the_set_size():
+    core = _core()
+    finals = [_request(core, f"end{i}", buffered_s=2.0, lm=LMStatus.done, slot=i) for i in range(5)]
+    new = _request(core, "new", buffered_s=None, lm=LMStatus.decoding, slot=6)
+    jobs = [_job(new, False)] + [_job(r, True) for r in finals]
+    names = [[j.req.request_id for j in phase] for phase in _phases(jobs, time.perf_counter(), 0.3, max_finals=2)]
+    assert names == [["new"], ["end0", "end1"], ["end2", "end3"], ["end4"]]
+    assert len(_phases(jobs, time.perf_counter(), 0.3)) == 2  # 0: every final in one phase
+
+
+class _FakeWorker:
+    def __init__(self) -> None:
+        self.preempt = threading.Event()
+        self.submitted: list[list[list[_Job]]] = []
+
+    def submit(self, phases: list[list[_Job]]) -> None:
+        self.preempt.clear()
+        self.submitted.append(phases)
+
+
+def _ready_first_chunk(core: EngineCore, name: str, slot: int) -> RequestState:
+    req = _request(core, name, buffered_s=None, lm=LMStatus.decoding, slot=slot)
+    return _with_tokens(req, req.audio_segment.planner.tokens_needed())
+
+
+def test_a_first_chunk_ready_during_a_batch_asks_the_worker_to_hand_back_its_unstarted_phases():
+    core = _core()
+    core._chunks = worker = _FakeWorker()
+    ending = _request(core, "ending", buffered_s=3.0, lm=LMStatus.done, slot=0)
+    core._in_flight = [_job(ending, True)]
+    core._token2wav()
+    assert not worker.preempt.is_set()  # nothing urgent is ready
+    _request(core, "ahead", buffered_s=3.0, lm=LMStatus.decoding, slot=1).audio_segment.tokens = list(range(200))
+    core._token2wav()
+    assert not worker.preempt.is_set()  # a later chunk with audio to spare is not urgent
+    new = _ready_first_chunk(core, "new", slot=2)
+    core._token2wav()
+    assert worker.preempt.is_set() and not worker.submitted  # one batch at a time: the new one waits
+    worker.preempt.clear()
+    core.preempt = False
+    core._token2wav()
+    assert not worker.preempt.is_set()  # switched off
+    core.preempt = True
+    new.cancelled = True
+    core._token2wav()
+    assert not worker.preempt.is_set()
+
+
+def test_no_preemption_while_the_new_first_chunk_waits_for_its_burst():
+    core = _core(first_wait=0.05)
+    core._step_s = 0.002
+    core._chunks = worker = _FakeWorker()
+    ending = _request(core, "ending", buffered_s=3.0, lm=LMStatus.done, slot=0)
+    core._in_flight = [_job(ending, True)]
+    new = _ready_first_chunk(core, "new", slot=1)
+    need = new.audio_segment.planner.tokens_needed()
+    _with_tokens(_request(core, "near", buffered_s=None, lm=LMStatus.decoding, slot=2), need - 5)
+    core._token2wav()
+    assert not worker.preempt.is_set()  # "near" is 10 ms away: they will share a batch anyway
+    new.t_first_ready -= 0.05  # the wait is over
+    core._token2wav()
+    assert worker.preempt.is_set()
+
+
+def test_handed_back_jobs_open_the_next_batch_with_their_plans_behind_the_new_first_chunk():
+    core = _core()
+    core._chunks = worker = _FakeWorker()
+    got: list = []
+    first = _request(core, "first", buffered_s=None, lm=LMStatus.decoding, slot=0)
+    first.emit = got.append
+    middle = _request(core, "middle", buffered_s=3.0, lm=LMStatus.decoding, slot=1)
+    ending = _request(core, "ending", buffered_s=3.0, lm=LMStatus.done, slot=2)
+    _with_tokens(middle, 400)  # more tokens than its planned chunk needs: it must not be planned twice
+    planned = [_job(middle, False), _job(ending, True)]
+    core._in_flight = [_job(first, False)] + planned
+    core._first_in_flight = {id(first)}
+    ran: list[str] = []
+    core._after_batch.append(lambda: ran.append("release"))
+    pcm = np.zeros(480, dtype=np.float32)
+    core._chunks_done(core._in_flight[:1], [(pcm, 0.02, 0.003)], None, time.perf_counter(), last=True,
+                      returned=planned)
+    assert len(got) == 1 and core._in_flight is None and ran == ["release"]  # the worker is idle again
+    new = _ready_first_chunk(core, "new", slot=3)
+    offset_before = middle.audio_segment.planner.offset
+    core._token2wav()
+    phases = worker.submitted[-1]
+    assert [[j.req.request_id for j in phase] for phase in phases] == [["new"], ["middle"], ["ending"]]
+    assert phases[1][0] is planned[0] and phases[2][0] is planned[1]  # the same plans, not new ones
+    assert middle.audio_segment.planner.offset == offset_before and not core._returned
+    assert new.audio_segment.planner.offset > 0  # the new first chunk was planned
+
+
+def test_handed_back_jobs_of_a_cancelled_request_are_dropped():
+    core = _core()
+    core._chunks = worker = _FakeWorker()
+    gone = _request(core, "gone", buffered_s=3.0, lm=LMStatus.done, slot=0)
+    core._returned = [_job(gone, True)]
+    gone.cancelled = True
+    core._token2wav()
+    assert not worker.submitted and not core._returned
+
+
+def test_the_worker_stops_after_the_running_phase_and_returns_the_rest_in_one_message():
+    from cosystream.engine.core import _ChunkWorker
+
+    class _Watch:
+        def start(self) -> None: ...
+        def lap(self, name: str) -> None: ...
+
+    runs: list[list[str]] = []
+    core = SimpleNamespace(inbox=queue.Queue(), lm_runner=SimpleNamespace(device=torch.device("cpu")))
+    worker = _ChunkWorker(core)
+
+    def run(items: list) -> list:
+        runs.append([plan.name for _, _, plan in items])
+        if len(runs) == 1:
+            worker.preempt.set()  # the engine asks while the first phase computes
+        return [(np.zeros(4, np.float32), 0.0, 0.0)] * len(items)
+
+    core.t2w = SimpleNamespace(watch=_Watch(), run=run)
+    req = RequestState(request_id="r", segments=[Segment(inputs=None, planner=None, min_len=0, max_len=1)],
+                       sampling=None, emit=lambda _: None)
+    jobs = [_Job(req, req.audio_segment, plan=SimpleNamespace(name=n)) for n in ("a", "b", "c")]
+    worker.start()
+    try:
+        worker.submit([[jobs[0]], [jobs[1]], [jobs[2]]])
+        msg = core.inbox.get(timeout=10)
+        done, _, error, _, _, last, returned = msg.payload
+        assert done == [jobs[0]] and error is None and last and returned == jobs[1:]
+        worker.submit([[jobs[1]], [jobs[2]]])  # a new batch: the old request to stop does not apply
+        payloads = [core.inbox.get(timeout=10).payload for _ in range(2)]
+    finally:
+        worker.stop()
+    assert [(p[0], p[5], p[6]) for p in payloads] == [([jobs[1]], False, []), ([jobs[2]], True, [])]
+    assert runs == [["a"], ["b"], ["c"]] and core.inbox.empty()
