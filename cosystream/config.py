@@ -56,9 +56,6 @@ class EngineConfig:
     # batch runs asks the worker to hand back the batch's phases it has not started (later chunks, official
     # final passes), so it waits for one phase, not the whole batch. False: batches always run to the end.
     preempt_token2wav: bool = True
-    # Official final passes voiced per phase of a batch (0: all of the batch's in one phase). Smaller
-    # phases give a preempting first chunk less to wait for; larger ones batch the passes better.
-    final_phase_streams: int = 0
     fused_kernels: bool = True  # CUDA: Triton kernels for the LM decode step (False: the unfused torch step)
     compile: bool = False  # torch.compile the hot steps (fewer, fused kernels; minutes of compile at start)
     schedule: ChunkSchedule = ChunkSchedule()
@@ -97,8 +94,6 @@ class EngineConfig:
             raise ValueError(f"chunk_slack_s: must be >= 0, got {self.chunk_slack_s}")
         if self.inline_frontend_chars < 0:
             raise ValueError(f"inline_frontend_chars: must be >= 0, got {self.inline_frontend_chars}")
-        if self.final_phase_streams < 0:
-            raise ValueError(f"final_phase_streams: must be >= 0, got {self.final_phase_streams}")
         if self.first_chunk_wait_s < 0:
             raise ValueError(f"first_chunk_wait_s: must be >= 0, got {self.first_chunk_wait_s}")
         if self.gil_switch_interval_s is not None and not self.gil_switch_interval_s > 0:

@@ -66,7 +66,7 @@ class _Message:
 class EngineCore:
     def __init__(self, lm_runner: LMRunner, token2wav: Any, lm: Any, max_chunk_batch: int = 64,
                  overlap: bool = True, chunk_slack_s: float = 0.0, first_chunk_wait_s: float = 0.0,
-                 preempt: bool = True, final_phase_streams: int = 0) -> None:
+                 preempt: bool = True) -> None:
         self.lm_runner = lm_runner
         self.t2w = token2wav
         self.lm = lm
@@ -74,7 +74,6 @@ class EngineCore:
         self.chunk_slack_s = chunk_slack_s
         self.first_chunk_wait_s = first_chunk_wait_s
         self.preempt = preempt
-        self.final_phase_streams = final_phase_streams
         self._step_s: float | None = None  # decode step period (moving average), for first-chunk waits
         self._last_read_t: float | None = None
         self.inbox: queue.Queue[_Message] = queue.Queue()
@@ -616,7 +615,7 @@ class EngineCore:
         jobs = returned + [_Job(req, seg, seg.planner.next_plan(len(seg.tokens), seg.lm_status == LMStatus.done),
                                 open_args=self._open_args(req, seg) if seg.t2w is None else None, state=seg.t2w)
                            for req, seg in ready]
-        phases = _phases(jobs, now, self.chunk_slack_s / 2, self.final_phase_streams)
+        phases = _phases(jobs, now, self.chunk_slack_s / 2)
         if self._chunks is not None:
             self._in_flight = jobs
             self._first_in_flight = {id(job.req) for job in jobs if job.req.is_first_chunk}
@@ -854,10 +853,9 @@ def _buffered_audio_s(req: RequestState, now: float) -> float:
     return req.t_submit + req.times.first_audio_s + req.times.audio_s - now
 
 
-def _phases(jobs: list[_Job], now: float, dry_s: float, max_finals: int = 0) -> list[list[_Job]]:
+def _phases(jobs: list[_Job], now: float, dry_s: float) -> list[list[_Job]]:
     """A batch's jobs in the order they are voiced and handed back: chunks of clients with less than `dry_s`
-    of audio left, first chunks, later chunks, final chunks (in phases of at most `max_finals` streams when
-    > 0: a preempting first chunk then waits for fewer of them). PERF: each phase's audio goes out as soon as
+    of audio left, first chunks, later chunks, final chunks. PERF: each phase's audio goes out as soon as
     that phase is done, so a new request's first chunk never waits for the official final passes (a
     whole-utterance ODE each, ~300 ms for sixteen streams on the H100) or the later chunks in its batch;
     the phases would not have shared a flow or vocoder call anyway (different frame counts, cached or
@@ -871,9 +869,6 @@ def _phases(jobs: list[_Job], now: float, dry_s: float, max_finals: int = 0) -> 
             order[0].append(job)
         else:
             order[3 if job.plan.is_final else 2].append(job)
-    finals = order.pop()
-    size = max_finals if max_finals > 0 else max(1, len(finals))
-    order += [finals[i:i + size] for i in range(0, len(finals), size)]
     return [phase for phase in order if phase]
 
 

@@ -220,16 +220,6 @@ def test_a_phase_that_comes_back_is_emitted_while_the_rest_of_its_batch_still_ru
     assert core._in_flight is None and ran == ["release"] and core.t2w_batches == 1
 
 
-def test_final_passes_are_voiced_in_phases_of_at_most_the_set_size():
-    core = _core()
-    finals = [_request(core, f"end{i}", buffered_s=2.0, lm=LMStatus.done, slot=i) for i in range(5)]
-    new = _request(core, "new", buffered_s=None, lm=LMStatus.decoding, slot=6)
-    jobs = [_job(new, False)] + [_job(r, True) for r in finals]
-    names = [[j.req.request_id for j in phase] for phase in _phases(jobs, time.perf_counter(), 0.3, max_finals=2)]
-    assert names == [["new"], ["end0", "end1"], ["end2", "end3"], ["end4"]]
-    assert len(_phases(jobs, time.perf_counter(), 0.3)) == 2  # 0: every final in one phase
-
-
 class _FakeWorker:
     def __init__(self) -> None:
         self.preempt = threading.Event()

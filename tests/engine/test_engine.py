@@ -217,10 +217,3 @@ def test_a_negative_inline_frontend_limit_is_refused_by_name():
         EngineConfig(inline_frontend_chars=-1)
     assert EngineConfig(inline_frontend_chars=0).inline_frontend_chars == 0
 
-
-def test_a_negative_final_phase_size_is_refused_by_name():
-    from cosystream.config import EngineConfig
-
-    with pytest.raises(ValueError, match="final_phase_streams: must be >= 0, got -2"):
-        EngineConfig(final_phase_streams=-2)
-    assert EngineConfig().final_phase_streams == 0 and EngineConfig().preempt_token2wav
