@@ -75,6 +75,7 @@ class SynthesisSession:
         self.num_samples = 0
         self.times: Any = None
         self.server_first_audio_s: float | None = None
+        self.to_engine_s: float | None = None  # arrival -> handed to the engine (parsing, checks, admission)
         self._iter: AsyncIterator[AudioChunk] | None = None
         self._first: AudioChunk | None = None
         self._is_open = False
@@ -120,6 +121,7 @@ class SynthesisSession:
         self._is_admitted = True
         self.state.metrics.active_streams.labels(self.endpoint).inc()
         self._is_open = True
+        self.to_engine_s = self.elapsed_s
         self._iter = self.state.engine.synthesize(self.params)
         try:
             self._first = await self._next_chunk()
@@ -196,7 +198,8 @@ class SynthesisSession:
         log_event("request_done", request_id=self.request_id, endpoint=self.endpoint, outcome=self.outcome,
                   format=self.fmt.value, chunks=self.num_chunks, audio_s=self.num_samples / SAMPLE_RATE,
                   first_audio_s=self.server_first_audio_s if self.server_first_audio_s is not None else "",
-                  total_s=self.elapsed_s, **self._engine_stages())
+                  total_s=self.elapsed_s, to_engine_s=self.to_engine_s if self.to_engine_s is not None else "",
+                  **self._engine_stages())
 
     def _engine_stages(self) -> dict[str, float]:
         """The engine's per-stage seconds of a finished request, for the log line (`engine_` + StageTimes

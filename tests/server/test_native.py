@@ -144,3 +144,4 @@ def test_request_log_line_has_the_engine_stage_breakdown(client, caplog):
         assert float(fields[f"engine_{stage}"]) >= 0
     # the server counts first audio from the request's arrival, the engine from its submission
     assert float(fields["first_audio_s"]) >= float(fields["engine_first_audio_s"]) > 0
+    assert 0 <= float(fields["to_engine_s"]) <= float(fields["first_audio_s"]) - float(fields["engine_first_audio_s"])
