@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from cosystream.bench.clients import TARGETS, HttpClient, RequestSpec, WsClient, endpoint_url, register_voice
-from cosystream.bench.loadgen import LevelPlan, build_plans, run_benchmark
+from cosystream.bench.loadgen import LevelPlan, build_plans, run_benchmark, run_event_loop
+from cosystream.bench.procs import ClientJob, run_level_in_processes
 from cosystream.bench.report import LevelSummary, RequestRecord, build_results, format_table, write_json, write_plot
 
 EXIT_USAGE = 2
@@ -61,6 +62,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help="do not POST the workload's prompt_wav to /v1/voices before starting")
     p.add_argument("--out", default="bench_results.json", help="JSON with every request and the summaries")
     p.add_argument("--plot", default=None, help="PNG of first-audio percentiles and aggregate RTF per level")
+    p.add_argument("--procs", type=int, default=1,
+                   help="client processes a level's streams (or arrivals) are split over, so the client's own "
+                        "CPU is not part of what it measures at high concurrency (warm-up: in this process)")
     p.add_argument("--tag", action="append", default=[], metavar="KEY=VALUE",
                    help="a fact about the run kept in the JSON's meta.tags, e.g. commit=abc1234 or gpu=H100; "
                         "repeatable")
@@ -85,7 +89,7 @@ def run_bench(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     try:
-        records, summaries, interrupted = _run_loop(_run(args, spec, upload, plans))
+        records, summaries, interrupted = run_event_loop(_run(args, spec, upload, plans))  # meta.client_loop
     except KeyboardInterrupt:  # the second Ctrl-C: no results
         _log("aborted")
         return EXIT_INTERRUPTED
@@ -157,6 +161,8 @@ def _plans_from_args(args: argparse.Namespace) -> list[LevelPlan]:
         raise ValueError("--duration: must be > 0")
     if args.timeout <= 0 or args.warmup_requests < 0:
         raise ValueError("--timeout must be > 0 and --warmup-requests >= 0")
+    if args.procs < 1:
+        raise ValueError(f"--procs: must be >= 1, got {args.procs}")
     return build_plans(concurrency, rates, args.requests_per_level, args.duration)
 
 
@@ -179,9 +185,13 @@ async def _run(args: argparse.Namespace, spec: RequestSpec, upload: VoiceUpload 
             client: HttpClient | WsClient = WsClient(args.url, spec, args.timeout, origin_s)
         else:
             client = HttpClient(args.url, args.target, spec, args.timeout, origin_s)
+        def in_processes(plan: LevelPlan, seed: int) -> Any:
+            job = ClientJob(args.url, args.target, spec, args.timeout, origin_s, plan, seed)
+            return run_level_in_processes(job, args.procs, stop)
+
         try:
             records, summaries = await run_benchmark(client.send, plans, stop, args.warmup_requests, args.seed or 0,
-                                                      _log)
+                                                      _log, level_fn=in_processes if args.procs > 1 else None)
         finally:
             if isinstance(client, HttpClient):
                 await client.aclose()
@@ -225,16 +235,6 @@ def _stop_on_signals(stop: asyncio.Event):
     return remove
 
 
-def _run_loop(coro: Any) -> Any:
-    """On uvloop where it is installed (it is not a dependency): the client's own per-chunk work is part of
-    every latency it measures, so the lighter loop is used when there is one; meta.client_loop says which."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
-
-
 def _tags(items: list[str]) -> dict[str, str]:
     tags: dict[str, str] = {}
     for item in items:
@@ -253,7 +253,7 @@ def _meta(args: argparse.Namespace, spec: RequestSpec, plans: list[LevelPlan], s
         "client_host": platform.node(), "python": platform.python_version(), "interrupted": interrupted,
         "client_loop": "uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
         "request": asdict(spec), "levels": [asdict(p) for p in plans], "warmup_requests": args.warmup_requests,
-        "timeout_s": args.timeout, "seed": args.seed,
+        "timeout_s": args.timeout, "seed": args.seed, "client_procs": args.procs,
     }
 
 

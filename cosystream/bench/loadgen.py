@@ -14,6 +14,7 @@ import math
 import random
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from cosystream.bench.report import LevelSummary, RequestRecord, Timeline, summarize
 
@@ -123,10 +124,14 @@ async def run_level(send: SendFn, plan: LevelPlan, stop: asyncio.Event,
     return await run_open(send, plan, stop, seed)
 
 
+LevelFn = Callable[[LevelPlan, int], Awaitable[tuple[list[RequestRecord], bool]]]  # (plan, seed) -> records
+
+
 async def run_benchmark(send: SendFn, plans: Sequence[LevelPlan], stop: asyncio.Event, warmup_requests: int = 0,
-                        seed: int = 0, log: Callable[[str], None] = print,
+                        seed: int = 0, log: Callable[[str], None] = print, level_fn: LevelFn | None = None,
                         ) -> tuple[list[RequestRecord], list[LevelSummary]]:
-    """Warm up, then run the levels in order; returns every record (warm-up included) and one summary per level."""
+    """Warm up, then run the levels in order; returns every record (warm-up included) and one summary per level.
+    `level_fn` runs a level instead of `send` on this loop (bench/procs.py: in client processes)."""
     records = await run_warmup(send, warmup_requests, stop)
     if records:
         failed = [r for r in records if not r.ok]
@@ -136,7 +141,10 @@ async def run_benchmark(send: SendFn, plans: Sequence[LevelPlan], stop: asyncio.
     for level_idx, plan in enumerate(plans):
         if stop.is_set():
             break
-        level_records, interrupted = await run_level(send, plan, stop, seed + level_idx)
+        if level_fn is not None:
+            level_records, interrupted = await level_fn(plan, seed + level_idx)
+        else:
+            level_records, interrupted = await run_level(send, plan, stop, seed + level_idx)
         summary = summarize(level_records, plan.label, plan.kind, plan.value, interrupted)
         records += level_records
         summaries.append(summary)
@@ -197,3 +205,13 @@ async def _wait_or_stop(tasks: Sequence[asyncio.Task], stop: asyncio.Event) -> b
             if isinstance(result, Exception):
                 raise result  # a bug in a send function: failed requests come back as records
     return not finished
+
+
+def run_event_loop(coro: Any) -> Any:
+    """Run `coro` on uvloop where it is installed (it is not a dependency): the client's own per-chunk work
+    is part of every latency it measures, so the lighter loop is used when there is one."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
