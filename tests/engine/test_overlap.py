@@ -74,3 +74,53 @@ def test_engine_calls_wait_for_the_batch_on_the_worker(overlapped):
         prober.join(timeout=60)
     assert result.num_chunks >= 2 and len(seen) > 10
     assert all(seen)
+
+
+class _AlwaysStop(threading.Event):
+    """A preemption flag that no batch clears: the worker hands back every phase after the first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        super().set()
+
+    def clear(self) -> None:
+        pass
+
+
+def test_batches_handed_back_after_every_phase_give_the_same_audio(overlapped, engine, fixture_dir, monkeypatch):
+    """Preemption at its most: each batch runs one phase and hands the rest back to open the next one.
+    No chunk may be lost, run twice or out of order, and the audio stays the inline path's."""
+    engine.run(engine.async_engine.add_voice("fixture_inline2", str(fixture_dir / "prompt_24k.wav"),
+                                             "Hello there. This is a short synthetic prompt."))
+    core = overlapped.async_engine.core
+    flag = _AlwaysStop()
+    monkeypatch.setattr(core._chunks, "preempt", flag)
+    handed_back: list[int] = []
+    done = core._chunks_done
+
+    def counting(jobs, results, error, now, last=True, returned=()):
+        handed_back.append(len(returned))
+        return done(jobs, results, error, now, last, returned)
+
+    monkeypatch.setattr(core, "_chunks_done", counting)
+    # forced lengths of several chunks each, different per request: batches mix first, later and final chunks
+    params = [SynthesisParams(text=t, sampling=SamplingParams(greedy=True, seed=10 + i), force_tokens=60 + 30 * i)
+              for i, t in enumerate(TEXTS)]
+    inline = [engine.synthesize(replace(p, voice="fixture_inline2")) for p in params]
+    results: list = [None] * len(params)
+
+    def worker(i: int) -> None:
+        results[i] = overlapped.synthesize(replace(params[i], voice="fixture"))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(params))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    for a, b in zip(inline, results, strict=True):
+        assert b is not None and a.num_chunks == b.num_chunks and a.times.num_tokens == b.times.num_tokens
+        # float32 sums over other batch compositions: these lengths differ from the inline path by up to
+        # 1.0e-3 without any preemption too; a lost, repeated or misplaced chunk differs by ~0.1-1
+        np.testing.assert_allclose(b.pcm, a.pcm, atol=2e-3, rtol=0)
+    assert any(n > 0 for n in handed_back)  # some batch really was cut short
+    assert core._in_flight is None and not core._returned
