@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
-# A/B on one machine of token-to-wave preemption (EngineConfig.preempt_token2wav) and of giving a flow slot
-# back before the official final pass (release_slot_before_final): closed loop c=16 and the open loop at
-# 15 req/s (= 150x real time). VARIANTS: on, off (preemption), held (slot kept to the final pass).
+# A/B of token-to-wave preemption (EngineConfig.preempt_token2wav) on one machine: closed loop c=16 and the
+# open loop at 15 req/s (= 150x real time).
 #   COSYSTREAM_COMMIT=<hash> bash benchmarks/preempt_ab.sh      (JSON under $OUT)
 source benchmarks/gpu_prep.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -11,7 +10,6 @@ for v in ${VARIANTS:-on off}; do
   case $v in
     on) X="--config preempt_token2wav=1";;
     off) X="--config preempt_token2wav=0";;
-    held) X="--config release_slot_before_final=0";;
   esac
   echo "== $v"
   # LEVELS=" ": the open loop alone (then it is level 0: --seed draws its arrivals)

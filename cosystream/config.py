@@ -56,10 +56,6 @@ class EngineConfig:
     # batch runs asks the worker to hand back the batch's phases it has not started (later chunks, official
     # final passes), so it waits for one phase, not the whole batch. False: batches always run to the end.
     preempt_token2wav: bool = True
-    # A stream whose LM is done and whose only chunk left is the official final pass (full attention over
-    # its own keys: no flow slot needed) gives its flow slot back then, not after that pass. False: the
-    # slot is held to the end (the A/B of benchmarks/preempt_ab.sh).
-    release_slot_before_final: bool = True
     fused_kernels: bool = True  # CUDA: Triton kernels for the LM decode step (False: the unfused torch step)
     compile: bool = False  # torch.compile the hot steps (fewer, fused kernels; minutes of compile at start)
     schedule: ChunkSchedule = ChunkSchedule()

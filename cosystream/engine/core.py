@@ -476,7 +476,6 @@ class EngineCore:
         self._release_slot(seg)
         req.lm_index += 1
         self._queue_lm(req)
-        self._detach_if_final_left(seg)
 
     def _release_slot(self, seg: Segment) -> None:
         if seg.slot >= 0:
@@ -814,18 +813,6 @@ class EngineCore:
         else:
             self._fail(req, faults.non_finite("flow or vocoder"))
 
-    def _detach_if_final_left(self, seg: Segment) -> None:
-        """PERF: once a segment's LM is done and its next chunk is the official final pass (which needs no flow
-        slot), its slot goes back now for a waiting stream, instead of after that pass. Not while a chunk of
-        it is planned (on the worker or handed back): its stream still needs the slot for that chunk."""
-        if (seg.t2w is None or seg.lm_status != LMStatus.done or seg.planner is None or seg.planner.finished
-                or not seg.planner.next_is_final(len(seg.tokens))):
-            return
-        planned = (self._in_flight or []) + self._returned
-        if any(job.seg is seg for job in planned):
-            return
-        self._t2w_later(self.t2w.detach, seg.t2w)
-
     def _emit(self, req: RequestState, seg: Segment, plan, pcm: np.ndarray, flow_s: float, vocoder_s: float,
               now: float) -> None:
         t = req.times
@@ -843,8 +830,6 @@ class EngineCore:
         req.emit(AudioChunk(pcm=pcm, index=req.chunks_emitted, is_final=last, times=t if last else None,
                             request_id=req.request_id))
         req.chunks_emitted += 1
-        if not plan.is_final:
-            self._detach_if_final_left(seg)
         if last:
             req.finished = True
             self._finish(req)

@@ -29,7 +29,6 @@ from cosystream.models.flow_stream import PromptCache
 
 _LEN_BUCKET = 128  # attended frames are rounded up to a multiple of this (fewer graphs, little waste)
 _ENCODER_ROWS = (1, 2, 4, 8, 16, 32)  # streams per batched encoder step (graph buckets)
-_MAX_FINAL_ROWS = 32  # official final passes per graph replay (more are split into several replays)
 
 
 @dataclass
@@ -64,10 +63,6 @@ class FlowRunner:
         self.kv = torch.zeros(steps, est.num_attention_blocks, 2, rows, max_frames, est.inner_dim,
                               device=self.device, dtype=self.dtype)
         self.conv = torch.zeros(steps, rows, est.conv_state_channels, 2, device=self.device, dtype=self.dtype)
-        # the official final passes' conv tails: a pass needs nothing of a slot (its attention reads its own
-        # keys), so a stream gives its slot back before its final pass (Token2WavRunner.detach)
-        self.final_conv = torch.zeros(steps, 2 * _MAX_FINAL_ROWS, est.conv_state_channels, 2, device=self.device,
-                                      dtype=self.dtype)
         # every slot's encoder caches (pooled streams' EncoderState tensors are views of their slot's row),
         # so the encoder steps of many streams run as one batch that reads and writes the pool in place
         empty = flow.encoder.new_state(max_frames // UPSAMPLE)
@@ -115,11 +110,9 @@ class FlowRunner:
                             prompt.encoder.up_tail.clone(), n)
 
     def close(self, stream: PooledStream) -> None:
-        """Give the stream's slot back (once: a closed stream's slot is -1, whoever holds that slot now)."""
-        if stream.slot >= 0 and stream.slot not in self.free:
+        if stream.slot not in self.free:
             self.free.append(stream.slot)
             self.free.sort()
-        stream.slot = -1
 
     # ------------------------------------------------------------------ chunks
     @torch.inference_mode()
@@ -253,8 +246,8 @@ class FlowRunner:
 
     def capture_full(self, num_frames: int, batch: int = 1) -> None:
         """Capture the final pass (encoder + full-attention ODE) of `batch` streams of `num_frames`
-        (prompt included)."""
-        if num_frames > self.max_frames or not self.final_graphs.enabled or batch > _MAX_FINAL_ROWS:
+        (prompt included), on the scratch slot."""
+        if num_frames > self.max_frames or not self.final_graphs.enabled:
             return
         padded = self._full_length(num_frames)
         if (batch, padded) in self.final_graphs.graphs:
@@ -265,7 +258,8 @@ class FlowRunner:
             torch.zeros(batch, tokens, dtype=torch.long, device=dev),
             torch.full((batch,), num_frames // UPSAMPLE, device=dev, dtype=torch.long),
             torch.zeros(batch, bins, padded, device=dev), torch.zeros(batch, bins, device=dev, dtype=self.dtype),
-            torch.zeros(batch, bins, padded, device=dev, dtype=self.dtype)])
+            torch.zeros(batch, bins, padded, device=dev, dtype=self.dtype),
+            torch.full((batch,), self.scratch, device=dev, dtype=torch.long)])
 
     def _full_length(self, num_frames: int) -> int:
         """Frames a final pass is padded to (even: whole tokens)."""
@@ -276,30 +270,28 @@ class FlowRunner:
 
     @torch.inference_mode()
     def full_pass(self, prompt: PromptCache, target_ids: torch.Tensor) -> torch.Tensor | None:
-        """The official final call (full attention, zero look-ahead) over prompt + every target token.
-        Returns mel [80, F] (prompt frames included), or None when it does not fit the pool (the caller then
-        runs it eagerly)."""
-        return self.full_passes([(prompt, target_ids)])[0]
+        """The official final call (full attention, zero look-ahead) over prompt + every target token, on
+        the scratch slot. Returns mel [80, F] (prompt frames included), or None when it does not fit the
+        pool (the caller then runs it eagerly)."""
+        return self.full_passes([(prompt, target_ids, self.scratch)])[0]
 
     @torch.inference_mode()
-    def full_passes(self, items: Sequence[tuple[PromptCache, torch.Tensor]]) -> list[torch.Tensor | None]:
-        """Final calls of several streams: items are (prompt, target ids); no pool slot is used. Streams padded
-        to the same length share one graph replay (up to _MAX_FINAL_ROWS). None for a stream longer than a
-        slot."""
+    def full_passes(self, items: Sequence[tuple[PromptCache, torch.Tensor, int]]) -> list[torch.Tensor | None]:
+        """Final calls of several streams: items are (prompt, target ids, pool slot to compute in: the
+        stream's own, which it no longer needs, or the scratch slot). Streams padded to the same length
+        share one graph replay. None for a stream that does not fit the pool."""
         out: list[torch.Tensor | None] = [None] * len(items)
         by_length: dict[int, list[int]] = {}
-        for i, (prompt, ids) in enumerate(items):
+        for i, (prompt, ids, _) in enumerate(items):
             frames = UPSAMPLE * (prompt.prompt_tokens.shape[0] + ids.shape[0])
             if frames <= self.max_frames:
                 by_length.setdefault(self._full_length(frames), []).append(i)
         for padded, members in by_length.items():
-            for start in range(0, len(members), _MAX_FINAL_ROWS):
-                part = members[start:start + _MAX_FINAL_ROWS]
-                for i, mel in zip(part, self._full_batch(padded, [items[i] for i in part]), strict=True):
-                    out[i] = mel
+            for i, mel in zip(members, self._full_batch(padded, [items[i] for i in members]), strict=True):
+                out[i] = mel
         return out
 
-    def _full_batch(self, padded: int, items: Sequence[tuple[PromptCache, torch.Tensor]]) -> list[torch.Tensor]:
+    def _full_batch(self, padded: int, items: Sequence[tuple[PromptCache, torch.Tensor, int]]) -> list[torch.Tensor]:
         """PERF: the finalizing encoder of every stream (padded to the batch's length, masked) and the ODE
         run as one graph replay per (batch bucket, padded length)."""
         rows = bucket(len(items))
@@ -309,8 +301,9 @@ class FlowRunner:
         spks = torch.zeros(rows, bins, device=dev, dtype=self.dtype)
         ids = torch.zeros(rows, padded // UPSAMPLE, dtype=torch.long, device=dev)
         valid = torch.full((rows,), padded // UPSAMPLE, device=dev, dtype=torch.long)
+        slots = torch.full((rows,), self.scratch, device=dev, dtype=torch.long)
         lengths = []
-        for j, (prompt, target) in enumerate(items):
+        for j, (prompt, target, slot) in enumerate(items):
             all_ids = torch.cat([prompt.prompt_tokens, target.to(prompt.prompt_tokens.device, torch.long)])
             frames = UPSAMPLE * all_ids.shape[0]
             ids[j, :all_ids.shape[0]] = all_ids
@@ -318,24 +311,24 @@ class FlowRunner:
             z[j, :, :frames] = self.cfm.noise(0, frames)[0].to(dev)
             cond[j, :, :prompt.prompt_mel.shape[0]] = prompt.prompt_mel.T
             spks[j] = prompt.spks
+            slots[j] = slot
             lengths.append(frames)
         self.watch.lap("final_setup")
-        (x,) = self.final_graphs.run((rows, padded), [ids, valid, z, spks, cond])
+        (x,) = self.final_graphs.run((rows, padded), [ids, valid, z, spks, cond, slots])
         out = [x[j, :, :frames].clone() for j, frames in enumerate(lengths)]
         self.watch.lap("final_pass")
         return out
 
-    def _final_core(self, ids, valid, z, spks, cond) -> tuple[torch.Tensor]:
+    def _final_core(self, ids, valid, z, spks, cond, slots) -> tuple[torch.Tensor]:
         """The official final call of each row: the finalizing encoder, then full attention over each
-        row's first 2·valid frames (its own keys: no pool rows); batch row j's conv tails are rows 2j, 2j+1
-        of `final_conv`, zeroed first (padding frames come after a row's frames: the causal convs never carry
-        them backwards)."""
+        row's first 2·valid frames; its rows start with zero conv tails (padding frames come after a
+        row's frames: the causal convs never carry them backwards)."""
         mu = self.flow.encode_padded(ids, valid)
-        lanes = torch.arange(z.shape[0], device=z.device)
-        self.final_conv.zero_()
+        rows = torch.stack([2 * slots, 2 * slots + 1], dim=1).flatten()
+        self.conv.index_fill_(1, rows, 0)
         frames = UPSAMPLE * valid
-        return self._integrate(z, mu, spks, cond, lanes, torch.zeros_like(frames), frames, 0, z.shape[-1],
-                               own_keys=True, conv_pool=self.final_conv)
+        return self._integrate(z, mu, spks, cond, slots, torch.zeros_like(frames), frames, 0, z.shape[-1],
+                               own_keys=True)
 
     def _ode(self, z, mu, spks, cond, slots, starts, marker) -> tuple[torch.Tensor]:
         """The 10-step CFG Euler ODE for a padded batch (graph body: static shapes, no host syncs).
@@ -344,10 +337,8 @@ class FlowRunner:
         return self._integrate(z, mu, spks, cond, slots, starts, key_limit, self.chunk, marker.shape[0])
 
     def _integrate(self, z, mu, spks, cond, slots, starts, key_limit, chunk: int, attn_len: int,
-                   own_keys: bool = False, conv_pool: torch.Tensor | None = None) -> tuple[torch.Tensor]:
-        """own_keys: a whole-utterance pass from frame 0 (see PooledKV.own_keys). conv_pool: where the conv
-        tails of `slots` live (default: the slots' pool rows)."""
-        conv_pool = self.conv if conv_pool is None else conv_pool
+                   own_keys: bool = False) -> tuple[torch.Tensor]:
+        """own_keys: a whole-utterance pass from frame 0 (see PooledKV.own_keys)."""
         num_new = z.shape[-1]
         rows = torch.stack([2 * slots, 2 * slots + 1], dim=1).flatten()  # [2B]: (cond, uncond) per stream
         q_pos = starts.unsqueeze(1) + torch.arange(num_new, device=z.device)  # [B, C]
@@ -355,10 +346,10 @@ class FlowRunner:
         limits = key_limit.repeat_interleave(2, dim=0)
 
         def velocity(k: int, x, mu_in, spks_in, cond_in, t):
-            conv = conv_pool[k][rows]
+            conv = self.conv[k][rows]
             pooled = PooledKV(self.kv[k], rows, write_pos, limits, chunk, attn_len, self.attention_ops, own_keys)
             v = self._step(x, mu_in, spks_in, cond_in, t, [pooled], conv, write_pos, [])
-            conv_pool[k][rows] = conv
+            self.conv[k][rows] = conv
             return v
 
         return (self.cfm.solve(z, mu, spks, cond, velocity),)

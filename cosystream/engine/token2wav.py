@@ -56,7 +56,6 @@ class Token2WavRunner:
         self.hift = hift
         self.stream = FlowStream(flow, config.final_attention)
         self.final_attention = config.final_attention
-        self.release_before_final = config.release_slot_before_final
         self.device = flow.input_embedding.weight.device
         # token-to-wave graphs may replay beside the LM's (overlap): captured on a stream of their own
         graph_stream = capture_stream(self.device)
@@ -137,20 +136,6 @@ class Token2WavRunner:
         if isinstance(state.flow, PooledStream) and self.pool is not None:
             self.pool.close(state.flow)
 
-    def detach(self, state: Token2WavState) -> bool:
-        """Give the pool slot of a stream whose only chunk left is its official final pass back now: that
-        pass recomputes the whole utterance from the tokens with full attention and needs nothing of the
-        slot (FlowRunner.full_passes). PERF: a slot is then held from a stream's first chunk to its last
-        streaming one, not until its final pass, which waits behind first chunks under load. True if a
-        slot was given back (only with the official final, `final_attention="full"`, and
-        `EngineConfig.release_slot_before_final`)."""
-        flow = state.flow
-        if (not self.release_before_final or self.final_attention != "full" or self.pool is None
-                or not isinstance(flow, PooledStream) or flow.slot < 0 or flow.is_finished):
-            return False
-        self.pool.close(flow)
-        return True
-
     # ------------------------------------------------------------------ chunks
     @torch.inference_mode()
     def run(self, jobs: Sequence[tuple[Token2WavState, list[int], ChunkPlan]]
@@ -178,8 +163,6 @@ class Token2WavRunner:
         groups: dict[tuple[bool, int, bool], list[tuple[int, tuple]]] = {}
         finals: list[tuple[int, Token2WavState, torch.Tensor, ChunkPlan]] = []
         for i, (st, tokens, plan) in enumerate(jobs):
-            if isinstance(st.flow, PooledStream) and st.flow.slot < 0 and not plan.is_final:
-                raise RuntimeError("a stream that gave its flow slot back has only its final pass left")
             ids = self._tokens(tokens[:plan.token_end])
             if plan.provisional:
                 self.watch.lap("flow_setup")
@@ -225,7 +208,7 @@ class Token2WavRunner:
         state is no longer needed), streams of one padded length in one graph replay."""
         if not finals:
             return
-        full = self.pool.full_passes([(st.flow.prompt, ids[0]) for _, st, ids, _ in finals])
+        full = self.pool.full_passes([(st.flow.prompt, ids[0], st.flow.slot) for _, st, ids, _ in finals])
         for (i, st, ids, plan), mel in zip(finals, full, strict=True):
             if mel is None:
                 mels[i] = self._finish_eager(st, ids, plan)
@@ -276,9 +259,8 @@ class Token2WavRunner:
         return mel[:, self._emitted_from(st, plan) - first_returned:]
 
     def _spill_if_full(self, st: Token2WavState, new_tokens: int) -> None:
-        """A pooled stream about to outgrow its slot continues on the eager path (a detached one, slot -1,
-        has only its final pass left, which fits: its tokens fitted the slot)."""
-        if isinstance(st.flow, PooledStream) and st.flow.slot >= 0 and \
+        """A pooled stream about to outgrow its slot continues on the eager path."""
+        if isinstance(st.flow, PooledStream) and \
                 UPSAMPLE * (st.flow.num_tokens + new_tokens) > self.pool.max_frames:
             st.flow = self.pool.to_flow_state(st.flow)
 

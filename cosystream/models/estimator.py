@@ -396,9 +396,8 @@ class Estimator(nn.Module):
     def _transformers(blocks: nn.ModuleList, h: torch.Tensor, kv: Sequence[torch.Tensor],
                       write_idx: torch.Tensor, attn_bias: Sequence[torch.Tensor]) -> torch.Tensor:
         ops = blocks[0].kernels
-        # (not for a pass over its own keys: that path keeps keys in the pool, and such a pass owns no pool rows)
-        if (ops is not None and isinstance(kv[0], PooledKV) and not kv[0].own_keys
-                and blocks[0].attn1.qkv_weight is not None and h.shape[0] * h.shape[2] <= PROLOGUE_GEMM_MAX_ROWS):
+        if (ops is not None and isinstance(kv[0], PooledKV) and blocks[0].attn1.qkv_weight is not None
+                and h.shape[0] * h.shape[2] <= PROLOGUE_GEMM_MAX_ROWS):
             return Estimator._pooled_transformers(blocks, h, kv[0], ops)
         h = h.transpose(1, 2)
         if ops is None:

@@ -7,7 +7,6 @@ out of memory at 64 streams. The pool exists on CUDA only, so here a one-slot CP
 
 from __future__ import annotations
 
-import numpy as np
 from engine_threads import synthesize_together
 
 from cosystream.engine.flow_runner import FlowRunner
@@ -37,43 +36,5 @@ def test_streams_beyond_the_pool_wait_for_a_slot(model_dir, fixture_dir, tmp_pat
         assert all(len(r.pcm) > 0 for r in results)
         assert opened == ["PooledStream"] * 3  # every stream ran in the pool's one slot, one after another
         assert t2w.pool.free == [0]
-    finally:
-        eng.close()
-
-
-def test_a_stream_left_with_only_its_final_pass_gives_its_slot_to_a_waiting_one(model_dir, fixture_dir, tmp_path,
-                                                                                 monkeypatch):
-    """The official final pass needs no slot: a stream whose LM is done and whose next chunk is that pass
-    gives its slot back then, so a waiting stream opens before the pass runs. Audio as with the slot held."""
-    eng = Engine.from_pretrained(model_dir, voices_db=str(tmp_path / "v.db"), max_streams=4)
-    try:
-        eng.run(eng.async_engine.add_voice("v", str(fixture_dir / "prompt_24k.wav"), "Hello there."))
-        t2w = eng.async_engine.core.t2w
-        params = [SynthesisParams(text="a line to say.", voice="v", force_tokens=40,
-                                  sampling=SamplingParams(greedy=True, seed=i)) for i in range(3)]
-        events: list[str] = []
-
-        def run(detach: bool) -> list:
-            t2w.pool = FlowRunner(t2w.flow, num_slots=1, max_frames=512, use_graphs=False)
-            real_passes = t2w.pool.full_passes
-            monkeypatch.setattr(t2w.pool, "full_passes",
-                                lambda items: events.extend(["final"] * len(items)) or real_passes(items))
-            t2w.release_before_final = detach
-            events.clear()
-            results = synthesize_together(eng, params)
-            assert all(not isinstance(r, Exception) for r in results), results
-            assert t2w.pool.free == [0]
-            return results
-
-        real_start = t2w.start
-        monkeypatch.setattr(t2w, "start", lambda *a, **k: events.append("open") or real_start(*a, **k))
-        early = run(detach=True)
-        assert events.index("open", 1) < events.index("final")  # the second stream opened first
-        assert events.count("open") == 3 and events.count("final") == 3
-        held = run(detach=False)
-        assert events == ["open", "final"] * 3  # one stream at a time: each waits for the pass before it
-        for a, b in zip(held, early, strict=True):
-            assert len(a.pcm) == len(b.pcm) == 40 * 960
-            np.testing.assert_allclose(b.pcm, a.pcm, atol=2e-3, rtol=0)
     finally:
         eng.close()

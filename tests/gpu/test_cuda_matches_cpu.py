@@ -114,7 +114,7 @@ def test_graphed_batched_final_passes_match_cpu(checkpoint, load_fixture, cfm_no
     tokens = f["token"][0]
     targets = [tokens, (tokens[:-7] * 3 + 1) % 6561]
     want = [runners["cpu"].full_pass(prompts["cpu"], t) for t in targets]
-    got = runners["cuda"].full_passes([(prompts["cuda"], t.cuda()) for t in targets])
+    got = runners["cuda"].full_passes([(prompts["cuda"], t.cuda(), slot) for slot, t in enumerate(targets)])
     assert len(runners["cuda"].final_graphs.graphs) == 1
     for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape
