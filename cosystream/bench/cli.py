@@ -4,6 +4,7 @@
         --force-tokens 250 --concurrency 1,4,16,64,128 --requests-per-level 64 --out results.json --plot results.png
     cosystream bench --target openai --voice alloy --text "Hello." --rate 0.5,1,2 --duration 60
     cosystream bench --workload bench/workload.json --concurrency 1,8   # see benchmarks/workload.py
+    cosystream bench --workload bench/workload.json --concurrency 64 --procs 4   # clients in 4 processes
 
 Ctrl-C stops the run (in-flight requests are dropped) and still writes what finished; a second Ctrl-C aborts.
 """

@@ -1,12 +1,14 @@
 """Client processes of the load generator (`cosystream bench --procs N`).
 
-One Python process parses every response of every stream on one event loop: at 16 streams whose audio
-arrives in the same millisecond (one shared flow batch on the server), the last stream's chunk waits for
-the client to finish with the fifteen before it, and so do the next requests it sends. Real listeners do
-not share a loop. With --procs N each level's streams (closed loop) or arrivals (open loop: N Poisson
-processes of rate/N, which together are one of the full rate) are split over N processes that start the
-level together (a barrier) and measure against one clock (`time.perf_counter` is the system's monotonic
-clock on Linux and macOS, the same in every process); the parent merges their records into one level.
+One Python process parses every response of every stream on one event loop, so the client's own work for
+the other streams is part of each latency it measures (at 16 streams whose audio arrives in the same
+millisecond, the last one's chunk waits for the fifteen before it); real listeners do not share a loop. With
+--procs N each level's streams (closed loop) or arrivals (open loop: N Poisson processes of rate/N, which
+together are one of the full rate) are split over N processes that start the level together (a barrier) and
+measure against one clock (`time.perf_counter` is the system's monotonic clock on Linux and macOS, the same
+in every process); the parent merges their records into one level. On the lent H100 machine, 16 streams over
+HTTP gave the same median first audio from one process and from four (docs/benchmarks.md): use it to check
+that the client is not part of what a level measures.
 """
 
 from __future__ import annotations
