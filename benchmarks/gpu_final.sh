@@ -12,19 +12,7 @@ POOL="--config flow_slots=28 --config flow_frames=832"
 B="python3 benchmarks/bench_engine.py --model-dir /tmp/m05 --device cuda --dtype bfloat16 --warmup-requests 3 $POOL"
 
 http_bench() {  # cosystream serve + cosystream bench over HTTP; HTTP_LEVELS (1,16) and HTTP_N (32) requests per level
-  python3 -m cosystream.cli serve --model-dir /tmp/m05 $POOL --log-level warning > /tmp/serve.log 2>&1 &
-  SERVER=$!
-  python3 benchmarks/workload.py /tmp/wl > /dev/null
-  python3 - <<'PY'
-import time, httpx
-for _ in range(300):
-    try:
-        if httpx.get("http://127.0.0.1:8000/ready", timeout=2).status_code == 200:
-            break
-    except httpx.HTTPError:
-        pass
-    time.sleep(1)
-PY
+  SERVE_LOG_LEVEL=warning source benchmarks/serve_bg.sh
   python3 -m cosystream.cli bench --url http://127.0.0.1:8000 --target tts --workload /tmp/wl/workload.json \
     --concurrency ${HTTP_LEVELS:-1,16} --requests-per-level ${HTTP_N:-32} --warmup-requests 3 --out "$OUT/http.json" \
     --plot "$OUT/http.png" --tag "commit=${COSYSTREAM_COMMIT:-unknown}" \

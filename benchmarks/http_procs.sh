@@ -3,18 +3,7 @@
 # interleaved rounds against one server; the server's request_done lines (engine stage times) come back too.
 #   C=<hash> bash benchmarks/http_procs.sh      (JSON under $OUT)
 source benchmarks/gpu_prep.sh; mkdir -p "$OUT"
-python3 -m cosystream.cli serve --model-dir /tmp/m05 --config flow_slots=28 --config flow_frames=832 --log-level info \
-  > /tmp/serve.log 2>&1 &
-SERVER=$!
-python3 benchmarks/workload.py /tmp/wl > /dev/null
-python3 -c "
-import time, httpx
-for _ in range(300):
-    try:
-        if httpx.get('http://127.0.0.1:8000/ready', timeout=2).status_code == 200: break
-    except httpx.HTTPError: pass
-    time.sleep(1)
-"
+source benchmarks/serve_bg.sh
 BN="python3 -m cosystream.cli bench --url http://127.0.0.1:8000 --target tts --workload /tmp/wl/workload.json --tag commit=$C"
 for r in 1 2; do
   for p in 1 4; do

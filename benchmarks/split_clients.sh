@@ -4,17 +4,7 @@
 # audio? The server's request_done lines (engine stage times) come back with the JSON.
 #   C=<hash> bash benchmarks/split_clients.sh
 source benchmarks/gpu_prep.sh; mkdir -p $OUT
-python3 -m cosystream.cli serve --model-dir /tmp/m05 --config flow_slots=28 --config flow_frames=832 --log-level info > /tmp/serve.log 2>&1 &
-SERVER=$!
-python3 benchmarks/workload.py /tmp/wl > /dev/null
-python3 -c "
-import time, httpx
-for _ in range(300):
-    try:
-        if httpx.get('http://127.0.0.1:8000/ready', timeout=2).status_code == 200: break
-    except httpx.HTTPError: pass
-    time.sleep(1)
-"
+source benchmarks/serve_bg.sh
 BN="python3 -m cosystream.cli bench --url http://127.0.0.1:8000 --target tts --workload /tmp/wl/workload.json --tag commit=$C"
 $BN --concurrency 1 --requests-per-level 8 --warmup-requests 3 --out $OUT/warm.json > /dev/null 2>&1
 for r in 1 2; do

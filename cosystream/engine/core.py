@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -579,11 +579,14 @@ class EngineCore:
     def _expected_tokens(req: RequestState, seg: Segment) -> int:
         return min(req.force_tokens or seg.max_len, 1024)
 
-    def _ready_chunks(self, skip: set[int]) -> list:
+    def _ready_chunks(self, skip: set[int], only: Callable[[RequestState], bool] | None = None) -> list:
         """(request, segment) of every segment with a chunk ready to voice, but those in `skip` (ids of
-        segments whose chunk is planned already); first chunks first, then by submission."""
+        segments whose chunk is planned already) and, with `only`, requests it refuses (checked first: it
+        is meant to be cheaper than the readiness test); first chunks first, then by submission."""
         ready = []
         for req in self.requests.values():
+            if only is not None and not only(req):
+                continue
             seg = req.audio_segment
             if seg is None or req.cancelled or id(seg) in skip or not self._can_voice(req, seg):
                 continue
@@ -646,8 +649,10 @@ class EngineCore:
             return
         now = time.perf_counter()
         dry_s = self.chunk_slack_s / 2
-        urgent = [(req, seg) for req, seg in self._ready_chunks({id(job.seg) for job in self._in_flight})
-                  if req.is_first_chunk or _buffered_audio_s(req, now) < dry_s]
+        # PERF: this runs at every engine-loop turn while a batch is out (each decode step): the cheap
+        # urgency test comes before the readiness one
+        urgent = self._ready_chunks({id(job.seg) for job in self._in_flight},
+                                    only=lambda req: req.is_first_chunk or _buffered_audio_s(req, now) < dry_s)
         urgent = self._within_free_slots(urgent)
         if urgent and not self._first_chunks_due_soon(urgent, now):
             worker.preempt.set()

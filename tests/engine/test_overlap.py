@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from engine_threads import synthesize_together
 
 from cosystream.config import EngineConfig
 from cosystream.engine.sync_engine import Engine
@@ -30,18 +31,10 @@ def test_overlapped_concurrent_requests_equal_inline_ones(overlapped, engine, fi
                                              "Hello there. This is a short synthetic prompt."))
     params = [SynthesisParams(text=t, sampling=SamplingParams(greedy=True, seed=i)) for i, t in enumerate(TEXTS)]
     inline = [engine.synthesize(replace(p, voice="fixture_inline")) for p in params]
-    results: list = [None] * len(params)
-
-    def worker(i: int) -> None:
-        results[i] = overlapped.synthesize(replace(params[i], voice="fixture"))
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(params))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=600)
+    results = synthesize_together(overlapped, [replace(p, voice="fixture") for p in params])
     for a, b in zip(inline, results, strict=True):
-        assert b is not None and a.num_chunks == b.num_chunks and a.times.num_tokens == b.times.num_tokens
+        assert not isinstance(b, Exception), b
+        assert a.num_chunks == b.num_chunks and a.times.num_tokens == b.times.num_tokens
         np.testing.assert_allclose(b.pcm, a.pcm, atol=5e-4, rtol=0)
     assert overlapped.async_engine.core._in_flight is None
 
@@ -107,18 +100,10 @@ def test_batches_handed_back_after_every_phase_give_the_same_audio(overlapped, e
     params = [SynthesisParams(text=t, sampling=SamplingParams(greedy=True, seed=10 + i), force_tokens=60 + 30 * i)
               for i, t in enumerate(TEXTS)]
     inline = [engine.synthesize(replace(p, voice="fixture_inline2")) for p in params]
-    results: list = [None] * len(params)
-
-    def worker(i: int) -> None:
-        results[i] = overlapped.synthesize(replace(params[i], voice="fixture"))
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(params))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=600)
+    results = synthesize_together(overlapped, [replace(p, voice="fixture") for p in params])
     for a, b in zip(inline, results, strict=True):
-        assert b is not None and a.num_chunks == b.num_chunks and a.times.num_tokens == b.times.num_tokens
+        assert not isinstance(b, Exception), b
+        assert a.num_chunks == b.num_chunks and a.times.num_tokens == b.times.num_tokens
         # float32 sums over other batch compositions: these lengths differ from the inline path by up to
         # 1.0e-3 without any preemption too; a lost, repeated or misplaced chunk differs by ~0.1-1
         np.testing.assert_allclose(b.pcm, a.pcm, atol=2e-3, rtol=0)

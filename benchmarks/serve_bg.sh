@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Sourced by the HTTP benchmark scripts: `cosystream serve` on /tmp/m05 (the standard pool) in the background at
+# log level ${SERVE_LOG_LEVEL:-info} (/tmp/serve.log), the standard workload in /tmp/wl, then waits until the
+# server answers /ready. Sets SERVER (its pid).
+python3 -m cosystream.cli serve --model-dir /tmp/m05 --config flow_slots=28 --config flow_frames=832 \
+  --log-level "${SERVE_LOG_LEVEL:-info}" > /tmp/serve.log 2>&1 &
+SERVER=$!
+python3 benchmarks/workload.py /tmp/wl > /dev/null
+python3 - <<'PY'
+import time, httpx
+for _ in range(300):
+    try:
+        if httpx.get("http://127.0.0.1:8000/ready", timeout=2).status_code == 200:
+            break
+    except httpx.HTTPError:
+        pass
+    time.sleep(1)
+PY
