@@ -1,12 +1,13 @@
 """Pick the launch tiles of the flow estimator's Triton GEMMs (kernels/flow.py TILES) on the GPU.
 
-    python benchmarks/kernel_tiles.py [--rows 200,1600,3200] [--json tiles.json]
+    python benchmarks/kernel_tiles.py [--rows 200,1600,3200,26624] [--json tiles.json]
 
 Each candidate runs as the engine runs it: 20 calls back to back inside one CUDA graph, replayed; the
 time per call therefore includes the graph's per-kernel launch cost. The baseline is what the fused
 kernel replaces: cuBLAS (F.linear) followed by the separate epilogue kernel(s).
 Shapes are the CosyVoice2-0.5B estimator's (dim 256, attention 512, feed-forward 1024); rows = CFG rows ×
-new frames (200: one stream's first chunk, 1600/3200: 16 streams).
+new frames (200: one stream's first chunk, 1600/3200: 16 streams, 26624: the official final pass of 16
+streams, 2 × 832 frames each).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def cases(m: int, dev: str, dt: torch.dtype) -> dict:
 
     ln = (t(DIM) + 1, t(DIM), 1e-5)
     frames = m // 2
-    pool = torch.zeros(2, 4, 1024, INNER, device=dev, dtype=dt)
+    pool = torch.zeros(2, 4, max(1024, frames), INNER, device=dev, dtype=dt)
     rows = torch.tensor([0, 1], device=dev)
     write_pos = torch.arange(frames, device=dev).repeat(2, 1)
     x, res = t(2, frames, DIM), t(2, frames, DIM)
@@ -87,16 +88,24 @@ def cases(m: int, dev: str, dt: torch.dtype) -> dict:
                                                            mish=True, add=time_add, tail_out=tail_buf, tile=tile)),
         "res+LN+ff1+GELU": ("gelu", lambda: F.gelu(F.linear(flow.add_layer_norm(x, res, *ln)[0], w_1, b_1)),
                             lambda tile: flow.norm_linear(x, res, ln, w_1, b_1, gelu=True, tile=tile)),
+        "res+LN+qkv": ("proj", lambda: F.linear(flow.add_layer_norm(x, res, *ln)[0], w_q),
+                       lambda tile: flow.norm_linear(x, res, ln, w_q, None, tile=tile)),
         "res+LN+qkv+pool": ("qkv", qkv_unfused,
                             lambda tile: flow.norm_qkv_pool_write(x, res, ln, w_q, pool[0], pool[1], rows, write_pos,
                                                                   tile=tile)),
     }
 
 
-def candidates(kind: str) -> list[Tile]:
+def candidates(kind: str, m: int) -> list[Tile]:
+    large = m > 2048
     if kind == "conv":  # block_m = frames per program, block_n = input channels per step, output-channel blocks
+        if large:
+            return [Tile(bt, bc, w, s) for bt, bc, w, s in itertools.product((16, 32, 64, 128), (32, 64), (4, 8),
+                                                                             (2, 3))]
         return [Tile(bt, bc, w, s, co) for bt, bc, w, s, co in itertools.product((16, 32), (32, 64), (4, 8), (2, 3),
                                                                                  (1, 2, 4, 8))]
+    if large:  # the whole K (256) is one tile: stages do not matter
+        return [Tile(bm, bn, w, 2) for bm, bn, w in itertools.product((64, 128), (64, 128, 256), (4, 8))]
     return [Tile(bm, bn, w, s) for bm, bn, w, s in itertools.product((16, 32, 64), (64, 128), (4, 8), (2, 3))]
 
 
@@ -114,7 +123,7 @@ def main() -> None:
                 continue
             base = per_call_us(baseline)
             timed = {}
-            for tile in candidates(kind):
+            for tile in candidates(kind, m):
                 try:
                     timed[tile] = per_call_us(lambda tile=tile, fused=fused: fused(tile))
                 except Exception as e:  # a tile that does not fit (shared memory) is skipped, not fatal

@@ -46,16 +46,32 @@ def _kernels() -> SimpleNamespace:
         acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
         base = pool_row.to(tl.int64) * pool_row_stride + head * HEAD_DIM
         n_keys = tl.max(q_end, axis=0)
-        for start in range(0, n_keys, BLOCK_N):
+        # PERF: keys below every live query's end are visible to all of them: those blocks need no mask
+        # (the final pass: all but the last block); the scores are kept in log2 units (exp2, the scale
+        # and log2(e) folded into one multiply).
+        n_free = (tl.min(tl.where(live, q_end, n_keys), axis=0) // BLOCK_N) * BLOCK_N
+        qk_scale = scale * 1.4426950408889634
+        for start in range(0, n_free, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            k = tl.load(k_ptr + base + offs_n[None, :] * pool_frame_stride + offs_d[:, None])
+            s = tl.dot(q, k) * qk_scale
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.math.exp2(s - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            v = tl.load(v_ptr + base + offs_n[:, None] * pool_frame_stride + offs_d[None, :])
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+        for start in range(n_free, n_keys, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             in_range = offs_n < n_keys
             k = tl.load(k_ptr + base + offs_n[None, :] * pool_frame_stride + offs_d[:, None],
                         mask=in_range[None, :], other=0.0)
-            s = tl.dot(q, k) * scale
+            s = tl.dot(q, k) * qk_scale
             s = tl.where(offs_n[None, :] < q_end[:, None], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
+            p = tl.math.exp2(s - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
             v = tl.load(v_ptr + base + offs_n[:, None] * pool_frame_stride + offs_d[None, :],
                         mask=in_range[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
