@@ -24,6 +24,8 @@ from cosystream.engine.chunking import ChunkPlan
 from cosystream.engine.flow_runner import FlowRunner, PooledStream
 from cosystream.engine.graphs import GraphCache, bucket, capture_stream, maybe_compile
 from cosystream.engine.stopwatch import Stopwatch
+from cosystream.kernels import triton_usable
+from cosystream.kernels import vocoder as vocoder_kernels
 from cosystream.models.flow import UPSAMPLE
 from cosystream.models.flow_stream import FlowStream, FlowStreamState, PromptCache, cache_bytes_per_frame
 from cosystream.models.hift import MEL_CACHE_FRAMES, HiFTGenerator, crossfade, fade_window
@@ -64,6 +66,8 @@ class Token2WavRunner:
         self.pool = (FlowRunner(flow, slots, config.flow_frames, config.cuda_graphs, config.compile,
                                 config.fused_kernels, capture_stream=graph_stream, watch=self.watch)
                      if slots else None)
+        if config.fused_kernels and triton_usable(self.device):
+            hift.set_kernels(vocoder_kernels)  # one launch per Snake instead of seven
         self.overlap = MEL_CACHE_FRAMES * hift.upsample_scale  # 3840 samples
         self.window = fade_window(self.overlap, self.device)
         self.source_override = source_override

@@ -295,7 +295,7 @@ def pooled_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor
     batch, num_q, inner = q.shape
     head_dim = inner // num_heads
     assert q.stride(2) == 1 and pool_k.stride(2) == 1 and pool_k.stride() == pool_v.stride()
-    t = tile if tile is not None else ATTENTION_TILES[(chunk > 0, batch * num_q <= 512)]
+    t = tile if tile is not None else ATTENTION_TILES[(chunk > 0, batch * num_q <= SMALL_ROWS)]
     out = torch.empty(batch, num_q, inner, device=q.device, dtype=q.dtype)
     grid = (batch, num_heads, -(-num_q // t.block_m))
     _kernels().pooled_attention_kernel[grid](
@@ -360,13 +360,24 @@ class Tile:
     co_blocks: int = 1  # conv only: output-channel blocks (> 1: conv and epilogue as two launches)
 
 
-# (kind, small M) -> tile; small M = at most 512 rows (one or two streams' chunk). Picked on the H100 with
-# benchmarks/kernel_tiles.py (docs/benchmarks.md); kinds: "qkv" (pool-write epilogue), "gelu".
-TILES: dict[tuple[str, bool], Tile] = {
-    ("qkv", True): Tile(32, 128, 4, 2), ("qkv", False): Tile(64, 128, 4, 2),
-    ("gelu", True): Tile(32, 64, 8, 2), ("gelu", False): Tile(64, 128, 4, 2),
-    # conv: block_m frames, block_n input channels a step, output channels in co_blocks launches
-    ("conv", True): Tile(16, 32, 8, 2, 4), ("conv", False): Tile(16, 64, 8, 2),
+SMALL_ROWS, LARGE_ROWS = 512, 8192  # row-count classes of the tile tables: 0 up to SMALL, 1 up to LARGE, 2 above
+
+
+def row_class(rows: int) -> int:
+    """0: one or two streams' chunk, 1: 16 streams' chunks, 2: official final passes of several streams."""
+    return 0 if rows <= SMALL_ROWS else 1 if rows <= LARGE_ROWS else 2
+
+
+# (kind, row class) -> tile. Picked on the H100 with benchmarks/kernel_tiles.py (docs/benchmarks.md);
+# kinds: "qkv" (pool-write epilogue), "gelu". The estimator runs the prologue GEMMs only at row class 0
+# (above it cuBLAS and a separate norm win: 101 vs 143 µs at 26,624 rows); classes 1 and 2 serve tests
+# and sweeps.
+TILES: dict[tuple[str, int], Tile] = {
+    ("qkv", 0): Tile(32, 128, 4, 2), ("qkv", 1): Tile(64, 128, 4, 2), ("qkv", 2): Tile(64, 128, 8, 2),
+    ("gelu", 0): Tile(32, 64, 8, 2), ("gelu", 1): Tile(64, 128, 4, 2), ("gelu", 2): Tile(64, 128, 8, 2),
+    # conv: block_m frames, block_n input channels a step, output channels in co_blocks launches.
+    # 26,624 rows (class 2): 56.1 µs (16×64: 109, cuDNN + epilogue 102.7)
+    ("conv", 0): Tile(16, 32, 8, 2, 4), ("conv", 1): Tile(16, 64, 8, 2), ("conv", 2): Tile(64, 32, 4, 2),
 }
 
 # The channel split was measured at 256 output channels (four blocks of 64); narrower blocks were not, so
@@ -378,9 +389,9 @@ _MIN_CO_BLOCK = 64
 # benchmarks/attention_tiles.py (docs/benchmarks.md).
 ATTENTION_TILES: dict[tuple[bool, bool], Tile] = {
     (True, True): Tile(16, 64, 4, 3),  # one stream's chunk: 6.7 µs (64×64: 8.2)
-    (True, False): Tile(64, 32, 4, 3),  # 16 streams' chunks: 17.7 µs (19.2)
+    (True, False): Tile(128, 32, 8, 3),  # 16 streams' chunks: 14.0 µs (64×32: 14.4)
     (False, True): Tile(64, 64, 4, 3),  # a very short final pass (not measured)
-    (False, False): Tile(128, 64, 8, 3),  # final passes, 1 / 16 streams: 17.7 / 189 µs (18.0 / 226)
+    (False, False): Tile(128, 64, 8, 3),  # final passes, 1 / 16 streams: 14.8 / 167 µs (128×32: 16.6 / 182)
 }
 
 
@@ -392,7 +403,7 @@ def _launch_norm_gemm(x: torch.Tensor, residual: torch.Tensor | None, norm: tupl
     rows, num_t, dim = x.shape
     m = rows * num_t
     n = weight.shape[0]
-    t = tile if tile is not None else TILES[(kind, m <= 512)]
+    t = tile if tile is not None else TILES[(kind, row_class(m))]
     if pool is not None:
         while (n // 3) % t.block_n:  # a q/k/v tile must lie in one region (small test models)
             t = Tile(t.block_m, t.block_n // 2, t.warps, t.stages)
@@ -464,7 +475,7 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, offset: int, weight: 
     state = conv_state[:, offset:offset + n_in]
     tail = torch.empty_like(state) if tail_out is None else tail_out[:, offset:offset + n_in]
     out = torch.empty(rows, n_out, num_t, device=x.device, dtype=x.dtype)
-    t = tile if tile is not None else TILES[("conv", rows * num_t <= 512)]
+    t = tile if tile is not None else TILES[("conv", row_class(rows * num_t))]
     block_t, block_ci, warps, stages = t.block_m, t.block_n, t.warps, t.stages
     weight_t = _taps_first(weight)
     norm = norm_weight is not None

@@ -176,3 +176,10 @@ def norm_qkv_pool_write(x: torch.Tensor, residual: torch.Tensor | None, norm: tu
     q, k, v = qkv.chunk(3, dim=-1)
     pool_write(k, v, pool_k, pool_v, rows, write_pos)
     return q.contiguous(), total
+
+
+def snake(x: torch.Tensor, alpha: torch.Tensor, eps: float) -> torch.Tensor:
+    """HiFT's Snake activation x + sin²(αx)/(α + ε), α [C] per channel of x [B, C, T] (the official
+    statement and operation order)."""
+    a = alpha[None, :, None]
+    return x + (1.0 / (a + eps)) * torch.sin(x * a).pow(2)

@@ -11,6 +11,7 @@ import itertools
 import math
 import operator
 import re
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -43,7 +44,11 @@ class Snake(nn.Module):
         super().__init__()
         self.alpha = nn.Parameter(torch.ones(channels))
 
+    kernels: ModuleType | None = None  # fused ops (HiFTGenerator.set_kernels); None: the statement below
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.snake(x, self.alpha, _SNAKE_EPS)
         alpha = self.alpha[None, :, None]
         # PARITY: same operation order as the official Snake.
         return x + (1.0 / (alpha + _SNAKE_EPS)) * torch.sin(x * alpha).pow(2)
@@ -203,6 +208,13 @@ class HiFTGenerator(nn.Module):
             for k, d in zip(dims.resblock_kernel_sizes, dims.resblock_dilation_sizes, strict=True)
         )
         self.conv_post = nn.Conv1d(base // 2 ** len(rates), n_fft + 2, 7, padding=3)
+
+    def set_kernels(self, ops: ModuleType | None) -> None:
+        """Run every Snake through `ops.snake` (`cosystream.kernels.vocoder`, or `.reference` for its torch
+        statement); None: the module's own statement."""
+        for module in self.modules():
+            if isinstance(module, Snake):
+                module.kernels = ops
 
     @staticmethod
     def _build_source_path(dims: HiftDims) -> tuple[nn.ModuleList, nn.ModuleList]:

@@ -257,3 +257,18 @@ def test_pooled_attention_over_the_projections_own_keys(device: str, dtype: torc
     qkv[2, 1:, INNER:] = float("nan")
     again = flow.pooled_attention(q, k, v, own_rows, q_pos, limit, 0, frames, HEADS)
     assert torch.isfinite(again).all() and torch.equal(again, got)
+
+
+@pytest.mark.parametrize("tile", [None, Tile(64, 32, 4, 2)])
+def test_causal_conv_large_frame_tiles(device: str, dtype: torch.dtype, tile: Tile | None) -> None:
+    """The final pass's launch shape (64-frame tiles; None: the default tile of a row count past LARGE_ROWS):
+    frame tiles that straddle the end of a row, the tail from the last tile."""
+    num_t = (flow.LARGE_ROWS // 2 + 37) if tile is None else 150
+    assert tile is not None or flow.row_class(2 * num_t) == 2
+    x, state, w, b, (nw, nb), add, res = _conv_case(device, dtype, seed=41, num_t=num_t, rows=2, n_out=64)
+    kw = {"norm_weight": nw, "norm_bias": nb, "eps": 1e-5, "mish": True, "add": add, "res": res}
+    want_state = state.clone()
+    want = reference.causal_conv(x, want_state, 24, w, b, **kw)
+    out = flow.causal_conv(x, state, 24, w, b, **kw, tile=tile)
+    assert torch.equal(state, want_state)
+    assert _rel(out, want) < (8e-3 if dtype == torch.bfloat16 else 1e-5)

@@ -196,3 +196,19 @@ def test_triton_estimator_step_matches_plain_step(flow):
     _close(v.cpu(), want_v.cpu(), atol)
     _close(conv.cpu(), want_conv.cpu(), atol)
     _close(pool.cpu(), want_pool.cpu(), atol)
+
+
+def test_resnet_residual_of_a_transposed_input_is_its_conv(flow):
+    """A channel-contiguous input (the transformers' output, transposed) takes the 1×1 residual conv as a
+    GEMM in its own layout: the same numbers as the conv of a contiguous copy, and no copy of the input."""
+    resnet = flow.decoder.estimator.mid_blocks[0][0]
+    c = resnet.res_conv.in_channels
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(3, 17, c, generator=g).transpose(1, 2)  # [R, C, T] view of [R, T, C]
+    with torch.no_grad():
+        got = resnet._residual(x)
+        want = resnet.res_conv(x.contiguous())
+    _close(got, want, 1e-5)
+    assert got.transpose(1, 2).is_contiguous()  # written in the input's layout: nothing was transposed
+    with torch.no_grad():
+        _close(resnet._residual(x.contiguous()), want, 0)

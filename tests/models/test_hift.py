@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cosystream.checkpoint import check_and_load
-from cosystream.models.hift import HiFTGenerator, VocoderStream, is_weight_norm_key, istft, stft
+from cosystream.models.hift import HiFTGenerator, Snake, VocoderStream, is_weight_norm_key, istft, stft
 
 DECODE_ATOL = 1e-5  # fixtures README §3: HiFT decode with the recorded source
 SOURCE_ATOL = 1e-3  # fixtures README §3: source from the recorded draws (fp32 phase precision)
@@ -85,6 +85,29 @@ def test_source_from_recorded_draws_matches_official(hift, ref):
 ])
 def test_decode_matches_official(hift, ref, mel_key, source_key, speech_key):
     _assert_close(hift.decode(ref[mel_key], ref[source_key]), ref[speech_key], atol=DECODE_ATOL)
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("ops", ["reference", "vocoder"])
+def test_decode_with_fused_snakes_matches_official(hift, ref, ops):
+    """Every Snake through the fused op (`vocoder`: the Triton kernel, in the CPU interpreter here) or its
+    torch statement: the official waveform still; the module's own statement back after."""
+    import importlib
+
+    if ops == "vocoder":
+        pytest.importorskip("triton")
+        import os
+
+        if not torch.cuda.is_available():
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+    kernels = importlib.import_module(f"cosystream.kernels.{ops}")
+    hift.set_kernels(kernels)
+    try:
+        wav = hift.decode(ref["short_mel"], ref["short_source"])
+    finally:
+        hift.set_kernels(None)
+    _assert_close(wav, ref["short_speech"], atol=DECODE_ATOL)
+    assert all(m.kernels is None for m in hift.modules() if isinstance(m, Snake))
 
 
 @pytest.mark.parity
