@@ -56,6 +56,10 @@ class EngineConfig:
     # batch runs asks the worker to hand back the batch's phases it has not started (later chunks, official
     # final passes), so it waits for one phase, not the whole batch. False: batches always run to the end.
     preempt_token2wav: bool = True
+    # A phase of first chunks takes along later chunks whose ODE has the same shape (a second chunk's new
+    # frames equal a first chunk's), up to this many streams in the call: small ODE calls are launch-bound,
+    # so the first chunks wait little longer and the token-to-wave worker saves a call. 0: never.
+    rider_streams: int = 16
     fused_kernels: bool = True  # CUDA: Triton kernels for the LM decode step (False: the unfused torch step)
     compile: bool = False  # torch.compile the hot steps (fewer, fused kernels; minutes of compile at start)
     schedule: ChunkSchedule = ChunkSchedule()
@@ -94,6 +98,8 @@ class EngineConfig:
             raise ValueError(f"chunk_slack_s: must be >= 0, got {self.chunk_slack_s}")
         if self.inline_frontend_chars < 0:
             raise ValueError(f"inline_frontend_chars: must be >= 0, got {self.inline_frontend_chars}")
+        if self.rider_streams < 0:
+            raise ValueError(f"rider_streams: must be >= 0, got {self.rider_streams}")
         if self.first_chunk_wait_s < 0:
             raise ValueError(f"first_chunk_wait_s: must be >= 0, got {self.first_chunk_wait_s}")
         if self.gil_switch_interval_s is not None and not self.gil_switch_interval_s > 0:

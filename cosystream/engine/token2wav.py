@@ -222,6 +222,19 @@ class Token2WavRunner:
             self.release(st)
             mels[i] = mel[:, self._emitted_from(st, plan):]
 
+    def flow_group(self, st: Token2WavState, plan: ChunkPlan) -> tuple[bool, int, bool] | None:
+        """The key under which `_flow` would batch this chunk's ODE with others (chunks of equal keys share
+        one call), or None for a chunk that runs on a path of its own (provisional, final, spilling)."""
+        if plan.provisional or plan.is_final:
+            return None
+        flow = st.flow
+        pooled = isinstance(flow, PooledStream)
+        # as FlowStream._window: new positions up to the plan's end less the look-ahead
+        n = flow.prompt.prompt_tokens.shape[0] + plan.token_end - self.stream.lookahead - flow.num_tokens
+        if n <= 0 or (pooled and UPSAMPLE * (flow.num_tokens + n) > self.pool.max_frames):
+            return None
+        return (pooled, n, False)
+
     def _emitted_from(self, st: Token2WavState, plan: ChunkPlan) -> int:
         """Absolute frame where this chunk's audio starts (frames before it were already voiced)."""
         return UPSAMPLE * (st.flow.prompt.prompt_tokens.shape[0] + plan.offset)

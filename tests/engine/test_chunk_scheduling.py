@@ -320,7 +320,8 @@ def test_the_worker_stops_after_the_running_phase_and_returns_the_rest_in_one_me
         def lap(self, name: str) -> None: ...
 
     runs: list[list[str]] = []
-    core = SimpleNamespace(inbox=queue.Queue(), lm_runner=SimpleNamespace(device=torch.device("cpu")))
+    core = SimpleNamespace(inbox=queue.Queue(), lm_runner=SimpleNamespace(device=torch.device("cpu")),
+                           rider_streams=16)
     worker = _ChunkWorker(core)
 
     def run(items: list) -> list:
@@ -345,3 +346,84 @@ def test_the_worker_stops_after_the_running_phase_and_returns_the_rest_in_one_me
         worker.stop()
     assert [(p[0], p[5], p[6]) for p in payloads] == [([jobs[1]], False, []), ([jobs[2]], True, [])]
     assert runs == [["a"], ["b"], ["c"]] and core.inbox.empty()
+
+
+class _Watch:
+    def start(self) -> None: ...
+    def lap(self, name: str) -> None: ...
+
+
+class _GroupingT2W:
+    """Token-to-wave fake whose ODE group of a chunk is its plan's `key` (None: a path of its own)."""
+
+    def __init__(self) -> None:
+        self.watch = _Watch()
+        self.runs: list[list[str]] = []
+
+    def start(self, **open_args) -> object:
+        return object()
+
+    def flow_group(self, state: object, plan: SimpleNamespace) -> object:
+        return plan.key
+
+    def run(self, items: list) -> list:
+        self.runs.append([plan.name for _, _, plan in items])
+        return [(np.zeros(4, np.float32), 0.0, 0.0)] * len(items)
+
+
+def _keyed_job(name: str, key: object, *, first: bool = False, opening: bool = False, final: bool = False) -> _Job:
+    req = RequestState(request_id=name, segments=[Segment(inputs=None, planner=None, min_len=0, max_len=1)],
+                       sampling=None, emit=lambda _: None)
+    plan = SimpleNamespace(name=name, key=key, is_final=final)
+    return _Job(req, req.audio_segment, plan=plan, open_args={} if opening else None,
+                state=None if opening else object(), first=first)
+
+
+def test_later_chunks_with_a_first_chunks_ode_shape_ride_along_with_it():
+    from cosystream.engine.core import _rider_pool, run_jobs, take_riders
+
+    t2w = _GroupingT2W()
+    a = _keyed_job("a", 50, first=True, opening=True)
+    b, c = _keyed_job("b", 50), _keyed_job("c", 100)  # c: another ODE shape (a third chunk)
+    d = _keyed_job("d", 50, opening=True)  # a later segment's stream opening: not a rider
+    e = _keyed_job("e", None, final=True)  # an official final pass: a path of its own
+    f = _keyed_job("f", None, final=True)
+    phases = [[a], [b, c, d, e], [f]]
+    results, riders = run_jobs(t2w, phases[0], torch.device("cpu"), _rider_pool(phases, 0, 16), 16)
+    assert riders == [b] and t2w.runs == [["a", "b"]] and len(results) == 2
+    assert take_riders(phases, 0, phases[0], riders) == [a, b]
+    assert phases == [[a], [c, d, e], [f]]
+    # the riders' phase goes when they all rode along; only a phase of first chunks takes riders
+    phases = [[a], [_keyed_job("g", 50)], [f]]
+    _, riders = run_jobs(t2w, phases[0], torch.device("cpu"), _rider_pool(phases, 0, 16), 16)
+    take_riders(phases, 0, phases[0], riders)
+    assert phases == [[a], [f]]
+    assert _rider_pool([[b], [_keyed_job("h", 50)]], 0, 16) == [] and _rider_pool([[a]], 0, 16) == []
+    assert _rider_pool([[a], [_keyed_job("h", 50)]], 0, 0) == []  # EngineConfig.rider_streams = 0: off
+
+
+def test_riders_fill_a_first_chunk_phase_up_to_its_stream_limit():
+    from cosystream.engine.core import run_jobs
+
+    t2w = _GroupingT2W()
+    firsts = [_keyed_job(n, 50, first=True) for n in ("a", "b")]
+    later = [_keyed_job(n, 50) for n in ("c", "d")]
+    _, riders = run_jobs(t2w, firsts, torch.device("cpu"), later, rider_streams=3)
+    assert riders == later[:1] and t2w.runs == [["a", "b", "c"]]
+
+
+def test_the_worker_hands_riders_back_with_the_first_chunks_they_rode_with():
+    from cosystream.engine.core import _ChunkWorker
+
+    core = SimpleNamespace(inbox=queue.Queue(), lm_runner=SimpleNamespace(device=torch.device("cpu")),
+                           t2w=_GroupingT2W(), rider_streams=16)
+    worker = _ChunkWorker(core)
+    a, b, c = _keyed_job("a", 50, first=True), _keyed_job("b", 50), _keyed_job("c", 100)
+    worker.start()
+    try:
+        worker.submit([[a], [b, c]])
+        payloads = [core.inbox.get(timeout=10).payload for _ in range(2)]
+    finally:
+        worker.stop()
+    assert [(p[0], p[5]) for p in payloads] == [([a, b], False), ([c], True)]
+    assert core.t2w.runs == [["a", "b"], ["c"]] and core.inbox.empty()

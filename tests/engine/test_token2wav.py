@@ -110,3 +110,52 @@ def test_short_first_hop(models, load_fixture):
                               f["embedding"], streaming=True, finalize=False)
     torch.testing.assert_close(mels[1], official[0, :, 2 * second.offset:], atol=ATOL, rtol=0)
     torch.testing.assert_close(mels[0], official[0, :, :30], atol=0.5, rtol=0)  # same region, partial block
+
+
+def test_flow_group_is_the_key_a_chunk_is_batched_under(models, load_fixture):
+    """flow_group (what the engine's worker uses to let later chunks ride along with a first chunk's ODE)
+    is the key `_flow` groups that chunk under: its window's new positions; None for the final chunk."""
+    f = load_fixture("stream")
+    runner = Token2WavRunner(*models, EngineConfig())
+    tokens = f["token"][0].tolist()
+    planner = ChunkPlanner(ChunkSchedule(), f["prompt_token"].shape[1])
+    state = runner.start(_inputs(f), None)
+    seen = 0
+    while (plan := planner.next_plan(len(tokens), done=True)) is not None:
+        key = runner.flow_group(state, plan)
+        if plan.is_final:
+            assert key is None
+        else:
+            window = runner.stream._window(state.flow, runner._tokens(tokens[:plan.token_end]), finalize=False)
+            assert key == (False, window[0].shape[0], False)  # CPU: eager streams, not pooled
+            seen += 1
+        runner.run([(state, tokens, plan)])
+    assert seen >= 2
+
+
+def test_a_later_chunk_sharing_a_first_chunks_ode_gives_its_own_mel(models, load_fixture):
+    """A's second chunk and B's first chunk with equal windows run as one ODE call (a rider, EngineCore):
+    each mel is what it is alone."""
+    f = load_fixture("stream")
+    runner = Token2WavRunner(*models, EngineConfig())
+    prompt_len = f["prompt_token"].shape[1]
+    tokens = f["token"][0].tolist()
+    other = [(t * 7 + 3) % 6561 for t in tokens]
+
+    def first_two(toks):
+        state, planner = runner.start(_inputs(f), None), ChunkPlanner(ChunkSchedule(), prompt_len)
+        return state, planner, [planner.next_plan(len(toks), done=False) for _ in range(2)]
+
+    a, _, a_plans = first_two(tokens)
+    runner._flow([(a, tokens, a_plans[0])])
+    b, _, b_plans = first_two(other)
+    # the first window re-encodes the prompt's last unfinished block: as long as the second hop here
+    assert runner.flow_group(a, a_plans[1]) == runner.flow_group(b, b_plans[0]) is not None
+    together = runner._flow([(b, other, b_plans[0]), (a, tokens, a_plans[1])])
+    a2, _, a2_plans = first_two(tokens)
+    runner._flow([(a2, tokens, a2_plans[0])])
+    alone_a = runner._flow([(a2, tokens, a2_plans[1])])[0]
+    b2, _, b2_plans = first_two(other)
+    alone_b = runner._flow([(b2, other, b2_plans[0])])[0]
+    torch.testing.assert_close(together[0], alone_b, atol=ATOL, rtol=0)
+    torch.testing.assert_close(together[1], alone_a, atol=ATOL, rtol=0)
