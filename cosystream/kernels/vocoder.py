@@ -35,7 +35,8 @@ def _kernels() -> SimpleNamespace:
         xa = (x.to(tl.float32) * a).to(dt).to(tl.float32)
         s = tl.sin(xa).to(dt).to(tl.float32)
         sq = (s * s).to(dt).to(tl.float32)
-        inv = (1.0 / (a + eps).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        # IEEE division as torch's reciprocal (Triton's `/` on fp32 is the approximate div.full)
+        inv = tl.math.div_rn(1.0, (a + eps).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         y = (inv * sq).to(dt).to(tl.float32)
         tl.store(out_ptr + base + offs, (x.to(tl.float32) + y).to(dt), mask=live)
 
