@@ -50,5 +50,8 @@ def snake(x: torch.Tensor, alpha: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(x)
     if x.numel():
         _kernels().snake_kernel[(batch * n_ch, -(-n_t // _SNAKE_BLOCK))](
-            x, alpha.contiguous(), out, n_ch, n_t, eps, BLOCK=_SNAKE_BLOCK)
+            x, alpha.contiguous(), out, n_ch, n_t, eps, BLOCK=_SNAKE_BLOCK,
+            # PARITY: no fused multiply-add: the product is rounded to the activation's dtype before the sum,
+            # as torch computes it (with fusion one bf16 result in eleven differed by a step on the H100)
+            enable_fp_fusion=False)
     return out
