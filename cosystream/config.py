@@ -56,9 +56,9 @@ class EngineConfig:
     # batch runs asks the worker to hand back the batch's phases it has not started (later chunks, official
     # final passes), so it waits for one phase, not the whole batch. False: batches always run to the end.
     preempt_token2wav: bool = True
-    # A phase of a token-to-wave batch takes along chunks of its later phases whose ODE has the same shape
-    # (a second chunk's new frames equal a first chunk's), up to this many streams in the call: small ODE
-    # calls are launch-bound, so the phase waits little longer and the worker saves a call. 0: never.
+    # A phase of first chunks takes along later chunks whose ODE has the same shape (a second chunk's new
+    # frames equal a first chunk's), up to this many streams in the call: small ODE calls are launch-bound,
+    # so the first chunks wait little longer and the token-to-wave worker saves a call. 0: never.
     rider_streams: int = 16
     fused_kernels: bool = True  # CUDA: Triton kernels for the LM decode step (False: the unfused torch step)
     compile: bool = False  # torch.compile the hot steps (fewer, fused kernels; minutes of compile at start)

@@ -884,28 +884,29 @@ def _phases(jobs: list[_Job], now: float, dry_s: float) -> list[list[_Job]]:
 
 def _rider_pool(phases: list[list[_Job]], i: int, limit: int) -> list[_Job]:
     """Jobs that may ride along with phase i (EngineConfig.rider_streams: `limit` streams in the call): the
-    later phases' chunks but first chunks (those open their streams in their own phase)."""
-    if limit <= 0 or not phases[i]:
+    next phase's, when phase i is one of first chunks."""
+    if limit <= 0 or i + 1 >= len(phases) or not phases[i] or not all(job.first for job in phases[i]):
         return []
-    return [job for phase in phases[i + 1:] for job in phase if not job.first]
+    return [job for job in phases[i + 1] if not job.first]
 
 
 def take_riders(phases: list[list[_Job]], i: int, jobs: list[_Job], riders: list[_Job]) -> list[_Job]:
-    """Phase i's jobs with the riders that ran in it; the riders leave their own phases (dropped if empty)."""
+    """Phase i's jobs with the riders that ran in it; the riders leave their own phase (dropped if empty)."""
     if not riders:
         return jobs
     taken = {id(job) for job in riders}
-    phases[i + 1:] = [kept for phase in phases[i + 1:] if (kept := [job for job in phase if id(job) not in taken])]
+    phases[i + 1] = [job for job in phases[i + 1] if id(job) not in taken]
+    if not phases[i + 1]:
+        del phases[i + 1]
     return jobs + riders
 
 
 def _riders(t2w: Any, jobs: list[_Job], pool: list[_Job], limit: int) -> list[_Job]:
-    """PERF: chunks of later phases whose ODE has the shape of one in this phase (same new frames: a
-    stream's second chunk against a new request's first one, two streams' third chunks in the phases of
-    a client running dry and of later chunks) join its call instead of running one of their own after it;
-    small ODE calls are launch-bound (16 streams cost ≈ 2 of one on the H100), so this phase's chunks
-    wait little longer and the worker saves a call. Streams already open only; at most `limit` streams in
-    the phase."""
+    """PERF: later chunks whose ODE has the shape of a first chunk's in this phase (same new frames: a
+    stream's second chunk against a new request's first one) join its call instead of running one of
+    their own after it; small ODE calls are launch-bound (16 streams cost ≈ 2 of one on the H100), so
+    the first chunks wait little longer and the worker saves a call. Streams already open only; at most
+    `limit` streams in the phase."""
     keys = {t2w.flow_group(job.state, job.plan) for job in jobs if job.error is None and job.state is not None}
     keys.discard(None)
     room = limit - len(jobs)

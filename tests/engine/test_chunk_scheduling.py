@@ -393,33 +393,13 @@ def test_later_chunks_with_a_first_chunks_ode_shape_ride_along_with_it():
     assert riders == [b] and t2w.runs == [["a", "b"]] and len(results) == 2
     assert take_riders(phases, 0, phases[0], riders) == [a, b]
     assert phases == [[a], [c, d, e], [f]]
-    # the riders' phase goes when they all rode along
+    # the riders' phase goes when they all rode along; only a phase of first chunks takes riders
     phases = [[a], [_keyed_job("g", 50)], [f]]
     _, riders = run_jobs(t2w, phases[0], torch.device("cpu"), _rider_pool(phases, 0, 16), 16)
     take_riders(phases, 0, phases[0], riders)
     assert phases == [[a], [f]]
-    assert _rider_pool([[a]], 0, 16) == []
+    assert _rider_pool([[b], [_keyed_job("h", 50)]], 0, 16) == [] and _rider_pool([[a]], 0, 16) == []
     assert _rider_pool([[a], [_keyed_job("h", 50)]], 0, 0) == []  # EngineConfig.rider_streams = 0: off
-
-
-def test_a_dry_clients_phase_takes_riders_from_every_later_phase_but_first_chunks():
-    from cosystream.engine.core import _rider_pool, run_jobs, take_riders
-
-    t2w = _GroupingT2W()
-    dry = _keyed_job("dry", 100)  # a client about to run dry: its third chunk
-    new = _keyed_job("new", 50, first=True, opening=True)
-    third, second = _keyed_job("third", 100), _keyed_job("second", 50)
-    final = _keyed_job("final", None, final=True)
-    phases = [[dry], [new], [second, third], [final]]
-    assert new not in _rider_pool(phases, 0, 16)
-    _, riders = run_jobs(t2w, phases[0], torch.device("cpu"), _rider_pool(phases, 0, 16), 16)
-    assert riders == [third] and t2w.runs == [["dry", "third"]]
-    take_riders(phases, 0, phases[0], riders)
-    assert phases == [[dry], [new], [second], [final]]
-    _, riders = run_jobs(t2w, phases[1], torch.device("cpu"), _rider_pool(phases, 1, 16), 16)
-    assert riders == [second] and t2w.runs[-1] == ["new", "second"]
-    take_riders(phases, 1, phases[1], riders)
-    assert phases == [[dry], [new], [final]]
 
 
 def test_riders_fill_a_first_chunk_phase_up_to_its_stream_limit():
