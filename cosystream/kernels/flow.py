@@ -386,9 +386,9 @@ _MIN_CO_BLOCK = 64
 
 # (chunk-masked, at most 512 query rows) -> attention tile; chunk-masked: a streamed chunk (False: the
 # official final pass, full attention over the whole utterance). Picked on the H100 with
-# benchmarks/attention_tiles.py (docs/benchmarks.md).
+# benchmarks/attention_tiles.py (docs/benchmarks.md; µs per call at 0d95793).
 ATTENTION_TILES: dict[tuple[bool, bool], Tile] = {
-    (True, True): Tile(16, 64, 4, 3),  # one stream's chunk: 6.7 µs (64×64: 8.2)
+    (True, True): Tile(16, 64, 4, 3),  # one stream's chunk: 6.9 µs (64×64: 6.8)
     (True, False): Tile(128, 32, 8, 3),  # 16 streams' chunks: 14.0 µs (64×32: 14.4)
     (False, True): Tile(64, 64, 4, 3),  # a very short final pass (not measured)
     (False, False): Tile(128, 64, 8, 3),  # final passes, 1 / 16 streams: 14.8 / 167 µs (128×32: 16.6 / 182)

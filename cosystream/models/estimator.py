@@ -157,8 +157,8 @@ class ResNet(nn.Module):
     def _residual(self, x: torch.Tensor) -> torch.Tensor:
         """res_conv(x) [R, C, T], possibly as a strided view (the fused conv reads any strides).
         PERF: a channel-contiguous x (the transformers' [R, T, C] output, transposed) goes through the 1×1
-        conv as one GEMM in that layout; the conv would first copy it to [R, C, T] (a strided copy of
-        rows × 256 values: 35 µs at a final pass of 16 streams, 14 per Euler step)."""
+        conv as one GEMM in that layout; the conv would first copy it to [R, C, T] (strided copy kernels of
+        ≈ 35 µs each at a final pass of 16 streams)."""
         if not x.transpose(1, 2).is_contiguous():
             return self.res_conv(x)
         return F.linear(x.transpose(1, 2), self.res_conv.weight[:, :, 0], self.res_conv.bias).transpose(1, 2)
