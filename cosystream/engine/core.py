@@ -633,9 +633,8 @@ class EngineCore:
                 t0 = time.perf_counter()
                 results, error = None, None
                 try:
-                    results, riders = run_jobs(self.t2w, batch, self.lm_runner.device,
-                                               _rider_pool(phases, i, self.rider_streams), self.rider_streams)
-                    batch = take_riders(phases, i, batch, riders)
+                    # riders of later phases join `batch` in place (failed with it if the run fails)
+                    results = run_jobs(self.t2w, batch, self.lm_runner.device, phases, i, self.rider_streams)
                 except Exception as e:
                     error = e
                 now = time.perf_counter()
@@ -890,15 +889,12 @@ def _rider_pool(phases: list[list[_Job]], i: int, limit: int) -> list[_Job]:
     return [job for job in phases[i + 1] if not job.first]
 
 
-def take_riders(phases: list[list[_Job]], i: int, jobs: list[_Job], riders: list[_Job]) -> list[_Job]:
-    """Phase i's jobs with the riders that ran in it; the riders leave their own phase (dropped if empty)."""
-    if not riders:
-        return jobs
+def _take_riders(phases: list[list[_Job]], i: int, riders: list[_Job]) -> None:
+    """The riders leave phase i + 1 (dropped when it is empty then)."""
     taken = {id(job) for job in riders}
     phases[i + 1] = [job for job in phases[i + 1] if id(job) not in taken]
     if not phases[i + 1]:
         del phases[i + 1]
-    return jobs + riders
 
 
 def _riders(t2w: Any, jobs: list[_Job], pool: list[_Job], limit: int) -> list[_Job]:
@@ -916,12 +912,13 @@ def _riders(t2w: Any, jobs: list[_Job], pool: list[_Job], limit: int) -> list[_J
             and t2w.flow_group(job.state, job.plan) in keys][:room]
 
 
-def run_jobs(t2w: Any, jobs: list[_Job], device: torch.device, rider_pool: Sequence[_Job] = (),
-             rider_streams: int = 0) -> tuple[list[tuple | None], list[_Job]]:
-    """Open the streams that start with this batch, then voice every job whose stream is open, and the
-    jobs of `rider_pool` that can share its ODE calls (`_riders`). Returns (results, riders): the
-    riders taken, and each (pcm, flow_s, vocoder_s) of jobs + riders in that order; None for a job that
-    failed alone (its error is on the job)."""
+def run_jobs(t2w: Any, jobs: list[_Job], device: torch.device, phases: list[list[_Job]] | None = None, i: int = 0,
+             rider_streams: int = 0) -> list[tuple | None]:
+    """Open the streams that start with this batch, then voice every job whose stream is open. With the
+    batch's `phases` (`jobs` being phase i, or part of it), the jobs of phase i + 1 that can share its ODE
+    calls (`_riders`) leave that phase and are appended to `jobs` before anything runs, so a caller
+    that sees the run fail fails them with it. Returns each job's (pcm, flow_s, vocoder_s), riders
+    included; None for a job that failed alone (its error is on the job)."""
     t2w.watch.start()
     for job in jobs:
         if job.open_args is not None:
@@ -931,12 +928,15 @@ def run_jobs(t2w: Any, jobs: list[_Job], device: torch.device, rider_pool: Seque
                 faults.release_device_memory(e, device)
                 job.error = e
     t2w.watch.lap("open")
-    riders = _riders(t2w, jobs, list(rider_pool), rider_streams) if rider_pool else []
-    everyone = jobs + riders
-    runnable = [job for job in everyone if job.error is None]
+    if phases is not None:
+        riders = _riders(t2w, jobs, _rider_pool(phases, i, rider_streams), rider_streams)
+        if riders:
+            _take_riders(phases, i, riders)
+            jobs.extend(riders)
+    runnable = [job for job in jobs if job.error is None]
     results = t2w.run([(job.state, job.seg.tokens[:], job.plan) for job in runnable]) if runnable else []
     by_job = {id(job): result for job, result in zip(runnable, results, strict=True)}
-    return [by_job.get(id(job)) for job in everyone], riders
+    return [by_job.get(id(job)) for job in jobs]
 
 
 class _ChunkWorker:
@@ -972,8 +972,7 @@ class _ChunkWorker:
                 results, error = None, None
                 t0 = time.perf_counter()
                 try:
-                    results, riders = self._compute(jobs, _rider_pool(phases, i, self.core.rider_streams))
-                    jobs = take_riders(phases, i, jobs, riders)
+                    results = self._compute(phases, i)  # riders of phase i + 1 join `jobs` in place
                 except BaseException as e:  # reported with the phase; the engine thread decides
                     error = e
                 now = time.perf_counter()
@@ -987,15 +986,14 @@ class _ChunkWorker:
                     break
                 i += 1
 
-    def _compute(self, jobs: list[_Job], rider_pool: list[_Job]) -> tuple[list, list[_Job]]:
-        device = self.core.lm_runner.device
-        limit = self.core.rider_streams
+    def _compute(self, phases: list[list[_Job]], i: int) -> list:
+        device, limit = self.core.lm_runner.device, self.core.rider_streams
         if self.stream is None:
-            return run_jobs(self.core.t2w, jobs, device, rider_pool, limit)
+            return run_jobs(self.core.t2w, phases[i], device, phases, i, limit)
         # the batch may read what the engine thread wrote on its stream (prompt caches of new voices)
         self.stream.wait_stream(self.core.gpu_stream)
         with torch.cuda.stream(self.stream):
-            return run_jobs(self.core.t2w, jobs, device, rider_pool, limit)
+            return run_jobs(self.core.t2w, phases[i], device, phases, i, limit)
 
 
 __all__ = ["EngineCore", "RowSampling"]

@@ -11,6 +11,7 @@ import time
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 from cosystream.config import ChunkSchedule
@@ -380,7 +381,7 @@ def _keyed_job(name: str, key: object, *, first: bool = False, opening: bool = F
 
 
 def test_later_chunks_with_a_first_chunks_ode_shape_ride_along_with_it():
-    from cosystream.engine.core import _rider_pool, run_jobs, take_riders
+    from cosystream.engine.core import run_jobs
 
     t2w = _GroupingT2W()
     a = _keyed_job("a", 50, first=True, opening=True)
@@ -389,17 +390,21 @@ def test_later_chunks_with_a_first_chunks_ode_shape_ride_along_with_it():
     e = _keyed_job("e", None, final=True)  # an official final pass: a path of its own
     f = _keyed_job("f", None, final=True)
     phases = [[a], [b, c, d, e], [f]]
-    results, riders = run_jobs(t2w, phases[0], torch.device("cpu"), _rider_pool(phases, 0, 16), 16)
-    assert riders == [b] and t2w.runs == [["a", "b"]] and len(results) == 2
-    assert take_riders(phases, 0, phases[0], riders) == [a, b]
-    assert phases == [[a], [c, d, e], [f]]
-    # the riders' phase goes when they all rode along; only a phase of first chunks takes riders
-    phases = [[a], [_keyed_job("g", 50)], [f]]
-    _, riders = run_jobs(t2w, phases[0], torch.device("cpu"), _rider_pool(phases, 0, 16), 16)
-    take_riders(phases, 0, phases[0], riders)
-    assert phases == [[a], [f]]
-    assert _rider_pool([[b], [_keyed_job("h", 50)]], 0, 16) == [] and _rider_pool([[a]], 0, 16) == []
-    assert _rider_pool([[a], [_keyed_job("h", 50)]], 0, 0) == []  # EngineConfig.rider_streams = 0: off
+    results = run_jobs(t2w, phases[0], torch.device("cpu"), phases, 0, rider_streams=16)
+    assert t2w.runs == [["a", "b"]] and len(results) == 2
+    assert phases == [[a, b], [c, d, e], [f]]  # the rider joined phase 0 in place and left phase 1
+    # the riders' phase goes when they all rode along
+    g = _keyed_job("g", 50)
+    phases = [[a], [g], [f]]
+    run_jobs(t2w, phases[0], torch.device("cpu"), phases, 0, rider_streams=16)
+    assert phases == [[a, g], [f]]
+    # only a phase of first chunks takes riders; rider_streams = 0: never
+    phases = [[b], [_keyed_job("h", 50)]]
+    run_jobs(t2w, phases[0], torch.device("cpu"), phases, 0, rider_streams=16)
+    assert [len(p) for p in phases] == [1, 1]
+    phases = [[_keyed_job("i", 50, first=True)], [_keyed_job("j", 50)]]
+    run_jobs(t2w, phases[0], torch.device("cpu"), phases, 0, rider_streams=0)
+    assert [len(p) for p in phases] == [1, 1]
 
 
 def test_riders_fill_a_first_chunk_phase_up_to_its_stream_limit():
@@ -408,8 +413,26 @@ def test_riders_fill_a_first_chunk_phase_up_to_its_stream_limit():
     t2w = _GroupingT2W()
     firsts = [_keyed_job(n, 50, first=True) for n in ("a", "b")]
     later = [_keyed_job(n, 50) for n in ("c", "d")]
-    _, riders = run_jobs(t2w, firsts, torch.device("cpu"), later, rider_streams=3)
-    assert riders == later[:1] and t2w.runs == [["a", "b", "c"]]
+    phases = [list(firsts), list(later)]
+    run_jobs(t2w, phases[0], torch.device("cpu"), phases, 0, rider_streams=3)
+    assert phases == [firsts + later[:1], later[1:]] and t2w.runs == [["a", "b", "c"]]
+
+
+def test_riders_of_a_failed_run_are_in_the_failed_phase():
+    """The engine fails the jobs of a phase whose run raised: riders that shared the call are among them,
+    and gone from the phase they came from (their streams may be half advanced)."""
+    from cosystream.engine.core import run_jobs
+
+    class _Failing(_GroupingT2W):
+        def run(self, items: list) -> list:
+            raise RuntimeError("out of memory")
+
+    a, b, c = _keyed_job("a", 50, first=True), _keyed_job("b", 50), _keyed_job("c", 100)
+    phases = [[a], [b, c]]
+    jobs = phases[0]
+    with pytest.raises(RuntimeError, match="out of memory"):
+        run_jobs(_Failing(), jobs, torch.device("cpu"), phases, 0, rider_streams=16)
+    assert jobs == [a, b] and phases == [[a, b], [c]]
 
 
 def test_the_worker_hands_riders_back_with_the_first_chunks_they_rode_with():
