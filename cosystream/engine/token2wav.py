@@ -227,13 +227,10 @@ class Token2WavRunner:
         one call), or None for a chunk that runs on a path of its own (provisional, final, spilling)."""
         if plan.provisional or plan.is_final:
             return None
-        flow = st.flow
-        pooled = isinstance(flow, PooledStream)
-        # as FlowStream._window: new positions up to the plan's end less the look-ahead
-        n = flow.prompt.prompt_tokens.shape[0] + plan.token_end - self.stream.lookahead - flow.num_tokens
-        if n <= 0 or (pooled and UPSAMPLE * (flow.num_tokens + n) > self.pool.max_frames):
+        n = self.stream.window_end(st.flow, plan.token_end, finalize=False) - st.flow.num_tokens
+        if n <= 0 or self._outgrows_slot(st, n):
             return None
-        return (pooled, n, False)
+        return (isinstance(st.flow, PooledStream), n, False)
 
     def _emitted_from(self, st: Token2WavState, plan: ChunkPlan) -> int:
         """Absolute frame where this chunk's audio starts (frames before it were already voiced)."""
@@ -275,10 +272,12 @@ class Token2WavRunner:
         self.release(st)
         return mel[:, self._emitted_from(st, plan) - first_returned:]
 
+    def _outgrows_slot(self, st: Token2WavState, new_tokens: int) -> bool:
+        return isinstance(st.flow, PooledStream) and UPSAMPLE * (st.flow.num_tokens + new_tokens) > self.pool.max_frames
+
     def _spill_if_full(self, st: Token2WavState, new_tokens: int) -> None:
         """A pooled stream about to outgrow its slot continues on the eager path."""
-        if isinstance(st.flow, PooledStream) and \
-                UPSAMPLE * (st.flow.num_tokens + new_tokens) > self.pool.max_frames:
+        if self._outgrows_slot(st, new_tokens):
             st.flow = self.pool.to_flow_state(st.flow)
 
     def _tokens(self, tokens: list[int]) -> torch.Tensor:

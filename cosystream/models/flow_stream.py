@@ -218,13 +218,18 @@ class FlowStream:
         state.is_finished = True
         return self._target_frames(state, mel, start)
 
+    def window_end(self, state: FlowStreamState, num_target_tokens: int, finalize: bool) -> int:
+        """Prompt + target position where a chunk over the first `num_target_tokens` target tokens ends (its
+        window is [state.num_tokens, end)); the look-ahead tokens after it are context only."""
+        return state.prompt.prompt_tokens.shape[0] + num_target_tokens - (0 if finalize else self.lookahead)
+
     def _window(self, state: FlowStreamState, tokens: torch.Tensor, finalize: bool) -> Window:
         """(ids of the new positions, look-ahead ids or None) for a request's next chunk."""
         if state.is_finished:
             raise ValueError("the flow stream of this request is already finished")
         p = state.prompt.prompt_tokens
         all_ids = torch.cat([p, tokens[0].to(p.device, torch.long)])
-        end = all_ids.shape[0] - (0 if finalize else self.lookahead)
+        end = self.window_end(state, tokens.shape[1], finalize)
         if end < state.num_tokens or (not finalize and end == state.num_tokens):
             raise ValueError(f"chunk ends at token {end}, but {state.num_tokens} tokens are already done")
         if not finalize and end % self.chunk_tokens:

@@ -221,6 +221,11 @@ def test_a_phase_that_comes_back_is_emitted_while_the_rest_of_its_batch_still_ru
     assert core._in_flight is None and ran == ["release"] and core.t2w_batches == 1
 
 
+class _Watch:
+    def start(self) -> None: ...
+    def lap(self, name: str) -> None: ...
+
+
 class _FakeWorker:
     def __init__(self) -> None:
         self.preempt = threading.Event()
@@ -316,10 +321,6 @@ def test_handed_back_jobs_of_a_cancelled_request_are_dropped():
 def test_the_worker_stops_after_the_running_phase_and_returns_the_rest_in_one_message():
     from cosystream.engine.core import _ChunkWorker
 
-    class _Watch:
-        def start(self) -> None: ...
-        def lap(self, name: str) -> None: ...
-
     runs: list[list[str]] = []
     core = SimpleNamespace(inbox=queue.Queue(), lm_runner=SimpleNamespace(device=torch.device("cpu")),
                            rider_streams=16)
@@ -347,11 +348,6 @@ def test_the_worker_stops_after_the_running_phase_and_returns_the_rest_in_one_me
         worker.stop()
     assert [(p[0], p[5], p[6]) for p in payloads] == [([jobs[1]], False, []), ([jobs[2]], True, [])]
     assert runs == [["a"], ["b"], ["c"]] and core.inbox.empty()
-
-
-class _Watch:
-    def start(self) -> None: ...
-    def lap(self, name: str) -> None: ...
 
 
 class _GroupingT2W:
