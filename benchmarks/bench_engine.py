@@ -36,6 +36,7 @@ from cosystream.bench.report import (
     write_json,
     write_plot,
 )
+from cosystream.config import config_overrides
 from cosystream.errors import Overloaded, UnknownVoice
 from cosystream.outputs import SAMPLE_RATE
 from cosystream.params import Mode, SamplingParams, SynthesisParams
@@ -54,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--voice", default=workload.VOICE_NAME)
     p.add_argument("--prompt-wav", default=None, help="prompt recording (default: the standard workload's)")
     p.add_argument("--prompt-text", default=workload.PROMPT_TEXT)
+    p.add_argument("--prompt-per-request", action="store_true",
+                   help="zero-shot without a registered voice: every request carries the prompt recording and "
+                        "text (its prompt analysis and the flow's pass over the prompt are part of each request)")
     p.add_argument("--text", default=workload.TARGET_TEXT)
     p.add_argument("--force-tokens", type=int, default=workload.FORCE_TOKENS, help="0: stop at end of speech")
     p.add_argument("--first-hop", type=int, default=None)
@@ -73,10 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def make_params(args: argparse.Namespace) -> SynthesisParams:
+def make_params(args: argparse.Namespace, prompt_wav: Path | None = None) -> SynthesisParams:
+    """The request every level sends; with `prompt_wav` (--prompt-per-request) it carries its voice's recording
+    and transcript instead of naming the registered voice."""
+    voice = dict(prompt_audio=prompt_wav.read_bytes(), prompt_text=args.prompt_text) if prompt_wav else dict(
+        voice=args.voice)
     return SynthesisParams(
-        text=args.text, mode=Mode.zero_shot, voice=args.voice, stream=not args.offline, first_hop=args.first_hop,
-        force_tokens=args.force_tokens or None, sampling=SamplingParams(seed=args.seed, greedy=args.greedy))
+        text=args.text, mode=Mode.zero_shot, stream=not args.offline, first_hop=args.first_hop,
+        force_tokens=args.force_tokens or None, sampling=SamplingParams(seed=args.seed, greedy=args.greedy), **voice)
 
 
 def make_send(engine: Any, params: SynthesisParams, timeout_s: float, origin_s: float) -> SendFn:
@@ -118,7 +126,8 @@ async def run(engine: Any, args: argparse.Namespace, prompt_wav: Path, stop: asy
     concurrency = [int(v) for v in _split(args.concurrency)]
     rates = [float(v) for v in _split(args.rate)]
     plans = build_plans(concurrency or ([] if rates else [1]), rates, args.requests_per_level, args.duration)
-    send = make_send(engine, make_params(args), args.timeout, time.perf_counter())
+    params = make_params(args, prompt_wav if args.prompt_per_request else None)
+    send = make_send(engine, params, args.timeout, time.perf_counter())
     return await run_benchmark(send, plans, stop, args.warmup_requests, args.seed, log or _log)
 
 
@@ -164,9 +173,7 @@ async def _amain(args: argparse.Namespace, tmp: Path) -> tuple[list[RequestRecor
                               "voices_db": args.voices_db or str(tmp / "voices.db")}
     if args.max_streams is not None:
         config["max_streams"] = args.max_streams
-    for item in args.config:
-        key, _, value = item.partition("=")
-        config[key] = int(value) if value.lstrip("-").isdigit() else value
+    config.update(config_overrides(args.config))
     engine = AsyncEngine.from_pretrained(args.model_dir, **config)
     try:
         await asyncio.to_thread(engine.warmup)  # graph capture is not part of any request's latency

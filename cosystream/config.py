@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import types
+import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -60,6 +63,11 @@ class EngineConfig:
     # frames equal a first chunk's), up to this many streams in the call: small ODE calls are launch-bound,
     # so the first chunks wait little longer and the token-to-wave worker saves a call. 0: never.
     rider_streams: int = 16
+    # A new stream's flow state (its pool slot with a copy of the voice's encoded prompt, ≈ 0.7 GB for a
+    # 6 s prompt; for a voice not in memory a flow pass over its prompt) is made while the LM still decodes
+    # its first chunk's tokens, whenever the token-to-wave worker is idle, instead of in the first chunk's
+    # batch. False: streams open with their first chunk.
+    open_ahead: bool = True
     fused_kernels: bool = True  # CUDA: Triton kernels for the LM decode step (False: the unfused torch step)
     compile: bool = False  # torch.compile the hot steps (fewer, fused kernels; minutes of compile at start)
     schedule: ChunkSchedule = ChunkSchedule()
@@ -120,3 +128,43 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown EngineConfig field(s): {', '.join(unknown)}")
         return cls(**kwargs)
+
+
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def config_overrides(items: Sequence[str]) -> dict[str, Any]:
+    """EngineConfig fields from command-line FIELD=VALUE items, each value converted to its field's type
+    (bool: true/false/yes/no/on/off/1/0; int; float; str; `none` where the field may be None). A
+    ValueError names the item that is wrong."""
+    hints = typing.get_type_hints(EngineConfig)
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ValueError(f"--config {item!r}: expected FIELD=VALUE")
+        if key not in hints:
+            raise ValueError(f"--config {item!r}: EngineConfig has no field {key!r}")
+        out[key] = _parse_field(key, hints[key], text.strip())
+    return out
+
+
+def _parse_field(key: str, hint: Any, text: str) -> Any:
+    kinds = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if type(None) in kinds and text.lower() == "none":
+        return None
+    kind = next((k for k in kinds if k is not type(None)), None)
+    if kind is bool:
+        if text.lower() in _TRUE + _FALSE:
+            return text.lower() in _TRUE
+        raise ValueError(f"--config {key}={text}: expected true or false")
+    if kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            raise ValueError(f"--config {key}={text}: expected {'an integer' if kind is int else 'a number'}"
+                             ) from None
+    if kind is str:
+        return text
+    raise ValueError(f"--config {key}: not settable from the command line")

@@ -43,7 +43,7 @@ class _Job:
 
     req: RequestState
     seg: Segment
-    plan: Any
+    plan: Any  # None: the job only opens the segment's stream (EngineCore._open_ahead)
     open_args: dict | None = None  # the segment's stream opens with this chunk (on whoever runs the batch)
     state: Any = None  # the segment's token-to-wave stream
     error: Exception | None = None  # this job alone failed (e.g. its stream could not open)
@@ -67,7 +67,7 @@ class _Message:
 class EngineCore:
     def __init__(self, lm_runner: LMRunner, token2wav: Any, lm: Any, max_chunk_batch: int = 64,
                  overlap: bool = True, chunk_slack_s: float = 0.0, first_chunk_wait_s: float = 0.0,
-                 preempt: bool = True, rider_streams: int = 16) -> None:
+                 preempt: bool = True, rider_streams: int = 16, open_ahead: bool = True) -> None:
         self.lm_runner = lm_runner
         self.t2w = token2wav
         self.lm = lm
@@ -76,6 +76,7 @@ class EngineCore:
         self.first_chunk_wait_s = first_chunk_wait_s
         self.preempt = preempt
         self.rider_streams = rider_streams
+        self.open_ahead = open_ahead
         self._step_s: float | None = None  # decode step period (moving average), for first-chunk waits
         self._last_read_t: float | None = None
         self.inbox: queue.Queue[_Message] = queue.Queue()
@@ -605,6 +606,7 @@ class EngineCore:
         self._returned = []
         ready = self._ready_chunks({id(job.seg) for job in returned})
         if not ready and not returned:
+            self._open_ahead()
             return
         unopened = sum(1 for job in returned if job.open_args is not None)
         ready = self._within_free_slots(ready, reserved=unopened)
@@ -612,6 +614,7 @@ class EngineCore:
         # handed-back jobs were planned for a batch already: they go now, whatever else is ready
         if not returned and (not ready or not self._worth_a_batch(ready, now)
                              or self._first_chunks_due_soon(ready, now)):
+            self._open_ahead()
             return
         ready = self._without_costly_finals(ready, now)
         if self._chunks is not None:
@@ -640,6 +643,29 @@ class EngineCore:
                 now = time.perf_counter()
                 self.t2w_busy_s += now - t0
                 self._chunks_done(batch, results, error, now)
+
+    def _open_ahead(self) -> None:
+        """PERF: while the worker is idle, open the streams of requests whose LM is decoding their first
+        chunk's tokens (a pool slot and a copy of the voice's encoded prompt, ≈ 0.5 ms of copying per
+        stream on the H100; for a voice not in memory, a flow pass over its prompt), so that work no longer
+        delays their first chunk's batch. Pooled streams only, no more than the free slots (oldest
+        request first); text streams open with their first chunk (their LM may wait for text)."""
+        if not self.open_ahead or self._chunks is None:
+            return
+        new = [(req, req.audio_segment) for req in self.requests.values() if self._opens_ahead(req)]
+        new = self._within_free_slots(new)[:self.max_chunk_batch]
+        if not new:
+            return
+        jobs = [_Job(req, seg, None, open_args=self._open_args(req, seg)) for req, seg in new]
+        self._in_flight = jobs
+        self._first_in_flight = set()
+        self._chunks.submit([jobs])
+
+    def _opens_ahead(self, req: RequestState) -> bool:
+        seg = req.audio_segment
+        return (seg is not None and seg.t2w is None and not req.cancelled and seg.bistream is None
+                and seg.lm_status in (LMStatus.decoding, LMStatus.done)
+                and self.t2w.needs_slot(seg.inputs, self._expected_tokens(req, seg)))
 
     def _maybe_preempt(self) -> None:
         """PERF: a batch on the worker runs phase after phase (core._phases). When a first chunk, or a chunk
@@ -770,15 +796,16 @@ class EngineCore:
         `returned`: the planned jobs of the phases a preempted worker did not start (they open the next
         batch)."""
         self._returned.extend(returned)
+        voiced = [job for job in jobs if job.plan is not None]  # the others only opened their stream
         if last or self._in_flight is None:
             self._in_flight = None
             self._first_in_flight = set()
-            self.t2w_batches += 1
+            self.t2w_batches += bool(voiced)
         else:
             done = {id(job) for job in jobs}
             self._in_flight = [job for job in self._in_flight if id(job) not in done]
             self._first_in_flight -= {id(job.req) for job in jobs}
-        self.t2w_chunks += len(jobs)
+        self.t2w_chunks += len(voiced)
         for job in jobs:  # streams the batch opened belong to their segments now (or are given back)
             if job.open_args is not None and job.state is not None:
                 if job.req.request_id in self.requests and not job.req.cancelled:
@@ -815,6 +842,8 @@ class EngineCore:
         if job.error is not None:
             log.error("token-to-wave start of %s failed: %r", req.request_id, job.error)
             self._fail(req, job.error)
+            return
+        if job.plan is None:  # opened ahead of its first chunk: nothing to voice yet
             return
         pcm, flow_s, vocoder_s = result
         if faults.is_finite_audio(pcm):  # the chunk is on the host already: checking it is cheap
@@ -903,7 +932,8 @@ def _riders(t2w: Any, jobs: list[_Job], pool: list[_Job], limit: int) -> list[_J
     their own after it; small ODE calls are launch-bound (16 streams cost ≈ 2 of one on the H100), so
     the first chunks wait little longer and the worker saves a call. Streams already open only; at most
     `limit` streams in the phase."""
-    keys = {t2w.flow_group(job.state, job.plan) for job in jobs if job.error is None and job.state is not None}
+    keys = {t2w.flow_group(job.state, job.plan) for job in jobs
+            if job.error is None and job.state is not None and job.plan is not None}
     keys.discard(None)
     room = limit - len(jobs)
     if not keys or room <= 0:
@@ -918,7 +948,7 @@ def run_jobs(t2w: Any, jobs: list[_Job], device: torch.device, phases: list[list
     batch's `phases` (`jobs` being phase i, or part of it), the jobs of phase i + 1 that can share its ODE
     calls (`_riders`) leave that phase and are appended to `jobs` before anything runs, so a caller
     that sees the run fail fails them with it. Returns each job's (pcm, flow_s, vocoder_s), riders
-    included; None for a job that failed alone (its error is on the job)."""
+    included; None for a job that failed alone (its error is on the job) or only opened its stream (no plan)."""
     t2w.watch.start()
     for job in jobs:
         if job.open_args is not None:
@@ -928,13 +958,17 @@ def run_jobs(t2w: Any, jobs: list[_Job], device: torch.device, phases: list[list
                 faults.release_device_memory(e, device)
                 job.error = e
     t2w.watch.lap("open")
-    if phases is not None:
-        riders = _riders(t2w, jobs, _rider_pool(phases, i, rider_streams), rider_streams)
-        if riders:
-            _take_riders(phases, i, riders)
-            jobs.extend(riders)
-    runnable = [job for job in jobs if job.error is None]
-    results = t2w.run([(job.state, job.seg.tokens[:], job.plan) for job in runnable]) if runnable else []
+    pool = _rider_pool(phases, i, rider_streams) if phases is not None else []
+    riders = _riders(t2w, jobs, pool, rider_streams) if pool else []
+    if riders:
+        _take_riders(phases, i, riders)
+        jobs.extend(riders)
+    runnable = [job for job in jobs if job.error is None and job.plan is not None]
+    if runnable:
+        results = t2w.run([(job.state, job.seg.tokens[:], job.plan) for job in runnable])
+    else:  # streams opened ahead of their first chunk (or none could open)
+        results = []
+        t2w.opened()
     by_job = {id(job): result for job, result in zip(runnable, results, strict=True)}
     return [by_job.get(id(job)) for job in jobs]
 

@@ -135,6 +135,12 @@ class Token2WavRunner:
             flow_state = self.stream.start(prompt, max_target_tokens)
         return Token2WavState(flow_state, key=key, speed=speed, noise_offset=offset)
 
+    def opened(self) -> None:
+        """A batch that only opened streams: wait for its copies (this thread's stream only) so the stage
+        times of the batch are known."""
+        self._now()
+        self.watch.settle()
+
     def release(self, state: Token2WavState) -> None:
         """Give a finished or abandoned stream's pool slot back."""
         if isinstance(state.flow, PooledStream) and self.pool is not None:

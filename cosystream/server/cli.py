@@ -10,6 +10,7 @@ import os
 import sys
 from pathlib import Path
 
+from cosystream.config import config_overrides
 from cosystream.errors import CosyStreamError
 from cosystream.server.state import ServerSettings
 
@@ -93,13 +94,11 @@ def run_serve(args: argparse.Namespace) -> int:
     from cosystream.server.app import serve
 
     engine_kwargs: dict = {"max_streams": args.max_streams} if args.max_streams is not None else {}
-    for item in args.config:
-        key, sep, value = item.partition("=")
-        if not sep:
-            print(f"cosystream serve: error: --config {item!r}: expected FIELD=VALUE",
-                  file=sys.stderr)
-            return EXIT_USAGE
-        engine_kwargs[key] = int(value) if value.lstrip("-").isdigit() else value
+    try:
+        engine_kwargs.update(config_overrides(args.config))
+    except ValueError as exc:
+        print(f"cosystream serve: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         settings = settings_from_args(args)
         serve(args.model_dir, host=args.host, port=args.port, device=args.device, dtype=args.dtype,

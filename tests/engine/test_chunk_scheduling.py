@@ -446,3 +446,113 @@ def test_the_worker_hands_riders_back_with_the_first_chunks_they_rode_with():
         worker.stop()
     assert [(p[0], p[5]) for p in payloads] == [([a, b], False), ([c], True)]
     assert core.t2w.runs == [["a", "b"], ["c"]] and core.inbox.empty()
+
+
+class _SlotPool(_Pool):
+    """A pool whose streams all take a slot; records the streams given back."""
+
+    def __init__(self, free: int) -> None:
+        super().__init__(free)
+        self.released: list[object] = []
+
+    def needs_slot(self, inputs: object, max_target_tokens: int) -> bool:
+        return True
+
+    def can_start(self, inputs: object, max_target_tokens: int) -> bool:
+        return self.free > 0
+
+    def release(self, state: object) -> None:
+        self.released.append(state)
+
+
+def _new_request(core: EngineCore, name: str, slot: int, *, text_stream: bool = False) -> RequestState:
+    req = _request(core, name, buffered_s=None, lm=LMStatus.decoding, slot=slot, has_stream=False)
+    req.sampling = SimpleNamespace(seed=slot)
+    if text_stream:
+        req.audio_segment.bistream = object()
+    return req
+
+
+def test_the_idle_worker_opens_new_streams_ahead_of_their_first_chunk():
+    """While the LM decodes a new request's first tokens and the worker has nothing to voice, the
+    request's stream opens in a batch of its own (open jobs only), oldest first, within the free slots."""
+    core = EngineCore(SimpleNamespace(max_slots=8, device=torch.device("cpu"), set_active=lambda s, a: None),
+                      _SlotPool(2), lm=None, overlap=False, chunk_slack_s=0.6)
+    core._chunks = worker = _FakeWorker()
+    _request(core, "open", buffered_s=None, lm=LMStatus.decoding, slot=0)  # its stream is open already
+    _new_request(core, "texts", 1, text_stream=True)  # its LM may wait for text: opens with its first chunk
+    _new_request(core, "old", 2)
+    _new_request(core, "gone", 3).cancelled = True
+    _new_request(core, "new", 4)
+    _new_request(core, "newest", 5)  # no third free slot
+    core._token2wav()
+    (phase,) = worker.submitted[-1]
+    assert [job.req.request_id for job in phase] == ["old", "new"]
+    assert all(job.plan is None and job.open_args is not None and not job.first for job in phase)
+    assert phase[0].open_args["seed"] == 2 and core._in_flight == phase and not core._first_in_flight
+    assert not core._decode_paused()  # decoding goes on: these streams have no tokens to voice yet
+    core._token2wav()
+    assert len(worker.submitted) == 1  # one batch at a time
+
+
+def test_no_stream_opens_ahead_when_switched_off_without_a_worker_or_while_a_chunk_goes():
+    def core_with(open_ahead: bool, worker: bool) -> tuple[EngineCore, _FakeWorker]:
+        core = EngineCore(SimpleNamespace(max_slots=8, device=torch.device("cpu"), set_active=lambda s, a: None),
+                          _SlotPool(4), lm=None, overlap=False, open_ahead=open_ahead)
+        fake = _FakeWorker()
+        core._chunks = fake if worker else None
+        _new_request(core, "new", 0)
+        return core, fake
+
+    core, fake = core_with(open_ahead=False, worker=True)
+    core._token2wav()
+    assert not fake.submitted
+    core, _ = core_with(open_ahead=True, worker=False)  # inline: opening early would not overlap anything
+    core._token2wav()
+    assert core._in_flight is None
+    core, fake = core_with(open_ahead=True, worker=True)
+    _ready_first_chunk(core, "ready", 1)  # a chunk to voice: it goes, with its own stream opening
+    core._token2wav()
+    (phase,) = fake.submitted[-1]
+    assert [job.req.request_id for job in phase] == ["ready"] and phase[0].plan is not None
+
+
+def test_streams_opened_ahead_join_their_segments_and_nothing_is_voiced():
+    core = EngineCore(SimpleNamespace(max_slots=8, device=torch.device("cpu"), set_active=lambda s, a: None),
+                      _SlotPool(4), lm=None, overlap=False)
+    got: list = []
+    kept, gone = _new_request(core, "kept", 0), _new_request(core, "gone", 1)
+    kept.emit = gone.emit = got.append
+    jobs = [_Job(req, req.audio_segment, None, open_args={}, state=object()) for req in (kept, gone)]
+    core._in_flight = list(jobs)
+    gone.cancelled = True
+    core._chunks_done(jobs, [None, None], None, time.perf_counter())
+    assert kept.audio_segment.t2w is jobs[0].state and gone.audio_segment.t2w is None
+    assert core.t2w.released == [jobs[1].state]  # a cancelled request's slot comes straight back
+    assert not got and core._in_flight is None and core.t2w_batches == 0 and core.t2w_chunks == 0
+
+
+def test_a_batch_of_open_jobs_opens_streams_and_runs_no_flow():
+    from cosystream.engine.core import run_jobs
+
+    class _Opening(_GroupingT2W):
+        def __init__(self) -> None:
+            super().__init__()
+            self.settled = 0
+
+        def start(self, **open_args) -> object:
+            if open_args.get("fail"):
+                raise RuntimeError("out of memory")
+            return object()
+
+        def opened(self) -> None:
+            self.settled += 1
+
+    t2w = _Opening()
+    ok, bad = _keyed_job("ok", None, opening=True), _keyed_job("bad", None, opening=True)
+    bad.open_args = {"fail": True}
+    for job in (ok, bad):
+        job.plan = None
+    assert run_jobs(t2w, [ok, bad], torch.device("cpu"), [[ok, bad]], 0, rider_streams=16) == [None, None]
+    assert ok.state is not None and ok.error is None and isinstance(bad.error, RuntimeError)
+    assert t2w.runs == [] and t2w.settled == 1

@@ -109,3 +109,35 @@ def test_batches_handed_back_after_every_phase_give_the_same_audio(overlapped, e
         np.testing.assert_allclose(b.pcm, a.pcm, atol=2e-3, rtol=0)
     assert any(n > 0 for n in handed_back)  # some batch really was cut short
     assert core._in_flight is None and not core._returned
+
+
+def test_streams_opened_ahead_of_their_first_chunk_give_the_same_audio(model_dir, fixture_dir, tmp_path,
+                                                                        monkeypatch):
+    """EngineConfig.open_ahead: a stream opened while its LM still decodes voices exactly as one opened with
+    its first chunk. The pool exists on CUDA only, so a two-slot CPU pool stands in (three requests: one
+    waits for a slot)."""
+    from cosystream.engine.flow_runner import FlowRunner
+
+    params = [SynthesisParams(text=t, voice="v", force_tokens=60, sampling=SamplingParams(greedy=True, seed=i))
+              for i, t in enumerate(TEXTS[:3])]
+    runs = {}
+    for ahead in (True, False):
+        eng = Engine.from_pretrained(model_dir, voices_db=str(tmp_path / f"v{ahead}.db"), max_streams=4,
+                                     overlap_token2wav=True, open_ahead=ahead)
+        try:
+            eng.run(eng.async_engine.add_voice("v", str(fixture_dir / "prompt_24k.wav"), "Hello there."))
+            t2w = eng.async_engine.core.t2w
+            t2w.pool = FlowRunner(t2w.flow, num_slots=2, max_frames=512, use_graphs=False)
+            open_batches: list[int] = []
+            real_opened = t2w.opened
+            monkeypatch.setattr(t2w, "opened", lambda real=real_opened, seen=open_batches: (seen.append(1), real()))
+            runs[ahead] = (synthesize_together(eng, params), len(open_batches))
+            assert t2w.pool.free == [0, 1] and eng.async_engine.core._in_flight is None
+        finally:
+            eng.close()
+    (with_ahead, opened_ahead), (without, opened_without) = runs[True], runs[False]
+    assert opened_ahead >= 1 and opened_without == 0
+    for a, b in zip(without, with_ahead, strict=True):
+        assert not isinstance(a, Exception) and not isinstance(b, Exception), (a, b)
+        assert a.num_chunks == b.num_chunks >= 2
+        np.testing.assert_array_equal(b.pcm, a.pcm)

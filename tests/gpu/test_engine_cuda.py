@@ -1,0 +1,50 @@
+"""On a GPU: the whole engine with its CUDA-only parts (the flow pool, the token-to-wave worker beside LM
+decode on two CUDA streams). Needs CUDA; CI (CPU only) does not run it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cosystream.engine.sync_engine import Engine
+from cosystream.params import SamplingParams, SynthesisParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+from engine_threads import synthesize_together  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+TEXTS = ["hello there.", "good morning to you.", "a short line."]
+
+
+def test_streams_opened_ahead_of_their_first_chunk_on_cuda_give_the_same_audio(model_dir, fixture_dir, tmp_path):
+    """EngineConfig.open_ahead on the real pool: streams opened in a batch of their own while the LM
+    decodes (on the worker's CUDA stream, beside the LM's) voice as streams opened with their first chunk.
+    Three requests, two slots: one waits for a slot."""
+    params = [SynthesisParams(text=t, voice="v", force_tokens=60, sampling=SamplingParams(greedy=True, seed=i))
+              for i, t in enumerate(TEXTS)]
+    runs = {}
+    for ahead in (True, False):
+        eng = Engine.from_pretrained(model_dir, device="cuda", voices_db=str(tmp_path / f"v{ahead}.db"),
+                                     max_streams=4, flow_slots=2, flow_frames=512, open_ahead=ahead)
+        try:
+            eng.run(eng.async_engine.add_voice("v", str(fixture_dir / "prompt_24k.wav"), "Hello there."))
+            t2w = eng.async_engine.core.t2w
+            assert eng.async_engine.core._chunks is not None and t2w.pool is not None
+            open_batches: list[int] = []
+            real_opened = t2w.opened
+            t2w.opened = lambda real=real_opened, seen=open_batches: (seen.append(1), real())
+            runs[ahead] = (synthesize_together(eng, params), len(open_batches))
+            assert sorted(t2w.pool.free) == [0, 1]
+        finally:
+            eng.close()
+    (with_ahead, opened_ahead), (without, opened_without) = runs[True], runs[False]
+    assert opened_ahead >= 1 and opened_without == 0
+    for a, b in zip(without, with_ahead, strict=True):
+        assert not isinstance(a, Exception) and not isinstance(b, Exception), (a, b)
+        assert a.num_chunks == b.num_chunks >= 2
+        np.testing.assert_allclose(b.pcm, a.pcm, atol=2e-3, rtol=0)
