@@ -140,4 +140,5 @@ def test_streams_opened_ahead_of_their_first_chunk_give_the_same_audio(model_dir
     for a, b in zip(without, with_ahead, strict=True):
         assert not isinstance(a, Exception) and not isinstance(b, Exception), (a, b)
         assert a.num_chunks == b.num_chunks >= 2
-        np.testing.assert_array_equal(b.pcm, a.pcm)
+        # which streams share a batch depends on timing, and a batch's size moves float sums by ~1e-4
+        np.testing.assert_allclose(b.pcm, a.pcm, atol=5e-4, rtol=0)
