@@ -25,7 +25,7 @@ from cosystream.kernels import reference as reference_kernels
 from cosystream.kernels import triton_usable
 from cosystream.models.estimator import PooledKV
 from cosystream.models.flow import LOOKAHEAD_CONTEXT, UP_CONTEXT, UPSAMPLE, EncoderState, Flow
-from cosystream.models.flow_stream import PromptCache
+from cosystream.models.flow_stream import FlowStream, PromptCache
 
 _LEN_BUCKET = 128  # attended frames are rounded up to a multiple of this (fewer graphs, little waste)
 _ENCODER_ROWS = (1, 2, 4, 8, 16, 32)  # streams per batched encoder step (graph buckets)
@@ -99,6 +99,26 @@ class FlowRunner:
             self.free.sort()
             raise
         return PooledStream(slot, prompt, encoder)
+
+    @torch.inference_mode()
+    def build_prompt_cache(self, stream: FlowStream, prompt_tokens: torch.Tensor, prompt_mel: torch.Tensor,
+                           xvector: torch.Tensor) -> PromptCache:
+        """FlowStream.build_prompt_cache through the pool: the prompt's frames advance in a free slot as one
+        chunk (one graphed ODE), then leave it as a PromptCache. PERF: the eager pass launches each op of
+        ten estimator steps from Python: ≈ 0.5 s for a 6 s prompt on the H100, on the first chunk's path
+        of every request with a voice not in memory."""
+        empty = stream.empty_prompt(prompt_tokens, prompt_mel, xvector)
+        boundary = stream.prompt_cache_tokens(prompt_tokens.shape[1])
+        pooled = self.open(empty)
+        try:
+            if boundary > 0:
+                ids = empty.prompt_tokens
+                self.advance([pooled], [(ids[:boundary], ids[boundary:boundary + stream.lookahead])])
+            rows = slice(2 * pooled.slot, 2 * pooled.slot + 2)
+            return PromptCache(empty.prompt_tokens, empty.prompt_mel, empty.spks, pooled.encoder.trimmed(),
+                               self.kv[:, :, :, rows, :pooled.num_frames].clone(), self.conv[:, rows].clone())
+        finally:
+            self.close(pooled)
 
     def _encoder_in_slot(self, slot: int, prompt: PromptCache) -> EncoderState:
         """The encoder state of a stream opened in `slot`: views of the slot's pool row, holding the voice's

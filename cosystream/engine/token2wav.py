@@ -97,9 +97,7 @@ class Token2WavRunner:
             return self.voice_caches[voice_key]
         cache = self._from_store(stored)
         if cache is None:
-            cache = self.stream.build_prompt_cache(inputs.flow_prompt_speech_tokens[None].to(self.device),
-                                                   inputs.prompt_mel[None].to(self.device),
-                                                   inputs.xvector[None].to(self.device))
+            cache = self._build_prompt_cache(inputs)
             if voice_key is not None and self.on_new_voice_cache is not None:
                 tensors = {k: v.to("cpu") for k, v in cache.to_tensors().items()}
                 self.on_new_voice_cache(voice_key, {**tensors, **self._fingerprint_tensor()})
@@ -108,6 +106,15 @@ class Token2WavRunner:
             while len(self.voice_caches) > self.max_voice_caches:
                 self.voice_caches.popitem(last=False)
         return cache
+
+    def _build_prompt_cache(self, inputs: Any) -> PromptCache:
+        """A voice's prompt through the flow: in a free pool slot (graphed) when there is one, else eagerly."""
+        args = (inputs.flow_prompt_speech_tokens[None].to(self.device), inputs.prompt_mel[None].to(self.device),
+                inputs.xvector[None].to(self.device))
+        frames = UPSAMPLE * int(inputs.flow_prompt_speech_tokens.shape[0])
+        if self.pool is not None and self.pool.free and frames <= self.pool.max_frames:
+            return self.pool.build_prompt_cache(self.stream, *args)
+        return self.stream.build_prompt_cache(*args)
 
     def _fingerprint_tensor(self) -> dict[str, torch.Tensor]:
         return {_FINGERPRINT: torch.tensor(list(self.fingerprint.encode()), dtype=torch.uint8)}

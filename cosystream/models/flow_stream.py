@@ -135,9 +135,9 @@ class FlowStream:
         return usable // self.chunk_tokens * self.chunk_tokens
 
     @torch.no_grad()
-    def build_prompt_cache(self, prompt_tokens: torch.Tensor, prompt_mel: torch.Tensor,
-                           xvector: torch.Tensor) -> PromptCache:
-        """prompt_tokens [1, P] int, prompt_mel [1, 2P, 80], xvector [1, 192] -> PromptCache."""
+    def empty_prompt(self, prompt_tokens: torch.Tensor, prompt_mel: torch.Tensor, xvector: torch.Tensor
+                     ) -> PromptCache:
+        """The voice's PromptCache before any of its frames is encoded (where build_prompt_cache starts)."""
         num_prompt = prompt_tokens.shape[1]
         if prompt_mel.shape[1] != UPSAMPLE * num_prompt:
             raise ValueError(f"prompt mel has {prompt_mel.shape[1]} frames, expected 2 × {num_prompt}")
@@ -145,14 +145,20 @@ class FlowStream:
         est = self.flow.decoder.estimator
         empty_kv, conv = est.new_cache(2, 0)
         steps = self.flow.decoder.num_steps
-        empty = PromptCache(
+        return PromptCache(
             prompt_tokens=prompt_tokens[0].to(w.device, torch.long),
             prompt_mel=prompt_mel[0].to(w.device, w.dtype),
             spks=self.flow.project_speaker(xvector.to(w.device))[0],
             encoder=self.flow.encoder.new_state(0),
             kv=empty_kv.unsqueeze(0).expand(steps, *empty_kv.shape),
             conv=conv.unsqueeze(0).repeat(steps, 1, 1, 1))
-        boundary = self.prompt_cache_tokens(num_prompt)
+
+    @torch.no_grad()
+    def build_prompt_cache(self, prompt_tokens: torch.Tensor, prompt_mel: torch.Tensor,
+                           xvector: torch.Tensor) -> PromptCache:
+        """prompt_tokens [1, P] int, prompt_mel [1, 2P, 80], xvector [1, 192] -> PromptCache."""
+        empty = self.empty_prompt(prompt_tokens, prompt_mel, xvector)
+        boundary = self.prompt_cache_tokens(prompt_tokens.shape[1])
         state = self.start(empty, max_target_tokens=0)
         if boundary > 0:
             ids = empty.prompt_tokens

@@ -147,3 +147,24 @@ def test_pooled_batch_with_triton_kernels_equals_per_request_stream(checkpoint, 
     runner = FlowRunner(flow, num_slots=3, max_frames=512, use_graphs=False)
     runner.attention_ops = flow_kernels
     _compare_pooled_with_stream(runner, stream, prompt, f, flow_kernels, max_chunks=1)  # the interpreter is slow
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_voice_prompt_built_in_the_pool_equals_the_per_request_build(checkpoint, load_fixture, fused):
+    """Token2WavRunner builds a new voice's prompt state in a free pool slot (one graphed chunk on a GPU)
+    instead of FlowStream's eager pass: every cache it holds is the same, and the slot is free again."""
+    f = load_fixture("stream")
+    flow = load_flow(checkpoint)
+    stream = FlowStream(flow, final_attention="chunk")
+    want = stream.build_prompt_cache(f["prompt_token"], f["prompt_feat"], f["embedding"])
+    runner = FlowRunner(flow, num_slots=3, max_frames=512, use_graphs=False)
+    flow.decoder.estimator.set_kernels(reference if fused else None)
+    try:
+        got = runner.build_prompt_cache(stream, f["prompt_token"], f["prompt_feat"], f["embedding"])
+    finally:
+        flow.decoder.estimator.set_kernels(None)
+    assert got.num_tokens == want.num_tokens > 0 and sorted(runner.free) == [0, 1, 2]
+    for name, value in want.to_tensors().items():
+        torch.testing.assert_close(got.to_tensors()[name], value, atol=1e-4, rtol=0, msg=name)
+    # the prompt state built in the pool voices a stream as the one built per request does
+    _compare_pooled_with_stream(runner, stream, got, f, None, max_chunks=2)
