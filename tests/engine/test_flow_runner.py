@@ -149,22 +149,35 @@ def test_pooled_batch_with_triton_kernels_equals_per_request_stream(checkpoint, 
     _compare_pooled_with_stream(runner, stream, prompt, f, flow_kernels, max_chunks=1)  # the interpreter is slow
 
 
+def _other_voice(f) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A second voice with the fixture prompt's length: other tokens, mel and speaker."""
+    return ((f["prompt_token"] * 7 + 3) % 6561, f["prompt_feat"].flip(1), f["embedding"].roll(5, dims=1))
+
+
 @pytest.mark.parametrize("fused", [False, True])
-def test_a_voice_prompt_built_in_the_pool_equals_the_per_request_build(checkpoint, load_fixture, fused):
-    """Token2WavRunner builds a new voice's prompt state in a free pool slot (one graphed chunk on a GPU)
-    instead of FlowStream's eager pass: every cache it holds is the same, and the slot is free again."""
+def test_voice_prompts_built_together_in_the_pool_equal_the_per_request_build(checkpoint, load_fixture, fused):
+    """Token2WavRunner builds new voices' prompt states in free pool slots, prompts of one length in one
+    chunk (one graphed ODE on a GPU), instead of FlowStream's eager pass per voice: every cache each holds
+    is the same as its own eager build, and the slots are free again."""
     f = load_fixture("stream")
     flow = load_flow(checkpoint)
     stream = FlowStream(flow, final_attention="chunk")
-    want = stream.build_prompt_cache(f["prompt_token"], f["prompt_feat"], f["embedding"])
+    voices = [(f["prompt_token"], f["prompt_feat"], f["embedding"]), _other_voice(f)]
+    want = [stream.build_prompt_cache(*voice) for voice in voices]
     runner = FlowRunner(flow, num_slots=3, max_frames=512, use_graphs=False)
     flow.decoder.estimator.set_kernels(reference if fused else None)
     try:
-        got = runner.build_prompt_cache(stream, f["prompt_token"], f["prompt_feat"], f["embedding"])
+        got = runner.build_prompt_caches(stream, voices)
     finally:
         flow.decoder.estimator.set_kernels(None)
-    assert got.num_tokens == want.num_tokens > 0 and sorted(runner.free) == [0, 1, 2]
-    for name, value in want.to_tensors().items():
-        torch.testing.assert_close(got.to_tensors()[name], value, atol=1e-4, rtol=0, msg=name)
+    assert sorted(runner.free) == [0, 1, 2]
+    for g, w in zip(got, want, strict=True):
+        assert g.num_tokens == w.num_tokens > 0
+        for name, value in w.to_tensors().items():
+            torch.testing.assert_close(g.to_tensors()[name], value, atol=1e-4, rtol=0, msg=name)
+    assert not torch.equal(got[0].kv, got[1].kv)
     # the prompt state built in the pool voices a stream as the one built per request does
-    _compare_pooled_with_stream(runner, stream, got, f, None, max_chunks=2)
+    _compare_pooled_with_stream(runner, stream, got[0], f, None, max_chunks=2)
+    with pytest.raises(ValueError, match="one length"):
+        runner.build_prompt_caches(stream, [voices[0], (voices[1][0][:, :-25], voices[1][1][:, :-50], voices[1][2])])
+    assert sorted(runner.free) == [0, 1, 2]

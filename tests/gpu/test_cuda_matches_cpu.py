@@ -121,18 +121,22 @@ def test_graphed_batched_final_passes_match_cpu(checkpoint, load_fixture, cfm_no
         torch.testing.assert_close(g.cpu(), w, atol=5e-3, rtol=0)  # tf32 products inside the Triton dots
 
 
-def test_a_voice_prompt_built_in_the_graphed_pool_matches_the_cpu_build(checkpoint, load_fixture):
-    """Token2WavRunner's build of a new voice's prompt state: one graphed chunk in a pool slot (Triton
-    estimator kernels) against FlowStream's eager build on the CPU."""
+def test_voice_prompts_built_in_the_graphed_pool_match_the_cpu_build(checkpoint, load_fixture):
+    """Token2WavRunner's build of new voices' prompt states: one graphed chunk for two voices in pool slots
+    (Triton estimator kernels) against FlowStream's eager build of each on the CPU."""
     f = load_fixture("stream")
-    want = FlowStream(load_flow(checkpoint), final_attention="chunk").build_prompt_cache(
-        f["prompt_token"], f["prompt_feat"], f["embedding"])
+    voices = [(f["prompt_token"], f["prompt_feat"], f["embedding"]),
+              ((f["prompt_token"] * 7 + 3) % 6561, f["prompt_feat"].flip(1), f["embedding"].roll(5, dims=1))]
+    cpu_stream = FlowStream(load_flow(checkpoint), final_attention="chunk")
     gpu_flow = load_flow(checkpoint, "cuda")
-    runner = FlowRunner(gpu_flow, num_slots=2, max_frames=512, use_graphs=True)
+    runner = FlowRunner(gpu_flow, num_slots=3, max_frames=512, use_graphs=True)
     assert runner.attention_ops is not reference
-    got = runner.build_prompt_cache(FlowStream(gpu_flow, final_attention="chunk"), f["prompt_token"].cuda(),
-                                    f["prompt_feat"].cuda(), f["embedding"].cuda())
-    assert got.num_tokens == want.num_tokens > 0 and sorted(runner.free) == [0, 1]
-    assert len(runner.graphs.graphs) == 1  # the prompt's ODE ran as a graph
-    for name, value in want.to_tensors().items():
-        torch.testing.assert_close(got.to_tensors()[name].cpu(), value, atol=5e-3, rtol=0, msg=name)
+    got = runner.build_prompt_caches(FlowStream(gpu_flow, final_attention="chunk"),
+                                     [tuple(t.cuda() for t in voice) for voice in voices])
+    assert sorted(runner.free) == [0, 1, 2] and len(runner.graphs.graphs) == 1  # the ODE ran as one graph
+    for voice, cache in zip(voices, got, strict=True):
+        want = cpu_stream.build_prompt_cache(*voice)
+        assert cache.num_tokens == want.num_tokens > 0
+        for name, value in want.to_tensors().items():
+            # tf32 products inside the Triton dots, as the pooled-flow test above
+            torch.testing.assert_close(cache.to_tensors()[name].cpu(), value, atol=5e-3, rtol=0, msg=name)
