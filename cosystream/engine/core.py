@@ -950,16 +950,13 @@ def run_jobs(t2w: Any, jobs: list[_Job], device: torch.device, phases: list[list
     that sees the run fail fails them with it. Returns each job's (pcm, flow_s, vocoder_s), riders
     included; None for a job that failed alone (its error is on the job) or only opened its stream (no plan)."""
     t2w.watch.start()
-    opening = [job for job in jobs if job.open_args is not None]
-    prompts = t2w.prepare_prompts([job.open_args for job in opening]) if opening else []
-    for job, prompt in zip(opening, prompts, strict=True):
-        try:
-            if isinstance(prompt, Exception):
-                raise prompt
-            job.state = t2w.start(**job.open_args, prompt=prompt)
-        except Exception as e:  # e.g. out of memory building the voice's prompt state
-            faults.release_device_memory(e, device)
-            job.error = e
+    for job in jobs:
+        if job.open_args is not None:
+            try:
+                job.state = t2w.start(**job.open_args)
+            except Exception as e:  # e.g. out of memory building the voice's prompt state
+                faults.release_device_memory(e, device)
+                job.error = e
     t2w.watch.lap("open")
     pool = _rider_pool(phases, i, rider_streams) if phases is not None else []
     riders = _riders(t2w, jobs, pool, rider_streams) if pool else []

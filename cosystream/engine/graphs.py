@@ -8,15 +8,19 @@ Graphs that may replay at the same time (the LM's on the engine thread, token-to
 must be captured on different streams: cuBLAS picks its workspace by (handle, stream) at capture time
 and bakes it into the graph, so two graphs captured on one stream share one workspace, and two split-K
 GEMMs replaying concurrently corrupt each other's partial sums and semaphores (the second session's
-hang at 16 overlapped streams).
+hang at 16 overlapped streams). Captures themselves take turns (`CAPTURE_LOCK`): since streams open
+ahead of their first chunk, the worker may capture a new flow shape while the engine thread captures a
+new prefill shape.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
+CAPTURE_LOCK = threading.RLock()  # one graph capture at a time in the process (engine thread or worker)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 
 
@@ -64,6 +68,10 @@ class GraphCache:
         return static_out
 
     def _capture(self, inputs: Sequence[torch.Tensor]):
+        with CAPTURE_LOCK:
+            return self._capture_unlocked(inputs)
+
+    def _capture_unlocked(self, inputs: Sequence[torch.Tensor]):
         static_in = [x.clone() for x in inputs]
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from cosystream.engine.faults import NON_FINITE_TOKEN, mark_non_finite
-from cosystream.engine.graphs import GraphCache, capture_stream, maybe_compile
+from cosystream.engine.graphs import CAPTURE_LOCK, GraphCache, capture_stream, maybe_compile
 from cosystream.kernels import decode as decode_ops
 from cosystream.kernels import reference as reference_ops
 from cosystream.kernels import triton_usable
@@ -301,7 +301,8 @@ class LMRunner:
         # Capturing runs the step twice: keep every row's small state; the K/V it writes lands at the
         # rows' next free positions, which real steps overwrite before anything reads them.
         saved = [t.clone() for t in self._state_tensors()]
-        graph = self._capture_unguarded(b, attn_len)
+        with CAPTURE_LOCK:
+            graph = self._capture_unguarded(b, attn_len)
         for t, old in zip(self._state_tensors(), saved, strict=True):
             t.copy_(old)
         return graph

@@ -33,7 +33,6 @@ from cosystream.models.hift import MEL_CACHE_FRAMES, HiFTGenerator, crossfade, f
 _FINGERPRINT = "model"  # which flow (dims and dtype) a stored prompt cache belongs to
 _NOISE_SEED = 20250101
 _NOISE_SAMPLES = 24000 * 20  # 20 s of noise rows, reused cyclically
-_MAX_PROMPT_BUILDS = 16  # new voices' prompts built in one flow call
 SourceOverride = Callable[[Any, int], "torch.Tensor | None"]
 
 
@@ -98,86 +97,33 @@ class Token2WavRunner:
             return self.voice_caches[voice_key]
         cache = self._from_store(stored)
         if cache is None:
-            (cache,) = self._build_prompt_caches([inputs])
-            if isinstance(cache, Exception):
-                raise cache
-            self._announce(voice_key, cache)
-        self._remember(voice_key, cache)
-        return cache
-
-    def prepare_prompts(self, opens: Sequence[dict]) -> list[PromptCache | Exception | None]:
-        """PERF: the prompts that streams opening together need and memory does not hold, built together:
-        one graphed chunk per prompt length (a burst of sixteen zero-shot requests: one flow call, not
-        sixteen). `opens` are `start`'s keyword arguments; one entry each: the prompt to hand to `start`,
-        the exception its build raised, or None (`start` finds it in memory or in its stored record)."""
-        out: list[PromptCache | Exception | None] = [None] * len(opens)
-        todo: dict[Any, list[int]] = {}  # one build per new voice, however many of its streams open
-        for i, args in enumerate(opens):
-            key = args.get("voice_key")
-            if key is not None and (key in self.voice_caches or self._stored_matches(args.get("stored"))):
-                continue
-            todo.setdefault(("voice", key) if key is not None else ("request", i), []).append(i)
-        groups = list(todo.values())
-        for group, cache in zip(groups, self._build_prompt_caches([opens[g[0]]["inputs"] for g in groups]),
-                                strict=True):
-            key = opens[group[0]].get("voice_key")
-            if not isinstance(cache, Exception):
-                self._announce(key, cache)
-                self._remember(key, cache)
-            for i in group:
-                out[i] = cache
-        return out
-
-    def _announce(self, voice_key: str | None, cache: PromptCache) -> None:
-        if voice_key is not None and self.on_new_voice_cache is not None:
-            tensors = {k: v.to("cpu") for k, v in cache.to_tensors().items()}
-            self.on_new_voice_cache(voice_key, {**tensors, **self._fingerprint_tensor()})
-
-    def _remember(self, voice_key: str | None, cache: PromptCache) -> None:
+            cache = self._build_prompt_cache(inputs)
+            if voice_key is not None and self.on_new_voice_cache is not None:
+                tensors = {k: v.to("cpu") for k, v in cache.to_tensors().items()}
+                self.on_new_voice_cache(voice_key, {**tensors, **self._fingerprint_tensor()})
         if voice_key is not None:
             self.voice_caches[voice_key] = cache
-            self.voice_caches.move_to_end(voice_key)
             while len(self.voice_caches) > self.max_voice_caches:
                 self.voice_caches.popitem(last=False)
+        return cache
 
-    def _build_prompt_caches(self, inputs: Sequence[Any]) -> list[PromptCache | Exception]:
-        """Voices' prompts through the flow: prompts of one length together in free pool slots (one graphed
-        chunk) while there are free slots, else one by one eagerly. A failed build is its entry."""
-        out: list[PromptCache | Exception | None] = [None] * len(inputs)
-        by_length: dict[int, list[int]] = {}
-        for i, inp in enumerate(inputs):
-            by_length.setdefault(int(inp.flow_prompt_speech_tokens.shape[0]), []).append(i)
-        for length, todo in by_length.items():
-            pooled = self.pool is not None and UPSAMPLE * length <= self.pool.max_frames
-            while todo:
-                room = min(len(self.pool.free), _MAX_PROMPT_BUILDS) if pooled else 0
-                part, todo = todo[:max(room, 1)], todo[max(room, 1):]
-                args = [self._prompt_args(inputs[i]) for i in part]
-                try:
-                    caches = (self.pool.build_prompt_caches(self.stream, args) if room
-                              else [self.stream.build_prompt_cache(*args[0])])
-                except Exception as e:  # e.g. out of memory: these voices fail, the others may not
-                    caches = [e] * len(part)
-                for i, cache in zip(part, caches, strict=True):
-                    out[i] = cache
-        return out  # type: ignore[return-value]
-
-    def _prompt_args(self, inputs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return (inputs.flow_prompt_speech_tokens[None].to(self.device), inputs.prompt_mel[None].to(self.device),
+    def _build_prompt_cache(self, inputs: Any) -> PromptCache:
+        """A voice's prompt through the flow: in a free pool slot (graphed) when there is one, else eagerly."""
+        args = (inputs.flow_prompt_speech_tokens[None].to(self.device), inputs.prompt_mel[None].to(self.device),
                 inputs.xvector[None].to(self.device))
+        frames = UPSAMPLE * int(inputs.flow_prompt_speech_tokens.shape[0])
+        if self.pool is not None and self.pool.free and frames <= self.pool.max_frames:
+            return self.pool.build_prompt_caches(self.stream, [args])[0]
+        return self.stream.build_prompt_cache(*args)
 
     def _fingerprint_tensor(self) -> dict[str, torch.Tensor]:
         return {_FINGERPRINT: torch.tensor(list(self.fingerprint.encode()), dtype=torch.uint8)}
 
-    def _stored_matches(self, stored: dict[str, torch.Tensor] | None) -> bool:
-        """Was this stored cache made by this very model and dtype?"""
-        if not stored or _FINGERPRINT not in stored:
-            return False
-        return bytes(stored[_FINGERPRINT].tolist()).decode(errors="replace") == self.fingerprint
-
     def _from_store(self, stored: dict[str, torch.Tensor] | None) -> PromptCache | None:
         """The stored cache if it was made by this very model and dtype (else None: rebuild)."""
-        if not self._stored_matches(stored):
+        if not stored or _FINGERPRINT not in stored:
+            return None
+        if bytes(stored[_FINGERPRINT].tolist()).decode(errors="replace") != self.fingerprint:
             return None
         dtype = self.flow.input_embedding.weight.dtype
         return PromptCache.from_tensors({k: v.to(self.device, dtype if v.is_floating_point() else v.dtype)
@@ -187,11 +133,8 @@ class Token2WavRunner:
         self.voice_caches.pop(voice_key, None)
 
     def start(self, inputs: Any, voice_key: str | None, key: Any = None, speed: float = 1.0,
-              max_target_tokens: int = 256, seed: int = 0, stored: dict | None = None,
-              prompt: PromptCache | None = None) -> Token2WavState:
-        """A new stream; `prompt`: its voice's prompt state when the caller has it (prepare_prompts)."""
-        if prompt is None:
-            prompt = self.prompt_cache(inputs, voice_key, stored)
+              max_target_tokens: int = 256, seed: int = 0, stored: dict | None = None) -> Token2WavState:
+        prompt = self.prompt_cache(inputs, voice_key, stored)
         offset = (seed * 2654435761) % _NOISE_SAMPLES
         if self.pool is not None and self.pool.fits(prompt, max_target_tokens):
             flow_state = self.pool.open(prompt)

@@ -360,9 +360,6 @@ class _GroupingT2W:
     def start(self, **open_args) -> object:
         return object()
 
-    def prepare_prompts(self, opens: list) -> list:
-        return [None] * len(opens)
-
     def flow_group(self, state: object, plan: SimpleNamespace) -> object:
         return plan.key
 
@@ -543,7 +540,7 @@ def test_a_batch_of_open_jobs_opens_streams_and_runs_no_flow():
             super().__init__()
             self.settled = 0
 
-        def start(self, prompt: object = None, **open_args) -> object:
+        def start(self, **open_args) -> object:
             if open_args.get("fail"):
                 raise RuntimeError("out of memory")
             return object()

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 
 from cosystream.config import ChunkSchedule, EngineConfig
 from cosystream.engine.chunking import ChunkPlanner
-from cosystream.engine.flow_runner import FlowRunner
 from cosystream.engine.loader import load_flow, load_hift
 from cosystream.engine.token2wav import Token2WavRunner
 from cosystream.frontend import ModelInputs
@@ -162,42 +159,3 @@ def test_a_later_chunk_sharing_a_first_chunks_ode_gives_its_own_mel(models, load
     alone_b = runner._flow([(b2, other, b2_plans[0])])[0]
     torch.testing.assert_close(together[0], alone_b, atol=ATOL, rtol=0)
     torch.testing.assert_close(together[1], alone_a, atol=ATOL, rtol=0)
-
-
-def test_prompts_of_streams_opening_together_are_built_in_one_pooled_call(models, load_fixture):
-    """prepare_prompts: every voice that memory lacks is built once (two streams of one new voice share its
-    build), prompts of one length in one pool call; a voice in memory is left to `start`; a failed build is
-    the entry of each stream that needed it."""
-    f = load_fixture("stream")
-    runner = Token2WavRunner(*models, EngineConfig())
-    runner.pool = FlowRunner(runner.flow, num_slots=3, max_frames=512, use_graphs=False)
-    calls: list[int] = []
-    real_build = runner.pool.build_prompt_caches
-    runner.pool.build_prompt_caches = lambda stream, prompts: (calls.append(len(prompts)),
-                                                               real_build(stream, prompts))[1]
-    announced: list[str] = []
-    runner.on_new_voice_cache = lambda key, tensors: announced.append(key)
-    first = _inputs(f)
-    other = replace(first, flow_prompt_speech_tokens=(first.flow_prompt_speech_tokens * 7 + 3) % 6561,
-                    xvector=first.xvector.roll(5))
-    runner.prompt_cache(first, "known")
-    calls.clear()
-    opens = [dict(inputs=first, voice_key=None), dict(inputs=other, voice_key=None),
-             dict(inputs=other, voice_key="new"), dict(inputs=other, voice_key="new"),
-             dict(inputs=first, voice_key="known")]
-    got = runner.prepare_prompts(opens)
-    assert calls == [3] and announced == ["known", "new"] and "new" in runner.voice_caches
-    assert got[2] is got[3] and got[4] is None and sorted(runner.pool.free) == [0, 1, 2]
-    want = runner.stream.build_prompt_cache(*runner._prompt_args(other))
-    for cache in (got[1], got[2]):
-        torch.testing.assert_close(cache.kv, want.kv, atol=1e-4, rtol=0)
-    state = runner.start(**opens[0], prompt=got[0])
-    assert state.flow.prompt is got[0]
-    runner.release(state)
-
-    def failing(stream, prompts):
-        raise RuntimeError("out of memory")
-
-    runner.pool.build_prompt_caches = failing
-    failed = runner.prepare_prompts([dict(inputs=first, voice_key=None), dict(inputs=first, voice_key="known")])
-    assert isinstance(failed[0], RuntimeError) and failed[1] is None

@@ -121,22 +121,29 @@ def test_graphed_batched_final_passes_match_cpu(checkpoint, load_fixture, cfm_no
         torch.testing.assert_close(g.cpu(), w, atol=5e-3, rtol=0)  # tf32 products inside the Triton dots
 
 
-def test_voice_prompts_built_in_the_graphed_pool_match_the_cpu_build(checkpoint, load_fixture):
+def test_voice_prompts_built_in_the_graphed_pool_match_the_eager_build(checkpoint, load_fixture):
     """Token2WavRunner's build of new voices' prompt states: one graphed chunk for two voices in pool slots
-    (Triton estimator kernels) against FlowStream's eager build of each on the CPU."""
+    (Triton estimator kernels) against FlowStream's eager build of each on the same GPU (whose flow the
+    pooled-flow test above checks against the CPU), and the estimator caches against the CPU build too."""
     f = load_fixture("stream")
     voices = [(f["prompt_token"], f["prompt_feat"], f["embedding"]),
               ((f["prompt_token"] * 7 + 3) % 6561, f["prompt_feat"].flip(1), f["embedding"].roll(5, dims=1))]
     cpu_stream = FlowStream(load_flow(checkpoint), final_attention="chunk")
     gpu_flow = load_flow(checkpoint, "cuda")
+    gpu_stream = FlowStream(gpu_flow, final_attention="chunk")
     runner = FlowRunner(gpu_flow, num_slots=3, max_frames=512, use_graphs=True)
     assert runner.attention_ops is not reference
-    got = runner.build_prompt_caches(FlowStream(gpu_flow, final_attention="chunk"),
-                                     [tuple(t.cuda() for t in voice) for voice in voices])
+    on_gpu = [tuple(t.cuda() for t in voice) for voice in voices]
+    got = runner.build_prompt_caches(gpu_stream, on_gpu)
     assert sorted(runner.free) == [0, 1, 2] and len(runner.graphs.graphs) == 1  # the ODE ran as one graph
-    for voice, cache in zip(voices, got, strict=True):
-        want = cpu_stream.build_prompt_cache(*voice)
-        assert cache.num_tokens == want.num_tokens > 0
-        for name, value in want.to_tensors().items():
+    for voice, gpu_voice, cache in zip(voices, on_gpu, got, strict=True):
+        eager, cpu = gpu_stream.build_prompt_cache(*gpu_voice), cpu_stream.build_prompt_cache(*voice)
+        assert cache.num_tokens == eager.num_tokens > 0
+        for name, value in eager.to_tensors().items():
+            have = cache.to_tensors()[name]
+            err = float((have.float() - value.float()).abs().max()) if have.numel() else 0.0
             # tf32 products inside the Triton dots, as the pooled-flow test above
-            torch.testing.assert_close(cache.to_tensors()[name].cpu(), value, atol=5e-3, rtol=0, msg=name)
+            torch.testing.assert_close(have, value, atol=5e-3, rtol=1e-3, msg=f"{name}: max |diff| {err:.2e}")
+        for name in ("kv", "conv"):
+            torch.testing.assert_close(getattr(cache, name).cpu(), getattr(cpu, name), atol=5e-3, rtol=1e-3,
+                                       msg=name)
