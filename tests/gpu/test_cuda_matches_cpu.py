@@ -142,8 +142,10 @@ def test_voice_prompts_built_in_the_graphed_pool_match_the_eager_build(checkpoin
         for name, value in eager.to_tensors().items():
             have = cache.to_tensors()[name]
             err = float((have.float() - value.float()).abs().max()) if have.numel() else 0.0
-            # tf32 products inside the Triton dots, as the pooled-flow test above
-            torch.testing.assert_close(have, value, atol=5e-3, rtol=1e-3, msg=f"{name}: max |diff| {err:.2e}")
-        # the CPU build: float32 without tf32 (conv tails are pre-norm conv inputs: 7e-3 off on the H100)
+            # tf32 products inside the Triton dots (the conv tails are conv inputs after LayerNorm and Mish:
+            # 7e-3 apart on the H100, the other caches within 5e-3)
+            tol = 2e-2 if name == "conv" else 5e-3
+            torch.testing.assert_close(have, value, atol=tol, rtol=1e-3, msg=f"{name}: max |diff| {err:.2e}")
+        # the CPU build: float32 without tf32
         torch.testing.assert_close(cache.kv.cpu(), cpu.kv, atol=5e-3, rtol=1e-3, msg="kv")
         torch.testing.assert_close(cache.conv.cpu(), cpu.conv, atol=2e-2, rtol=1e-2, msg="conv")
