@@ -3,18 +3,12 @@ decode on two CUDA streams). Needs CUDA; CI (CPU only) does not run it."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
 from cosystream.engine.sync_engine import Engine
 from cosystream.params import SamplingParams, SynthesisParams
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
-from engine_threads import synthesize_together  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -24,7 +18,9 @@ TEXTS = ["hello there.", "good morning to you.", "a short line."]
 def test_streams_opened_ahead_of_their_first_chunk_on_cuda_give_the_same_audio(model_dir, fixture_dir, tmp_path):
     """EngineConfig.open_ahead on the real pool: streams opened in a batch of their own while the LM
     decodes (on the worker's CUDA stream, beside the LM's) voice as streams opened with their first chunk.
-    Three requests, two slots: one waits for a slot."""
+    One request at a time: requests sent together share batches by timing, and on the GPU a batch's
+    size moves tf32 sums enough to flip a greedy token of the random test model (the CPU test
+    test_overlap.py sends them together)."""
     params = [SynthesisParams(text=t, voice="v", force_tokens=60, sampling=SamplingParams(greedy=True, seed=i))
               for i, t in enumerate(TEXTS)]
     runs = {}
@@ -38,13 +34,12 @@ def test_streams_opened_ahead_of_their_first_chunk_on_cuda_give_the_same_audio(m
             open_batches: list[int] = []
             real_opened = t2w.opened
             t2w.opened = lambda real=real_opened, seen=open_batches: (seen.append(1), real())
-            runs[ahead] = (synthesize_together(eng, params), len(open_batches))
+            runs[ahead] = ([eng.synthesize(p) for p in params], len(open_batches))
             assert sorted(t2w.pool.free) == [0, 1]
         finally:
             eng.close()
     (with_ahead, opened_ahead), (without, opened_without) = runs[True], runs[False]
     assert opened_ahead >= 1 and opened_without == 0
     for a, b in zip(without, with_ahead, strict=True):
-        assert not isinstance(a, Exception) and not isinstance(b, Exception), (a, b)
         assert a.num_chunks == b.num_chunks >= 2
         np.testing.assert_allclose(b.pcm, a.pcm, atol=2e-3, rtol=0)
