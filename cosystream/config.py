@@ -78,8 +78,9 @@ class EngineConfig:
     flow_slots: int | None = None
     flow_frames: int = 1024
     # Keep a registered voice's encoded flow prompt in its voice record (survives restarts). None: on
-    # the CPU only, where rebuilding it is slow; on a GPU one flow pass (~50 ms for a 6 s prompt) is
-    # faster than reading its ~0.6 GB back (2.3 MB per prompt frame for CosyVoice2-0.5B in bf16).
+    # the CPU only, where rebuilding it is slow; on a GPU one graphed chunk of the flow in a pool slot
+    # (≈ 30 ms for a 6 s prompt on the H100) is faster than reading its ~0.7 GB back (2.3 MB per prompt
+    # frame for CosyVoice2-0.5B in bf16).
     persist_voice_caches: bool | None = None
     max_text_chars: int = 5000  # longer inputs are refused with BadInput
     voices_db: str | None = None  # None: $COSYSTREAM_HOME/voices.db or ~/.cache/cosystream/voices.db
