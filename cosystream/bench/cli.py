@@ -42,6 +42,10 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--target", choices=TARGETS, default="tts",
                    help="tts: POST /v1/tts; ws: WS /v1/tts/stream; openai: POST /v1/audio/speech (pcm)")
     p.add_argument("--voice", default=None, help="voice name (default: the workload's)")
+    p.add_argument("--prompt-wav", default=None, metavar="FILE",
+                   help="zero-shot without a registered voice: upload this recording with every request "
+                        "(--target tts; the prompt's analysis and encoding become part of each request)")
+    p.add_argument("--prompt-text", default=None, help="the transcript of --prompt-wav")
     p.add_argument("--text", action="append", default=None, help="text to say; repeat for round-robin texts")
     p.add_argument("--workload", default=None, metavar="FILE",
                    help="JSON {texts, voice, prompt_text, prompt_wav, force_tokens, ...}, or text: one per line")
@@ -131,16 +135,34 @@ def _spec_from_args(args: argparse.Namespace) -> tuple[RequestSpec, VoiceUpload 
     texts = tuple(args.text or workload.get("texts") or ())
     if not texts:
         raise ValueError("give --text or a --workload with texts")
+    prompt_wav, prompt_text = _prompt_upload(args)
     spec = RequestSpec(
-        texts=texts, voice=args.voice or workload.get("voice"), mode=args.mode or workload.get("mode", "zero_shot"),
+        texts=texts, voice=None if prompt_wav else args.voice or workload.get("voice"),
+        mode=args.mode or workload.get("mode", "zero_shot"),
         force_tokens=_first(args.force_tokens, workload.get("force_tokens")),
         first_hop=_first(args.first_hop, workload.get("first_hop")), seed=args.seed, model=args.model,
-        sample_rate=args.sample_rate)
+        sample_rate=args.sample_rate, prompt_wav=prompt_wav, prompt_text=prompt_text)
     upload = None
     # only the workload's own voice is uploaded: a --voice override names a voice the server already has
     if workload.get("prompt_wav") and spec.voice == workload.get("voice") and not args.no_register_voice:
         upload = VoiceUpload(spec.voice, workload.get("prompt_text", ""), Path(workload["prompt_wav"]))
     return spec, upload
+
+
+def _prompt_upload(args: argparse.Namespace) -> tuple[str | None, str]:
+    """(--prompt-wav as a checked absolute path or None, its transcript)."""
+    if args.prompt_wav is None:
+        if args.prompt_text is not None:
+            raise ValueError("--prompt-text: goes with --prompt-wav")
+        return None, ""
+    if args.target != "tts":
+        raise ValueError(f"--prompt-wav: only --target tts uploads a prompt ({args.target} names a registered voice)")
+    if args.voice is not None:
+        raise ValueError("--prompt-wav and --voice: give one (an uploaded prompt or a registered voice)")
+    path = Path(args.prompt_wav)
+    if not path.is_file():
+        raise ValueError(f"--prompt-wav: {path}: no such file")
+    return str(path.resolve()), args.prompt_text or ""
 
 
 def _first(*values: Any) -> Any:

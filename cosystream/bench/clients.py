@@ -44,6 +44,10 @@ class RequestSpec:
     greedy: bool = False
     model: str = "cosyvoice2"  # the OpenAI `model` field
     sample_rate: int = SAMPLE_RATE
+    # zero-shot without a registered voice: every request uploads this recording with its transcript
+    # (multipart /v1/tts; the path, so the spec stays plain data for the run's JSON and client processes)
+    prompt_wav: str | None = None
+    prompt_text: str = ""
 
     def text(self, index: int) -> str:
         return self.texts[index % len(self.texts)]
@@ -80,13 +84,19 @@ def build_body(target: str, spec: RequestSpec, index: int) -> dict[str, Any]:
                                 "response_format": "pcm", "stream": True, "seed": spec.seed,
                                 "force_tokens": spec.force_tokens}
         return {k: v for k, v in body.items() if v is not None}
-    body = {"voice": spec.voice, "mode": spec.mode, "stream": True, "response_format": "pcm",
-            "force_tokens": spec.force_tokens, "first_hop": spec.first_hop, "seed": spec.seed,
+    prompt_text = spec.prompt_text if spec.prompt_wav else None
+    body = {"voice": spec.voice, "prompt_text": prompt_text, "mode": spec.mode, "stream": True,
+            "response_format": "pcm", "force_tokens": spec.force_tokens, "first_hop": spec.first_hop, "seed": spec.seed,
             "greedy": spec.greedy or None}
     body = {k: v for k, v in body.items() if v is not None}  # unset: the server's default
     if target == "ws":
         return {"type": "start", **body}
     return {"text": spec.text(index), **body}
+
+
+def form_fields(body: dict[str, Any]) -> dict[str, str]:
+    """A JSON body as multipart form fields (the server parses them with the same schema)."""
+    return {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in body.items()}
 
 
 def ws_messages(spec: RequestSpec, index: int) -> list[dict[str, Any]]:
@@ -164,6 +174,7 @@ class HttpClient:
         # PERF: one TLS context for every connection (httpx loads the CA bundle per client otherwise: ~13 ms
         # of the loop's time for each new user of an open-loop burst)
         self._ssl = httpx.create_ssl_context()
+        self._prompt = Path(spec.prompt_wav).read_bytes() if spec.prompt_wav else None
 
     def _connection(self) -> httpx.AsyncClient:
         if self._idle:
@@ -184,9 +195,13 @@ class HttpClient:
     async def _send(self, client: httpx.AsyncClient, level: str, index: int) -> RequestRecord:
         timeline = Timeline(level, index, self.origin_s, self.spec.sample_rate, self.spec.expected_audio_s)
         body = build_body(self.target, self.spec, index)
+        if self._prompt is None:
+            payload: dict[str, Any] = {"json": body}
+        else:  # the prompt recording goes with every request
+            payload = {"data": form_fields(body), "files": {"prompt_wav": ("prompt.wav", self._prompt, "audio/wav")}}
 
         async def stream() -> None:
-            async with client.stream("POST", self.url, json=body) as response:
+            async with client.stream("POST", self.url, **payload) as response:
                 timeline.record.status = response.status_code
                 if response.status_code != 200:
                     text = (await response.aread()).decode(errors="replace")

@@ -18,6 +18,8 @@ import json
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from email.parser import BytesParser
+from email.policy import default
 from typing import Any
 
 import pytest
@@ -41,6 +43,13 @@ def pieces_for(text: str) -> list[tuple[float, bytes]]:
     if "hang" in text:
         return [(0.0, b"\x01\x00" * 2400), (10.0, b"\x01\x00" * 2400)]
     return [(0.0, b"\x01\x00" * 12000)] + [(0.02, b"\x01\x00" * 4000)] * 3
+
+
+def form_text_fields(content_type: str, body: bytes) -> dict[str, str]:
+    """The text fields of a multipart/form-data body (file parts are left out)."""
+    message = BytesParser(policy=default).parsebytes(f"Content-Type: {content_type}\r\n\r\n".encode() + body)
+    return {part.get_param("name", header="content-disposition"): part.get_content()
+            for part in message.iter_parts() if part.get_filename() is None}
 
 
 @dataclass
@@ -80,8 +89,13 @@ class FakeServer:
         if path == "/v1/voices":
             self.requests.append({"path": path, "content_type": headers.get("content-type", ""), "body": body})
             return self.send_plain(writer, 201, b'{"name": "ok"}')
-        data = json.loads(body)
-        self.requests.append({"path": path, "json": data, "peer": writer.get_extra_info("peername")})
+        content_type = headers.get("content-type", "")
+        if content_type.startswith("multipart/form-data"):
+            data = form_text_fields(content_type, body)
+            self.requests.append({"path": path, "form": data, "body": body, "peer": writer.get_extra_info("peername")})
+        else:
+            data = json.loads(body)
+            self.requests.append({"path": path, "json": data, "peer": writer.get_extra_info("peername")})
         text = data.get("text") or data.get("input") or ""
         if "busy" in text:
             return self.send_plain(writer, 503, b"overloaded", extra="Retry-After: 2\r\n")

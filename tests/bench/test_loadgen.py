@@ -12,7 +12,15 @@ from typing import Any
 import pytest
 
 from cosystream.bench.cli import add_bench_parser
-from cosystream.bench.clients import HttpClient, PcmCounter, RequestSpec, build_body, endpoint_url, ws_messages
+from cosystream.bench.clients import (
+    HttpClient,
+    PcmCounter,
+    RequestSpec,
+    build_body,
+    endpoint_url,
+    form_fields,
+    ws_messages,
+)
 from cosystream.bench.loadgen import LevelPlan, build_plans, run_closed, run_level, run_open
 from cosystream.bench.report import RequestRecord, Timeline
 
@@ -242,3 +250,50 @@ def test_default_plans_are_bounded() -> None:
         LevelPlan("concurrency", 2)
     with pytest.raises(ValueError):
         LevelPlan("concurrency", 1.5, 4)
+
+
+def test_a_prompt_recording_goes_with_every_tts_request(fake_server: FakeServer, tmp_path: Path) -> None:
+    """--prompt-wav: zero-shot without a registered voice. Every /v1/tts request is multipart with the
+    recording and its transcript; no voice is named or registered."""
+    wav = tmp_path / "prompt.wav"
+    wav.write_bytes(b"RIFF\x00\x00\x00\x00WAVE-any-bytes")
+    workload = write_workload(tmp_path, ["fast one."])
+    out = tmp_path / "results.json"
+    seen_before = len(fake_server.requests)
+    status = run_cli("--url", fake_server.url, "--workload", str(workload), "--prompt-wav", str(wav),
+                     "--prompt-text", "hello there.", "--requests-per-level", "2", "--warmup-requests", "0",
+                     "--out", str(out))
+    assert status == 0
+    assert json.loads(out.read_text())["levels"][0]["num_ok"] == 2
+    seen = fake_server.requests[seen_before:]
+    sent = [r for r in seen if r["path"] == "/v1/tts"]
+    assert len(sent) == 2
+    assert all(r["form"]["prompt_text"] == "hello there." and "voice" not in r["form"] for r in sent)
+    assert all(r["form"]["text"] == "fast one." and r["form"]["stream"] == "true" for r in sent)
+    assert all(b'name="prompt_wav"' in r["body"] and wav.read_bytes() in r["body"] for r in sent)
+    assert not [r for r in seen if r["path"] == "/v1/voices"]
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--target", "openai"], "only --target tts uploads a prompt"),
+    (["--voice", "v"], "give one"),
+    (["--prompt-wav", "/nonexistent.wav"], "no such file"),
+])
+def test_bad_prompt_upload_arguments_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str],
+                                            message: str) -> None:
+    wav = tmp_path / "prompt.wav"
+    wav.write_bytes(b"RIFF")
+    args = ["--text", "hi.", "--prompt-wav", str(wav), *extra]
+    assert run_cli(*args) == 2
+    assert message in capsys.readouterr().err
+    assert run_cli("--text", "hi.", "--prompt-text", "hello.") == 2
+    assert "--prompt-text: goes with --prompt-wav" in capsys.readouterr().err
+
+
+def test_a_prompt_upload_validates_against_the_server_protocol() -> None:
+    protocol = pytest.importorskip("cosystream.server.protocol")
+    spec = RequestSpec(texts=("hello.",), force_tokens=10, seed=3, greedy=True, prompt_wav="p.wav",
+                       prompt_text="hello there.")
+    got = protocol.TTSRequest.model_validate(form_fields(build_body("tts", spec, 0)))
+    assert (got.voice, got.prompt_text, got.force_tokens, got.greedy, got.stream) == (None, "hello there.", 10, True,
+                                                                                      True)
