@@ -649,7 +649,9 @@ class EngineCore:
         chunk's tokens (a pool slot and a copy of the voice's encoded prompt, ≈ 0.5 ms of copying per
         stream on the H100; for a voice not in memory, a flow pass over its prompt), so that work no longer
         delays their first chunk's batch. Pooled streams only, no more than the free slots (oldest
-        request first); text streams open with their first chunk (their LM may wait for text)."""
+        request first); text streams open with their first chunk (their LM may wait for text). Streams of
+        voices whose prompt state is at hand open in one phase; each voice to build (≈ 30 ms) is a phase of
+        its own, so a chunk that turns urgent meanwhile waits for one build, not for a burst of them."""
         if not self.open_ahead or self._chunks is None:
             return
         new = [(req, req.audio_segment) for req in self.requests.values() if self._opens_ahead(req)]
@@ -657,9 +659,11 @@ class EngineCore:
         if not new:
             return
         jobs = [_Job(req, seg, None, open_args=self._open_args(req, seg)) for req, seg in new]
+        at_hand = [job for job in jobs if self.t2w.has_prompt(job.req.voice_key, job.req.voice_cache)]
+        builds = [[job] for job in jobs if all(job is not other for other in at_hand)]
         self._in_flight = jobs
         self._first_in_flight = set()
-        self._chunks.submit([jobs])
+        self._chunks.submit(([at_hand] if at_hand else []) + builds)
 
     def _opens_ahead(self, req: RequestState) -> bool:
         seg = req.audio_segment
@@ -795,7 +799,8 @@ class EngineCore:
         others never were in it). Until the last phase the worker still uses the flow and HiFT.
         `returned`: the planned jobs of the phases a preempted worker did not start (they open the next
         batch)."""
-        self._returned.extend(returned)
+        # handed-back open-only jobs are dropped: their streams open later, ahead again or with their first chunk
+        self._returned.extend(job for job in returned if job.plan is not None)
         voiced = [job for job in jobs if job.plan is not None]  # the others only opened their stream
         if last or self._in_flight is None:
             self._in_flight = None

@@ -119,11 +119,19 @@ class Token2WavRunner:
     def _fingerprint_tensor(self) -> dict[str, torch.Tensor]:
         return {_FINGERPRINT: torch.tensor(list(self.fingerprint.encode()), dtype=torch.uint8)}
 
+    def has_prompt(self, voice_key: str | None, stored: dict[str, torch.Tensor] | None = None) -> bool:
+        """Is this voice's prompt state at hand (in memory, or a stored record of this very model), so that
+        opening a stream in it needs no flow pass?"""
+        return (voice_key is not None and voice_key in self.voice_caches) or self._stored_matches(stored)
+
+    def _stored_matches(self, stored: dict[str, torch.Tensor] | None) -> bool:
+        if not stored or _FINGERPRINT not in stored:
+            return False
+        return bytes(stored[_FINGERPRINT].tolist()).decode(errors="replace") == self.fingerprint
+
     def _from_store(self, stored: dict[str, torch.Tensor] | None) -> PromptCache | None:
         """The stored cache if it was made by this very model and dtype (else None: rebuild)."""
-        if not stored or _FINGERPRINT not in stored:
-            return None
-        if bytes(stored[_FINGERPRINT].tolist()).decode(errors="replace") != self.fingerprint:
+        if not self._stored_matches(stored):
             return None
         dtype = self.flow.input_embedding.weight.dtype
         return PromptCache.from_tensors({k: v.to(self.device, dtype if v.is_floating_point() else v.dtype)

@@ -449,11 +449,16 @@ def test_the_worker_hands_riders_back_with_the_first_chunks_they_rode_with():
 
 
 class _SlotPool(_Pool):
-    """A pool whose streams all take a slot; records the streams given back."""
+    """A pool whose streams all take a slot; records the streams given back; voices in `cached` have their
+    prompt state at hand."""
 
-    def __init__(self, free: int) -> None:
+    def __init__(self, free: int, cached: tuple[str, ...] = ()) -> None:
         super().__init__(free)
         self.released: list[object] = []
+        self.cached = cached
+
+    def has_prompt(self, voice_key: str | None, stored: object = None) -> bool:
+        return voice_key in self.cached
 
     def needs_slot(self, inputs: object, max_target_tokens: int) -> bool:
         return True
@@ -465,9 +470,11 @@ class _SlotPool(_Pool):
         self.released.append(state)
 
 
-def _new_request(core: EngineCore, name: str, slot: int, *, text_stream: bool = False) -> RequestState:
+def _new_request(core: EngineCore, name: str, slot: int, *, text_stream: bool = False,
+                 voice: str | None = None) -> RequestState:
     req = _request(core, name, buffered_s=None, lm=LMStatus.decoding, slot=slot, has_stream=False)
     req.sampling = SimpleNamespace(seed=slot)
+    req.voice_key = voice
     if text_stream:
         req.audio_segment.bistream = object()
     return req
@@ -475,21 +482,25 @@ def _new_request(core: EngineCore, name: str, slot: int, *, text_stream: bool = 
 
 def test_the_idle_worker_opens_new_streams_ahead_of_their_first_chunk():
     """While the LM decodes a new request's first tokens and the worker has nothing to voice, the
-    request's stream opens in a batch of its own (open jobs only), oldest first, within the free slots."""
+    request's stream opens in a batch of its own (open jobs only), oldest first, within the free slots:
+    streams of voices at hand in one phase, each voice to build in a phase of its own."""
     core = EngineCore(SimpleNamespace(max_slots=8, device=torch.device("cpu"), set_active=lambda s, a: None),
-                      _SlotPool(2), lm=None, overlap=False, chunk_slack_s=0.6)
+                      _SlotPool(3, cached=("known",)), lm=None, overlap=False, chunk_slack_s=0.6)
     core._chunks = worker = _FakeWorker()
     _request(core, "open", buffered_s=None, lm=LMStatus.decoding, slot=0)  # its stream is open already
     _new_request(core, "texts", 1, text_stream=True)  # its LM may wait for text: opens with its first chunk
     _new_request(core, "old", 2)
     _new_request(core, "gone", 3).cancelled = True
-    _new_request(core, "new", 4)
-    _new_request(core, "newest", 5)  # no third free slot
+    _new_request(core, "new", 4, voice="known")
+    _new_request(core, "newer", 5, voice="known")
+    _new_request(core, "newest", 6)  # no fourth free slot
     core._token2wav()
-    (phase,) = worker.submitted[-1]
-    assert [job.req.request_id for job in phase] == ["old", "new"]
-    assert all(job.plan is None and job.open_args is not None and not job.first for job in phase)
-    assert phase[0].open_args["seed"] == 2 and core._in_flight == phase and not core._first_in_flight
+    phases = worker.submitted[-1]
+    assert [[job.req.request_id for job in phase] for phase in phases] == [["new", "newer"], ["old"]]
+    jobs = [job for phase in phases for job in phase]
+    assert all(job.plan is None and job.open_args is not None and not job.first for job in jobs)
+    assert phases[1][0].open_args["seed"] == 2 and sorted(map(id, core._in_flight)) == sorted(map(id, jobs))
+    assert not core._first_in_flight
     assert not core._decode_paused()  # decoding goes on: these streams have no tokens to voice yet
     core._token2wav()
     assert len(worker.submitted) == 1  # one batch at a time
@@ -530,6 +541,21 @@ def test_streams_opened_ahead_join_their_segments_and_nothing_is_voiced():
     assert kept.audio_segment.t2w is jobs[0].state and gone.audio_segment.t2w is None
     assert core.t2w.released == [jobs[1].state]  # a cancelled request's slot comes straight back
     assert not got and core._in_flight is None and core.t2w_batches == 0 and core.t2w_chunks == 0
+
+
+def test_open_jobs_a_preempted_worker_hands_back_are_dropped():
+    """A chunk that turned urgent stopped the worker between two voices' builds: the unstarted open jobs are
+    not replanned (their streams open later, ahead again or with their first chunk); chunk jobs are."""
+    core = EngineCore(SimpleNamespace(max_slots=8, device=torch.device("cpu"), set_active=lambda s, a: None),
+                      _SlotPool(4), lm=None, overlap=False)
+    first, second = _new_request(core, "first", 0), _new_request(core, "second", 1)
+    ending = _request(core, "ending", buffered_s=3.0, lm=LMStatus.done, slot=2)
+    opened = _Job(first, first.audio_segment, None, open_args={}, state=object())
+    unstarted, planned = _Job(second, second.audio_segment, None, open_args={}), _job(ending, True)
+    core._in_flight = [opened, unstarted]
+    core._chunks_done([opened], [None], None, time.perf_counter(), last=True, returned=[unstarted, planned])
+    assert core._returned == [planned] and core._in_flight is None
+    assert first.audio_segment.t2w is opened.state and second.audio_segment.t2w is None
 
 
 def test_a_batch_of_open_jobs_opens_streams_and_runs_no_flow():

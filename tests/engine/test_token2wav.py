@@ -159,3 +159,18 @@ def test_a_later_chunk_sharing_a_first_chunks_ode_gives_its_own_mel(models, load
     alone_b = runner._flow([(b2, other, b2_plans[0])])[0]
     torch.testing.assert_close(together[0], alone_b, atol=ATOL, rtol=0)
     torch.testing.assert_close(together[1], alone_a, atol=ATOL, rtol=0)
+
+
+def test_a_voice_prompt_is_at_hand_in_memory_or_in_a_record_of_this_model(models, load_fixture):
+    """has_prompt tells the engine which new streams open without a flow pass (EngineCore._open_ahead puts
+    each of the others in a phase of its own)."""
+    f = load_fixture("stream")
+    runner = Token2WavRunner(*models, EngineConfig())
+    records: dict[str, dict] = {}
+    runner.on_new_voice_cache = lambda key, tensors: records.setdefault(key, tensors)
+    assert not runner.has_prompt(None) and not runner.has_prompt("v")
+    runner.prompt_cache(_inputs(f), "v")
+    assert runner.has_prompt("v") and not runner.has_prompt("w")
+    assert runner.has_prompt("w", records["v"])  # a stored record of this very model
+    other = {**records["v"], "model": torch.tensor(list(b"another model"), dtype=torch.uint8)}
+    assert not runner.has_prompt("w", other)
