@@ -652,15 +652,21 @@ class EngineCore:
         request first); text streams open with their first chunk (their LM may wait for text). Streams of
         voices whose prompt state is at hand open in one phase; each voice to build (≈ 30 ms) is a phase of
         its own, so a chunk that turns urgent meanwhile waits for one build, not for a burst of them."""
-        if not self.open_ahead or self._chunks is None:
+        # called on every loop iteration without a batch to run: nothing to scan without a free slot
+        if not self.open_ahead or self._chunks is None or not self.t2w.free_slots():
             return
         new = [(req, req.audio_segment) for req in self.requests.values() if self._opens_ahead(req)]
         new = self._within_free_slots(new)[:self.max_chunk_batch]
         if not new:
             return
         jobs = [_Job(req, seg, None, open_args=self._open_args(req, seg)) for req, seg in new]
-        at_hand = [job for job in jobs if self.t2w.has_prompt(job.req.voice_key, job.req.voice_cache)]
-        builds = [[job] for job in jobs if all(job is not other for other in at_hand)]
+        at_hand: list[_Job] = []
+        builds: list[list[_Job]] = []
+        for job in jobs:
+            if self.t2w.has_prompt(job.req.voice_key, job.req.voice_cache):
+                at_hand.append(job)
+            else:
+                builds.append([job])
         self._in_flight = jobs
         self._first_in_flight = set()
         self._chunks.submit(([at_hand] if at_hand else []) + builds)
