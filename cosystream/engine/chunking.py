@@ -43,6 +43,7 @@ class ChunkPlanner:
         self.offset = 0
         self.index = 0
         self.finished = False
+        self.first_chunk_tokens = self.hop + self.pad + self.lookahead  # tokens the first chunk reads
 
     @property
     def this_hop(self) -> int:

@@ -576,11 +576,21 @@ class EngineCore:
 
     def _can_voice(self, req: RequestState, seg: Segment) -> bool:
         """A segment that has not started its audio needs a flow slot first."""
-        return seg.t2w is not None or self.t2w.can_start(seg.inputs, self._expected_tokens(req, seg))
+        return seg.t2w is not None or self.t2w.can_start(seg.inputs, self._start_tokens(req, seg))
 
     @staticmethod
-    def _expected_tokens(req: RequestState, seg: Segment) -> int:
-        return min(req.force_tokens or seg.max_len, 1024)
+    def _start_tokens(req: RequestState, seg: Segment) -> int:
+        """Target tokens a new stream's flow state must hold from its start: a streamed segment's first
+        chunk, an offline segment's whole length (its one chunk is the official final call). A stream
+        that goes on past its start grows: an eager state's caches grow, a pooled stream that outgrows
+        its slot continues on the eager path. Not the segment's bound: with real weights the LM stops on
+        its own long before 20 tokens per text token (spec/llm.md §4), and sizing by the bound sent every
+        sentence of more than ~18 text tokens (and every text-streamed segment) past a 1024-frame slot to
+        the eager path, with a multi-GB cache of its own."""
+        expected = min(req.force_tokens or seg.max_len, 1024)
+        if seg.planner.stream:
+            return min(expected, seg.planner.first_chunk_tokens)
+        return expected
 
     def _ready_chunks(self, skip: set[int], only: Callable[[RequestState], bool] | None = None) -> list:
         """(request, segment) of every segment with a chunk ready to voice, but those in `skip` (ids of
@@ -675,7 +685,7 @@ class EngineCore:
         seg = req.audio_segment
         return (seg is not None and seg.t2w is None and not req.cancelled and seg.bistream is None
                 and seg.lm_status in (LMStatus.decoding, LMStatus.done)
-                and self.t2w.needs_slot(seg.inputs, self._expected_tokens(req, seg)))
+                and self.t2w.needs_slot(seg.inputs, self._start_tokens(req, seg)))
 
     def _maybe_preempt(self) -> None:
         """PERF: a batch on the worker runs phase after phase (core._phases). When a first chunk, or a chunk
@@ -786,7 +796,7 @@ class EngineCore:
         free = max(0, free - reserved)
         kept = []
         for req, seg in ready:
-            if seg.t2w is None and self.t2w.needs_slot(seg.inputs, self._expected_tokens(req, seg)):
+            if seg.t2w is None and self.t2w.needs_slot(seg.inputs, self._start_tokens(req, seg)):
                 if free == 0:
                     continue
                 free -= 1
@@ -795,7 +805,7 @@ class EngineCore:
 
     def _open_args(self, req: RequestState, seg: Segment) -> dict:
         return dict(inputs=seg.inputs, voice_key=req.voice_key, key=(req.request_id, req.audio_index),
-                    speed=req.speed, max_target_tokens=self._expected_tokens(req, seg),
+                    speed=req.speed, max_target_tokens=self._start_tokens(req, seg),
                     seed=req.sampling.seed + req.audio_index, stored=req.voice_cache)
 
     def _chunks_done(self, jobs: list[_Job], results: list | None, error: BaseException | None,

@@ -291,8 +291,9 @@ class FlowRunner:
             torch.full((batch,), self.scratch, device=dev, dtype=torch.long)])
 
     def _full_length(self, num_frames: int) -> int:
-        """Frames a final pass is padded to (even: whole tokens)."""
-        return min(-(-num_frames // _LEN_BUCKET) * _LEN_BUCKET, self.max_frames - self.max_frames % UPSAMPLE)
+        """Frames a final pass is padded to (even: whole tokens). Not capped by the slot: the pass attends
+        to its own keys, so a stream that outgrew its slot still gets its final call graphed and batched."""
+        return -(-num_frames // _LEN_BUCKET) * _LEN_BUCKET
 
     def attn_len_for(self, end_frame: int) -> int:
         return min(-(-end_frame // _LEN_BUCKET) * _LEN_BUCKET, self.max_frames)
@@ -306,14 +307,14 @@ class FlowRunner:
 
     @torch.inference_mode()
     def full_passes(self, items: Sequence[tuple[PromptCache, torch.Tensor, int]]) -> list[torch.Tensor | None]:
-        """Final calls of several streams: items are (prompt, target ids, pool slot to compute in: the
-        stream's own, which it no longer needs, or the scratch slot). Streams padded to the same length
-        share one graph replay. None for a stream that does not fit the pool."""
+        """Final calls of several streams: items are (prompt, target ids, pool slot whose conv tails to
+        compute in: the stream's own, which it no longer needs, or the scratch slot). Streams padded to the
+        same length share one graph replay. None for a stream longer than the official noise table."""
         out: list[torch.Tensor | None] = [None] * len(items)
         by_length: dict[int, list[int]] = {}
         for i, (prompt, ids, _) in enumerate(items):
             frames = UPSAMPLE * (prompt.prompt_tokens.shape[0] + ids.shape[0])
-            if frames <= self.max_frames:
+            if frames <= self.cfm.rand_noise.shape[-1]:
                 by_length.setdefault(self._full_length(frames), []).append(i)
         for padded, members in by_length.items():
             for i, mel in zip(members, self._full_batch(padded, [items[i] for i in members]), strict=True):

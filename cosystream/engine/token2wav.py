@@ -142,6 +142,8 @@ class Token2WavRunner:
 
     def start(self, inputs: Any, voice_key: str | None, key: Any = None, speed: float = 1.0,
               max_target_tokens: int = 256, seed: int = 0, stored: dict | None = None) -> Token2WavState:
+        """A new stream's state: in a pool slot when the voice's prompt and `max_target_tokens` (what the
+        stream needs from its start, core._start_tokens) fit one, else on the eager path."""
         prompt = self.prompt_cache(inputs, voice_key, stored)
         offset = (seed * 2654435761) % _NOISE_SAMPLES
         if self.pool is not None and self.pool.fits(prompt, max_target_tokens):
@@ -195,7 +197,8 @@ class Token2WavRunner:
                 self.watch.lap("provisional")
                 continue
             window = self.stream._window(st.flow, ids, finalize=plan.is_final)
-            self._spill_if_full(st, window[0].shape[0])
+            if not (plan.is_final and self.final_attention == "full"):  # that pass needs no slot's keys
+                self._spill_if_full(st, window[0].shape[0])
             pooled = isinstance(st.flow, PooledStream)
             if plan.is_final and window[0].shape[0] == 0 and self.final_attention == "chunk":
                 mels[i] = torch.zeros(self.flow.dims.output_size, 0, device=self.device)
@@ -282,7 +285,7 @@ class Token2WavRunner:
         return mel[:, self._emitted_from(st, plan) - start:]
 
     def _finish_eager(self, st: Token2WavState, ids: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
-        if self.pool is not None:
+        if self.pool is not None and self.final_attention == "full":  # the pool's final pass is the official one
             mel = self.pool.full_pass(st.flow.prompt, ids[0])
             if mel is not None:
                 st.flow.is_finished = True
@@ -368,9 +371,9 @@ class Token2WavRunner:
         return wav[:-self.overlap]
 
     def can_start(self, inputs: Any, max_target_tokens: int) -> bool:
-        """False while a stream that would fit the pool must wait for a free slot (the eager path is
-        for streams too long for any slot: it is an order of magnitude slower and holds its own
-        ≈ 2.3 MB per frame of keys/values outside the pool)."""
+        """False while a stream that would fit the pool must wait for a free slot (the eager path is for
+        streams whose start fits no slot, a prompt longer than a slot: it is an order of magnitude slower
+        and holds its own ≈ 2.3 MB per frame of keys/values outside the pool)."""
         return self.pool is None or bool(self.pool.free) or not self.needs_slot(inputs, max_target_tokens)
 
     def needs_slot(self, inputs: Any, max_target_tokens: int) -> bool:

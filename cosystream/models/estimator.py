@@ -75,6 +75,12 @@ class PooledKV:
         return PooledBlock(self, block)
 
 
+def _fits_pool(pooled: PooledKV) -> bool:
+    """Whether the frames a call writes fit the pool's rows (a final pass, which attends to its own keys,
+    may be longer than a slot: the fused path would still write them into the pool)."""
+    return not pooled.own_keys or pooled.attn_len <= pooled.pool.shape[-2]
+
+
 @dataclass
 class PooledBlock:
     parent: PooledKV
@@ -406,7 +412,7 @@ class Estimator(nn.Module):
                       write_idx: torch.Tensor, attn_bias: Sequence[torch.Tensor]) -> torch.Tensor:
         ops = blocks[0].kernels
         if (ops is not None and isinstance(kv[0], PooledKV) and blocks[0].attn1.qkv_weight is not None
-                and h.shape[0] * h.shape[2] <= PROLOGUE_GEMM_MAX_ROWS):
+                and h.shape[0] * h.shape[2] <= PROLOGUE_GEMM_MAX_ROWS and _fits_pool(kv[0])):
             return Estimator._pooled_transformers(blocks, h, kv[0], ops)
         h = h.transpose(1, 2)
         if ops is None:

@@ -111,8 +111,34 @@ def test_batched_final_passes_equal_one_at_a_time(checkpoint, load_fixture, cfm_
     for got, want in zip(batched, alone, strict=True):
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
-    too_long = torch.zeros(512, dtype=torch.long)
-    assert runner.full_passes([(prompt, too_long, 0)]) == [None]
+    beyond_noise = torch.zeros(cfm_noise.shape[-1], dtype=torch.long)  # the official table bounds a call
+    assert runner.full_passes([(prompt, beyond_noise, 0)]) == [None]
+
+
+def test_a_final_pass_longer_than_a_slot_equals_the_official_final_call(checkpoint, load_fixture, cfm_noise,
+                                                                        manifest):
+    """The final pass attends to its own keys, so a stream that outgrew its slot (460 frames here, slots of
+    128) still gets the official final call from the pool."""
+    f = load_fixture("stream")
+    flow = load_flow(checkpoint)
+    flow.decoder.set_noise_table(cfm_noise)
+    prompt = FlowStream(flow).build_prompt_cache(f["prompt_token"], f["prompt_feat"], f["embedding"])
+    runner = FlowRunner(flow, num_slots=1, max_frames=128, use_graphs=False)
+    final = len(manifest["stream"]["schedule"]) - 1
+    (mel,) = runner.full_passes([(prompt, f["token"][0], 0)])
+    assert mel.shape[-1] == 2 * (f["prompt_token"].shape[1] + f["token"].shape[1]) > runner.max_frames
+    torch.testing.assert_close(mel[:, 2 * f["prompt_token"].shape[1]:], f[f"call{final}_flow_mel_full"][0],
+                               atol=1e-4, rtol=0)
+    # a short one (2 rows × 256 padded frames) would take the fused ops' path, which writes keys into the
+    # pool: past a slot it must take the other path
+    big = FlowRunner(flow, num_slots=1, max_frames=512, use_graphs=False)
+    short = f["token"][0][:40]
+    flow.decoder.estimator.set_kernels(reference)
+    try:
+        (got,) = runner.full_passes([(prompt, short, 0)])
+    finally:
+        flow.decoder.estimator.set_kernels(None)
+    torch.testing.assert_close(got, big.full_pass(prompt, short), atol=1e-4, rtol=0)
 
 
 def test_a_failing_open_gives_its_slot_back(checkpoint, load_fixture, monkeypatch):

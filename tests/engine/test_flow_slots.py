@@ -7,8 +7,12 @@ out of memory at 64 streams. The pool exists on CUDA only, so here a one-slot CP
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 from engine_threads import synthesize_together
 
+from cosystream.config import ChunkSchedule
+from cosystream.engine.chunking import ChunkPlanner
 from cosystream.engine.flow_runner import FlowRunner
 from cosystream.engine.sync_engine import Engine
 from cosystream.params import SamplingParams, SynthesisParams
@@ -35,6 +39,49 @@ def test_streams_beyond_the_pool_wait_for_a_slot(model_dir, fixture_dir, tmp_pat
         assert all(not isinstance(r, Exception) for r in results), results
         assert all(len(r.pcm) > 0 for r in results)
         assert opened == ["PooledStream"] * 3  # every stream ran in the pool's one slot, one after another
+        assert t2w.pool.free == [0]
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("final_attention", ["full", "chunk"])
+def test_a_stream_of_unknown_length_starts_in_the_pool_and_sounds_as_the_eager_path(model_dir, fixture_dir, tmp_path,
+                                                                                   monkeypatch, final_attention):
+    """A request without a forced length may run to 20 tokens per text token (spec/llm.md §4), far past a
+    slot; with real weights the LM stops long before. The stream still opens in the pool (its first chunk
+    fits); the official final pass runs there longer than the slot ("full"), an incremental final chunk
+    that outgrows the slot continues on the eager path ("chunk"); the audio is the eager path's."""
+    eng = Engine.from_pretrained(model_dir, voices_db=str(tmp_path / "v.db"), max_streams=4,
+                                 final_attention=final_attention)
+    try:
+        eng.run(eng.async_engine.add_voice("v", str(fixture_dir / "prompt_24k.wav"), "Hello there."))
+        num_prompt = int(eng.async_engine.voice_prompt("v").prompt_speech_tokens.shape[0])
+        params = SynthesisParams(text="Here is a somewhat longer line of text to say out loud today.", voice="v",
+                                 sampling=SamplingParams(greedy=True, seed=0))
+        want = eng.synthesize(params)  # no pool on the CPU: the eager path
+        t2w = eng.async_engine.core.t2w
+        planner = ChunkPlanner(ChunkSchedule(), num_prompt, block=eng.async_engine.hparams.chunk_size)
+        first_chunk_frames = 2 * (num_prompt + planner.first_chunk_tokens)
+        t2w.pool = FlowRunner(t2w.flow, num_slots=1, max_frames=first_chunk_frames + 8, use_graphs=False)
+        opened = []
+        real_start = t2w.start
+
+        def start(*args, **kwargs):
+            state = real_start(*args, **kwargs)
+            opened.append(type(state.flow).__name__)
+            return state
+
+        spills = []
+        real_spill = t2w.pool.to_flow_state
+        monkeypatch.setattr(t2w, "start", start)
+        monkeypatch.setattr(t2w.pool, "to_flow_state", lambda stream: spills.append(stream) or real_spill(stream))
+        got = eng.synthesize(params)
+        assert opened == ["PooledStream"]
+        assert len(spills) == (final_attention == "chunk")
+        assert want.times.num_tokens == got.times.num_tokens and 2 * (num_prompt + got.times.num_tokens) > \
+            t2w.pool.max_frames  # the utterance is longer than the slot it ran in
+        assert len(got.pcm) == len(want.pcm)
+        np.testing.assert_allclose(got.pcm, want.pcm, atol=2e-3)
         assert t2w.pool.free == [0]
     finally:
         eng.close()
