@@ -7,8 +7,9 @@ keyed by (batch bucket, new frames, attended-length bucket); before it, one batc
 group of streams at the same token (the slot's encoder caches are pooled too). Official final chunks
 (full attention, finalizing encoder) run as one graph per (batch bucket, padded length).
 Pool memory: models.flow_stream.cache_bytes_per_frame × slots × frames (≈ 2.3 MB per frame for
-CosyVoice2-0.5B in bf16), so the pool is sized by EngineConfig.flow_slots × flow_frames; a stream that
-does not fit runs on the eager per-request path instead.
+CosyVoice2-0.5B in bf16), so the pool is sized by EngineConfig.flow_slots × flow_frames. A stream takes a
+slot when its first chunk fits; its chunks past the slot recompute every frame as the official code does
+(`recompute`: one graphed pass, no keys kept), and its official final pass runs at any length.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class FlowRunner:
         self.graphs = GraphCache(self._ode, self.device, use_graphs, stream=capture_stream)
         self.encoder_graphs = GraphCache(self._encode_core, self.device, use_graphs, stream=capture_stream)
         self.final_graphs = GraphCache(self._final_core, self.device, use_graphs, stream=capture_stream)
+        self.recompute_graphs = GraphCache(self._recompute_core, self.device, use_graphs, stream=capture_stream)
         self._step = maybe_compile(est.step, compile)
         self.watch = watch or Stopwatch(self.device)
         self.attention_ops = flow_kernels if fused_kernels and triton_usable(self.device) else reference_kernels
@@ -349,6 +351,42 @@ class FlowRunner:
         self.watch.lap("final_pass")
         return out
 
+    @torch.inference_mode()
+    def recompute(self, prompt: PromptCache, target_ids: torch.Tensor, finalize: bool, slot: int) -> torch.Tensor:
+        """The official streaming call (spec/streaming.md §2: chunk masks) over prompt + target ids, every
+        frame recomputed as the official code does at each chunk: for a stream whose next chunk would
+        outgrow its slot. No keys are kept, so it needs no memory beyond the pass's own, and it costs one
+        graphed pass of the stream's length (an official final pass's) instead of the eager path's Python
+        launches. finalize=False: the last 3 target ids are look-ahead. `slot`: whose conv tails to compute
+        in (the stream's own). Returns mel [80, F] (prompt frames included)."""
+        all_ids = torch.cat([prompt.prompt_tokens, target_ids.to(prompt.prompt_tokens.device, torch.long)])
+        h = self.flow.encode(all_ids[None], streaming=True, finalize=finalize)
+        mu = self.flow.encoder_proj(h).transpose(1, 2).to(self.dtype)  # [1, 80, F]
+        frames = mu.shape[-1]
+        padded = self._full_length(frames)
+        bins, dev = self.cfm.num_bins, self.device
+        mu_in = torch.zeros(1, bins, padded, device=dev, dtype=self.dtype)
+        mu_in[:, :, :frames] = mu
+        z = torch.zeros(1, bins, padded, device=dev)
+        z[0, :, :frames] = self.cfm.noise(0, frames)[0].to(dev)
+        cond = torch.zeros(1, bins, padded, device=dev, dtype=self.dtype)
+        cond[0, :, :prompt.prompt_mel.shape[0]] = prompt.prompt_mel.T
+        limit = torch.full((1,), frames, device=dev, dtype=torch.long)
+        slots = torch.full((1,), slot, device=dev, dtype=torch.long)
+        self.watch.lap("recompute_setup")
+        (x,) = self.recompute_graphs.run((1, padded), [mu_in, limit, z, prompt.spks[None], cond, slots])
+        out = x[0, :, :frames].clone()
+        self.watch.lap("recompute")
+        return out
+
+    def _recompute_core(self, mu, frames, z, spks, cond, slots) -> tuple[torch.Tensor]:
+        """A streaming pass from frame 0 over each row's first `frames` frames: chunk-masked attention to
+        its own keys, conv tails from zero (padding frames come after a row's frames)."""
+        rows = torch.stack([2 * slots, 2 * slots + 1], dim=1).flatten()
+        self.conv.index_fill_(1, rows, 0)
+        return self._integrate(z, mu, spks, cond, slots, torch.zeros_like(frames), frames, self.chunk, z.shape[-1],
+                               own_keys=True)
+
     def _final_core(self, ids, valid, z, spks, cond, slots) -> tuple[torch.Tensor]:
         """The official final call of each row: the finalizing encoder, then full attention over each
         row's first 2·valid frames; its rows start with zero conv tails (padding frames come after a
@@ -383,18 +421,6 @@ class FlowRunner:
             return v
 
         return (self.cfm.solve(z, mu, spks, cond, velocity),)
-
-    def to_flow_state(self, stream: PooledStream):
-        """Copy a pooled stream out into a standalone FlowStreamState (when it outgrows its slot)."""
-        from cosystream.models.flow_stream import FlowStreamState
-
-        rows = slice(2 * stream.slot, 2 * stream.slot + 2)
-        n = stream.num_frames
-        # its encoder state lives in the slot's pool row too, which the next stream will overwrite
-        state = FlowStreamState(stream.prompt, stream.encoder.trimmed(), self.kv[:, :, :, rows, :n].clone(),
-                                self.conv[:, rows].clone())
-        self.close(stream)
-        return state
 
 
 def _prompt_cond(prompt: PromptCache, start: int, num_new: int) -> torch.Tensor:

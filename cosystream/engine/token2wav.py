@@ -197,10 +197,12 @@ class Token2WavRunner:
                 self.watch.lap("provisional")
                 continue
             window = self.stream._window(st.flow, ids, finalize=plan.is_final)
-            if not (plan.is_final and self.final_attention == "full"):  # that pass needs no slot's keys
-                self._spill_if_full(st, window[0].shape[0])
             pooled = isinstance(st.flow, PooledStream)
-            if plan.is_final and window[0].shape[0] == 0 and self.final_attention == "chunk":
+            official_final = plan.is_final and self.final_attention == "full"  # needs no slot's keys
+            if not official_final and self._outgrows_slot(st, window[0].shape[0]):
+                self.watch.lap("flow_setup")
+                mels[i] = self._recompute(st, ids, plan)
+            elif plan.is_final and window[0].shape[0] == 0 and self.final_attention == "chunk":
                 mels[i] = torch.zeros(self.flow.dims.output_size, 0, device=self.device)
                 st.flow.is_finished = True
                 self.release(st)
@@ -248,7 +250,7 @@ class Token2WavRunner:
 
     def flow_group(self, st: Token2WavState, plan: ChunkPlan) -> tuple[bool, int, bool] | None:
         """The key under which `_flow` would batch this chunk's ODE with others (chunks of equal keys share
-        one call), or None for a chunk that runs on a path of its own (provisional, final, spilling)."""
+        one call), or None for a chunk that runs on a path of its own (provisional, final, past its slot)."""
         if plan.provisional or plan.is_final:
             return None
         n = self.stream.window_end(st.flow, plan.token_end, finalize=False) - st.flow.num_tokens
@@ -299,10 +301,14 @@ class Token2WavRunner:
     def _outgrows_slot(self, st: Token2WavState, new_tokens: int) -> bool:
         return isinstance(st.flow, PooledStream) and UPSAMPLE * (st.flow.num_tokens + new_tokens) > self.pool.max_frames
 
-    def _spill_if_full(self, st: Token2WavState, new_tokens: int) -> None:
-        """A pooled stream about to outgrow its slot continues on the eager path."""
-        if self._outgrows_slot(st, new_tokens):
-            st.flow = self.pool.to_flow_state(st.flow)
+    def _recompute(self, st: Token2WavState, ids: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
+        """A chunk of a pooled stream past its slot, computed as the official code computes every chunk
+        (FlowRunner.recompute); the stream keeps its slot (admission) but no longer reads its keys."""
+        mel = self.pool.recompute(st.flow.prompt, ids[0], finalize=plan.is_final, slot=st.flow.slot)
+        if plan.is_final:
+            st.flow.is_finished = True
+            self.release(st)
+        return mel[:, self._emitted_from(st, plan):]
 
     def _tokens(self, tokens: list[int]) -> torch.Tensor:
         return torch.tensor(tokens, dtype=torch.long, device=self.device).unsqueeze(0)

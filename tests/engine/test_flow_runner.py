@@ -207,3 +207,23 @@ def test_voice_prompts_built_together_in_the_pool_equal_the_per_request_build(ch
     with pytest.raises(ValueError, match="one length"):
         runner.build_prompt_caches(stream, [voices[0], (voices[1][0][:, :-25], voices[1][1][:, :-50], voices[1][2])])
     assert sorted(runner.free) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_recomputed_chunks_equal_the_official_calls(checkpoint, load_fixture, cfm_noise, manifest, fused):
+    """A stream past its slot gets each chunk as the official code computes it: the flow over prompt + all
+    tokens so far with chunk masks (its look-ahead tokens as context), every frame recomputed."""
+    f = load_fixture("stream")
+    flow = load_flow(checkpoint)
+    flow.decoder.set_noise_table(cfm_noise)
+    prompt = FlowStream(flow).build_prompt_cache(f["prompt_token"], f["prompt_feat"], f["embedding"])
+    runner = FlowRunner(flow, num_slots=1, max_frames=128, use_graphs=False)
+    runner.conv.normal_()  # the stream's slot holds stale conv tails: the pass starts from zero
+    num_prompt = f["prompt_token"].shape[1]
+    flow.decoder.estimator.set_kernels(reference if fused else None)
+    try:
+        for i, call in enumerate(manifest["stream"]["schedule"][:-1]):
+            mel = runner.recompute(prompt, f["token"][0][:call["n_tokens"]], finalize=False, slot=0)
+            torch.testing.assert_close(mel[:, 2 * num_prompt:], f[f"call{i}_flow_mel_full"][0], atol=1e-4, rtol=0)
+    finally:
+        flow.decoder.estimator.set_kernels(None)

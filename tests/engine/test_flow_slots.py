@@ -50,7 +50,8 @@ def test_a_stream_of_unknown_length_starts_in_the_pool_and_sounds_as_the_eager_p
     """A request without a forced length may run to 20 tokens per text token (spec/llm.md §4), far past a
     slot; with real weights the LM stops long before. The stream still opens in the pool (its first chunk
     fits); the official final pass runs there longer than the slot ("full"), an incremental final chunk
-    that outgrows the slot continues on the eager path ("chunk"); the audio is the eager path's."""
+    that would outgrow the slot recomputes every frame as the official code does ("chunk"); the audio is
+    the eager path's."""
     eng = Engine.from_pretrained(model_dir, voices_db=str(tmp_path / "v.db"), max_streams=4,
                                  final_attention=final_attention)
     try:
@@ -71,13 +72,14 @@ def test_a_stream_of_unknown_length_starts_in_the_pool_and_sounds_as_the_eager_p
             opened.append(type(state.flow).__name__)
             return state
 
-        spills = []
-        real_spill = t2w.pool.to_flow_state
+        recomputed = []
+        real_recompute = t2w.pool.recompute
         monkeypatch.setattr(t2w, "start", start)
-        monkeypatch.setattr(t2w.pool, "to_flow_state", lambda stream: spills.append(stream) or real_spill(stream))
+        monkeypatch.setattr(t2w.pool, "recompute",
+                            lambda *args, **kwargs: recomputed.append(kwargs) or real_recompute(*args, **kwargs))
         got = eng.synthesize(params)
         assert opened == ["PooledStream"]
-        assert len(spills) == (final_attention == "chunk")
+        assert [kw["finalize"] for kw in recomputed] == ([True] if final_attention == "chunk" else [])
         assert want.times.num_tokens == got.times.num_tokens and 2 * (num_prompt + got.times.num_tokens) > \
             t2w.pool.max_frames  # the utterance is longer than the slot it ran in
         assert len(got.pcm) == len(want.pcm)

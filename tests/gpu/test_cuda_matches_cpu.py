@@ -121,6 +121,28 @@ def test_graphed_batched_final_passes_match_cpu(checkpoint, load_fixture, cfm_no
         torch.testing.assert_close(g.cpu(), w, atol=5e-3, rtol=0)  # tf32 products inside the Triton dots
 
 
+def test_graphed_recomputed_chunks_past_a_slot_match_cpu(checkpoint, load_fixture, cfm_noise, manifest):
+    """A stream past its slot: each chunk recomputed over all its frames (chunk masks, own keys) as one
+    graph with the Triton kernels, against the CPU runner's pass; and the final pass longer than a slot."""
+    f = load_fixture("stream")
+    runners, prompts = {}, {}
+    for device in ("cpu", "cuda"):
+        flow = load_flow(checkpoint, device)
+        flow.decoder.set_noise_table(cfm_noise)
+        prompts[device] = FlowStream(flow).build_prompt_cache(f["prompt_token"].to(device), f["prompt_feat"].to(device),
+                                                              f["embedding"].to(device))
+        runners[device] = FlowRunner(flow, num_slots=1, max_frames=128, use_graphs=device == "cuda")
+    tokens = f["token"][0]
+    for call in manifest["stream"]["schedule"][:-1]:
+        ids = tokens[:call["n_tokens"]]
+        want = runners["cpu"].recompute(prompts["cpu"], ids, finalize=False, slot=0)
+        got = runners["cuda"].recompute(prompts["cuda"], ids.cuda(), finalize=False, slot=0)
+        torch.testing.assert_close(got.cpu(), want, atol=5e-3, rtol=0)  # tf32 products inside the Triton dots
+    assert len(runners["cuda"].recompute_graphs.graphs) >= 2
+    (got,) = runners["cuda"].full_passes([(prompts["cuda"], tokens.cuda(), 0)])
+    torch.testing.assert_close(got.cpu(), runners["cpu"].full_pass(prompts["cpu"], tokens), atol=5e-3, rtol=0)
+
+
 def test_voice_prompts_built_in_the_graphed_pool_match_the_eager_build(checkpoint, load_fixture):
     """Token2WavRunner's build of new voices' prompt states: one graphed chunk for two voices in pool slots
     (Triton estimator kernels) against FlowStream's eager build of each on the same GPU (whose flow the
