@@ -73,10 +73,13 @@ class EngineConfig:
     schedule: ChunkSchedule = ChunkSchedule()
     final_attention: str = "full"  # "full": official final chunk; "chunk": incremental, cheaper
     # incremental-flow pool on CUDA: streams voiced at once x frames each (prompt included);
-    # ≈ 2.3 MB per frame for CosyVoice2-0.5B in bf16, so 16 x 1024 frames ≈ 38 GB. None: as many slots
-    # as 60% of the GPU memory left after loading the models holds (at least 1, at most 64); 0: no pool.
+    # ≈ 2.3 MB per frame for CosyVoice2-0.5B in bf16, so 28 x 832 frames ≈ 54 GB. None: as many slots
+    # as 70% of the GPU memory left after loading the models holds (at least 1, at most 64); 0: no pool.
+    # A stream takes a slot when its first chunk fits; its chunks past the slot's frames recompute all
+    # its frames, as the official code does at every chunk (one graphed pass each), so the frames bound
+    # what a stream keeps, not how long it may be: 832 keeps 10.6 s of audio after a 6 s prompt.
     flow_slots: int | None = None
-    flow_frames: int = 1024
+    flow_frames: int = 832
     # Keep a registered voice's encoded flow prompt in its voice record (survives restarts). None: on
     # the CPU only, where rebuilding it is slow; on a GPU one graphed chunk of the flow in a pool slot
     # (≈ 30 ms for a 6 s prompt on the H100) is faster than reading its ~0.7 GB back (2.3 MB per prompt

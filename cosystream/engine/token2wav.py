@@ -436,7 +436,7 @@ class Token2WavRunner:
             self.hift_first.run((batch, frames), [mel, noise])
 
 
-def _pool_slots(flow: Any, config: EngineConfig, share: float = 0.6) -> int:
+def _pool_slots(flow: Any, config: EngineConfig, share: float = 0.7) -> int:
     """Flow-pool slots: the configured number, or what `share` of the free GPU memory holds."""
     if config.flow_slots is not None:
         return config.flow_slots
