@@ -61,9 +61,10 @@ def synth_voice(sample_rate: int = PROMPT_SAMPLE_RATE, seconds: float = PROMPT_S
     return (0.5 * signal / np.abs(signal).max()).astype(np.float32)
 
 
-def write_workload_wav(path: str | Path, sample_rate: int = PROMPT_SAMPLE_RATE) -> Path:
-    """Write the 6.00 s prompt as 16-bit PCM mono wav; the same bytes on every run."""
-    pcm16 = np.round(synth_voice(sample_rate) * 32767).astype("<i2")
+def write_workload_wav(path: str | Path, sample_rate: int = PROMPT_SAMPLE_RATE,
+                       seconds: float = PROMPT_SECONDS) -> Path:
+    """Write the prompt (6.00 s unless told) as 16-bit PCM mono wav; the same bytes on every run."""
+    pcm16 = np.round(synth_voice(sample_rate, seconds) * 32767).astype("<i2")
     path = Path(path)
     with wave.open(str(path), "wb") as out:
         out.setnchannels(1)
@@ -79,11 +80,12 @@ def workload_dict(prompt_wav: str | Path) -> dict[str, object]:
             "prompt_wav": str(prompt_wav), "force_tokens": FORCE_TOKENS}
 
 
-def write_workload(out_dir: str | Path) -> Path:
-    """Write voice.wav and workload.json into `out_dir`; return the json's path."""
+def write_workload(out_dir: str | Path, prompt_seconds: float = PROMPT_SECONDS) -> Path:
+    """Write voice.wav and workload.json into `out_dir`; return the json's path. A prompt_seconds other than
+    6.00 makes a variant (e.g. a prompt longer than a flow-pool slot), not the standard workload."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    wav = write_workload_wav(out / "voice.wav")
+    wav = write_workload_wav(out / "voice.wav", seconds=prompt_seconds)
     path = out / "workload.json"
     path.write_text(json.dumps(workload_dict(wav.resolve()), indent=2) + "\n")
     return path
@@ -92,7 +94,12 @@ def write_workload(out_dir: str | Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", help="folder for voice.wav and workload.json")
-    print(write_workload(parser.parse_args(argv).out_dir))
+    parser.add_argument("--prompt-seconds", type=float, default=PROMPT_SECONDS,
+                        help="prompt length (default: the standard 6.00 s)")
+    args = parser.parse_args(argv)
+    if args.prompt_seconds <= 0:
+        parser.error(f"--prompt-seconds: must be > 0, got {args.prompt_seconds}")
+    print(write_workload(args.out_dir, args.prompt_seconds))
     return 0
 
 

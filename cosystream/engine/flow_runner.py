@@ -83,9 +83,9 @@ class FlowRunner:
             est.set_kernels(flow_kernels)  # fused norms, residual adds and pool writes in the estimator
 
     # ------------------------------------------------------------------ slots
-    def fits(self, prompt: PromptCache, target_tokens: int) -> bool:
-        frames = UPSAMPLE * (prompt.prompt_tokens.shape[0] + target_tokens)
-        return bool(self.free) and frames <= self.max_frames
+    def holds(self, prompt: PromptCache) -> bool:
+        """Whether a slot holds the voice's encoded prompt frames (else a stream opens without them)."""
+        return UPSAMPLE * prompt.num_tokens <= self.max_frames
 
     def open(self, prompt: PromptCache) -> PooledStream:
         """Take a slot and copy the voice's prompt state into it (≈ 0.6 GB for a 6 s prompt, one copy)."""

@@ -112,7 +112,10 @@ class Token2WavRunner:
         args = (inputs.flow_prompt_speech_tokens[None].to(self.device), inputs.prompt_mel[None].to(self.device),
                 inputs.xvector[None].to(self.device))
         frames = UPSAMPLE * int(inputs.flow_prompt_speech_tokens.shape[0])
-        if self.pool is not None and self.pool.free and frames <= self.pool.max_frames:
+        if self.pool is not None and frames > self.pool.max_frames:
+            # longer than a slot: its streams recompute every chunk (FlowRunner.recompute), no keys to keep
+            return self.stream.empty_prompt(*args)
+        if self.pool is not None and self.pool.free:
             return self.pool.build_prompt_caches(self.stream, [args])[0]
         return self.stream.build_prompt_cache(*args)
 
@@ -142,12 +145,13 @@ class Token2WavRunner:
 
     def start(self, inputs: Any, voice_key: str | None, key: Any = None, speed: float = 1.0,
               max_target_tokens: int = 256, seed: int = 0, stored: dict | None = None) -> Token2WavState:
-        """A new stream's state: in a pool slot when the voice's prompt and `max_target_tokens` (what the
-        stream needs from its start, core._start_tokens) fit one, else on the eager path."""
+        """A new stream's state: in a free pool slot (its chunks past the slot recompute, so any prompt and
+        length go there), else on the eager path with caches for `max_target_tokens` to begin with (what
+        the stream needs from its start, core._start_tokens; they grow)."""
         prompt = self.prompt_cache(inputs, voice_key, stored)
         offset = (seed * 2654435761) % _NOISE_SAMPLES
-        if self.pool is not None and self.pool.fits(prompt, max_target_tokens):
-            flow_state = self.pool.open(prompt)
+        if self.pool is not None and self.pool.free:
+            flow_state = self.pool.open(prompt if self.pool.holds(prompt) else self.stream.without_cache(prompt))
         else:
             flow_state = self.stream.start(prompt, max_target_tokens)
         return Token2WavState(flow_state, key=key, speed=speed, noise_offset=offset)
@@ -191,10 +195,14 @@ class Token2WavRunner:
         finals: list[tuple[int, Token2WavState, torch.Tensor, ChunkPlan]] = []
         for i, (st, tokens, plan) in enumerate(jobs):
             ids = self._tokens(tokens[:plan.token_end])
-            if plan.provisional:
+            if plan.provisional and not self._outgrows_slot(st, self._window_tokens(st, plan)):
                 self.watch.lap("flow_setup")
                 mels[i] = self._provisional(st, ids, plan)
                 self.watch.lap("provisional")
+                continue
+            if plan.provisional:  # a prompt longer than its slot: the chunk ends inside a block, no state kept
+                self.watch.lap("flow_setup")
+                mels[i] = self._recompute(st, ids, plan)
                 continue
             window = self.stream._window(st.flow, ids, finalize=plan.is_final)
             pooled = isinstance(st.flow, PooledStream)
@@ -298,6 +306,10 @@ class Token2WavRunner:
         self.release(st)
         return mel[:, self._emitted_from(st, plan) - first_returned:]
 
+    def _window_tokens(self, st: Token2WavState, plan: ChunkPlan) -> int:
+        """New positions (prompt + target) this chunk's window adds to the stream's finished ones."""
+        return self.stream.window_end(st.flow, plan.token_end, finalize=plan.is_final) - st.flow.num_tokens
+
     def _outgrows_slot(self, st: Token2WavState, new_tokens: int) -> bool:
         return isinstance(st.flow, PooledStream) and UPSAMPLE * (st.flow.num_tokens + new_tokens) > self.pool.max_frames
 
@@ -377,17 +389,14 @@ class Token2WavRunner:
         return wav[:-self.overlap]
 
     def can_start(self, inputs: Any, max_target_tokens: int) -> bool:
-        """False while a stream that would fit the pool must wait for a free slot (the eager path is for
-        streams whose start fits no slot, a prompt longer than a slot: it is an order of magnitude slower
-        and holds its own ≈ 2.3 MB per frame of keys/values outside the pool)."""
-        return self.pool is None or bool(self.pool.free) or not self.needs_slot(inputs, max_target_tokens)
+        """False while a new stream must wait for a free pool slot. With a pool every stream runs in one
+        (the eager path is an order of magnitude slower and holds its own ≈ 2.3 MB per frame of
+        keys/values outside the pool; on the H100 streams sent there ran it out of memory)."""
+        return self.pool is None or bool(self.pool.free)
 
     def needs_slot(self, inputs: Any, max_target_tokens: int) -> bool:
-        """True when a new stream of this length runs in a pool slot (so must wait for one)."""
-        if self.pool is None:
-            return False
-        frames = UPSAMPLE * (int(inputs.flow_prompt_speech_tokens.shape[0]) + max_target_tokens)
-        return frames <= self.pool.max_frames
+        """True when a new stream runs in a pool slot (so must wait for one): whenever there is a pool."""
+        return self.pool is not None
 
     def free_slots(self) -> int | None:
         """Free pool slots (None: no pool)."""

@@ -142,16 +142,20 @@ class FlowStream:
         if prompt_mel.shape[1] != UPSAMPLE * num_prompt:
             raise ValueError(f"prompt mel has {prompt_mel.shape[1]} frames, expected 2 × {num_prompt}")
         w = self.flow.input_embedding.weight
+        return self.without_cache(PromptCache(
+            prompt_tokens=prompt_tokens[0].to(w.device, torch.long), prompt_mel=prompt_mel[0].to(w.device, w.dtype),
+            spks=self.flow.project_speaker(xvector.to(w.device))[0], encoder=self.flow.encoder.new_state(0),
+            kv=torch.empty(0), conv=torch.empty(0)))
+
+    def without_cache(self, prompt: PromptCache) -> PromptCache:
+        """The voice's prompt with none of its frames encoded: a stream opened with it computes the prompt's
+        frames in its first chunk (exact: incremental from frame 0), or recomputes them at every chunk."""
         est = self.flow.decoder.estimator
         empty_kv, conv = est.new_cache(2, 0)
         steps = self.flow.decoder.num_steps
-        return PromptCache(
-            prompt_tokens=prompt_tokens[0].to(w.device, torch.long),
-            prompt_mel=prompt_mel[0].to(w.device, w.dtype),
-            spks=self.flow.project_speaker(xvector.to(w.device))[0],
-            encoder=self.flow.encoder.new_state(0),
-            kv=empty_kv.unsqueeze(0).expand(steps, *empty_kv.shape),
-            conv=conv.unsqueeze(0).repeat(steps, 1, 1, 1))
+        return PromptCache(prompt.prompt_tokens, prompt.prompt_mel, prompt.spks, self.flow.encoder.new_state(0),
+                           kv=empty_kv.unsqueeze(0).expand(steps, *empty_kv.shape),
+                           conv=conv.unsqueeze(0).repeat(steps, 1, 1, 1))
 
     @torch.no_grad()
     def build_prompt_cache(self, prompt_tokens: torch.Tensor, prompt_mel: torch.Tensor,

@@ -59,6 +59,16 @@ def test_workload_json(workload, tmp_path: Path) -> None:
     assert data["voice"] == workload.VOICE_NAME and Path(data["prompt_wav"]).is_file()
 
 
+def test_a_longer_prompt_variant(workload, tmp_path: Path, capsys) -> None:
+    """--prompt-seconds writes a prompt of that length (e.g. longer than a flow-pool slot); 0 is refused."""
+    assert workload.main([str(tmp_path / "wl"), "--prompt-seconds", "20"]) == 0
+    with wave.open(str(tmp_path / "wl" / "voice.wav")) as wav:
+        assert wav.getnframes() == 20 * wav.getframerate()
+    with pytest.raises(SystemExit) as exit_info:
+        workload.main([str(tmp_path / "bad"), "--prompt-seconds", "0"])
+    assert exit_info.value.code == 2 and "--prompt-seconds: must be > 0" in capsys.readouterr().err
+
+
 @pytest.mark.slow  # ~6 s: writes a random model and runs the real frontend
 def test_counts_with_the_random_model_frontend(workload, tmp_path: Path) -> None:
     """The stated counts, measured: text tokens with the model's tokenizer, prompt tokens and mel frames."""
