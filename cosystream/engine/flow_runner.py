@@ -351,33 +351,57 @@ class FlowRunner:
         self.watch.lap("final_pass")
         return out
 
-    @torch.inference_mode()
     def recompute(self, prompt: PromptCache, target_ids: torch.Tensor, finalize: bool, slot: int) -> torch.Tensor:
+        """`recompute_many` for one stream."""
+        return self.recompute_many([(prompt, target_ids, finalize, slot)])[0]
+
+    @torch.inference_mode()
+    def recompute_many(self, items: Sequence[tuple[PromptCache, torch.Tensor, bool, int]]) -> list[torch.Tensor]:
         """The official streaming call (spec/streaming.md §2: chunk masks) over prompt + target ids, every
-        frame recomputed as the official code does at each chunk: for a stream whose next chunk would
-        outgrow its slot. No keys are kept, so it needs no memory beyond the pass's own, and it costs one
+        frame recomputed as the official code does at each chunk: for streams whose next chunk would
+        outgrow their slots. No keys are kept, so it needs no memory beyond the pass's own, and it costs a
         graphed pass of the stream's length (an official final pass's) instead of the eager path's Python
-        launches. finalize=False: the last 3 target ids are look-ahead. `slot`: whose conv tails to compute
-        in (the stream's own). Returns mel [80, F] (prompt frames included)."""
-        all_ids = torch.cat([prompt.prompt_tokens, target_ids.to(prompt.prompt_tokens.device, torch.long)])
-        h = self.flow.encode(all_ids[None], streaming=True, finalize=finalize)
-        mu = self.flow.encoder_proj(h).transpose(1, 2).to(self.dtype)  # [1, 80, F]
-        frames = mu.shape[-1]
-        padded = self._full_length(frames)
-        bins, dev = self.cfm.num_bins, self.device
-        mu_in = torch.zeros(1, bins, padded, device=dev, dtype=self.dtype)
-        mu_in[:, :, :frames] = mu
-        z = torch.zeros(1, bins, padded, device=dev)
-        z[0, :, :frames] = self.cfm.noise(0, frames)[0].to(dev)
-        cond = torch.zeros(1, bins, padded, device=dev, dtype=self.dtype)
-        cond[0, :, :prompt.prompt_mel.shape[0]] = prompt.prompt_mel.T
-        limit = torch.full((1,), frames, device=dev, dtype=torch.long)
-        slots = torch.full((1,), slot, device=dev, dtype=torch.long)
+        launches. items: (prompt, target ids, finalize, slot whose conv tails to compute in: the stream's
+        own); finalize=False: the last 3 target ids are look-ahead. The encoder runs per stream; streams
+        padded to one length share one graph replay of the ODE. Returns mel [80, F] each (prompt frames
+        included)."""
+        mus = []
+        for prompt, target_ids, finalize, _ in items:
+            all_ids = torch.cat([prompt.prompt_tokens, target_ids.to(prompt.prompt_tokens.device, torch.long)])
+            h = self.flow.encode(all_ids[None], streaming=True, finalize=finalize)
+            mus.append(self.flow.encoder_proj(h)[0].T.to(self.dtype))  # [80, F]
+        out: list[torch.Tensor | None] = [None] * len(items)
+        by_length: dict[int, list[int]] = {}
+        for i, mu in enumerate(mus):
+            by_length.setdefault(self._full_length(mu.shape[-1]), []).append(i)
         self.watch.lap("recompute_setup")
-        (x,) = self.recompute_graphs.run((1, padded), [mu_in, limit, z, prompt.spks[None], cond, slots])
-        out = x[0, :, :frames].clone()
+        for padded, members in by_length.items():
+            mels = self._recompute_batch(padded, [(items[i][0], mus[i], items[i][3]) for i in members])
+            for i, mel in zip(members, mels, strict=True):
+                out[i] = mel
         self.watch.lap("recompute")
-        return out
+        return out  # type: ignore[return-value]
+
+    def _recompute_batch(self, padded: int, items: Sequence[tuple[PromptCache, torch.Tensor, int]]
+                         ) -> list[torch.Tensor]:
+        rows = bucket(len(items))
+        bins, dev = self.cfm.num_bins, self.device
+        mu_in = torch.zeros(rows, bins, padded, device=dev, dtype=self.dtype)
+        z = torch.zeros(rows, bins, padded, device=dev)
+        cond = torch.zeros(rows, bins, padded, device=dev, dtype=self.dtype)
+        spks = torch.zeros(rows, bins, device=dev, dtype=self.dtype)
+        limit = torch.full((rows,), padded, device=dev, dtype=torch.long)
+        slots = torch.full((rows,), self.scratch, device=dev, dtype=torch.long)
+        for j, (prompt, mu, slot) in enumerate(items):
+            frames = mu.shape[-1]
+            mu_in[j, :, :frames] = mu
+            z[j, :, :frames] = self.cfm.noise(0, frames)[0].to(dev)
+            cond[j, :, :prompt.prompt_mel.shape[0]] = prompt.prompt_mel.T
+            spks[j] = prompt.spks
+            limit[j] = frames
+            slots[j] = slot
+        (x,) = self.recompute_graphs.run((rows, padded), [mu_in, limit, z, spks, cond, slots])
+        return [x[j, :, :mu.shape[-1]].clone() for j, (_, mu, _) in enumerate(items)]
 
     def _recompute_core(self, mu, frames, z, spks, cond, slots) -> tuple[torch.Tensor]:
         """A streaming pass from frame 0 over each row's first `frames` frames: chunk-masked attention to

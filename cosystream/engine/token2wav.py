@@ -193,6 +193,7 @@ class Token2WavRunner:
         mels: list[torch.Tensor | None] = [None] * len(jobs)
         groups: dict[tuple[bool, int, bool], list[tuple[int, tuple]]] = {}
         finals: list[tuple[int, Token2WavState, torch.Tensor, ChunkPlan]] = []
+        recomputes: list[tuple[int, Token2WavState, torch.Tensor, ChunkPlan]] = []
         for i, (st, tokens, plan) in enumerate(jobs):
             ids = self._tokens(tokens[:plan.token_end])
             if plan.provisional and not self._outgrows_slot(st, self._window_tokens(st, plan)):
@@ -201,15 +202,13 @@ class Token2WavRunner:
                 self.watch.lap("provisional")
                 continue
             if plan.provisional:  # a prompt longer than its slot: the chunk ends inside a block, no state kept
-                self.watch.lap("flow_setup")
-                mels[i] = self._recompute(st, ids, plan)
+                recomputes.append((i, st, ids, plan))
                 continue
             window = self.stream._window(st.flow, ids, finalize=plan.is_final)
             pooled = isinstance(st.flow, PooledStream)
             official_final = plan.is_final and self.final_attention == "full"  # needs no slot's keys
             if not official_final and self._outgrows_slot(st, window[0].shape[0]):
-                self.watch.lap("flow_setup")
-                mels[i] = self._recompute(st, ids, plan)
+                recomputes.append((i, st, ids, plan))
             elif plan.is_final and window[0].shape[0] == 0 and self.final_attention == "chunk":
                 mels[i] = torch.zeros(self.flow.dims.output_size, 0, device=self.device)
                 st.flow.is_finished = True
@@ -238,6 +237,7 @@ class Token2WavRunner:
                     st.flow.is_finished = True
                     self.release(st)
         self._finish_pooled(finals, mels)
+        self._recompute(recomputes, mels)
         return mels  # type: ignore[return-value]
 
     def _finish_pooled(self, finals: list[tuple[int, Token2WavState, torch.Tensor, ChunkPlan]],
@@ -313,14 +313,20 @@ class Token2WavRunner:
     def _outgrows_slot(self, st: Token2WavState, new_tokens: int) -> bool:
         return isinstance(st.flow, PooledStream) and UPSAMPLE * (st.flow.num_tokens + new_tokens) > self.pool.max_frames
 
-    def _recompute(self, st: Token2WavState, ids: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
-        """A chunk of a pooled stream past its slot, computed as the official code computes every chunk
-        (FlowRunner.recompute); the stream keeps its slot (admission) but no longer reads its keys."""
-        mel = self.pool.recompute(st.flow.prompt, ids[0], finalize=plan.is_final, slot=st.flow.slot)
-        if plan.is_final:
-            st.flow.is_finished = True
-            self.release(st)
-        return mel[:, self._emitted_from(st, plan):]
+    def _recompute(self, jobs: list[tuple[int, Token2WavState, torch.Tensor, ChunkPlan]],
+                   mels: list[torch.Tensor | None]) -> None:
+        """Chunks of pooled streams past their slots, computed as the official code computes every chunk
+        (FlowRunner.recompute_many: streams of one padded length in one graph replay); such a stream keeps
+        its slot (admission) but no longer reads its keys."""
+        if not jobs:
+            return
+        full = self.pool.recompute_many([(st.flow.prompt, ids[0], plan.is_final, st.flow.slot)
+                                         for _, st, ids, plan in jobs])
+        for (i, st, _, plan), mel in zip(jobs, full, strict=True):
+            if plan.is_final:
+                st.flow.is_finished = True
+                self.release(st)
+            mels[i] = mel[:, self._emitted_from(st, plan):]
 
     def _tokens(self, tokens: list[int]) -> torch.Tensor:
         return torch.tensor(tokens, dtype=torch.long, device=self.device).unsqueeze(0)

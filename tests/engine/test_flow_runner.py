@@ -227,3 +227,22 @@ def test_recomputed_chunks_equal_the_official_calls(checkpoint, load_fixture, cf
             torch.testing.assert_close(mel[:, 2 * num_prompt:], f[f"call{i}_flow_mel_full"][0], atol=1e-4, rtol=0)
     finally:
         flow.decoder.estimator.set_kernels(None)
+
+
+def test_recomputed_chunks_of_several_streams_equal_one_at_a_time(checkpoint, load_fixture, cfm_noise):
+    """Streams past their slots recompute together: lengths padded to one bucket share a pass (rows masked
+    to their own frames), other lengths run apart; each gets what it gets alone, whatever its slot held."""
+    f = load_fixture("stream")
+    flow = load_flow(checkpoint)
+    flow.decoder.set_noise_table(cfm_noise)
+    prompt = FlowStream(flow).build_prompt_cache(f["prompt_token"], f["prompt_feat"], f["embedding"])
+    runner = FlowRunner(flow, num_slots=3, max_frames=128, use_graphs=False)
+    tokens = f["token"][0]
+    items = [(prompt, tokens[:98], False, 2), (prompt, (tokens[:90] * 5 + 2) % 6561, False, 0),
+             (prompt, tokens, True, 1)]  # 250 and 234 frames share a 256-frame bucket, 460 runs apart
+    alone = [runner.recompute(*item) for item in items]
+    runner.conv.normal_()
+    together = runner.recompute_many(items)
+    for got, want in zip(together, alone, strict=True):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)

@@ -77,17 +77,17 @@ def test_a_stream_of_unknown_length_starts_in_the_pool_and_sounds_as_the_eager_p
             opened.append(type(state.flow).__name__)
             return state
 
-        recomputed = []
-        real_recompute = t2w.pool.recompute
+        recomputed = []  # finalize flag of each chunk recomputed
+        real_recompute = t2w.pool.recompute_many
         monkeypatch.setattr(t2w, "start", start)
-        monkeypatch.setattr(t2w.pool, "recompute",
-                            lambda *args, **kwargs: recomputed.append(kwargs) or real_recompute(*args, **kwargs))
+        monkeypatch.setattr(t2w.pool, "recompute_many",
+                            lambda items: recomputed.extend(f for _, _, f, _ in items) or real_recompute(items))
         got = eng.synthesize(params)
         assert opened == ["PooledStream"]
         if slot == "first chunk":
-            assert [kw["finalize"] for kw in recomputed] == ([True] if final_attention == "chunk" else [])
+            assert recomputed == ([True] if final_attention == "chunk" else [])
         else:
-            assert len(recomputed) == got.num_chunks - 1 >= 1 and not any(kw["finalize"] for kw in recomputed)
+            assert len(recomputed) == got.num_chunks - 1 >= 1 and not any(recomputed)
         assert want.times.num_tokens == got.times.num_tokens and 2 * (num_prompt + got.times.num_tokens) > \
             t2w.pool.max_frames  # the utterance is longer than the slot it ran in
         assert len(got.pcm) == len(want.pcm)

@@ -133,11 +133,11 @@ def test_graphed_recomputed_chunks_past_a_slot_match_cpu(checkpoint, load_fixtur
                                                               f["embedding"].to(device))
         runners[device] = FlowRunner(flow, num_slots=1, max_frames=128, use_graphs=device == "cuda")
     tokens = f["token"][0]
-    for call in manifest["stream"]["schedule"][:-1]:
-        ids = tokens[:call["n_tokens"]]
-        want = runners["cpu"].recompute(prompts["cpu"], ids, finalize=False, slot=0)
-        got = runners["cuda"].recompute(prompts["cuda"], ids.cuda(), finalize=False, slot=0)
-        torch.testing.assert_close(got.cpu(), want, atol=5e-3, rtol=0)  # tf32 products inside the Triton dots
+    calls = [tokens[:call["n_tokens"]] for call in manifest["stream"]["schedule"][:-1]]
+    want = [runners["cpu"].recompute(prompts["cpu"], ids, finalize=False, slot=0) for ids in calls]
+    got = runners["cuda"].recompute_many([(prompts["cuda"], ids.cuda(), False, 0) for ids in calls])
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.cpu(), w, atol=5e-3, rtol=0)  # tf32 products inside the Triton dots
     assert len(runners["cuda"].recompute_graphs.graphs) >= 2
     (got,) = runners["cuda"].full_passes([(prompts["cuda"], tokens.cuda(), 0)])
     torch.testing.assert_close(got.cpu(), runners["cpu"].full_pass(prompts["cpu"], tokens), atol=5e-3, rtol=0)
