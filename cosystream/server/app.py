@@ -234,7 +234,8 @@ def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, devi
     log_event("engine_loaded", model_dir=str(model_dir), device=device, dtype=dtype, load_s=time.perf_counter() - t0)
     settings = settings or ServerSettings()
     # the protocol layer drops frames far over the limit before buffering them (close 1009); frames up to
-    # 4x the limit still reach the app, which answers them with an error event and close 4413
-    ws_max_size = max(4 * settings.ws_max_message_bytes, 64 * 1024)
+    # 4x the message limit, or an upload's limit (a prompt recording sent as one binary frame), still reach
+    # the app, which answers them with an error event and close 4413
+    ws_max_size = max(4 * settings.ws_max_message_bytes, settings.max_upload_bytes, 64 * 1024)
     uvicorn.run(build_app(engine, settings), host=host, port=port, log_level=log_level, ws_ping_interval=20.0,
                 ws_max_size=ws_max_size)

@@ -165,6 +165,9 @@ class WsStart(SynthesisOptions):
     type: Literal["start"]
     text: str = ""
     response_format: AudioFormat = AudioFormat.pcm
+    prompt_wav: bool = Field(False, description="zero-shot without a registered voice: the next message is one "
+                                                "binary frame holding the prompt recording (wav/flac/mp3/ogg); "
+                                                "give its transcript as prompt_text")
 
 
 class WsText(BaseModel):

@@ -1,6 +1,7 @@
 """WS /v1/tts/stream: text in as an upstream LLM produces it, audio out as soon as each chunk is ready.
 
-Client → server: one `start` (voice, mode, settings), any number of `text` pieces, then `end`.
+Client → server: one `start` (voice, mode, settings), with `prompt_wav: true` one binary frame holding the
+prompt recording, any number of `text` pieces, then `end`.
 Server → client: `started`; per chunk a binary frame (audio in response_format, default 16-bit PCM)
 followed by a `chunk` event; `done` with the stage breakdown; or `error`. Then the server closes:
 1000 after done, 4000 + HTTP status after an error (4400 bad input, 4413 message too large,
@@ -22,7 +23,7 @@ from pydantic import ValidationError
 
 from cosystream.params import Mode
 from cosystream.server.errors import ApiError, bad_input, from_validation_errors, record, to_api_error
-from cosystream.server.inputs import decode_json_object
+from cosystream.server.inputs import check_audio_duration, decode_json_object
 from cosystream.server.native import check_options, options_to_params
 from cosystream.server.protocol import ChunkEvent, ErrorEvent, StartedEvent, WsEnd, WsStart, WsText
 from cosystream.server.session import SynthesisSession, arrival_time, log_event, new_request_id
@@ -78,24 +79,36 @@ class MessageReader:
 
     async def next(self) -> WsStart | WsText | WsEnd:
         """WebSocketDisconnect when the client is gone, ApiError when a message is unusable."""
+        message = await self._receive("message", self.max_bytes)
+        text = message.get("text")
+        if text is None:
+            raise bad_input("message: expected a JSON text message, got binary")
+        return parse_message(text)
+
+    async def next_bytes(self, field: str, max_bytes: int) -> bytes:
+        """One binary message (an upload such as the prompt recording) of at most `max_bytes`."""
+        message = await self._receive(field, max_bytes)
+        data = message.get("bytes")
+        if data is None:
+            raise bad_input(f"{field}: expected a binary message with the recording, got text")
+        return data
+
+    async def _receive(self, field: str, max_bytes: int) -> dict:
         try:
             message = await _with_timeout(self.ws.receive(), self.idle_timeout_s)
         except asyncio.TimeoutError:
-            raise bad_input(f"message: nothing received for {self.idle_timeout_s:.0f} s", status=408,
+            raise bad_input(f"{field}: nothing received for {self.idle_timeout_s:.0f} s", status=408,
                             code="timeout") from None
         if message["type"] == "websocket.disconnect":
             raise WebSocketDisconnect(message.get("code", 1000))
-        text = message.get("text")
-        num_bytes = _num_bytes(message, self.max_bytes)
-        if num_bytes > self.max_bytes:
-            raise bad_input(f"message: {num_bytes} bytes, more than the limit of {self.max_bytes}", status=413,
+        num_bytes = _num_bytes(message, max_bytes)
+        if num_bytes > max_bytes:
+            raise bad_input(f"{field}: {num_bytes} bytes, more than the limit of {max_bytes}", status=413,
                             code="payload_too_large")
         if not self.rate.allow():
             raise bad_input(f"message: more than {self.rate.burst:.0f} messages at once or "
                             f"{self.rate.rate_per_s:g} per second", status=429, code="rate_limited")
-        if text is None:
-            raise bad_input("message: expected a JSON text message, got binary")
-        return parse_message(text)
+        return message
 
 
 def _num_bytes(message: dict, max_bytes: int) -> int:
@@ -121,14 +134,15 @@ _CANCEL_GRACE_S = 2.0
 class WsSession:
     """One streamed request: a reader task feeding text pieces, a synthesis task sending audio."""
 
-    def __init__(self, ws: WebSocket, state: ServerState, start: WsStart, reader: MessageReader) -> None:
+    def __init__(self, ws: WebSocket, state: ServerState, start: WsStart, reader: MessageReader,
+                 files: dict[str, bytes]) -> None:
         self.ws = ws
         self.state = state
         self.start = start
         self.reader = reader
         self.pieces: asyncio.Queue[str | None] = asyncio.Queue()  # None: no more text
         self.num_chars = len(start.text)
-        params = options_to_params(start, self._text_pieces(), {}, new_request_id())
+        params = options_to_params(start, self._text_pieces(), files, new_request_id())
         self.session = SynthesisSession(state, "ws", params, start.response_format, arrival_time(ws), client_id(ws))
 
     async def _text_pieces(self) -> AsyncIterator[str]:
@@ -207,6 +221,15 @@ async def receive_start(reader: MessageReader, state: ServerState) -> WsStart:
     return message
 
 
+async def receive_uploads(reader: MessageReader, start: WsStart, settings: ServerSettings) -> dict[str, bytes]:
+    """The prompt recording `start` announced (prompt_wav: true): the next message, one binary frame."""
+    if not start.prompt_wav:
+        return {}
+    data = await reader.next_bytes("prompt_wav", settings.max_upload_bytes)
+    check_audio_duration(data, "prompt_wav", settings.max_audio_s)
+    return {"prompt_wav": data}
+
+
 async def send_error(ws: WebSocket, error: ApiError) -> None:
     with contextlib.suppress(Exception):  # the client may be gone already
         await ws.send_json(ErrorEvent(**error.body()).model_dump())
@@ -221,7 +244,9 @@ async def tts_stream(ws: WebSocket) -> None:
     reader = MessageReader(ws, state.settings)
     try:
         state.check_ready()
-        await WsSession(ws, state, await receive_start(reader, state), reader).run()
+        start = await receive_start(reader, state)
+        files = await receive_uploads(reader, start, state.settings)
+        await WsSession(ws, state, start, reader, files).run()
     except WebSocketDisconnect:
         log_event("ws_disconnect")
         return

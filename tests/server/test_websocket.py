@@ -6,7 +6,7 @@ import json
 import threading
 
 import pytest
-from server_live import SAMPLES_PER_TOKEN, VOICE, decode
+from server_live import SAMPLES_PER_TOKEN, VOICE, decode, make_wav
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
@@ -14,13 +14,14 @@ RECV_TIMEOUT_S = 60
 PIECES = [{"type": "text", "text": piece} for piece in ("Hello ", "there, how ", "are you today?")]
 
 
-def run_session(url: str, messages: list[dict]) -> tuple[list[dict], list[bytes], int | None]:
-    """Send every message, then collect events and binary frames until the server closes."""
+def run_session(url: str, messages: list[dict | bytes]) -> tuple[list[dict], list[bytes], int | None]:
+    """Send every message (bytes as a binary frame), then collect events and binary frames until the server
+    closes."""
     events: list[dict] = []
     frames: list[bytes] = []
     with connect(url, open_timeout=RECV_TIMEOUT_S) as ws:
         for message in messages:
-            ws.send(json.dumps(message))
+            ws.send(message if isinstance(message, bytes) else json.dumps(message))
         try:
             while True:
                 data = ws.recv(timeout=RECV_TIMEOUT_S)
@@ -100,3 +101,40 @@ def test_closing_the_socket_cancels_the_request(live, monkeypatch):
     assert aborted == [started["request_id"]]
     assert live.engine_idle()
     assert live.count("ws", "cancelled") == cancelled_before + 1
+
+
+def test_zero_shot_with_the_prompt_recording_sent_after_start(live):
+    """prompt_wav: true in start, the recording as the next (binary) message: the voice a registered voice
+    of the same recording and transcript would be, so the audio is the same."""
+    recording, transcript = make_wav(seed=11), "Carol speaking."
+    settings = {"response_format": "pcm", "greedy": True, "seed": 0, "force_tokens": 30}
+    uploaded = run_session(live.ws_url + "/v1/tts/stream", [
+        {"type": "start", "prompt_wav": True, "prompt_text": transcript, **settings}, recording, *PIECES,
+        {"type": "end"}])
+    with live.client() as client:
+        created = client.post("/v1/voices", data={"name": "carol", "prompt_text": transcript},
+                              files={"prompt_wav": ("carol.wav", recording, "audio/wav")})
+        assert created.status_code == 201, created.text
+        try:
+            registered = run_session(live.ws_url + "/v1/tts/stream", [
+                {"type": "start", "voice": "carol", **settings}, *PIECES, {"type": "end"}])
+        finally:
+            client.delete("/v1/voices/carol")
+    for events, _, close_code in (uploaded, registered):
+        assert close_code == 1000 and events[-1]["type"] == "done", events[-1]
+    pcm = [decode(b"".join(frames), "pcm") for _, frames, _ in (uploaded, registered)]
+    assert pcm[0].shape == (30 * SAMPLES_PER_TOKEN,)
+    assert abs(pcm[0] - pcm[1]).max() <= 2 / 32768  # 16-bit PCM of the same audio (one step of rounding)
+
+
+@pytest.mark.parametrize(("after_start", "status", "code", "message"), [
+    ({"type": "text", "text": "hi"}, 4400, "bad_input", "prompt_wav: expected a binary message"),
+    (b"not audio at all", 4400, "bad_input", "prompt_wav"),
+    (make_wav(seconds=31.0, seed=2), 4400, "bad_input", "more than the limit of 30 s"),
+])
+def test_a_bad_prompt_recording_is_an_error_event(live, after_start, status, code, message):
+    start = {"type": "start", "prompt_wav": True, "prompt_text": "Hi.", "force_tokens": 5}
+    events, frames, close_code = run_session(live.ws_url + "/v1/tts/stream", [start, after_start])
+    error = events[-1]
+    assert error["type"] == "error" and error["error"]["code"] == code and message in error["error"]["message"]
+    assert close_code == status and frames == []
