@@ -44,7 +44,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--voice", default=None, help="voice name (default: the workload's)")
     p.add_argument("--prompt-wav", default=None, metavar="FILE",
                    help="zero-shot without a registered voice: upload this recording with every request "
-                        "(--target tts; the prompt's analysis and encoding become part of each request)")
+                        "(--target tts or ws; the prompt's analysis and encoding become part of each request)")
     p.add_argument("--prompt-text", default=None, help="the transcript of --prompt-wav")
     p.add_argument("--text", action="append", default=None, help="text to say; repeat for round-robin texts")
     p.add_argument("--workload", default=None, metavar="FILE",
@@ -155,8 +155,8 @@ def _prompt_upload(args: argparse.Namespace) -> tuple[str | None, str]:
         if args.prompt_text is not None:
             raise ValueError("--prompt-text: goes with --prompt-wav")
         return None, ""
-    if args.target != "tts":
-        raise ValueError(f"--prompt-wav: only --target tts uploads a prompt ({args.target} names a registered voice)")
+    if args.target == "openai":
+        raise ValueError("--prompt-wav: --target openai names a registered voice (upload with tts or ws)")
     if args.voice is not None:
         raise ValueError("--prompt-wav and --voice: give one (an uploaded prompt or a registered voice)")
     path = Path(args.prompt_wav)

@@ -90,7 +90,7 @@ def build_body(target: str, spec: RequestSpec, index: int) -> dict[str, Any]:
             "greedy": spec.greedy or None}
     body = {k: v for k, v in body.items() if v is not None}  # unset: the server's default
     if target == "ws":
-        return {"type": "start", **body}
+        return {"type": "start", **body, **({"prompt_wav": True} if spec.prompt_wav else {})}
     return {"text": spec.text(index), **body}
 
 
@@ -99,8 +99,10 @@ def form_fields(body: dict[str, Any]) -> dict[str, str]:
     return {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in body.items()}
 
 
-def ws_messages(spec: RequestSpec, index: int) -> list[dict[str, Any]]:
-    return [build_body("ws", spec, index), {"type": "text", "text": spec.text(index)}, {"type": "end"}]
+def ws_messages(spec: RequestSpec, index: int, prompt: bytes | None = None) -> list[dict[str, Any] | bytes]:
+    """start, the prompt recording (a binary frame) when there is one, the text, end."""
+    return [build_body("ws", spec, index), *([prompt] if prompt is not None else []),
+            {"type": "text", "text": spec.text(index)}, {"type": "end"}]
 
 
 class PcmCounter:
@@ -238,11 +240,13 @@ def _connect_kwargs() -> dict[str, Any]:
 
 
 class WsClient:
-    """One WebSocket session per request: start, text, end; then audio frames until `done`."""
+    """One WebSocket session per request: start (and the prompt recording), text, end; then audio frames
+    until `done`."""
 
     def __init__(self, url: str, spec: RequestSpec, timeout_s: float, origin_s: float) -> None:
         self.url, self.spec, self.timeout_s, self.origin_s = endpoint_url(url, "ws"), spec, timeout_s, origin_s
         self.connect_kwargs = _connect_kwargs()
+        self._prompt = Path(spec.prompt_wav).read_bytes() if spec.prompt_wav else None
 
     async def send(self, level: str, index: int) -> RequestRecord:
         timeline = Timeline(level, index, self.origin_s, self.spec.sample_rate, self.spec.expected_audio_s)
@@ -279,8 +283,8 @@ class WsClient:
                 await sender
 
     async def _send_all(self, ws: Any, index: int) -> None:
-        for message in ws_messages(self.spec, index):
-            await ws.send(json.dumps(message))
+        for message in ws_messages(self.spec, index, self._prompt):
+            await ws.send(message if isinstance(message, bytes) else json.dumps(message))
 
     @staticmethod
     def _on_event(event: dict[str, Any], timeline: Timeline) -> bool:

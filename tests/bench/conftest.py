@@ -123,8 +123,10 @@ class FakeServer:
     # ---- WebSocket ----
 
     async def handle_ws(self, ws: Any) -> None:
-        messages = [json.loads(await ws.recv()) for _ in range(3)]  # start, text, end
-        self.requests.append({"path": "ws", "messages": messages})
+        start = json.loads(await ws.recv())
+        prompt = await ws.recv() if start.get("prompt_wav") else None  # the recording: one binary frame
+        messages = [start, *[json.loads(await ws.recv()) for _ in range(2)]]  # start, text, end
+        self.requests.append({"path": "ws", "messages": messages, "prompt": prompt})
         text = messages[1].get("text", "")
         if "busy" in text:
             await ws.send(json.dumps({"type": "error", "status": 503, "message": "overloaded"}))

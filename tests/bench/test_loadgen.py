@@ -274,8 +274,26 @@ def test_a_prompt_recording_goes_with_every_tts_request(fake_server: FakeServer,
     assert not [r for r in seen if r["path"] == "/v1/voices"]
 
 
+def test_a_prompt_recording_goes_with_every_ws_session(fake_server: FakeServer, tmp_path: Path) -> None:
+    """--target ws --prompt-wav: start says prompt_wav: true and the recording follows as a binary frame."""
+    wav = tmp_path / "prompt.wav"
+    wav.write_bytes(b"RIFF\x00\x00\x00\x00WAVE-other-bytes")
+    workload = write_workload(tmp_path, ["fast one."])
+    out = tmp_path / "results.json"
+    seen_before = len(fake_server.requests)
+    status = run_cli("--url", fake_server.ws_url, "--target", "ws", "--workload",
+                     str(workload), "--prompt-wav", str(wav), "--prompt-text", "hello there.",
+                     "--requests-per-level", "2", "--warmup-requests", "0", "--out", str(out))
+    assert status == 0
+    assert json.loads(out.read_text())["levels"][0]["num_ok"] == 2
+    sent = [r for r in fake_server.requests[seen_before:] if r["path"] == "ws"]
+    assert len(sent) == 2 and all(r["prompt"] == wav.read_bytes() for r in sent)
+    assert all(r["messages"][0]["prompt_wav"] is True and r["messages"][0]["prompt_text"] == "hello there."
+               and "voice" not in r["messages"][0] for r in sent)
+
+
 @pytest.mark.parametrize(("extra", "message"), [
-    (["--target", "openai"], "only --target tts uploads a prompt"),
+    (["--target", "openai"], "--target openai names a registered voice"),
     (["--voice", "v"], "give one"),
     (["--prompt-wav", "/nonexistent.wav"], "no such file"),
 ])
@@ -297,3 +315,5 @@ def test_a_prompt_upload_validates_against_the_server_protocol() -> None:
     got = protocol.TTSRequest.model_validate(form_fields(build_body("tts", spec, 0)))
     assert (got.voice, got.prompt_text, got.force_tokens, got.greedy, got.stream) == (None, "hello there.", 10, True,
                                                                                       True)
+    start = protocol.WsStart.model_validate(build_body("ws", spec, 0))
+    assert (start.voice, start.prompt_wav, start.prompt_text) == (None, True, "hello there.")
