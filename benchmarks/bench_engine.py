@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import itertools
 import os
 import platform
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -58,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-per-request", action="store_true",
                    help="zero-shot without a registered voice: every request carries the prompt recording and "
                         "text (its prompt analysis and the flow's pass over the prompt are part of each request)")
+    p.add_argument("--distinct-prompts", action="store_true",
+                   help="with --prompt-per-request: every request's recording differs (its last two samples), so "
+                        "the engine reuses nothing of an earlier request's prompt (the cold zero-shot path)")
     p.add_argument("--text", default=workload.TARGET_TEXT)
     p.add_argument("--force-tokens", type=int, default=workload.FORCE_TOKENS, help="0: stop at end of speech")
     p.add_argument("--first-hop", type=int, default=None)
@@ -87,16 +93,33 @@ def make_params(args: argparse.Namespace, prompt_wav: Path | None = None) -> Syn
         force_tokens=args.force_tokens or None, sampling=SamplingParams(seed=args.seed, greedy=args.greedy), **voice)
 
 
-def make_send(engine: Any, params: SynthesisParams, timeout_s: float, origin_s: float) -> SendFn:
-    """One engine request per call, timed on the same playback clock as the network client."""
-    expected_s = params.force_tokens * workload.SAMPLES_PER_TOKEN / SAMPLE_RATE if params.force_tokens else None
+def distinct_recordings(params: SynthesisParams) -> Callable[[], SynthesisParams]:
+    """`params` with another recording at every call: its last two 16-bit samples hold a counter (the same
+    length and voice, other bytes, so a content-keyed cache never hits)."""
+    counter = itertools.count()
+    audio = bytes(params.prompt_audio)
+
+    def next_params() -> SynthesisParams:
+        return dataclasses.replace(params, prompt_audio=audio[:-4] + next(counter).to_bytes(4, "little"))
+
+    return next_params
+
+
+def make_send(engine: Any, params: SynthesisParams | Callable[[], SynthesisParams], timeout_s: float,
+              origin_s: float) -> SendFn:
+    """One engine request per call, timed on the same playback clock as the network client. `params` may be
+    a function giving each request's."""
+    params_for = params if callable(params) else lambda: params
+    first = params_for()
+    expected_s = first.force_tokens * workload.SAMPLES_PER_TOKEN / SAMPLE_RATE if first.force_tokens else None
 
     async def send(level: str, index: int) -> RequestRecord:
         timeline = Timeline(level, index, origin_s, SAMPLE_RATE, expected_s)
+        request = params_for()
 
         async def stream() -> None:
             try:
-                async for chunk in engine.synthesize(params):
+                async for chunk in engine.synthesize(request):
                     timeline.audio(len(chunk.pcm))
                     if chunk.times is not None:
                         timeline.record.server = chunk.times.as_dict()
@@ -127,6 +150,8 @@ async def run(engine: Any, args: argparse.Namespace, prompt_wav: Path, stop: asy
     rates = [float(v) for v in _split(args.rate)]
     plans = build_plans(concurrency or ([] if rates else [1]), rates, args.requests_per_level, args.duration)
     params = make_params(args, prompt_wav if args.prompt_per_request else None)
+    if args.distinct_prompts:
+        params = distinct_recordings(params)
     send = make_send(engine, params, args.timeout, time.perf_counter())
     return await run_benchmark(send, plans, stop, args.warmup_requests, args.seed, log or _log)
 
@@ -217,7 +242,10 @@ def _stage_line(d: dict[str, float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.distinct_prompts and not args.prompt_per_request:
+        parser.error("--distinct-prompts: goes with --prompt-per-request")
     started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     with tempfile.TemporaryDirectory(prefix="cosystream-bench-") as tmp:
         try:

@@ -85,6 +85,9 @@ class EngineConfig:
     # (≈ 30 ms for a 6 s prompt on the H100) is faster than reading its ~0.7 GB back (2.3 MB per prompt
     # frame for CosyVoice2-0.5B in bf16).
     persist_voice_caches: bool | None = None
+    # Encoded flow prompts kept in memory (on the GPU: its memory) for voices in use, registered or uploaded
+    # with requests (by content), least recently used dropped beyond this many GiB (and 16 voices).
+    max_voice_cache_gb: float = 8.0
     max_text_chars: int = 5000  # longer inputs are refused with BadInput
     voices_db: str | None = None  # None: $COSYSTREAM_HOME/voices.db or ~/.cache/cosystream/voices.db
     frontend_threads: int = 2
@@ -114,6 +117,8 @@ class EngineConfig:
             raise ValueError(f"rider_streams: must be >= 0, got {self.rider_streams}")
         if self.first_chunk_wait_s < 0:
             raise ValueError(f"first_chunk_wait_s: must be >= 0, got {self.first_chunk_wait_s}")
+        if not self.max_voice_cache_gb >= 0:
+            raise ValueError(f"max_voice_cache_gb: must be >= 0, got {self.max_voice_cache_gb}")
         if self.gil_switch_interval_s is not None and not self.gil_switch_interval_s > 0:
             raise ValueError(f"gil_switch_interval_s: must be > 0 (or None), got {self.gil_switch_interval_s}")
         self.schedule.validate()

@@ -17,6 +17,9 @@ def test_values_take_their_fields_types():
     assert config_overrides(["chunk_slack_s=1"])["chunk_slack_s"] == 1.0
     with pytest.raises(ValueError, match="rider_streams: must be >= 0"):
         EngineConfig(**config_overrides(["rider_streams=-1"]))  # the record still validates the value
+    with pytest.raises(ValueError, match="max_voice_cache_gb: must be >= 0"):
+        EngineConfig(**config_overrides(["max_voice_cache_gb=-2"]))
+    assert EngineConfig(**config_overrides(["max_voice_cache_gb=0.5"])).max_voice_cache_gb == 0.5
 
 
 @pytest.mark.parametrize(("item", "message"), [

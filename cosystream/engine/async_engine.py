@@ -10,14 +10,18 @@ Closing the iterator early (client gone) aborts the request and frees its LM slo
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import random
 import sys
+import threading
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from cosystream.checkpoint import load_checkpoint
@@ -58,6 +62,10 @@ class AsyncEngine:
                                open_ahead=config.open_ahead)
         self.pool = ThreadPoolExecutor(max_workers=config.frontend_threads, thread_name_prefix="frontend")
         self._voice_prompts: dict[str, VoicePrompt] = {}
+        # prompt recordings sent with requests (zero-shot without a registered voice), by content: a client
+        # that sends the same reference with every request gets its analysis and encoded flow prompt reused
+        self._uploads: OrderedDict[str, VoicePrompt] = OrderedDict()
+        self._uploads_lock = threading.Lock()  # frontend threads resolve voices concurrently
         # A registered voice's caches are keyed by its registration (name + creation time), not its name
         # alone: a request still running for a deleted voice must not hand its prompt state to a new
         # voice registered under the same name.
@@ -240,7 +248,19 @@ class AsyncEngine:
             return prompt, self._voice_keys[params.voice]
         if params.prompt_audio is None:
             raise BadInput("voice: give a registered voice name or a prompt_wav")
-        return self.frontend.make_voice_prompt(params.prompt_audio, params.prompt_text), None
+        key = _upload_key(params.prompt_audio, params.prompt_text)
+        with self._uploads_lock:
+            prompt = self._uploads.get(key) if key is not None else None
+            if prompt is not None:
+                self._uploads.move_to_end(key)
+                return prompt, key
+        prompt = self.frontend.make_voice_prompt(params.prompt_audio, params.prompt_text)
+        if key is not None:
+            with self._uploads_lock:
+                self._uploads[key] = prompt
+                while len(self._uploads) > _MAX_UPLOADS:
+                    self._uploads.popitem(last=False)
+        return prompt, key
 
     # ------------------------------------------------------------------ voices
     def voice_prompt(self, name: str) -> VoicePrompt:
@@ -256,6 +276,8 @@ class AsyncEngine:
 
     def _store_voice_cache(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
         """Engine thread: hand the encoded prompt to a frontend thread to write into the voice record."""
+        if name.startswith(_UPLOAD_PREFIX):  # a request's own recording: no record to keep it in
+            return
         self.pool.submit(self._write_voice_cache, name, tensors)
 
     def _write_voice_cache(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
@@ -331,6 +353,36 @@ def _check_params(p: SynthesisParams) -> None:
 
 
 _KEY_SEP = "\x00"  # cannot occur in a voice name (check_voice_name refuses control characters)
+
+
+_UPLOAD_PREFIX = "upload" + _KEY_SEP  # voice keys of uploaded prompts (no voice name contains the separator)
+_MAX_UPLOADS = 64  # analysed uploaded prompts kept (CPU: tokens, mel, x-vector, ≈ 0.1 MB for 6 s)
+
+
+def _upload_key(audio: Any, prompt_text: str) -> str | None:
+    """The voice key of an uploaded prompt: a digest of its content and transcript (None when the audio is
+    of a kind not worth hashing, e.g. a path that cannot be read: the frontend then names the problem)."""
+    digest = hashlib.sha256()
+    if isinstance(audio, (bytes, bytearray, memoryview)):
+        digest.update(bytes(audio))
+    elif isinstance(audio, (str, Path)):
+        try:
+            digest.update(Path(audio).read_bytes())
+        except OSError:
+            return None
+    elif isinstance(audio, tuple) and len(audio) == 2:
+        samples, rate = audio
+        try:
+            array = np.ascontiguousarray(samples.detach().cpu().numpy() if isinstance(samples, torch.Tensor)
+                                         else samples)
+        except (TypeError, ValueError):
+            return None
+        digest.update(f"{array.dtype}{array.shape}{rate}".encode())
+        digest.update(array.tobytes())
+    else:
+        return None
+    digest.update(b"\0" + prompt_text.encode())
+    return _UPLOAD_PREFIX + digest.hexdigest()
 
 
 def _registration_key(info: Any) -> str:

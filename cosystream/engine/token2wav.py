@@ -76,6 +76,7 @@ class Token2WavRunner:
         self.on_new_voice_cache: Callable[[str, dict[str, torch.Tensor]], None] | None = None
         self.fingerprint = f"{flow.dims}|{flow.input_embedding.weight.dtype}"
         self.max_voice_caches = max_voice_caches
+        self.max_voice_cache_bytes = int(config.max_voice_cache_gb * 2**30)
         self.sync = self.device.type == "cuda"
         # The NSF source noise is read from one fixed table at a per-request offset, so a request's
         # audio does not depend on which requests share its batch (the reference draws fresh noise).
@@ -103,9 +104,19 @@ class Token2WavRunner:
                 self.on_new_voice_cache(voice_key, {**tensors, **self._fingerprint_tensor()})
         if voice_key is not None:
             self.voice_caches[voice_key] = cache
-            while len(self.voice_caches) > self.max_voice_caches:
-                self.voice_caches.popitem(last=False)
+            self._evict_voice_caches()
         return cache
+
+    def _evict_voice_caches(self) -> None:
+        """Least recently used first, down to max_voice_caches voices and max_voice_cache_bytes (the newest
+        stays even alone over the bytes: its stream is opening). A 6 s prompt is ≈ 0.7 GB on the device for
+        CosyVoice2-0.5B in bf16, a 16 s one ≈ 1.9 GB: a count alone let sixteen of those take ~30 GB."""
+        def held() -> int:
+            return sum(c.kv.numel() * c.kv.element_size() for c in self.voice_caches.values())
+
+        while len(self.voice_caches) > 1 and (len(self.voice_caches) > self.max_voice_caches
+                                              or held() > self.max_voice_cache_bytes):
+            self.voice_caches.popitem(last=False)
 
     def _build_prompt_cache(self, inputs: Any) -> PromptCache:
         """A voice's prompt through the flow: in a free pool slot (graphed) when there is one, else eagerly."""

@@ -73,3 +73,27 @@ async def test_engine_bench_registers_voice_and_reports(bench_engine, tmp_path: 
     assert (params.voice, params.force_tokens, params.first_hop, params.stream) == ("bench_voice", 25, 15, True)
     assert params.text == "a quiet river flows past the green mill."
     assert await bench_engine.ensure_voice(engine, "bench_voice", wav, "x") == "exists"
+
+
+@pytest.mark.parametrize("distinct", [False, True])
+async def test_prompt_per_request_sends_the_recording_the_same_or_distinct(bench_engine, tmp_path: Path,
+                                                                           distinct: bool) -> None:
+    """--prompt-per-request: every request carries the recording (the same bytes, which the engine may
+    reuse); --distinct-prompts: another recording each time, of the same length, so nothing is reused."""
+    wav = tmp_path / "voice.wav"
+    wav.write_bytes(b"RIFF" + bytes(range(200)))
+    argv = ["--model-dir", "unused", "--concurrency", "2", "--requests-per-level", "4", "--warmup-requests", "1",
+            "--prompt-per-request", *(["--distinct-prompts"] if distinct else [])]
+    engine = FakeEngine()
+    await bench_engine.run(engine, bench_engine.build_parser().parse_args(argv), wav)
+    sent = [p.prompt_audio for p in engine.params]
+    assert len(sent) == 5 and all(p.voice is None and p.prompt_text for p in engine.params)
+    assert {len(a) for a in sent} == {len(wav.read_bytes())}
+    assert len(set(sent)) == (5 if distinct else 1)
+    assert all(a[:-4] == wav.read_bytes()[:-4] for a in sent)
+
+
+def test_distinct_prompts_needs_prompt_per_request(bench_engine, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        bench_engine.main(["--model-dir", "unused", "--distinct-prompts"])
+    assert exit_info.value.code == 2 and "--distinct-prompts: goes with --prompt-per-request" in capsys.readouterr().err

@@ -81,3 +81,62 @@ def test_a_voice_registered_again_under_its_name_never_gets_the_old_state(model_
     want = fresh.synthesize(params)
     fresh.close()
     np.testing.assert_allclose(again.pcm, want.pcm, atol=1e-5, rtol=0)
+
+
+def test_a_prompt_recording_sent_again_is_reused(model_dir, fixture_dir, tmp_path, monkeypatch):
+    """Zero-shot without a registered voice: a client sending the same recording and transcript with every
+    request has them analysed and encoded once (keyed by content, whatever form the audio comes in), with
+    the audio of a fresh analysis; another transcript or recording is analysed anew; none is stored as a
+    voice."""
+    engine = Engine.from_pretrained(model_dir, voices_db=str(tmp_path / "v.db"))
+    try:
+        ae = engine.async_engine
+        analysed, built = [], []
+        real_analyse, real_build = ae.frontend.make_voice_prompt, ae.token2wav._build_prompt_cache
+        monkeypatch.setattr(ae.frontend, "make_voice_prompt",
+                            lambda *a, **k: analysed.append(a[1]) or real_analyse(*a, **k))
+        monkeypatch.setattr(ae.token2wav, "_build_prompt_cache", lambda inputs: built.append(1) or real_build(inputs))
+        path = fixture_dir / "prompt_24k.wav"
+        recording = path.read_bytes()
+
+        def say(audio, prompt_text="Hello there."):
+            return engine.synthesize(SynthesisParams(text="hello again.", prompt_audio=audio, prompt_text=prompt_text,
+                                                     force_tokens=30, sampling=SamplingParams(greedy=True, seed=5)))
+
+        first, again, by_path = say(recording), say(bytes(recording)), say(str(path))
+        assert analysed == ["Hello there."] and len(built) == 1
+        np.testing.assert_array_equal(again.pcm, first.pcm)
+        np.testing.assert_array_equal(by_path.pcm, first.pcm)
+        say(recording, "Hello there!")
+        say(recording[:44] + recording[44:][::-1])  # the same length, other samples
+        assert analysed == ["Hello there.", "Hello there!", "Hello there."] and len(built) == 3
+        ae.pool.shutdown(wait=True)  # persisting (on by default on the CPU) runs on a frontend thread
+        assert ae.voices.list() == [] and not ae._voice_caches
+    finally:
+        engine.close()
+
+
+def test_device_voice_caches_are_bounded_by_bytes_and_count(checkpoint, load_fixture):
+    from types import SimpleNamespace
+
+    from cosystream.config import EngineConfig
+    from cosystream.engine.loader import load_flow, load_hift
+    from cosystream.engine.token2wav import Token2WavRunner
+
+    f = load_fixture("stream")
+    inputs = SimpleNamespace(flow_prompt_speech_tokens=f["prompt_token"][0], prompt_mel=f["prompt_feat"][0],
+                             xvector=f["embedding"][0])
+    t2w = Token2WavRunner(load_flow(checkpoint), load_hift(checkpoint), EngineConfig(), max_voice_caches=3)
+    one = t2w.prompt_cache(inputs, "a")
+    size = one.kv.numel() * one.kv.element_size()
+    assert size > 0
+    for key in "bcd":
+        t2w.prompt_cache(inputs, key)
+    assert list(t2w.voice_caches) == ["b", "c", "d"]  # by count: the least recently used went first
+    t2w.max_voice_cache_bytes = 2 * size
+    t2w.prompt_cache(inputs, "b")  # used again: now the most recent
+    t2w.prompt_cache(inputs, "e")
+    assert list(t2w.voice_caches) == ["b", "e"]
+    t2w.max_voice_cache_bytes = 0
+    t2w.prompt_cache(inputs, "f")
+    assert list(t2w.voice_caches) == ["f"]  # alone over the bytes, the voice being opened stays
