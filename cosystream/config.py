@@ -101,6 +101,10 @@ class EngineConfig:
     # request's frontend thread or the server's event loop can wait that long for the GIL behind it.
     # None: leave the interpreter's setting.
     gil_switch_interval_s: float | None = 0.0005
+    # gc.freeze() once the engine is built and after warm-up (process-wide; undone by close): the cyclic
+    # collector then never walks the engine's and the libraries' objects, whose full collection holds the
+    # GIL for hundreds of ms. False: leave the collector alone.
+    gc_freeze: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

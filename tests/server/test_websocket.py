@@ -6,6 +6,7 @@ import json
 import threading
 
 import pytest
+import torch
 from server_live import SAMPLES_PER_TOKEN, VOICE, decode, make_wav
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
@@ -104,27 +105,23 @@ def test_closing_the_socket_cancels_the_request(live, monkeypatch):
 
 
 def test_zero_shot_with_the_prompt_recording_sent_after_start(live):
-    """prompt_wav: true in start, the recording as the next (binary) message: the voice a registered voice
-    of the same recording and transcript would be, so the audio is the same."""
+    """prompt_wav: true in start, the recording as the next (binary) message: the request speaks in the voice
+    of that recording and transcript (the engine holds their analysis, keyed by content, equal to analysing
+    them directly). Audio is not compared with a registered voice's: with text streamed in, when the pieces
+    reach the LM moves its numbers, and the tiny random model's greedy tokens flip on such differences."""
+    from cosystream.engine.async_engine import _upload_key
+
     recording, transcript = make_wav(seed=11), "Carol speaking."
-    settings = {"response_format": "pcm", "greedy": True, "seed": 0, "force_tokens": 30}
-    uploaded = run_session(live.ws_url + "/v1/tts/stream", [
-        {"type": "start", "prompt_wav": True, "prompt_text": transcript, **settings}, recording, *PIECES,
-        {"type": "end"}])
-    with live.client() as client:
-        created = client.post("/v1/voices", data={"name": "carol", "prompt_text": transcript},
-                              files={"prompt_wav": ("carol.wav", recording, "audio/wav")})
-        assert created.status_code == 201, created.text
-        try:
-            registered = run_session(live.ws_url + "/v1/tts/stream", [
-                {"type": "start", "voice": "carol", **settings}, *PIECES, {"type": "end"}])
-        finally:
-            client.delete("/v1/voices/carol")
-    for events, _, close_code in (uploaded, registered):
-        assert close_code == 1000 and events[-1]["type"] == "done", events[-1]
-    pcm = [decode(b"".join(frames), "pcm") for _, frames, _ in (uploaded, registered)]
-    assert pcm[0].shape == (30 * SAMPLES_PER_TOKEN,)
-    assert abs(pcm[0] - pcm[1]).max() <= 2 / 32768  # 16-bit PCM of the same audio (one step of rounding)
+    start = {"type": "start", "prompt_wav": True, "prompt_text": transcript, "response_format": "pcm", "seed": 0,
+             "force_tokens": 30}
+    events, frames, close_code = run_session(live.ws_url + "/v1/tts/stream",
+                                             [start, recording, *PIECES, {"type": "end"}])
+    assert close_code == 1000 and events[-1]["type"] == "done", events[-1]
+    assert decode(b"".join(frames), "pcm").shape == (30 * SAMPLES_PER_TOKEN,)
+    held = live.engine._uploads[_upload_key(recording, transcript)]
+    want = live.engine.frontend.make_voice_prompt(recording, transcript)
+    for name in ("prompt_speech_tokens", "prompt_text_ids", "prompt_mel", "xvector"):
+        assert torch.equal(getattr(held, name), getattr(want, name)), name
 
 
 @pytest.mark.parametrize(("after_start", "status", "code", "message"), [
