@@ -1,6 +1,7 @@
 """Feed text to /v1/tts/stream piece by piece (as an LLM would) and save the audio as it arrives.
 
     python examples/ws_client.py --voice alice --out reply.wav
+    python examples/ws_client.py --prompt-wav anna.wav --prompt-text "what anna says in it" --out reply.wav
 """
 
 import argparse
@@ -13,6 +14,8 @@ import websockets
 parser = argparse.ArgumentParser()
 parser.add_argument("--base-url", default="ws://localhost:8000")
 parser.add_argument("--voice", default="alice")
+parser.add_argument("--prompt-wav", default=None, help="zero-shot: this recording instead of --voice")
+parser.add_argument("--prompt-text", default="", help="the transcript of --prompt-wav")
 parser.add_argument("--out", default="reply.wav")
 args = parser.parse_args()
 
@@ -20,7 +23,13 @@ LLM_PIECES = ["Sure! ", "Here is ", "a short answer, ", "spoken while ", "it is 
 
 
 async def send_text(ws) -> None:
-    await ws.send(json.dumps({"type": "start", "voice": args.voice, "response_format": "pcm"}))
+    if args.prompt_wav:  # the recording follows `start` as one binary frame
+        start = {"type": "start", "prompt_wav": True, "prompt_text": args.prompt_text, "response_format": "pcm"}
+        await ws.send(json.dumps(start))
+        with open(args.prompt_wav, "rb") as recording:
+            await ws.send(recording.read())
+    else:
+        await ws.send(json.dumps({"type": "start", "voice": args.voice, "response_format": "pcm"}))
     for piece in LLM_PIECES:
         await ws.send(json.dumps({"type": "text", "text": piece}))
         await asyncio.sleep(0.05)  # stand-in for the LLM's token rate

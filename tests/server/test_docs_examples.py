@@ -37,6 +37,16 @@ def test_example_runs_against_the_live_server(live, example, tmp_path):
     assert decode(out.read_bytes(), "wav").shape[0] > 0
 
 
+def test_the_ws_example_speaks_in_an_uploaded_recording(live, tmp_path):
+    (tmp_path / "anna.wav").write_bytes(make_wav(seed=11))
+    out = tmp_path / "reply.wav"
+    result = subprocess.run([sys.executable, str(REPO / "examples" / "ws_client.py"), "--base-url", live.ws_url,
+                             "--prompt-wav", str(tmp_path / "anna.wav"), "--prompt-text", "Anna speaking.",
+                             "--out", str(out)], capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr
+    assert decode(out.read_bytes(), "wav").shape[0] > 0
+
+
 def test_curl_examples_run_against_the_live_server(live, tmp_path):
     (tmp_path / "anna.wav").write_bytes(make_wav(seed=11))
     script = "set -euo pipefail\n" + "\n".join(blocks("bash")).replace(DOC_URL, live.base_url)
