@@ -313,38 +313,51 @@ class FlowRunner:
         compute in: the stream's own, which it no longer needs, or the scratch slot). Streams padded to the
         same length share one graph replay. None for a stream longer than the official noise table."""
         out: list[torch.Tensor | None] = [None] * len(items)
-        by_length: dict[int, list[int]] = {}
-        for i, (prompt, ids, _) in enumerate(items):
-            frames = UPSAMPLE * (prompt.prompt_tokens.shape[0] + ids.shape[0])
-            if frames <= self.cfm.rand_noise.shape[-1]:
-                by_length.setdefault(self._full_length(frames), []).append(i)
-        for padded, members in by_length.items():
+        frames = [UPSAMPLE * (prompt.prompt_tokens.shape[0] + ids.shape[0]) for prompt, ids, _ in items]
+        fits = [i for i, n in enumerate(frames) if n <= self.cfm.rand_noise.shape[-1]]
+        for padded, members in self._by_padded_length(fits, frames).items():
             for i, mel in zip(members, self._full_batch(padded, [items[i] for i in members]), strict=True):
                 out[i] = mel
         return out
 
-    def _full_batch(self, padded: int, items: Sequence[tuple[PromptCache, torch.Tensor, int]]) -> list[torch.Tensor]:
-        """PERF: the finalizing encoder of every stream (padded to the batch's length, masked) and the ODE
-        run as one graph replay per (batch bucket, padded length)."""
+    def _by_padded_length(self, indices: Sequence[int], frames: Sequence[int]) -> dict[int, list[int]]:
+        """Whole-utterance passes grouped by the length they are padded to (one graph replay per group)."""
+        groups: dict[int, list[int]] = {}
+        for i in indices:
+            groups.setdefault(self._full_length(frames[i]), []).append(i)
+        return groups
+
+    def _whole_pass_inputs(self, padded: int, items: Sequence[tuple[PromptCache, int, int]]
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(z, cond, spks, slots) of a padded batch of whole-utterance passes from frame 0; items are
+        (prompt, frames, slot); rows past the items are padding on the scratch slot."""
         rows = bucket(len(items))
         bins, dev = self.cfm.num_bins, self.device
         z = torch.zeros(rows, bins, padded, device=dev)
         cond = torch.zeros(rows, bins, padded, device=dev, dtype=self.dtype)
         spks = torch.zeros(rows, bins, device=dev, dtype=self.dtype)
-        ids = torch.zeros(rows, padded // UPSAMPLE, dtype=torch.long, device=dev)
-        valid = torch.full((rows,), padded // UPSAMPLE, device=dev, dtype=torch.long)
         slots = torch.full((rows,), self.scratch, device=dev, dtype=torch.long)
-        lengths = []
-        for j, (prompt, target, slot) in enumerate(items):
-            all_ids = torch.cat([prompt.prompt_tokens, target.to(prompt.prompt_tokens.device, torch.long)])
-            frames = UPSAMPLE * all_ids.shape[0]
-            ids[j, :all_ids.shape[0]] = all_ids
-            valid[j] = all_ids.shape[0]
+        for j, (prompt, frames, slot) in enumerate(items):
             z[j, :, :frames] = self.cfm.noise(0, frames)[0].to(dev)
             cond[j, :, :prompt.prompt_mel.shape[0]] = prompt.prompt_mel.T
             spks[j] = prompt.spks
             slots[j] = slot
-            lengths.append(frames)
+        return z, cond, spks, slots
+
+    def _full_batch(self, padded: int, items: Sequence[tuple[PromptCache, torch.Tensor, int]]) -> list[torch.Tensor]:
+        """PERF: the finalizing encoder of every stream (padded to the batch's length, masked) and the ODE
+        run as one graph replay per (batch bucket, padded length)."""
+        rows = bucket(len(items))
+        ids = torch.zeros(rows, padded // UPSAMPLE, dtype=torch.long, device=self.device)
+        valid = torch.full((rows,), padded // UPSAMPLE, device=self.device, dtype=torch.long)
+        lengths = []
+        for j, (prompt, target, _) in enumerate(items):
+            all_ids = _all_ids(prompt, target)
+            ids[j, :all_ids.shape[0]] = all_ids
+            valid[j] = all_ids.shape[0]
+            lengths.append(UPSAMPLE * all_ids.shape[0])
+        z, cond, spks, slots = self._whole_pass_inputs(
+            padded, [(prompt, n, slot) for (prompt, _, slot), n in zip(items, lengths, strict=True)])
         self.watch.lap("final_setup")
         (x,) = self.final_graphs.run((rows, padded), [ids, valid, z, spks, cond, slots])
         out = [x[j, :, :frames].clone() for j, frames in enumerate(lengths)]
@@ -367,15 +380,11 @@ class FlowRunner:
         included)."""
         mus = []
         for prompt, target_ids, finalize, _ in items:
-            all_ids = torch.cat([prompt.prompt_tokens, target_ids.to(prompt.prompt_tokens.device, torch.long)])
-            h = self.flow.encode(all_ids[None], streaming=True, finalize=finalize)
+            h = self.flow.encode(_all_ids(prompt, target_ids)[None], streaming=True, finalize=finalize)
             mus.append(self.flow.encoder_proj(h)[0].T.to(self.dtype))  # [80, F]
         out: list[torch.Tensor | None] = [None] * len(items)
-        by_length: dict[int, list[int]] = {}
-        for i, mu in enumerate(mus):
-            by_length.setdefault(self._full_length(mu.shape[-1]), []).append(i)
         self.watch.lap("recompute_setup")
-        for padded, members in by_length.items():
+        for padded, members in self._by_padded_length(range(len(items)), [mu.shape[-1] for mu in mus]).items():
             mels = self._recompute_batch(padded, [(items[i][0], mus[i], items[i][3]) for i in members])
             for i, mel in zip(members, mels, strict=True):
                 out[i] = mel
@@ -384,30 +393,20 @@ class FlowRunner:
 
     def _recompute_batch(self, padded: int, items: Sequence[tuple[PromptCache, torch.Tensor, int]]
                          ) -> list[torch.Tensor]:
-        rows = bucket(len(items))
-        bins, dev = self.cfm.num_bins, self.device
-        mu_in = torch.zeros(rows, bins, padded, device=dev, dtype=self.dtype)
-        z = torch.zeros(rows, bins, padded, device=dev)
-        cond = torch.zeros(rows, bins, padded, device=dev, dtype=self.dtype)
-        spks = torch.zeros(rows, bins, device=dev, dtype=self.dtype)
-        limit = torch.full((rows,), padded, device=dev, dtype=torch.long)
-        slots = torch.full((rows,), self.scratch, device=dev, dtype=torch.long)
-        for j, (prompt, mu, slot) in enumerate(items):
-            frames = mu.shape[-1]
-            mu_in[j, :, :frames] = mu
-            z[j, :, :frames] = self.cfm.noise(0, frames)[0].to(dev)
-            cond[j, :, :prompt.prompt_mel.shape[0]] = prompt.prompt_mel.T
-            spks[j] = prompt.spks
-            limit[j] = frames
-            slots[j] = slot
-        (x,) = self.recompute_graphs.run((rows, padded), [mu_in, limit, z, spks, cond, slots])
+        z, cond, spks, slots = self._whole_pass_inputs(padded, [(prompt, mu.shape[-1], slot)
+                                                                for prompt, mu, slot in items])
+        mu_in = torch.zeros_like(cond)
+        limit = torch.full((z.shape[0],), padded, device=self.device, dtype=torch.long)
+        for j, (_, mu, _) in enumerate(items):
+            mu_in[j, :, :mu.shape[-1]] = mu
+            limit[j] = mu.shape[-1]
+        (x,) = self.recompute_graphs.run((z.shape[0], padded), [mu_in, limit, z, spks, cond, slots])
         return [x[j, :, :mu.shape[-1]].clone() for j, (_, mu, _) in enumerate(items)]
 
     def _recompute_core(self, mu, frames, z, spks, cond, slots) -> tuple[torch.Tensor]:
         """A streaming pass from frame 0 over each row's first `frames` frames: chunk-masked attention to
         its own keys, conv tails from zero (padding frames come after a row's frames)."""
-        rows = torch.stack([2 * slots, 2 * slots + 1], dim=1).flatten()
-        self.conv.index_fill_(1, rows, 0)
+        self._zero_conv_tails(slots)
         return self._integrate(z, mu, spks, cond, slots, torch.zeros_like(frames), frames, self.chunk, z.shape[-1],
                                own_keys=True)
 
@@ -416,11 +415,14 @@ class FlowRunner:
         row's first 2·valid frames; its rows start with zero conv tails (padding frames come after a
         row's frames: the causal convs never carry them backwards)."""
         mu = self.flow.encode_padded(ids, valid)
-        rows = torch.stack([2 * slots, 2 * slots + 1], dim=1).flatten()
-        self.conv.index_fill_(1, rows, 0)
+        self._zero_conv_tails(slots)
         frames = UPSAMPLE * valid
         return self._integrate(z, mu, spks, cond, slots, torch.zeros_like(frames), frames, 0, z.shape[-1],
                                own_keys=True)
+
+    def _zero_conv_tails(self, slots: torch.Tensor) -> None:
+        """Both CFG rows of each slot start a pass from frame 0 (the official left padding)."""
+        self.conv.index_fill_(1, torch.stack([2 * slots, 2 * slots + 1], dim=1).flatten(), 0)
 
     def _ode(self, z, mu, spks, cond, slots, starts, marker) -> tuple[torch.Tensor]:
         """The 10-step CFG Euler ODE for a padded batch (graph body: static shapes, no host syncs).
@@ -445,6 +447,11 @@ class FlowRunner:
             return v
 
         return (self.cfm.solve(z, mu, spks, cond, velocity),)
+
+
+def _all_ids(prompt: PromptCache, target_ids: torch.Tensor) -> torch.Tensor:
+    """Prompt + target speech token ids [P + N] (int64, on the prompt's device)."""
+    return torch.cat([prompt.prompt_tokens, target_ids.to(prompt.prompt_tokens.device, torch.long)])
 
 
 def _prompt_cond(prompt: PromptCache, start: int, num_new: int) -> torch.Tensor:

@@ -272,7 +272,7 @@ class Token2WavRunner:
         one call), or None for a chunk that runs on a path of its own (provisional, final, past its slot)."""
         if plan.provisional or plan.is_final:
             return None
-        n = self.stream.window_end(st.flow, plan.token_end, finalize=False) - st.flow.num_tokens
+        n = self._window_tokens(st, plan)
         if n <= 0 or self._outgrows_slot(st, n):
             return None
         return (isinstance(st.flow, PooledStream), n, False)

@@ -82,11 +82,8 @@ def test_streams_at_different_tokens_share_a_batch(checkpoint, load_fixture):
 
 
 def test_pooled_full_pass_equals_the_official_final_call(checkpoint, load_fixture, cfm_noise, manifest):
-    f = load_fixture("stream")
-    flow = load_flow(checkpoint)
-    flow.decoder.set_noise_table(cfm_noise)
-    prompt = FlowStream(flow).build_prompt_cache(f["prompt_token"], f["prompt_feat"], f["embedding"])
-    runner = FlowRunner(flow, num_slots=1, max_frames=512, use_graphs=False)
+    f, flow, prompt, runner = _official_noise_runner(checkpoint, load_fixture, cfm_noise, num_slots=1,
+                                                     max_frames=512)
     runner.conv.normal_()  # garbage left by earlier use of the scratch rows must not matter
     final = len(manifest["stream"]["schedule"]) - 1
     mel = runner.full_pass(prompt, f["token"][0])
@@ -97,11 +94,8 @@ def test_pooled_full_pass_equals_the_official_final_call(checkpoint, load_fixtur
 def test_batched_final_passes_equal_one_at_a_time(checkpoint, load_fixture, cfm_noise):
     """Final calls of streams of different lengths in one batch, each in its own slot full of stale state,
     give what each gives alone on the clean scratch slot."""
-    f = load_fixture("stream")
-    flow = load_flow(checkpoint)
-    flow.decoder.set_noise_table(cfm_noise)
-    prompt = FlowStream(flow).build_prompt_cache(f["prompt_token"], f["prompt_feat"], f["embedding"])
-    runner = FlowRunner(flow, num_slots=3, max_frames=512, use_graphs=False)
+    f, flow, prompt, runner = _official_noise_runner(checkpoint, load_fixture, cfm_noise, num_slots=3,
+                                                     max_frames=512)
     tokens = f["token"][0]
     targets = [tokens, tokens[:-7], (tokens[:-3] * 7 + 5) % 6561]
     alone = [runner.full_pass(prompt, t) for t in targets]
@@ -119,11 +113,8 @@ def test_a_final_pass_longer_than_a_slot_equals_the_official_final_call(checkpoi
                                                                         manifest):
     """The final pass attends to its own keys, so a stream that outgrew its slot (460 frames here, slots of
     128) still gets the official final call from the pool."""
-    f = load_fixture("stream")
-    flow = load_flow(checkpoint)
-    flow.decoder.set_noise_table(cfm_noise)
-    prompt = FlowStream(flow).build_prompt_cache(f["prompt_token"], f["prompt_feat"], f["embedding"])
-    runner = FlowRunner(flow, num_slots=1, max_frames=128, use_graphs=False)
+    f, flow, prompt, runner = _official_noise_runner(checkpoint, load_fixture, cfm_noise, num_slots=1,
+                                                     max_frames=128)
     final = len(manifest["stream"]["schedule"]) - 1
     (mel,) = runner.full_passes([(prompt, f["token"][0], 0)])
     assert mel.shape[-1] == 2 * (f["prompt_token"].shape[1] + f["token"].shape[1]) > runner.max_frames
@@ -213,11 +204,8 @@ def test_voice_prompts_built_together_in_the_pool_equal_the_per_request_build(ch
 def test_recomputed_chunks_equal_the_official_calls(checkpoint, load_fixture, cfm_noise, manifest, fused):
     """A stream past its slot gets each chunk as the official code computes it: the flow over prompt + all
     tokens so far with chunk masks (its look-ahead tokens as context), every frame recomputed."""
-    f = load_fixture("stream")
-    flow = load_flow(checkpoint)
-    flow.decoder.set_noise_table(cfm_noise)
-    prompt = FlowStream(flow).build_prompt_cache(f["prompt_token"], f["prompt_feat"], f["embedding"])
-    runner = FlowRunner(flow, num_slots=1, max_frames=128, use_graphs=False)
+    f, flow, prompt, runner = _official_noise_runner(checkpoint, load_fixture, cfm_noise, num_slots=1,
+                                                     max_frames=128)
     runner.conv.normal_()  # the stream's slot holds stale conv tails: the pass starts from zero
     num_prompt = f["prompt_token"].shape[1]
     flow.decoder.estimator.set_kernels(reference if fused else None)
@@ -232,11 +220,8 @@ def test_recomputed_chunks_equal_the_official_calls(checkpoint, load_fixture, cf
 def test_recomputed_chunks_of_several_streams_equal_one_at_a_time(checkpoint, load_fixture, cfm_noise):
     """Streams past their slots recompute together: lengths padded to one bucket share a pass (rows masked
     to their own frames), other lengths run apart; each gets what it gets alone, whatever its slot held."""
-    f = load_fixture("stream")
-    flow = load_flow(checkpoint)
-    flow.decoder.set_noise_table(cfm_noise)
-    prompt = FlowStream(flow).build_prompt_cache(f["prompt_token"], f["prompt_feat"], f["embedding"])
-    runner = FlowRunner(flow, num_slots=3, max_frames=128, use_graphs=False)
+    f, flow, prompt, runner = _official_noise_runner(checkpoint, load_fixture, cfm_noise, num_slots=3,
+                                                     max_frames=128)
     tokens = f["token"][0]
     items = [(prompt, tokens[:98], False, 2), (prompt, (tokens[:90] * 5 + 2) % 6561, False, 0),
              (prompt, tokens, True, 1)]  # 250 and 234 frames share a 256-frame bucket, 460 runs apart
@@ -246,3 +231,13 @@ def test_recomputed_chunks_of_several_streams_equal_one_at_a_time(checkpoint, lo
     for got, want in zip(together, alone, strict=True):
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def _official_noise_runner(checkpoint, load_fixture, cfm_noise, num_slots: int, max_frames: int):
+    """(stream fixture, flow with the official noise table, the fixture voice's PromptCache, an eager
+    FlowRunner of num_slots × max_frames)."""
+    f = load_fixture("stream")
+    flow = load_flow(checkpoint)
+    flow.decoder.set_noise_table(cfm_noise)
+    prompt = FlowStream(flow).build_prompt_cache(f["prompt_token"], f["prompt_feat"], f["embedding"])
+    return f, flow, prompt, FlowRunner(flow, num_slots=num_slots, max_frames=max_frames, use_graphs=False)

@@ -104,13 +104,7 @@ def test_graphed_batched_final_passes_match_cpu(checkpoint, load_fixture, cfm_no
     """The official final call of two streams of different lengths as one graph (finalizing encoder padded
     and masked, full-attention ODE) against the CPU runner's passes one at a time."""
     f = load_fixture("stream")
-    runners, prompts = {}, {}
-    for device in ("cpu", "cuda"):
-        flow = load_flow(checkpoint, device)
-        flow.decoder.set_noise_table(cfm_noise)
-        prompts[device] = FlowStream(flow).build_prompt_cache(f["prompt_token"].to(device), f["prompt_feat"].to(device),
-                                                              f["embedding"].to(device))
-        runners[device] = FlowRunner(flow, num_slots=2, max_frames=512, use_graphs=device == "cuda")
+    runners, prompts = _cpu_and_graphed_runners(checkpoint, f, cfm_noise, num_slots=2, max_frames=512)
     tokens = f["token"][0]
     targets = [tokens, (tokens[:-7] * 3 + 1) % 6561]
     want = [runners["cpu"].full_pass(prompts["cpu"], t) for t in targets]
@@ -125,13 +119,7 @@ def test_graphed_recomputed_chunks_past_a_slot_match_cpu(checkpoint, load_fixtur
     """A stream past its slot: each chunk recomputed over all its frames (chunk masks, own keys) as one
     graph with the Triton kernels, against the CPU runner's pass; and the final pass longer than a slot."""
     f = load_fixture("stream")
-    runners, prompts = {}, {}
-    for device in ("cpu", "cuda"):
-        flow = load_flow(checkpoint, device)
-        flow.decoder.set_noise_table(cfm_noise)
-        prompts[device] = FlowStream(flow).build_prompt_cache(f["prompt_token"].to(device), f["prompt_feat"].to(device),
-                                                              f["embedding"].to(device))
-        runners[device] = FlowRunner(flow, num_slots=1, max_frames=128, use_graphs=device == "cuda")
+    runners, prompts = _cpu_and_graphed_runners(checkpoint, f, cfm_noise, num_slots=1, max_frames=128)
     tokens = f["token"][0]
     calls = [tokens[:call["n_tokens"]] for call in manifest["stream"]["schedule"][:-1]]
     want = [runners["cpu"].recompute(prompts["cpu"], ids, finalize=False, slot=0) for ids in calls]
@@ -171,3 +159,16 @@ def test_voice_prompts_built_in_the_graphed_pool_match_the_eager_build(checkpoin
         # the CPU build: float32 without tf32
         torch.testing.assert_close(cache.kv.cpu(), cpu.kv, atol=5e-3, rtol=1e-3, msg="kv")
         torch.testing.assert_close(cache.conv.cpu(), cpu.conv, atol=2e-2, rtol=1e-2, msg="conv")
+
+
+def _cpu_and_graphed_runners(checkpoint, f, cfm_noise, num_slots: int, max_frames: int) -> tuple[dict, dict]:
+    """({"cpu", "cuda"}: FlowRunner, eager on the CPU, graphed on CUDA; {"cpu", "cuda"}: the fixture voice's
+    PromptCache), flows with the official noise table."""
+    runners, prompts = {}, {}
+    for device in ("cpu", "cuda"):
+        flow = load_flow(checkpoint, device)
+        flow.decoder.set_noise_table(cfm_noise)
+        prompts[device] = FlowStream(flow).build_prompt_cache(f["prompt_token"].to(device), f["prompt_feat"].to(device),
+                                                              f["embedding"].to(device))
+        runners[device] = FlowRunner(flow, num_slots=num_slots, max_frames=max_frames, use_graphs=device == "cuda")
+    return runners, prompts
