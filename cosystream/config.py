@@ -103,7 +103,7 @@ class EngineConfig:
     gil_switch_interval_s: float | None = 0.0005
     # gc.freeze() once the engine is built and after warm-up (process-wide; undone by close): the cyclic
     # collector then never walks the engine's and the libraries' objects, whose full collection holds the
-    # GIL for hundreds of ms. False: leave the collector alone.
+    # GIL for ≈ 0.1 s (benchmarks/gc_pause.py, tiny test engine). False: leave the collector alone.
     gc_freeze: bool = True
 
     def __post_init__(self) -> None:
