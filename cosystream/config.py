@@ -80,6 +80,10 @@ class EngineConfig:
     # what a stream keeps, not how long it may be: 832 keeps 10.6 s of audio after a 6 s prompt.
     flow_slots: int | None = None
     flow_frames: int = 832
+    # Streams that start while every pool slot is taken, instead of waiting for one: they keep no keys and
+    # compute every chunk as the official code does (prompt + all tokens, one graphed pass each), so they
+    # cost more flow time per chunk but no memory beyond the pass. 0: new streams wait for a free slot.
+    flow_overflow_streams: int = 16
     # Keep a registered voice's encoded flow prompt in its voice record (survives restarts). None: on
     # the CPU only, where rebuilding it is slow; on a GPU one graphed chunk of the flow in a pool slot
     # (≈ 30 ms for a 6 s prompt on the H100) is faster than reading its ~0.7 GB back (2.3 MB per prompt
@@ -117,6 +121,8 @@ class EngineConfig:
             raise ValueError(f"chunk_slack_s: must be >= 0, got {self.chunk_slack_s}")
         if self.inline_frontend_chars < 0:
             raise ValueError(f"inline_frontend_chars: must be >= 0, got {self.inline_frontend_chars}")
+        if self.flow_overflow_streams < 0:
+            raise ValueError(f"flow_overflow_streams: must be >= 0, got {self.flow_overflow_streams}")
         if self.rider_streams < 0:
             raise ValueError(f"rider_streams: must be >= 0, got {self.rider_streams}")
         if self.first_chunk_wait_s < 0:

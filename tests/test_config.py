@@ -20,6 +20,8 @@ def test_values_take_their_fields_types():
     with pytest.raises(ValueError, match="max_voice_cache_gb: must be >= 0"):
         EngineConfig(**config_overrides(["max_voice_cache_gb=-2"]))
     assert EngineConfig(**config_overrides(["max_voice_cache_gb=0.5"])).max_voice_cache_gb == 0.5
+    with pytest.raises(ValueError, match="flow_overflow_streams: must be >= 0"):
+        EngineConfig(**config_overrides(["flow_overflow_streams=-1"]))
 
 
 @pytest.mark.parametrize(("item", "message"), [

@@ -175,6 +175,10 @@ class EngineCore:
                "token2wav_flow_seconds": self.t2w_flow_s, "token2wav_vocoder_seconds": self.t2w_vocoder_s,
                "token2wav_batches": float(self.t2w_batches), "token2wav_chunks": float(self.t2w_chunks)}
         out.update(self.t2w.watch.stats())  # per-stage host and GPU seconds of the token-to-wave batches
+        pool = getattr(self.t2w, "pool", None)
+        if pool is not None:
+            out.update(flow_slots_free=float(len(pool.free)), flow_overflow_streams=float(pool.overflow),
+                       flow_overflow_started=float(self.t2w.overflow_started))
         device = self.lm_runner.device
         if device.type == "cuda":
             out["gpu_memory_allocated_bytes"] = float(torch.cuda.memory_allocated(device))
@@ -666,7 +670,7 @@ class EngineCore:
         if not self.open_ahead or self._chunks is None or not self.t2w.free_slots():
             return
         new = [(req, req.audio_segment) for req in self.requests.values() if self._opens_ahead(req)]
-        new = self._within_free_slots(new)[:self.max_chunk_batch]
+        new = self._within_free_slots(new, overflow=False)[:self.max_chunk_batch]
         if not new:
             return
         jobs = [_Job(req, seg, None, open_args=self._open_args(req, seg)) for req, seg in new]
@@ -778,22 +782,24 @@ class EngineCore:
                 or _buffered_audio_s(req, now) < self.chunk_slack_s]
 
     def _flow_slots_short(self) -> bool:
+        """Do more new streams wait to start than free slots and room beyond the pool can take?"""
         free = self.t2w.free_slots()
         if free is None:
             return False
         wanting = sum(1 for r in self.requests.values()
                       if not r.cancelled and r.audio_segment is not None and r.audio_segment.t2w is None)
-        return wanting > free
+        return wanting > free + self.t2w.overflow_room()
 
-    def _within_free_slots(self, ready: list, reserved: int = 0) -> list:
-        """Open no more new streams in one batch than there are free flow slots: each one beyond would fall
-        to the eager path and its own multi-GB key/value cache (at 64 streams on the H100 that ran the GPU
-        out of memory); the rest start in a later batch, oldest first. `reserved`: slots the batch's
-        handed-back jobs will open."""
+    def _within_free_slots(self, ready: list, reserved: int = 0, overflow: bool = True) -> list:
+        """Open no more new streams in one batch than there are free flow slots and, with `overflow`, room
+        for streams beyond the pool (`flow_overflow_streams`): each one beyond would fall to the eager path
+        and its own multi-GB key/value cache (at 64 streams on the H100 that ran the GPU out of memory);
+        the rest start in a later batch, oldest first. `reserved`: streams the batch's handed-back jobs
+        will open."""
         free = self.t2w.free_slots()
         if free is None:
             return ready
-        free = max(0, free - reserved)
+        free = max(0, free + (self.t2w.overflow_room() if overflow else 0) - reserved)
         kept = []
         for req, seg in ready:
             if seg.t2w is None and self.t2w.needs_slot(seg.inputs, self._start_tokens(req, seg)):

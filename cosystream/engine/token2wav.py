@@ -76,6 +76,8 @@ class Token2WavRunner:
         self.on_new_voice_cache: Callable[[str, dict[str, torch.Tensor]], None] | None = None
         self.fingerprint = f"{flow.dims}|{flow.input_embedding.weight.dtype}"
         self.max_voice_caches = max_voice_caches
+        self.max_overflow = config.flow_overflow_streams
+        self.overflow_started = 0  # streams started beyond the pool so far (a /metrics counter)
         self.max_voice_cache_bytes = int(config.max_voice_cache_gb * 2**30)
         self.sync = self.device.type == "cuda"
         # The NSF source noise is read from one fixed table at a per-request offset, so a request's
@@ -118,10 +120,14 @@ class Token2WavRunner:
                                               or held() > self.max_voice_cache_bytes):
             self.voice_caches.popitem(last=False)
 
+    def _prompt_args(self, inputs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(prompt tokens [1, P], prompt mel [1, 2P, 80], x-vector [1, 192]) on the device."""
+        return (inputs.flow_prompt_speech_tokens[None].to(self.device), inputs.prompt_mel[None].to(self.device),
+                inputs.xvector[None].to(self.device))
+
     def _build_prompt_cache(self, inputs: Any) -> PromptCache:
         """A voice's prompt through the flow: in a free pool slot (graphed) when there is one, else eagerly."""
-        args = (inputs.flow_prompt_speech_tokens[None].to(self.device), inputs.prompt_mel[None].to(self.device),
-                inputs.xvector[None].to(self.device))
+        args = self._prompt_args(inputs)
         frames = UPSAMPLE * int(inputs.flow_prompt_speech_tokens.shape[0])
         if self.pool is not None and frames > self.pool.max_frames:
             # longer than a slot: its streams recompute every chunk (FlowRunner.recompute), no keys to keep
@@ -159,13 +165,26 @@ class Token2WavRunner:
         """A new stream's state: in a free pool slot (its chunks past the slot recompute, so any prompt and
         length go there), else on the eager path with caches for `max_target_tokens` to begin with (what
         the stream needs from its start, core._start_tokens; they grow)."""
-        prompt = self.prompt_cache(inputs, voice_key, stored)
         offset = (seed * 2654435761) % _NOISE_SAMPLES
+        if self.pool is not None and not self.pool.free and self.overflow_room():
+            flow_state = self.pool.open_overflow(self._unencoded_prompt(inputs, voice_key))
+            self.overflow_started += 1
+            return Token2WavState(flow_state, key=key, speed=speed, noise_offset=offset)
+        prompt = self.prompt_cache(inputs, voice_key, stored)
         if self.pool is not None and self.pool.free:
             flow_state = self.pool.open(prompt if self.pool.holds(prompt) else self.stream.without_cache(prompt))
         else:
             flow_state = self.stream.start(prompt, max_target_tokens)
         return Token2WavState(flow_state, key=key, speed=speed, noise_offset=offset)
+
+    def _unencoded_prompt(self, inputs: Any, voice_key: str | None) -> PromptCache:
+        """The prompt of a stream beyond the pool, which recomputes its frames at every chunk: the voice's
+        cache when in memory (its tokens, mel and speaker row), else the prompt alone, unencoded (without
+        a free slot, encoding it would be an eager flow pass: ≈ 0.5 s of Python launches on the H100)."""
+        if voice_key is not None and voice_key in self.voice_caches:
+            self.voice_caches.move_to_end(voice_key)
+            return self.voice_caches[voice_key]
+        return self.stream.empty_prompt(*self._prompt_args(inputs))
 
     def opened(self) -> None:
         """A batch that only opened streams: wait for its copies (this thread's stream only) so the stage
@@ -322,7 +341,11 @@ class Token2WavRunner:
         return self.stream.window_end(st.flow, plan.token_end, finalize=plan.is_final) - st.flow.num_tokens
 
     def _outgrows_slot(self, st: Token2WavState, new_tokens: int) -> bool:
-        return isinstance(st.flow, PooledStream) and UPSAMPLE * (st.flow.num_tokens + new_tokens) > self.pool.max_frames
+        """Whether the chunk must recompute every frame: it would outgrow the stream's slot, or the stream
+        has none (beyond the pool)."""
+        flow = st.flow
+        return isinstance(flow, PooledStream) and (
+            not flow.in_slot or UPSAMPLE * (flow.num_tokens + new_tokens) > self.pool.max_frames)
 
     def _recompute(self, jobs: list[tuple[int, Token2WavState, torch.Tensor, ChunkPlan]],
                    mels: list[torch.Tensor | None]) -> None:
@@ -406,10 +429,15 @@ class Token2WavRunner:
         return wav[:-self.overlap]
 
     def can_start(self, inputs: Any, max_target_tokens: int) -> bool:
-        """False while a new stream must wait for a free pool slot. With a pool every stream runs in one
-        (the eager path is an order of magnitude slower and holds its own ≈ 2.3 MB per frame of
-        keys/values outside the pool; on the H100 streams sent there ran it out of memory)."""
-        return self.pool is None or bool(self.pool.free)
+        """False while a new stream must wait for a free pool slot. With a pool every stream runs in one,
+        or beyond it while `flow_overflow_streams` allows (recomputing every chunk), never on the eager
+        path (an order of magnitude slower, with its own ≈ 2.3 MB per frame of keys/values outside the
+        pool; on the H100 streams sent there ran it out of memory)."""
+        return self.pool is None or bool(self.pool.free) or self.overflow_room() > 0
+
+    def overflow_room(self) -> int:
+        """How many more streams may start beyond the pool now (while no slot is free)."""
+        return 0 if self.pool is None else max(0, self.max_overflow - self.pool.overflow)
 
     def needs_slot(self, inputs: Any, max_target_tokens: int) -> bool:
         """True when a new stream runs in a pool slot (so must wait for one): whenever there is a pool."""
@@ -430,15 +458,21 @@ class Token2WavRunner:
 
         planner = ChunkPlanner(schedule or ChunkSchedule(), prompt_tokens)
         frame = UPSAMPLE * self.stream.prompt_cache_tokens(prompt_tokens)
-        shapes, encoder_shapes, mel_lengths, cached = [], [], [], False
+        shapes, encoder_shapes, mel_lengths, recompute_ends, cached = [], [], [], [], False
         while (plan := planner.next_plan(target_tokens, done=True)) is not None:
             end = UPSAMPLE * (prompt_tokens + plan.offset + plan.num_new)
             if not plan.is_final or self.final_attention == "chunk":
                 shapes.append((end - frame, self.pool.attn_len_for(end)))
                 encoder_shapes.append((frame // UPSAMPLE, (end - frame) // UPSAMPLE, not plan.is_final))
+                recompute_ends.append(end)
             mel_lengths.append((2 * plan.num_new + (MEL_CACHE_FRAMES if cached else 0), cached))
             frame, cached = end, True
         batches = [b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64) if b <= bucket(len(self.pool.free))]
+        # streams beyond the pool recompute each chunk that is not an official final pass
+        for b in (1, 2, 4, 8, 16) if self.max_overflow else ():
+            if b <= bucket(self.max_overflow):
+                for end in recompute_ends:
+                    self.pool.capture_recompute(end, b)
         for b in batches:
             if self.final_attention == "full":
                 self.pool.capture_full(UPSAMPLE * (prompt_tokens + target_tokens), b)
@@ -448,8 +482,9 @@ class Token2WavRunner:
                 self.pool.capture_encoder(b, start, n, has_context)
             for frames, has_cache in mel_lengths:
                 self._capture_hift(b, frames, has_cache)
-        return (len(self.pool.graphs.graphs) + len(self.pool.final_graphs.graphs)
-                + len(self.pool.encoder_graphs.graphs) + len(self.hift_first.graphs) + len(self.hift_next.graphs))
+        pool = self.pool
+        return sum(len(cache.graphs) for cache in (pool.graphs, pool.final_graphs, pool.encoder_graphs,
+                                                    pool.recompute_graphs, self.hift_first, self.hift_next))
 
     def _capture_hift(self, batch: int, frames: int, has_cache: bool) -> None:
         mel = torch.zeros(batch, self.hift.conv_pre.weight.shape[1], frames, device=self.device,

@@ -218,7 +218,7 @@ class UpsampleConformerEncoder(nn.Module):
 
     def step_batch(self, emb: torch.Tensor, context: torch.Tensor | None, kv_tokens: torch.Tensor,
                    kv_frames: torch.Tensor, lookahead_tail: torch.Tensor, up_tail: torch.Tensor, start: int,
-                   streaming: bool, valid: torch.Tensor | None = None
+                   streaming: bool, valid: torch.Tensor | None = None, positions: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`step` for B streams that are all at token `start`: emb [B, n, input_size], context
         [B, lookahead, input_size] or None, caches kv_tokens [B, L1, 2, cap, D] / kv_frames [B, L2, 2,
@@ -227,6 +227,8 @@ class UpsampleConformerEncoder(nn.Module):
         valid [B] (full passes from token 0 only): row b holds valid[b] real tokens followed by padding.
         The padding acts as the zero look-ahead of a finalizing call and is masked out of every
         attention, so each row's first valid[b] tokens get what a call over those tokens alone gives.
+        positions [B] (default valid): keys from positions[b] on are masked, so a row's tokens between
+        positions[b] and valid[b] act as the look-ahead context of a non-finalizing call.
         """
         n = emb.shape[1]
         u = self.embed(emb)
@@ -234,12 +236,13 @@ class UpsampleConformerEncoder(nn.Module):
             u = u * (torch.arange(n, device=u.device)[None, :] < valid[:, None]).unsqueeze(-1).to(u.dtype)
         ctx = self.embed(context) if context is not None else u.new_zeros(u.shape[0], self.lookahead, u.shape[2])
         x, lookahead_tail = self.pre_lookahead_layer(u, ctx, lookahead_tail)
-        x = self._layers(self.encoders, x, kv_tokens, start, self.dims.static_chunk_size, streaming, valid)
+        keys = valid if positions is None else positions
+        x = self._layers(self.encoders, x, kv_tokens, start, self.dims.static_chunk_size, streaming, keys)
         up, up_tail = self.up_layer(x, up_tail)
         z = self.up_embed(up)
         chunk = UPSAMPLE * self.dims.static_chunk_size
         z = self._layers(self.up_encoders, z, kv_frames, UPSAMPLE * start, chunk, streaming,
-                         None if valid is None else UPSAMPLE * valid)
+                         None if keys is None else UPSAMPLE * keys)
         return self.after_norm(z), lookahead_tail, up_tail
 
     @staticmethod
@@ -295,13 +298,19 @@ class Flow(nn.Module):
         state = self.encoder.new_state(ids.shape[0])
         return self.encoder.step(self.embed_tokens(ids), ctx, state, streaming).unsqueeze(0)
 
-    def encode_padded(self, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """The finalizing full-attention encoder over B padded rows: ids [B, T], valid [B] real tokens per
-        row -> mu [B, 80, 2T]; each row's first 2·valid[b] frames equal `encode` of its real tokens alone
-        (projected), the rest is padding."""
+    def encode_padded(self, tokens: torch.Tensor, valid: torch.Tensor, streaming: bool = False,
+                      positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The encoder over B padded rows from token 0: ids [B, T], valid [B] real tokens per row -> mu
+        [B, 80, 2T]. streaming=False: the finalizing full-attention call, each row's first 2·valid[b]
+        frames equal `encode` of its real tokens alone (projected). streaming=True: chunk masks;
+        positions [B] (default valid): a row's tokens that are positions, the rest of its real tokens
+        being look-ahead context only, so its first 2·positions[b] frames equal `encode` with finalize
+        False (positions = valid − 3) or True (positions = valid: the padding is the zero look-ahead).
+        The rest is padding."""
         b, t = tokens.shape
         caches = self.encoder.new_state(t).batch_rows(b)
-        h, _, _ = self.encoder.step_batch(self.embed_tokens(tokens), None, *caches, 0, streaming=False, valid=valid)
+        h, _, _ = self.encoder.step_batch(self.embed_tokens(tokens), None, *caches, 0, streaming=streaming,
+                                          valid=valid, positions=positions)
         return self.encoder_proj(h).transpose(1, 2)
 
     def generate(self, tokens: torch.Tensor, prompt_mel: torch.Tensor, spks: torch.Tensor, streaming: bool,

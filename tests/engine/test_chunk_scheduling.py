@@ -21,11 +21,18 @@ from cosystream.engine.request import LMStatus, RequestState, Segment
 
 
 class _Pool:
-    def __init__(self, free: int | None) -> None:
+    def __init__(self, free: int | None, overflow: int = 0) -> None:
         self.free = free
+        self.overflow = overflow
 
     def free_slots(self) -> int | None:
         return self.free
+
+    def overflow_room(self) -> int:
+        return self.overflow
+
+    def needs_slot(self, inputs, max_target_tokens: int) -> bool:
+        return self.free is not None
 
 
 def _core(free_slots: int | None = 4, slack: float = 0.6, first_wait: float = 0.0) -> EngineCore:
@@ -81,6 +88,19 @@ def test_a_finished_lm_stream_goes_when_new_streams_wait_for_a_flow_slot():
     _request(core, "waiting", buffered_s=None, lm=LMStatus.decoding, slot=2, has_stream=False)
     assert core._worth_a_batch(_ready(decoding, ending), now)
     assert not core._worth_a_batch(_ready(decoding), now)  # a decoding stream frees no slot soon
+
+
+def test_new_streams_start_beyond_the_pool_while_there_is_room_but_open_ahead_only_in_slots():
+    core = _core(free_slots=1)
+    core.t2w.overflow = 2
+    new = [_request(core, f"new{i}", buffered_s=None, lm=LMStatus.decoding, slot=i, has_stream=False)
+           for i in range(4)]
+    assert [r.request_id for r, _ in core._within_free_slots(_ready(*new))] == ["new0", "new1", "new2"]
+    assert [r.request_id for r, _ in core._within_free_slots(_ready(*new), overflow=False)] == ["new0"]
+    assert [r.request_id for r, _ in core._within_free_slots(_ready(*new), reserved=2)] == ["new0"]
+    assert core._flow_slots_short()  # four want to start, three can
+    core.t2w.overflow = 3
+    assert not core._flow_slots_short()
 
 
 def test_chunks_wait_only_for_streams_that_could_join_them():
