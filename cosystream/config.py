@@ -80,10 +80,13 @@ class EngineConfig:
     # what a stream keeps, not how long it may be: 832 keeps 10.6 s of audio after a 6 s prompt.
     flow_slots: int | None = None
     flow_frames: int = 832
-    # Streams that start while every pool slot is taken, instead of waiting for one: they keep no keys and
-    # compute every chunk as the official code does (prompt + all tokens, one graphed pass each), so they
-    # cost more flow time per chunk but no memory beyond the pass. 0: new streams wait for a free slot.
-    flow_overflow_streams: int = 16
+    # Streams that may start while every pool slot is taken, instead of waiting for one: they keep no keys
+    # and compute every chunk as the official code does (prompt + all tokens, one graphed pass each), so
+    # they cost more flow time per chunk but no memory beyond the pass. 0 (default): new streams wait for a
+    # slot. The slots are the engine's admission control: on the H100 at 15 req/s (150x real time, the
+    # token-to-wave worker near saturation) 16 such streams more than quadrupled first audio p95 and
+    # brought underruns (docs/benchmarks.md); they pay only where slots, not the worker, run out.
+    flow_overflow_streams: int = 0
     # Keep a registered voice's encoded flow prompt in its voice record (survives restarts). None: on
     # the CPU only, where rebuilding it is slow; on a GPU one graphed chunk of the flow in a pool slot
     # (≈ 30 ms for a 6 s prompt on the H100) is faster than reading its ~0.7 GB back (2.3 MB per prompt

@@ -30,6 +30,7 @@ from cosystream.models.flow_stream import FlowStream, PromptCache
 
 _LEN_BUCKET = 128  # attended frames are rounded up to a multiple of this (fewer graphs, little waste)
 _ENCODER_ROWS = (1, 2, 4, 8, 16, 32)  # streams per batched encoder step (graph buckets)
+_WHOLE_PASS_ROWS = 32  # streams per final or recompute pass replay (warm-up captures buckets up to the pool's)
 
 
 @dataclass
@@ -348,17 +349,19 @@ class FlowRunner:
         out: list[torch.Tensor | None] = [None] * len(items)
         frames = [UPSAMPLE * (prompt.prompt_tokens.shape[0] + ids.shape[0]) for prompt, ids, _ in items]
         fits = [i for i, n in enumerate(frames) if n <= self.cfm.rand_noise.shape[-1]]
-        for padded, members in self._by_padded_length(fits, frames).items():
+        for padded, members in self._by_padded_length(fits, frames):
             for i, mel in zip(members, self._full_batch(padded, [items[i] for i in members]), strict=True):
                 out[i] = mel
         return out
 
-    def _by_padded_length(self, indices: Sequence[int], frames: Sequence[int]) -> dict[int, list[int]]:
-        """Whole-utterance passes grouped by the length they are padded to (one graph replay per group)."""
+    def _by_padded_length(self, indices: Sequence[int], frames: Sequence[int]) -> list[tuple[int, list[int]]]:
+        """Whole-utterance passes grouped by the length they are padded to, at most _WHOLE_PASS_ROWS streams
+        per group (one graph replay each: a larger batch bucket would capture a graph mid-traffic)."""
         groups: dict[int, list[int]] = {}
         for i in indices:
             groups.setdefault(self._full_length(frames[i]), []).append(i)
-        return groups
+        return [(padded, members[k:k + _WHOLE_PASS_ROWS]) for padded, members in groups.items()
+                for k in range(0, len(members), _WHOLE_PASS_ROWS)]
 
     def _whole_pass_inputs(self, padded: int, items: Sequence[tuple[PromptCache, int, int]]
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -415,7 +418,7 @@ class FlowRunner:
         frames = [UPSAMPLE * (prompt.prompt_tokens.shape[0] + ids.shape[0] - (0 if finalize else lookahead))
                   for prompt, ids, finalize, _ in items]
         out: list[torch.Tensor | None] = [None] * len(items)
-        for padded, members in self._by_padded_length(range(len(items)), frames).items():
+        for padded, members in self._by_padded_length(range(len(items)), frames):
             mels = self._recompute_batch(padded, [items[i] for i in members])
             for i, mel in zip(members, mels, strict=True):
                 out[i] = mel

@@ -241,3 +241,13 @@ def _official_noise_runner(checkpoint, load_fixture, cfm_noise, num_slots: int, 
     flow.decoder.set_noise_table(cfm_noise)
     prompt = FlowStream(flow).build_prompt_cache(f["prompt_token"], f["prompt_feat"], f["embedding"])
     return f, flow, prompt, FlowRunner(flow, num_slots=num_slots, max_frames=max_frames, use_graphs=False)
+
+
+def test_whole_utterance_passes_group_by_padded_length_in_replays_of_at_most_32_streams(checkpoint):
+    """Beyond the largest batch bucket warm-up captures, a replay would capture a new graph mid-traffic."""
+    runner = FlowRunner(load_flow(checkpoint), num_slots=1, max_frames=128, use_graphs=False)
+    frames = [800] * 70 + [300, 250]
+    groups = runner._by_padded_length(range(len(frames)), frames)
+    assert [(padded, len(members)) for padded, members in groups] == [(896, 32), (896, 32), (896, 6), (384, 1),
+                                                                      (256, 1)]
+    assert sorted(i for _, members in groups for i in members) == list(range(len(frames)))
