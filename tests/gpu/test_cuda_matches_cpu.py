@@ -115,20 +115,30 @@ def test_graphed_batched_final_passes_match_cpu(checkpoint, load_fixture, cfm_no
         torch.testing.assert_close(g.cpu(), w, atol=5e-3, rtol=0)  # tf32 products inside the Triton dots
 
 
-def test_graphed_recomputed_chunks_past_a_slot_match_cpu(checkpoint, load_fixture, cfm_noise, manifest):
-    """A stream past its slot: each chunk recomputed over all its frames (chunk masks, own keys) as one
-    graph with the Triton kernels, against the CPU runner's pass; and the final pass longer than a slot."""
+@pytest.mark.parametrize("max_frames", [128, 512])
+def test_graphed_recomputed_chunks_past_a_slot_match_cpu(checkpoint, load_fixture, cfm_noise, manifest, max_frames):
+    """A stream past its slot (or beyond the pool, in the scratch slot): each chunk recomputed over all its
+    frames (chunk masks, own keys) as one graph with the Triton kernels, against the CPU runner's pass;
+    and the final pass. max_frames 512: passes short enough for the fused estimator path (rows × frames
+    <= 512 and within the pool: q/k/v written into the pool rows) take it."""
     f = load_fixture("stream")
-    runners, prompts = _cpu_and_graphed_runners(checkpoint, f, cfm_noise, num_slots=1, max_frames=128)
+    runners, prompts = _cpu_and_graphed_runners(checkpoint, f, cfm_noise, num_slots=1, max_frames=max_frames)
     tokens = f["token"][0]
     calls = [tokens[:call["n_tokens"]] for call in manifest["stream"]["schedule"][:-1]]
-    want = [runners["cpu"].recompute(prompts["cpu"], ids, finalize=False, slot=0) for ids in calls]
-    got = runners["cuda"].recompute_many([(prompts["cuda"], ids.cuda(), False, 0) for ids in calls])
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g.cpu(), w, atol=5e-3, rtol=0)  # tf32 products inside the Triton dots
+    for slot in (0, runners["cuda"].scratch):
+        want = [runners["cpu"].recompute(prompts["cpu"], ids, finalize=False, slot=slot) for ids in calls]
+        got = runners["cuda"].recompute_many([(prompts["cuda"], ids.cuda(), False, slot) for ids in calls])
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g.cpu(), w, atol=5e-3, rtol=0)  # tf32 products inside the Triton dots
+        for ids in calls:  # one at a time too
+            (g,) = runners["cuda"].recompute_many([(prompts["cuda"], ids.cuda(), False, slot)])
+            torch.testing.assert_close(g.cpu(), runners["cpu"].recompute(prompts["cpu"], ids, False, slot),
+                                       atol=5e-3, rtol=0)
     assert len(runners["cuda"].recompute_graphs.graphs) >= 2
-    (got,) = runners["cuda"].full_passes([(prompts["cuda"], tokens.cuda(), 0)])
-    torch.testing.assert_close(got.cpu(), runners["cpu"].full_pass(prompts["cpu"], tokens), atol=5e-3, rtol=0)
+    for n in (tokens.shape[0], 40):
+        (got,) = runners["cuda"].full_passes([(prompts["cuda"], tokens[:n].cuda(), 0)])
+        want = runners["cpu"].full_pass(prompts["cpu"], tokens[:n])
+        torch.testing.assert_close(got.cpu(), want, atol=5e-3, rtol=0)
 
 
 def test_voice_prompts_built_in_the_graphed_pool_match_the_eager_build(checkpoint, load_fixture):
