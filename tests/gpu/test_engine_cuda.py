@@ -45,28 +45,39 @@ def test_streams_opened_ahead_of_their_first_chunk_on_cuda_give_the_same_audio(m
         np.testing.assert_allclose(b.pcm, a.pcm, atol=2e-3, rtol=0)
 
 
-def test_a_stream_beyond_the_pool_on_cuda_sounds_as_one_in_a_slot(model_dir, fixture_dir, tmp_path):
+def test_a_stream_beyond_the_pool_on_cuda_gets_the_mel_of_one_in_a_slot(model_dir, fixture_dir, tmp_path):
     """With every slot taken, a stream starts beyond the pool: each chunk one graphed recompute pass over
     prompt + all its tokens (encoder and ODE), its official final pass on the scratch slot. One request at
-    a time (see above); the slot is taken by hand so that the same requests run both ways."""
+    a time (see above); the slot is taken by hand so that the same requests run both ways. The flow's mel
+    is compared (tf32 products inside the Triton attention dots differ between the two paths by ~1e-3,
+    which the random test vocoder's F0 and phase amplify in the waveform)."""
     params = [SynthesisParams(text=t, voice="v", force_tokens=60, sampling=SamplingParams(greedy=True, seed=i))
               for i, t in enumerate(TEXTS)]
     eng = Engine.from_pretrained(model_dir, device="cuda", voices_db=str(tmp_path / "v.db"), max_streams=4,
                                  flow_slots=1, flow_frames=512, flow_overflow_streams=1)
     try:
         eng.run(eng.async_engine.add_voice("v", str(fixture_dir / "prompt_24k.wav"), "Hello there."))
-        pool = eng.async_engine.core.t2w.pool
+        t2w = eng.async_engine.core.t2w
+        pool = t2w.pool
         recomputed: list[int] = []
-        real = pool.recompute_many
-        pool.recompute_many = lambda items: recomputed.append(len(items)) or real(items)
-        in_slot = [eng.synthesize(p) for p in params]
+        real_recompute, real_vocode = pool.recompute_many, t2w._vocode
+        pool.recompute_many = lambda items: recomputed.append(len(items)) or real_recompute(items)
+        mels: list[torch.Tensor] = []  # every chunk's mel, in order (one request at a time)
+        t2w._vocode = lambda items: mels.extend(m.float().cpu() for _, m, _ in items) or real_vocode(items)
+
+        def run_all() -> tuple[list[int], torch.Tensor]:
+            mels.clear()
+            results = [eng.synthesize(p) for p in params]
+            assert all(r.num_chunks >= 2 for r in results)
+            return [r.num_chunks for r in results], torch.cat(mels, dim=-1)
+
+        chunks_in_slot, mel_in_slot = run_all()
         assert not recomputed
         eng.async_engine.core.call(pool.free.clear)  # the one slot is taken
-        beyond = [eng.synthesize(p) for p in params]
+        chunks_beyond, mel_beyond = run_all()
         assert len(recomputed) >= len(params) and pool.overflow == 0 and pool.recompute_graphs.graphs
         eng.async_engine.core.call(pool.free.append, 0)
     finally:
         eng.close()
-    for a, b in zip(in_slot, beyond, strict=True):
-        assert a.num_chunks == b.num_chunks >= 2
-        np.testing.assert_allclose(b.pcm, a.pcm, atol=2e-3, rtol=0)
+    assert chunks_in_slot == chunks_beyond and mel_in_slot.shape == mel_beyond.shape
+    torch.testing.assert_close(mel_beyond, mel_in_slot, atol=5e-3, rtol=0)
