@@ -119,7 +119,7 @@ class EngineCore:
         # plans every batch (first chunks first) and owns every request's state.
         self._chunks: _ChunkWorker | None = _ChunkWorker(self, priority=chunk_priority) if overlap else None
         self._in_flight: list[_Job] | None = None  # the jobs of the batch on the worker
-        # PERF: official final passes on a worker and CUDA stream of their own: a
+        # PERF: official final passes on a worker and CUDA stream of their own, below the chunks' priority: a
         # batch of them (up to 267 ms for 16 streams on the H100) no longer holds back the first chunks that
         # become ready meanwhile. That worker uses its own final-pass and vocoder graphs and scratch slot.
         self._finals: _ChunkWorker | None = (_ChunkWorker(self, priority=final_priority, lane="finals")
@@ -1064,13 +1064,14 @@ def _riders(t2w: Any, jobs: list[_Job], pool: list[_Job], limit: int) -> list[_J
 
 
 def _stream_priorities(device: torch.device) -> tuple[int, int, int]:
-    """CUDA stream priorities (lower runs first) of the LM steps, the chunk worker and the final-pass worker.
-    MEASURED (H100, `981dc28`): LM -2, chunks -1, finals 0 slowed everything (c=1 first audio 52 -> 65 ms,
-    the open loop's median 0.18 -> 3.6 s, with the final-pass worker off too): the LM keeps the one high
-    level above both workers."""
+    """CUDA stream priorities (lower runs first) of the LM steps, the chunk worker and the final-pass worker:
+    in that order where the device has three levels (the H100 has six)."""
     if device.type != "cuda":
         return 0, 0, 0
-    return -1, 0, 0
+    least, greatest = torch.cuda.Stream.priority_range()
+    if least - greatest >= 2:
+        return least - 2, least - 1, least
+    return greatest, least, least
 
 
 def run_jobs(t2w: Any, jobs: list[_Job], device: torch.device, phases: list[list[_Job]] | None = None, i: int = 0,
