@@ -230,9 +230,7 @@ def _busy_line(before: dict[str, float], after: dict[str, float], wall_s: float)
             f"(flow {d.get('token2wav_flow_seconds', 0.0):.1f}, vocoder {d.get('token2wav_vocoder_seconds', 0.0):.1f}; "
             f"{d.get('token2wav_batches', 0.0):.0f} batches, {d.get('token2wav_chunks', 0.0) / batches:.1f} "
             f"chunks per batch, {1000 * d.get('token2wav_busy_seconds', 0.0) / batches:.1f} ms per batch; "
-            f"{d.get('flow_overflow_started', 0.0):.0f} streams started beyond the flow pool; final-pass worker "
-            f"{d.get('token2wav_final_lane_busy_seconds', 0.0):.1f} s, {d.get('token2wav_final_lane_passes', 0.0):.0f} "
-            "passes)"
+            f"{d.get('flow_overflow_started', 0.0):.0f} streams started beyond the flow pool)"
             + _stage_line(d))
 
 

@@ -68,11 +68,6 @@ class EngineConfig:
     # its first chunk's tokens, whenever the token-to-wave worker is idle, instead of in the first chunk's
     # batch. False: streams open with their first chunk.
     open_ahead: bool = True
-    # Official final passes (final_attention "full": a whole-utterance pass per stream, ≈ 17 ms per stream in a
-    # batch of 16 on the H100, up to 267 ms a batch) run on a token-to-wave worker and a lower-priority CUDA
-    # stream of their own, beside the chunk worker, so a first chunk never waits for a batch of them (needs
-    # the overlap). False: they are the chunk worker's last phase.
-    final_lane: bool = True
     fused_kernels: bool = True  # CUDA: Triton kernels for the LM decode step (False: the unfused torch step)
     compile: bool = False  # torch.compile the hot steps (fewer, fused kernels; minutes of compile at start)
     schedule: ChunkSchedule = ChunkSchedule()

@@ -60,8 +60,7 @@ class AsyncEngine:
         self.core = EngineCore(lm_runner, t2w, self.lm, overlap=config.overlap,
                                chunk_slack_s=config.chunk_slack_s, first_chunk_wait_s=config.first_chunk_wait_s,
                                preempt=config.preempt_token2wav, rider_streams=config.rider_streams,
-                               open_ahead=config.open_ahead,
-                               final_lane=config.final_lane and config.final_attention == "full")
+                               open_ahead=config.open_ahead)
         self.pool = ThreadPoolExecutor(max_workers=config.frontend_threads, thread_name_prefix="frontend")
         self._voice_prompts: dict[str, VoicePrompt] = {}
         # prompt recordings sent with requests (zero-shot without a registered voice), by content: a client

@@ -60,28 +60,14 @@ class _Step:
 
 @dataclass
 class _Message:
-    kind: str  # "add" | "abort" | "text" | "text_end" | "call" | "chunks_done" | "finals_done" | "stop"
+    kind: str  # "add" | "abort" | "text" | "text_end" | "call" | "chunks_done" | "stop"
     payload: Any = None
-
-
-@dataclass
-class _Gate:
-    """A token-to-wave call that waits for every worker batch that was running when it was asked for."""
-
-    waiting: int
-    fn: Callable[[], Any]
-
-    def pass_one(self) -> None:
-        self.waiting -= 1
-        if self.waiting == 0:
-            self.fn()
 
 
 class EngineCore:
     def __init__(self, lm_runner: LMRunner, token2wav: Any, lm: Any, max_chunk_batch: int = 64,
                  overlap: bool = True, chunk_slack_s: float = 0.0, first_chunk_wait_s: float = 0.0,
-                 preempt: bool = True, rider_streams: int = 16, open_ahead: bool = True,
-                 final_lane: bool = False) -> None:
+                 preempt: bool = True, rider_streams: int = 16, open_ahead: bool = True) -> None:
         self.lm_runner = lm_runner
         self.t2w = token2wav
         self.lm = lm
@@ -111,28 +97,17 @@ class EngineCore:
         device = lm_runner.device
         # PERF: with the overlap on, LM steps run on a high-priority stream, so a decode step's small
         # kernels are scheduled ahead of a flow batch's when both wait for the SMs.
-        lm_priority, chunk_priority, final_priority = _stream_priorities(device)
-        self.gpu_stream = (torch.cuda.Stream(device, priority=lm_priority) if overlap and device.type == "cuda"
+        self.gpu_stream = (torch.cuda.Stream(device, priority=-1) if overlap and device.type == "cuda"
                            else None)
         # PERF: token-to-wave batches run on a second thread and CUDA stream, so LM decode steps go on
         # while a flow/HiFT batch computes. One batch is in flight at a time; the engine thread still
         # plans every batch (first chunks first) and owns every request's state.
-        self._chunks: _ChunkWorker | None = _ChunkWorker(self, priority=chunk_priority) if overlap else None
+        self._chunks: _ChunkWorker | None = _ChunkWorker(self) if overlap else None
         self._in_flight: list[_Job] | None = None  # the jobs of the batch on the worker
-        # PERF: official final passes on a worker and CUDA stream of their own, below the chunks' priority: a
-        # batch of them (up to 267 ms for 16 streams on the H100) no longer holds back the first chunks that
-        # become ready meanwhile. That worker uses its own final-pass and vocoder graphs and scratch slot.
-        self._finals: _ChunkWorker | None = (_ChunkWorker(self, priority=final_priority, lane="finals")
-                                             if overlap and final_lane else None)
-        self._final_in_flight: list[_Job] | None = None  # the jobs of the batch on the final-pass worker
-        self.final_busy_s = 0.0  # the final-pass worker's batches (beside t2w_busy_s, not part of it)
-        self.final_passes = 0  # official final passes that worker ran
         self._first_in_flight: set[int] = set()  # ids of requests whose first chunk is on the worker
         # Token-to-wave work the engine thread must not do while a batch runs on the worker (its graphs
-        # and pool would be used from two threads at once): done when the batch comes back, and when the
-        # final-pass worker's batch running at the time comes back too.
-        self._after_batch: list[_Gate] = []
-        self._after_finals: list[_Gate] = []
+        # and pool would be used from two threads at once): done when the batch comes back.
+        self._after_batch: list[Any] = []  # callables
         self._deferred_calls: list[_Message] = []
         # planned jobs of a batch the worker handed back before running them (preempted): the next batch
         # voices them, in their phase order, with the urgent chunks that preempted them
@@ -146,16 +121,14 @@ class EngineCore:
             # bookkeeping waits up to the switch interval (5 ms by default, five decode steps)
             sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
         self._thread.start()
-        for worker in (self._chunks, self._finals):
-            if worker is not None:
-                worker.start()
+        if self._chunks is not None:
+            self._chunks.start()
 
     def stop(self) -> None:
         self.inbox.put(_Message("stop"))
         self._thread.join(timeout=30)
-        for worker in (self._chunks, self._finals):
-            if worker is not None:
-                worker.stop()
+        if self._chunks is not None:
+            self._chunks.stop()
 
     def submit(self, req: RequestState) -> None:
         self._check_alive()
@@ -200,9 +173,7 @@ class EngineCore:
                "alive": float(self.error is None and self._thread.is_alive()),
                "lm_busy_seconds": self.lm_busy_s, "token2wav_busy_seconds": self.t2w_busy_s,
                "token2wav_flow_seconds": self.t2w_flow_s, "token2wav_vocoder_seconds": self.t2w_vocoder_s,
-               "token2wav_batches": float(self.t2w_batches), "token2wav_chunks": float(self.t2w_chunks),
-               "token2wav_final_lane_busy_seconds": self.final_busy_s,
-               "token2wav_final_lane_passes": float(self.final_passes)}
+               "token2wav_batches": float(self.t2w_batches), "token2wav_chunks": float(self.t2w_chunks)}
         out.update(self.t2w.watch.stats())  # per-stage host and GPU seconds of the token-to-wave batches
         pool = getattr(self.t2w, "pool", None)
         if pool is not None:
@@ -266,18 +237,11 @@ class EngineCore:
                 self._t2w_later(faults.scrub_flow_slot, self.t2w, seg.t2w)
 
     def _t2w_later(self, fn, *args) -> None:
-        """Run a token-to-wave call now, or when the batches on the workers (those running now) come back."""
-        lanes = [after for after, jobs in ((self._after_batch, self._in_flight),
-                                           (self._after_finals, self._final_in_flight)) if jobs is not None]
-        if not lanes:
+        """Run a token-to-wave call now, or when the batch on the worker comes back."""
+        if self._in_flight is not None:
+            self._after_batch.append(lambda: fn(*args))
+        else:
             fn(*args)
-            return
-        gate = _Gate(len(lanes), lambda: fn(*args))
-        for after in lanes:
-            after.append(gate)
-
-    def _t2w_idle(self) -> bool:
-        return self._in_flight is None and self._final_in_flight is None
 
     def _voicing(self) -> list[RequestState]:
         return [r for r in self.requests.values() if self._has_audio_work(r)]
@@ -294,14 +258,8 @@ class EngineCore:
         admittable = bool(self.waiting) and bool(self.free_slots)
         if decoding or admittable:
             return True
-        if self._deferred_calls:  # no new batch until they ran; a "..._done" message wakes the loop
-            return False
-        # while a batch is on a worker, its "..._done" message wakes the loop
-        if self._in_flight is None and any(self._has_audio_work(r) and not self._final_lane_job(r)
-                                           for r in self.requests.values()):
-            return True
-        return (self._finals is not None and self._final_in_flight is None
-                and any(self._final_lane_job(r) for r in self.requests.values()))
+        # while a batch is on the worker, its "chunks_done" message wakes the loop
+        return self._in_flight is None and any(self._has_audio_work(r) for r in self.requests.values())
 
     def _lm_decoding(self) -> bool:
         return any(r.lm_segment is not None and r.lm_segment.lm_status == LMStatus.decoding
@@ -342,7 +300,7 @@ class EngineCore:
                 req.cancelled = True
                 self._finish(req)
         elif msg.kind == "call":
-            if not self._t2w_idle():  # a call may use the flow/HiFT a worker is running
+            if self._in_flight is not None:  # a call may use the flow/HiFT the worker is running
                 self._deferred_calls.append(msg)
             else:
                 self._call(msg)
@@ -354,10 +312,6 @@ class EngineCore:
             jobs, results, error, now, busy_s, last, returned = msg.payload
             self.t2w_busy_s += busy_s
             self._chunks_done(jobs, results, error, now, last, returned)
-        elif msg.kind == "finals_done":
-            jobs, results, error, now, busy_s, _, _ = msg.payload
-            self.final_busy_s += busy_s
-            self._finals_done(jobs, results, error, now)
 
     @staticmethod
     def _call(msg: _Message) -> None:
@@ -659,15 +613,12 @@ class EngineCore:
         return ready
 
     def _token2wav(self) -> None:
-        if self._deferred_calls:  # they run once both workers are idle: no new batch before
-            return
-        self._final_passes()
         if self._in_flight is not None:
             self._maybe_preempt()
             return
         returned = [job for job in self._returned if job.req.request_id in self.requests and not job.req.cancelled]
         self._returned = []
-        ready = self._ready_chunks({id(job.seg) for job in returned}, only=self._not_final_lane)
+        ready = self._ready_chunks({id(job.seg) for job in returned})
         if not ready and not returned:
             self._open_ahead()
             return
@@ -706,49 +657,6 @@ class EngineCore:
                 now = time.perf_counter()
                 self.t2w_busy_s += now - t0
                 self._chunks_done(batch, results, error, now)
-
-    def _final_lane_job(self, req: RequestState) -> bool:
-        """Is the request's next audio an official final pass for the final-pass worker (on it now, or to
-        go there)? Never with no such worker or no flow pool."""
-        if self._finals is None or getattr(self.t2w, "pool", None) is None:
-            return False
-        seg = req.audio_segment
-        return (seg is not None and not req.cancelled and seg.t2w is not None and seg.lm_status == LMStatus.done
-                and seg.planner.next_is_final(len(seg.tokens)) and self.t2w.final_lane_stream(seg.t2w))
-
-    def _not_final_lane(self, req: RequestState) -> bool:
-        return not self._final_lane_job(req)
-
-    def _final_passes(self) -> None:
-        """Hand every ready official final pass to the idle final-pass worker, as one batch (up to 32
-        streams, the largest batch warm-up captures): they batch among themselves while the previous batch
-        runs, and run beside the chunk worker's first chunks instead of before them."""
-        if self._finals is None or self._final_in_flight is not None:
-            return
-        busy = {id(job.seg) for job in (self._in_flight or [])} | {id(job.seg) for job in self._returned}
-        ready = [(req, seg) for req, seg in self._ready_chunks(busy, only=self._final_lane_job)][:32]
-        if not ready:
-            return
-        jobs = [_Job(req, seg, seg.planner.next_plan(len(seg.tokens), True), state=seg.t2w) for req, seg in ready]
-        self._final_in_flight = jobs
-        self._finals.submit([jobs])
-
-    def _finals_done(self, jobs: list[_Job], results: list | None, error: BaseException | None, now: float) -> None:
-        """The final-pass worker's batch came back: emit its audio (or fail its requests), then run what waited
-        for it."""
-        self._final_in_flight = None
-        self.final_passes += len(jobs)
-        gates, self._after_finals = self._after_finals, []
-        for gate in gates:
-            gate.pass_one()
-        self._deliver(jobs, results, error, now)
-        self._run_deferred_calls()
-
-    def _run_deferred_calls(self) -> None:
-        if self._t2w_idle():
-            calls, self._deferred_calls = self._deferred_calls, []
-            for msg in calls:
-                self._call(msg)
 
     def _open_ahead(self) -> None:
         """PERF: while the worker is idle, open the streams of requests whose LM is decoding their first
@@ -798,8 +706,7 @@ class EngineCore:
         # PERF: this runs at every engine-loop turn while a batch is out (each decode step): the cheap
         # urgency test comes before the readiness one
         urgent = self._ready_chunks({id(job.seg) for job in self._in_flight},
-                                    only=lambda req: (req.is_first_chunk or _buffered_audio_s(req, now) < dry_s)
-                                    and self._not_final_lane(req))
+                                    only=lambda req: req.is_first_chunk or _buffered_audio_s(req, now) < dry_s)
         urgent = self._within_free_slots(urgent)
         if urgent and not self._first_chunks_due_soon(urgent, now):
             worker.preempt.set()
@@ -933,14 +840,9 @@ class EngineCore:
                 else:
                     self.t2w.release(job.state)
         if self._in_flight is None:
-            gates, self._after_batch = self._after_batch, []
-            for gate in gates:
-                gate.pass_one()
-        self._deliver(jobs, results, error, now)
-        self._run_deferred_calls()
-
-    def _deliver(self, jobs: list[_Job], results: list | None, error: BaseException | None, now: float) -> None:
-        """A worker's phase came back: emit each job's audio, or fail its requests if the phase failed."""
+            later, self._after_batch = self._after_batch, []
+            for fn in later:
+                fn()
         if error is not None:
             log.error("token-to-wave batch failed: %r", error)
             err = error if isinstance(error, Exception) else RuntimeError(repr(error))
@@ -948,13 +850,17 @@ class EngineCore:
             for job in jobs:
                 if job.req.request_id in self.requests:
                     self._fail(job.req, err)
-            return
-        timed = next((r for r in results if r is not None), None)
-        if timed is not None:  # every job of a batch carries the batch's flow and vocoder times
-            self.t2w_flow_s += timed[1]
-            self.t2w_vocoder_s += timed[2]
-        for job, result in zip(jobs, results, strict=True):
-            self._job_done(job, result, now)
+        else:
+            timed = next((r for r in results if r is not None), None)
+            if timed is not None:  # every job of a batch carries the batch's flow and vocoder times
+                self.t2w_flow_s += timed[1]
+                self.t2w_vocoder_s += timed[2]
+            for job, result in zip(jobs, results, strict=True):
+                self._job_done(job, result, now)
+        if self._in_flight is None:
+            calls, self._deferred_calls = self._deferred_calls, []
+            for msg in calls:
+                self._call(msg)
 
     def _job_done(self, job: _Job, result: tuple | None, now: float) -> None:
         req = job.req
@@ -1063,19 +969,8 @@ def _riders(t2w: Any, jobs: list[_Job], pool: list[_Job], limit: int) -> list[_J
             and t2w.flow_group(job.state, job.plan) in keys][:room]
 
 
-def _stream_priorities(device: torch.device) -> tuple[int, int, int]:
-    """CUDA stream priorities (lower runs first) of the LM steps, the chunk worker and the final-pass worker:
-    in that order where the device has three levels (the H100 has six)."""
-    if device.type != "cuda":
-        return 0, 0, 0
-    least, greatest = torch.cuda.Stream.priority_range()
-    if least - greatest >= 2:
-        return least - 2, least - 1, least
-    return greatest, least, least
-
-
 def run_jobs(t2w: Any, jobs: list[_Job], device: torch.device, phases: list[list[_Job]] | None = None, i: int = 0,
-             rider_streams: int = 0, final_lane: bool = False) -> list[tuple | None]:
+             rider_streams: int = 0) -> list[tuple | None]:
     """Open the streams that start with this batch, then voice every job whose stream is open. With the
     batch's `phases` (`jobs` being phase i, or part of it), the jobs of phase i + 1 that can share its ODE
     calls (`_riders`) leave that phase and are appended to `jobs` before anything runs, so a caller
@@ -1097,8 +992,7 @@ def run_jobs(t2w: Any, jobs: list[_Job], device: torch.device, phases: list[list
         jobs.extend(riders)
     runnable = [job for job in jobs if job.error is None and job.plan is not None]
     if runnable:
-        work = [(job.state, job.seg.tokens[:], job.plan) for job in runnable]
-        results = t2w.run(work, final_lane=True) if final_lane else t2w.run(work)
+        results = t2w.run([(job.state, job.seg.tokens[:], job.plan) for job in runnable])
     else:  # streams opened ahead of their first chunk (or none could open)
         results = []
         t2w.opened()
@@ -1111,16 +1005,13 @@ class _ChunkWorker:
     to the engine's inbox. It touches no request state (the engine thread does); while a batch runs it
     is the only user of the flow, HiFT and their graphs."""
 
-    def __init__(self, core: EngineCore, priority: int = 0, lane: str = "chunks") -> None:
-        """lane "chunks": the chunk worker (posts "chunks_done"); "finals": the final-pass worker ("finals_done":
-        official final passes only, through Token2WavRunner.run(final_lane=True))."""
+    def __init__(self, core: EngineCore) -> None:
         self.core = core
-        self.lane = lane
         self.jobs: queue.Queue[list | None] = queue.Queue()
         self.preempt = threading.Event()  # set by the engine thread: stop after the running phase
-        self.thread = threading.Thread(target=self._run, name=f"cosystream-token2wav-{lane}", daemon=True)
+        self.thread = threading.Thread(target=self._run, name="cosystream-token2wav", daemon=True)
         device = core.lm_runner.device
-        self.stream = torch.cuda.Stream(device, priority=priority) if device.type == "cuda" else None
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def start(self) -> None:
         self.thread.start()
@@ -1150,21 +1041,20 @@ class _ChunkWorker:
                 stop = bool(rest) and self.preempt.is_set()
                 # one message with the unstarted jobs: the engine must not plan before it has them back
                 returned = [job for phase in rest for job in phase] if stop else []
-                self.core.inbox.put(_Message(f"{self.lane}_done", (jobs, results, error, now, now - t0,
-                                                                   not rest or stop, returned)))
+                self.core.inbox.put(_Message("chunks_done", (jobs, results, error, now, now - t0,
+                                                             not rest or stop, returned)))
                 if stop:
                     break
                 i += 1
 
     def _compute(self, phases: list[list[_Job]], i: int) -> list:
-        device, finals = self.core.lm_runner.device, self.lane == "finals"
-        limit = 0 if finals else self.core.rider_streams
+        device, limit = self.core.lm_runner.device, self.core.rider_streams
         if self.stream is None:
-            return run_jobs(self.core.t2w, phases[i], device, phases, i, limit, final_lane=finals)
+            return run_jobs(self.core.t2w, phases[i], device, phases, i, limit)
         # the batch may read what the engine thread wrote on its stream (prompt caches of new voices)
         self.stream.wait_stream(self.core.gpu_stream)
         with torch.cuda.stream(self.stream):
-            return run_jobs(self.core.t2w, phases[i], device, phases, i, limit, final_lane=finals)
+            return run_jobs(self.core.t2w, phases[i], device, phases, i, limit)
 
 
 __all__ = ["EngineCore", "RowSampling"]

@@ -63,8 +63,7 @@ def scrub_flow_slot(token2wav: Any, state: Any) -> None:
     """Zero a failed stream's flow-pool rows (keys/values and conv tails of both CFG rows), if it has any."""
     pool, flow = getattr(token2wav, "pool", None), getattr(state, "flow", None)
     slot = getattr(flow, "slot", None)
-    # a closed stream's slot may be another stream's by now; a stream beyond the pool holds none
-    if pool is None or slot is None or getattr(flow, "closed", False) or not getattr(flow, "in_slot", True):
+    if pool is None or slot is None:
         return
     rows = slice(2 * slot, 2 * slot + 2)
     pool.kv[:, :, :, rows].zero_()

@@ -58,19 +58,13 @@ class PooledStream:
 class FlowRunner:
     def __init__(self, flow: Flow, num_slots: int, max_frames: int, use_graphs: bool = True,
                  compile: bool = False, fused_kernels: bool = True,
-                 capture_stream: torch.cuda.Stream | None = None, watch: Stopwatch | None = None,
-                 final_capture_stream: torch.cuda.Stream | None = None) -> None:
-        """final_capture_stream: where the official final passes' graphs are captured (EngineConfig.final_lane:
-        they replay on a worker of their own, beside the chunk graphs; graphs that replay at once need
-        different capture streams, graphs.py)."""
+                 capture_stream: torch.cuda.Stream | None = None, watch: Stopwatch | None = None) -> None:
         self.flow = flow
         self.cfm = flow.decoder
         est = flow.decoder.estimator
         w = est.final_proj.weight
         self.device, self.dtype = w.device, w.dtype
-        # two CFG rows per slot, plus two scratch slots for padding rows: one for the chunk worker's passes,
-        # one for the final passes, which may run at the same time on a worker of their own
-        rows = 2 * (num_slots + 2)
+        rows = 2 * (num_slots + 1)  # two CFG rows per slot, plus a scratch slot for padding rows
         steps = self.cfm.num_steps
         self.kv = torch.zeros(steps, est.num_attention_blocks, 2, rows, max_frames, est.inner_dim,
                               device=self.device, dtype=self.dtype)
@@ -82,15 +76,11 @@ class FlowRunner:
         self.max_frames = max_frames
         self.free = list(range(num_slots))
         self.scratch = num_slots
-        self.final_scratch = num_slots + 1
         self.overflow = 0  # open streams beyond the pool (open_overflow)
         self.chunk = est.dims.static_chunk_size
         self.graphs = GraphCache(self._ode, self.device, use_graphs, stream=capture_stream)
         self.encoder_graphs = GraphCache(self._encode_core, self.device, use_graphs, stream=capture_stream)
         self.final_graphs = GraphCache(self._final_core, self.device, use_graphs, stream=capture_stream)
-        # the final-pass worker's own (graphs sharing a memory pool must never replay at once)
-        self.lane_final_graphs = GraphCache(self._final_core, self.device, use_graphs,
-                                            stream=final_capture_stream or capture_stream)
         self.recompute_graphs = GraphCache(self._recompute_core, self.device, use_graphs, stream=capture_stream)
         self._step = maybe_compile(est.step, compile)
         self.watch = watch or Stopwatch(self.device)
@@ -164,14 +154,12 @@ class FlowRunner:
         return PooledStream(self.scratch, prompt, self.flow.encoder.new_state(0), in_slot=False)
 
     def close(self, stream: PooledStream) -> None:
-        """Give the stream's slot back, once (a stream closed again, e.g. by a cancel that waited for the
-        final pass that closed it, leaves alone the slot another stream may hold by now)."""
-        if stream.closed:
-            return
-        stream.closed = True
         if not stream.in_slot:
-            self.overflow -= 1
-        elif stream.slot not in self.free:
+            if not stream.closed:
+                stream.closed = True
+                self.overflow -= 1
+            return
+        if stream.slot not in self.free:
             self.free.append(stream.slot)
             self.free.sort()
 
@@ -305,18 +293,17 @@ class FlowRunner:
         spks = torch.zeros(batch, bins, device=dev, dtype=self.dtype)
         self.graphs.run((batch, num_new, attn_len), [z, mu, spks, torch.zeros_like(mu), slots, starts, marker])
 
-    def capture_full(self, num_frames: int, batch: int = 1, final_lane: bool = False) -> None:
+    def capture_full(self, num_frames: int, batch: int = 1) -> None:
         """Capture the final pass (encoder + full-attention ODE) of `batch` streams of `num_frames`
-        (prompt included), on the scratch slot; final_lane: the final-pass worker's graph."""
-        graphs = self.lane_final_graphs if final_lane else self.final_graphs
-        if num_frames > self.max_frames or not graphs.enabled:
+        (prompt included), on the scratch slot."""
+        if num_frames > self.max_frames or not self.final_graphs.enabled:
             return
         padded = self._full_length(num_frames)
-        if (batch, padded) in graphs.graphs:
+        if (batch, padded) in self.final_graphs.graphs:
             return
         bins, dev = self.cfm.num_bins, self.device
         tokens = padded // UPSAMPLE
-        graphs.run((batch, padded), [
+        self.final_graphs.run((batch, padded), [
             torch.zeros(batch, tokens, dtype=torch.long, device=dev),
             torch.full((batch,), num_frames // UPSAMPLE, device=dev, dtype=torch.long),
             torch.zeros(batch, bins, padded, device=dev), torch.zeros(batch, bins, device=dev, dtype=self.dtype),
@@ -355,19 +342,15 @@ class FlowRunner:
         return self.full_passes([(prompt, target_ids, self.scratch)])[0]
 
     @torch.inference_mode()
-    def full_passes(self, items: Sequence[tuple[PromptCache, torch.Tensor, int]], final_lane: bool = False
-                    ) -> list[torch.Tensor | None]:
+    def full_passes(self, items: Sequence[tuple[PromptCache, torch.Tensor, int]]) -> list[torch.Tensor | None]:
         """Final calls of several streams: items are (prompt, target ids, pool slot whose conv tails to
-        compute in: the stream's own, which it no longer needs, or a scratch slot). Streams padded to the
-        same length share one graph replay. final_lane: run by the final-pass worker, beside the chunk
-        worker: its own graphs, and final_scratch for padding rows. None for a stream longer than the
-        official noise table."""
+        compute in: the stream's own, which it no longer needs, or the scratch slot). Streams padded to the
+        same length share one graph replay. None for a stream longer than the official noise table."""
         out: list[torch.Tensor | None] = [None] * len(items)
         frames = [UPSAMPLE * (prompt.prompt_tokens.shape[0] + ids.shape[0]) for prompt, ids, _ in items]
         fits = [i for i, n in enumerate(frames) if n <= self.cfm.rand_noise.shape[-1]]
         for padded, members in self._by_padded_length(fits, frames):
-            for i, mel in zip(members, self._full_batch(padded, [items[i] for i in members], final_lane),
-                              strict=True):
+            for i, mel in zip(members, self._full_batch(padded, [items[i] for i in members]), strict=True):
                 out[i] = mel
         return out
 
@@ -380,16 +363,16 @@ class FlowRunner:
         return [(padded, members[k:k + _WHOLE_PASS_ROWS]) for padded, members in groups.items()
                 for k in range(0, len(members), _WHOLE_PASS_ROWS)]
 
-    def _whole_pass_inputs(self, padded: int, items: Sequence[tuple[PromptCache, int, int]], scratch: int | None = None
+    def _whole_pass_inputs(self, padded: int, items: Sequence[tuple[PromptCache, int, int]]
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(z, cond, spks, slots) of a padded batch of whole-utterance passes from frame 0; items are
-        (prompt, frames, slot); rows past the items are padding on `scratch` (default the scratch slot)."""
+        (prompt, frames, slot); rows past the items are padding on the scratch slot."""
         rows = bucket(len(items))
         bins, dev = self.cfm.num_bins, self.device
         z = torch.zeros(rows, bins, padded, device=dev)
         cond = torch.zeros(rows, bins, padded, device=dev, dtype=self.dtype)
         spks = torch.zeros(rows, bins, device=dev, dtype=self.dtype)
-        slots = torch.full((rows,), self.scratch if scratch is None else scratch, device=dev, dtype=torch.long)
+        slots = torch.full((rows,), self.scratch, device=dev, dtype=torch.long)
         for j, (prompt, frames, slot) in enumerate(items):
             z[j, :, :frames] = self.cfm.noise(0, frames)[0].to(dev)
             cond[j, :, :prompt.prompt_mel.shape[0]] = prompt.prompt_mel.T
@@ -397,8 +380,7 @@ class FlowRunner:
             slots[j] = slot
         return z, cond, spks, slots
 
-    def _full_batch(self, padded: int, items: Sequence[tuple[PromptCache, torch.Tensor, int]],
-                    final_lane: bool = False) -> list[torch.Tensor]:
+    def _full_batch(self, padded: int, items: Sequence[tuple[PromptCache, torch.Tensor, int]]) -> list[torch.Tensor]:
         """PERF: the finalizing encoder of every stream (padded to the batch's length, masked) and the ODE
         run as one graph replay per (batch bucket, padded length)."""
         rows = bucket(len(items))
@@ -411,11 +393,9 @@ class FlowRunner:
             valid[j] = all_ids.shape[0]
             lengths.append(UPSAMPLE * all_ids.shape[0])
         z, cond, spks, slots = self._whole_pass_inputs(
-            padded, [(prompt, n, slot) for (prompt, _, slot), n in zip(items, lengths, strict=True)],
-            self.final_scratch if final_lane else self.scratch)
+            padded, [(prompt, n, slot) for (prompt, _, slot), n in zip(items, lengths, strict=True)])
         self.watch.lap("final_setup")
-        graphs = self.lane_final_graphs if final_lane else self.final_graphs
-        (x,) = graphs.run((rows, padded), [ids, valid, z, spks, cond, slots])
+        (x,) = self.final_graphs.run((rows, padded), [ids, valid, z, spks, cond, slots])
         out = [x[j, :, :frames].clone() for j, frames in enumerate(lengths)]
         self.watch.lap("final_pass")
         return out

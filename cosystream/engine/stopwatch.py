@@ -20,27 +20,19 @@ class Stopwatch:
         self.cuda = device.type == "cuda"
         self.host_s: dict[str, float] = {}
         self.gpu_s: dict[str, float] = {}
-        # laps per thread: the chunk worker and the final-pass worker time their batches at once
-        self._local = threading.local()
+        self._laps: list[tuple[str, float, torch.cuda.Event | None]] = []
         self._lock = threading.Lock()  # totals are read by /metrics from other threads
 
-    @property
-    def _laps(self) -> list[tuple[str, float, torch.cuda.Event | None]]:
-        laps = getattr(self._local, "laps", None)
-        if laps is None:
-            laps = self._local.laps = []
-        return laps
-
     def start(self) -> None:
-        self._local.laps = [("", time.perf_counter(), self._event())]
+        self._laps = [("", time.perf_counter(), self._event())]
 
     def lap(self, stage: str) -> None:
         if self._laps:
             self._laps.append((stage, time.perf_counter(), self._event()))
 
     def settle(self) -> None:
-        """Add the laps of this thread's batch, which just synchronised, to the totals."""
-        laps, self._local.laps = self._laps, []
+        """Add the laps of the batch that just synchronised to the totals."""
+        laps, self._laps = self._laps, []
         with self._lock:
             for (_, t0, e0), (stage, t1, e1) in zip(laps, laps[1:], strict=False):
                 self.host_s[stage] = self.host_s.get(stage, 0.0) + (t1 - t0)

@@ -61,13 +61,10 @@ class Token2WavRunner:
         self.device = flow.input_embedding.weight.device
         # token-to-wave graphs may replay beside the LM's (overlap): captured on a stream of their own
         graph_stream = capture_stream(self.device)
-        # the official final passes and their vocoder calls may replay beside the chunks' (EngineConfig.final_lane)
-        final_stream = capture_stream(self.device)
         self.watch = Stopwatch(self.device)  # stage times of the batches the engine runs
         slots = _pool_slots(flow, config) if self.device.type == "cuda" else 0
         self.pool = (FlowRunner(flow, slots, config.flow_frames, config.cuda_graphs, config.compile,
-                                config.fused_kernels, capture_stream=graph_stream, watch=self.watch,
-                                final_capture_stream=final_stream)
+                                config.fused_kernels, capture_stream=graph_stream, watch=self.watch)
                      if slots else None)
         if config.fused_kernels and triton_usable(self.device):
             hift.set_kernels(vocoder_kernels)  # one launch per Snake instead of seven
@@ -80,9 +77,6 @@ class Token2WavRunner:
         self.fingerprint = f"{flow.dims}|{flow.input_embedding.weight.dtype}"
         self.max_voice_caches = max_voice_caches
         self.max_overflow = config.flow_overflow_streams
-        # official final passes on the final-pass worker (EngineCore, EngineConfig.final_lane): warm-up captures
-        # that worker's graphs
-        self.final_lane = config.final_lane and config.overlap and config.final_attention == "full"
         self.overflow_started = 0  # streams started beyond the pool so far (a /metrics counter)
         self.max_voice_cache_bytes = int(config.max_voice_cache_gb * 2**30)
         self.sync = self.device.type == "cuda"
@@ -96,9 +90,6 @@ class Token2WavRunner:
                                      config.cuda_graphs, stream=graph_stream)
         self.hift_next = GraphCache(lambda mel, cache, noise: vocode(mel, cache, noise=noise),
                                     self.device, config.cuda_graphs, stream=graph_stream)
-        # the final lane's own graphs (static buffers of their own; never replayed by both workers at once)
-        self.hift_final = GraphCache(lambda mel, cache, noise: vocode(mel, cache, noise=noise),
-                                     self.device, config.cuda_graphs, stream=final_stream)
 
     # ------------------------------------------------------------------ per-voice and per-request state
     def prompt_cache(self, inputs: Any, voice_key: str | None, stored: dict[str, torch.Tensor] | None = None
@@ -207,30 +198,18 @@ class Token2WavRunner:
             self.pool.close(state.flow)
 
     # ------------------------------------------------------------------ chunks
-    def final_lane_stream(self, st: Token2WavState) -> bool:
-        """Whether this stream's final chunk may run on the final-pass worker (EngineConfig.final_lane): an
-        official final pass (a whole-utterance pass that reads no slot's keys) of a pooled stream, not the
-        stream's first chunk (an offline request's only chunk: that vocoder call has no graphs there)."""
-        return self.final_attention == "full" and isinstance(st.flow, PooledStream) and st.source_cache is not None
-
     @torch.inference_mode()
-    def run(self, jobs: Sequence[tuple[Token2WavState, list[int], ChunkPlan]], final_lane: bool = False
+    def run(self, jobs: Sequence[tuple[Token2WavState, list[int], ChunkPlan]]
             ) -> list[tuple[np.ndarray, float, float]]:
-        """Audio for each job (state, all tokens of the segment so far, plan): (pcm, flow_s, vocoder_s).
-        final_lane: the jobs are official final passes (`final_lane_job`) run by the final-pass worker, with
-        the pool's and HiFT's graphs and scratch slot of that worker."""
+        """Audio for each job (state, all tokens of the segment so far, plan): (pcm, flow_s, vocoder_s)."""
         t0 = time.perf_counter()
-        mels = self._flow(jobs, final_lane)
+        mels = self._flow(jobs)
         t1 = self._now()
-        wavs = self._vocode([(st, mel, plan.is_final) for (st, _, plan), mel in zip(jobs, mels, strict=True)],
-                            final_lane)
+        wavs = self._vocode([(st, mel, plan.is_final) for (st, _, plan), mel in zip(jobs, mels, strict=True)])
         self.watch.lap("vocoder")
         host = [w.float().cpu().numpy() for w in wavs]
         self.watch.lap("to_host")
         self.watch.settle()
-        if final_lane:  # only now (the passes are done on the GPU) may another stream take their slots
-            for st, _, _ in jobs:
-                self.release(st)
         t2 = time.perf_counter()
         return [(pcm, t1 - t0, t2 - t1) for pcm in host]
 
@@ -239,8 +218,7 @@ class Token2WavRunner:
             torch.cuda.current_stream(self.device).synchronize()
         return time.perf_counter()
 
-    def _flow(self, jobs: Sequence[tuple[Token2WavState, list[int], ChunkPlan]], final_lane: bool = False
-              ) -> list[torch.Tensor]:
+    def _flow(self, jobs: Sequence[tuple[Token2WavState, list[int], ChunkPlan]]) -> list[torch.Tensor]:
         """New target mel [80, F] per job; chunks adding equal frame counts share one batch."""
         mels: list[torch.Tensor | None] = [None] * len(jobs)
         groups: dict[tuple[bool, int, bool], list[tuple[int, tuple]]] = {}
@@ -288,28 +266,24 @@ class Token2WavRunner:
                 if final:
                     st.flow.is_finished = True
                     self.release(st)
-        self._finish_pooled(finals, mels, final_lane)
+        self._finish_pooled(finals, mels)
         self._recompute(recomputes, mels)
         return mels  # type: ignore[return-value]
 
     def _finish_pooled(self, finals: list[tuple[int, Token2WavState, torch.Tensor, ChunkPlan]],
-                       mels: list[torch.Tensor | None], final_lane: bool = False) -> None:
+                       mels: list[torch.Tensor | None]) -> None:
         """Official final calls of pooled streams, batched: each computes in its own slot (its incremental
-        state is no longer needed; a stream beyond the pool in its worker's scratch slot), streams of one
-        padded length in one graph replay."""
+        state is no longer needed), streams of one padded length in one graph replay."""
         if not finals:
             return
-        scratch = self.pool.final_scratch if final_lane else self.pool.scratch
-        full = self.pool.full_passes([(st.flow.prompt, ids[0], st.flow.slot if st.flow.in_slot else scratch)
-                                      for _, st, ids, _ in finals], final_lane)
+        full = self.pool.full_passes([(st.flow.prompt, ids[0], st.flow.slot) for _, st, ids, _ in finals])
         for (i, st, ids, plan), mel in zip(finals, full, strict=True):
             if mel is None:
                 mels[i] = self._finish_eager(st, ids, plan)
                 self.watch.lap("eager_flow")
                 continue
             st.flow.is_finished = True
-            if not final_lane:  # the final-pass worker releases after its passes are done (run)
-                self.release(st)
+            self.release(st)
             mels[i] = mel[:, self._emitted_from(st, plan):]
 
     def flow_group(self, st: Token2WavState, plan: ChunkPlan) -> tuple[bool, int, bool] | None:
@@ -391,8 +365,7 @@ class Token2WavRunner:
     def _tokens(self, tokens: list[int]) -> torch.Tensor:
         return torch.tensor(tokens, dtype=torch.long, device=self.device).unsqueeze(0)
 
-    def _vocode(self, items: list[tuple[Token2WavState, torch.Tensor, bool]], final_lane: bool = False
-                ) -> list[torch.Tensor]:
+    def _vocode(self, items: list[tuple[Token2WavState, torch.Tensor, bool]]) -> list[torch.Tensor]:
         """Continuity-cached HiFT per job; calls with equal mel length run as one batch."""
         inputs = [self._vocoder_input(st, mel) for st, mel, _ in items]
         out: list[torch.Tensor | None] = [None] * len(items)
@@ -400,7 +373,7 @@ class Token2WavRunner:
         for i, mel in enumerate(inputs):
             groups.setdefault((mel.shape[-1], items[i][0].source_cache is None), []).append(i)
         for idx in groups.values():
-            wavs, sources = self._hift_batch([items[i][0] for i in idx], [inputs[i] for i in idx], final_lane)
+            wavs, sources = self._hift_batch([items[i][0] for i in idx], [inputs[i] for i in idx])
             for j, i in enumerate(idx):
                 st, _, final = items[i]
                 out[i] = self._continue(st, inputs[i], wavs[j], sources[j], final)
@@ -413,7 +386,7 @@ class Token2WavRunner:
             mel = F.interpolate(mel[None], size=max(1, int(mel.shape[-1] / st.speed)), mode="linear")[0]
         return mel if st.mel_cache is None else torch.cat([st.mel_cache, mel], dim=-1)
 
-    def _hift_batch(self, states: list[Token2WavState], mels: list[torch.Tensor], final_lane: bool = False
+    def _hift_batch(self, states: list[Token2WavState], mels: list[torch.Tensor]
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         mel = torch.stack(mels)
         overrides = [self.source_override(st.key, st.chunk_index) if self.source_override else None
@@ -429,8 +402,7 @@ class Token2WavRunner:
             wav, source = self.hift_first.run((padded, mel.shape[-1]), [mel, noise])
         else:
             cache = _pad_rows(torch.stack([st.source_cache for st in states]), padded)
-            graphs = self.hift_final if final_lane else self.hift_next
-            wav, source = graphs.run((padded, mel.shape[-1]), [mel, cache, noise])
+            wav, source = self.hift_next.run((padded, mel.shape[-1]), [mel, cache, noise])
         # graph outputs are reused by the next replay: keep copies
         return wav[:rows].clone(), source[:rows].clone()
 
@@ -503,28 +475,24 @@ class Token2WavRunner:
                     self.pool.capture_recompute(end, b)
         for b in batches:
             if self.final_attention == "full":
-                self.pool.capture_full(UPSAMPLE * (prompt_tokens + target_tokens), b, final_lane=self.final_lane)
+                self.pool.capture_full(UPSAMPLE * (prompt_tokens + target_tokens), b)
             for num_new, attn_len in shapes:
                 self.pool.capture(b, num_new, attn_len)
             for start, n, has_context in encoder_shapes:
                 self.pool.capture_encoder(b, start, n, has_context)
             for frames, has_cache in mel_lengths:
                 self._capture_hift(b, frames, has_cache)
-            if self.final_lane and mel_lengths[-1][1]:  # the final pass's vocoder call, on its worker
-                self._capture_hift(b, *mel_lengths[-1], final_lane=True)
         pool = self.pool
-        return sum(len(cache.graphs) for cache in (pool.graphs, pool.final_graphs, pool.lane_final_graphs,
-                                                    pool.encoder_graphs, pool.recompute_graphs, self.hift_first,
-                                                    self.hift_next, self.hift_final))
+        return sum(len(cache.graphs) for cache in (pool.graphs, pool.final_graphs, pool.encoder_graphs,
+                                                    pool.recompute_graphs, self.hift_first, self.hift_next))
 
-    def _capture_hift(self, batch: int, frames: int, has_cache: bool, final_lane: bool = False) -> None:
+    def _capture_hift(self, batch: int, frames: int, has_cache: bool) -> None:
         mel = torch.zeros(batch, self.hift.conv_pre.weight.shape[1], frames, device=self.device,
                           dtype=self.hift.conv_pre.weight.dtype)
         noise = torch.zeros(batch, frames * self.hift.upsample_scale, self.hift.m_source.num_harmonics,
                             device=self.device)
         if has_cache:
-            graphs = self.hift_final if final_lane else self.hift_next
-            graphs.run((batch, frames), [mel, torch.zeros(batch, 1, self.overlap, device=self.device), noise])
+            self.hift_next.run((batch, frames), [mel, torch.zeros(batch, 1, self.overlap, device=self.device), noise])
         else:
             self.hift_first.run((batch, frames), [mel, noise])
 

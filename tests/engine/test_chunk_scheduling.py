@@ -229,7 +229,7 @@ def test_a_phase_that_comes_back_is_emitted_while_the_rest_of_its_batch_still_ru
     core._in_flight = list(jobs)
     core._first_in_flight = {id(new)}
     ran: list[str] = []
-    core._t2w_later(ran.append, "release")  # e.g. a flow slot given back: waits for the batch
+    core._after_batch.append(lambda: ran.append("release"))  # e.g. a flow slot given back
     pcm = np.zeros(480, dtype=np.float32)
     core._chunks_done(jobs[:1], [(pcm, 0.02, 0.003)], None, time.perf_counter(), last=False)
     assert len(got["new"]) == 1 and not got["ending"]  # the first chunk is out, the final still computes
@@ -313,7 +313,7 @@ def test_handed_back_jobs_open_the_next_batch_with_their_plans_behind_the_new_fi
     core._in_flight = [_job(first, False)] + planned
     core._first_in_flight = {id(first)}
     ran: list[str] = []
-    core._t2w_later(ran.append, "release")
+    core._after_batch.append(lambda: ran.append("release"))
     pcm = np.zeros(480, dtype=np.float32)
     core._chunks_done(core._in_flight[:1], [(pcm, 0.02, 0.003)], None, time.perf_counter(), last=True,
                       returned=planned)
@@ -602,23 +602,3 @@ def test_a_batch_of_open_jobs_opens_streams_and_runs_no_flow():
     assert run_jobs(t2w, [ok, bad], torch.device("cpu"), [[ok, bad]], 0, rider_streams=16) == [None, None]
     assert ok.state is not None and ok.error is None and isinstance(bad.error, RuntimeError)
     assert t2w.runs == [] and t2w.settled == 1
-
-
-def test_slot_releases_and_engine_calls_wait_for_the_batches_of_both_workers():
-    """With official final passes on a worker of their own, a stream's release (or an engine call, which may
-    use any graph) asked for while both workers run a batch waits for both batches to come back."""
-    from cosystream.engine.core import _Message
-
-    core = _core()
-    core._in_flight, core._final_in_flight = [], []  # a batch on each worker
-    ran: list[str] = []
-    core._t2w_later(ran.append, "release")
-    done, box = threading.Event(), {}
-    core._handle(_Message("call", (ran.append, ("call",), done, box)))
-    assert ran == [] and len(core._after_batch) == len(core._after_finals) == 1
-    core._finals_done([], [], None, time.perf_counter())
-    assert ran == [] and not done.is_set()  # the chunk worker's batch is still out
-    core._chunks_done([], [], None, time.perf_counter())
-    assert ran == ["release", "call"] and done.is_set()
-    core._t2w_later(ran.append, "now")  # nothing out: at once
-    assert ran[-1] == "now"

@@ -121,8 +121,8 @@ def test_nan_in_the_audio_fails_that_request(engine, voice, alone, monkeypatch):
     t2w = engine.async_engine.token2wav
     real_flow = t2w._flow
 
-    def flow_with_nan(jobs, *lane):
-        mels = real_flow(jobs, *lane)
+    def flow_with_nan(jobs):
+        mels = real_flow(jobs)
         return [m * float("nan") if st.key[0] == BAD else m for (st, _, _), m in zip(jobs, mels, strict=True)]
 
     monkeypatch.setattr(t2w, "_flow", flow_with_nan)

@@ -156,29 +156,3 @@ def test_a_voice_prompt_longer_than_a_slot_is_not_encoded(checkpoint, load_fixtu
     assert t2w._build_prompt_cache(inputs).num_tokens == 0
     t2w.pool = FlowRunner(t2w.flow, num_slots=1, max_frames=512, use_graphs=False)
     assert t2w._build_prompt_cache(inputs).num_tokens > 0
-
-
-def test_official_final_passes_on_their_own_worker_sound_as_the_eager_path(model_dir, fixture_dir, tmp_path):
-    """EngineConfig.final_lane: with the overlap on, the official final passes of pooled streams run on a
-    worker of their own (its own scratch slot and vocoder graphs), beside the chunk worker; a stream's slot
-    goes back once its pass is done. Requests sent together, each sounding as alone on the eager path."""
-    eng = Engine.from_pretrained(model_dir, voices_db=str(tmp_path / "v.db"), max_streams=4,
-                                 overlap_token2wav=True)
-    try:
-        eng.run(eng.async_engine.add_voice("v", str(fixture_dir / "prompt_24k.wav"), "Hello there."))
-        params = [SynthesisParams(text="a line to say, a little longer.", voice="v", force_tokens=60 + 10 * i,
-                                  sampling=SamplingParams(greedy=True, seed=i)) for i in range(3)]
-        want = [eng.synthesize(p) for p in params]  # no pool on the CPU: the eager path, on the chunk worker
-        core = eng.async_engine.core
-        assert core._finals is not None and core.final_passes == 0
-        t2w = core.t2w
-        t2w.pool = FlowRunner(t2w.flow, num_slots=2, max_frames=512, use_graphs=False)
-        results = synthesize_together(eng, params)
-        assert all(not isinstance(r, Exception) for r in results), results
-        assert core.final_passes == len(params)
-        for got, ref in zip(results, want, strict=True):
-            assert got.times.num_tokens == ref.times.num_tokens and len(got.pcm) == len(ref.pcm)
-            np.testing.assert_allclose(got.pcm, ref.pcm, atol=2e-3)
-        assert t2w.pool.free == [0, 1] and core._final_in_flight is None and not core._after_finals
-    finally:
-        eng.close()
