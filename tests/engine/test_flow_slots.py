@@ -77,7 +77,9 @@ def test_streams_beyond_the_pool_start_at_once_and_sound_as_the_eager_path(model
         assert all(not isinstance(r, Exception) for r in results), results
         assert (False, 1) in opened and len(opened) == 3  # one stream ran beyond the pool, never two at once
         assert all(n <= 1 for _, n in opened)
-        assert recomputed and all(f == (final_attention == "chunk") for f in recomputed if f)
+        assert False in recomputed  # the stream beyond the pool recomputed its non-final chunks
+        # its final: the official pass in "full" (no recompute), a recomputed finalizing chunk in "chunk"
+        assert (True in recomputed) == (final_attention == "chunk")
         for got, ref in zip(results, want, strict=True):
             assert got.times.num_tokens == ref.times.num_tokens and len(got.pcm) == len(ref.pcm)
             np.testing.assert_allclose(got.pcm, ref.pcm, atol=2e-3)
