@@ -13,16 +13,7 @@ for cfg in ${CONFIGS:-defaults}; do
   extra=(); [ "$cfg" = defaults ] || extra=(--config "$cfg")
   python3 -m cosystream.cli serve --model-dir /tmp/m05 "${extra[@]}" > "/tmp/serve_$name.log" 2>&1 &
   server=$!
-  python3 - <<'PY'
-import time, httpx
-for _ in range(300):
-    try:
-        if httpx.get("http://127.0.0.1:8000/ready", timeout=2).status_code == 200:
-            break
-    except httpx.HTTPError:
-        pass
-    time.sleep(1)
-PY
+  python3 benchmarks/wait_ready.py
   for r in $(seq 1 "${RUNS:-3}"); do
     echo "== $cfg run $r"
     $BENCH --concurrency 1,16 --requests-per-level 80 --tag "config=$cfg" --out "$OUT/http_${name}_r$r.json" 2>&1 \

@@ -6,13 +6,4 @@ python3 -m cosystream.cli serve --model-dir /tmp/m05 --config flow_slots=28 --co
   --log-level "${SERVE_LOG_LEVEL:-info}" > /tmp/serve.log 2>&1 &
 SERVER=$!
 python3 benchmarks/workload.py /tmp/wl > /dev/null
-python3 - <<'PY'
-import time, httpx
-for _ in range(300):
-    try:
-        if httpx.get("http://127.0.0.1:8000/ready", timeout=2).status_code == 200:
-            break
-    except httpx.HTTPError:
-        pass
-    time.sleep(1)
-PY
+python3 benchmarks/wait_ready.py

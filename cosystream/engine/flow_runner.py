@@ -438,10 +438,11 @@ class FlowRunner:
         lengths = []
         for j, (prompt, target, finalize, _) in enumerate(items):
             all_ids = _all_ids(prompt, target)
+            num_positions = all_ids.shape[0] - (0 if finalize else lookahead)
             ids[j, :all_ids.shape[0]] = all_ids
             valid[j] = all_ids.shape[0]
-            positions[j] = all_ids.shape[0] - (0 if finalize else lookahead)
-            lengths.append(UPSAMPLE * int(positions[j]))
+            positions[j] = num_positions
+            lengths.append(UPSAMPLE * num_positions)  # from the host's int: reading positions back would sync
         z, cond, spks, slots = self._whole_pass_inputs(
             padded, [(prompt, n, slot) for (prompt, _, _, slot), n in zip(items, lengths, strict=True)])
         self.watch.lap("recompute_setup")

@@ -95,9 +95,9 @@ class Token2WavRunner:
     def prompt_cache(self, inputs: Any, voice_key: str | None, stored: dict[str, torch.Tensor] | None = None
                      ) -> PromptCache:
         """A voice's encoded prompt: from memory, else from its stored record, else computed (once)."""
-        if voice_key is not None and voice_key in self.voice_caches:
-            self.voice_caches.move_to_end(voice_key)
-            return self.voice_caches[voice_key]
+        cache = self._in_memory(voice_key)
+        if cache is not None:
+            return cache
         cache = self._from_store(stored)
         if cache is None:
             cache = self._build_prompt_cache(inputs)
@@ -108,6 +108,13 @@ class Token2WavRunner:
             self.voice_caches[voice_key] = cache
             self._evict_voice_caches()
         return cache
+
+    def _in_memory(self, voice_key: str | None) -> PromptCache | None:
+        """The voice's encoded prompt if memory holds it (marked as just used), else None."""
+        if voice_key is None or voice_key not in self.voice_caches:
+            return None
+        self.voice_caches.move_to_end(voice_key)
+        return self.voice_caches[voice_key]
 
     def _evict_voice_caches(self) -> None:
         """Least recently used first, down to max_voice_caches voices and max_voice_cache_bytes (the newest
@@ -181,10 +188,8 @@ class Token2WavRunner:
         """The prompt of a stream beyond the pool, which recomputes its frames at every chunk: the voice's
         cache when in memory (its tokens, mel and speaker row), else the prompt alone, unencoded (without
         a free slot, encoding it would be an eager flow pass: ≈ 0.5 s of Python launches on the H100)."""
-        if voice_key is not None and voice_key in self.voice_caches:
-            self.voice_caches.move_to_end(voice_key)
-            return self.voice_caches[voice_key]
-        return self.stream.empty_prompt(*self._prompt_args(inputs))
+        cache = self._in_memory(voice_key)
+        return cache if cache is not None else self.stream.empty_prompt(*self._prompt_args(inputs))
 
     def opened(self) -> None:
         """A batch that only opened streams: wait for its copies (this thread's stream only) so the stage
@@ -469,10 +474,10 @@ class Token2WavRunner:
             frame, cached = end, True
         batches = [b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64) if b <= bucket(len(self.pool.free))]
         # streams beyond the pool recompute each chunk that is not an official final pass
-        for b in (1, 2, 4, 8, 16) if self.max_overflow else ():
-            if b <= bucket(self.max_overflow):
-                for end in recompute_ends:
-                    self.pool.capture_recompute(end, b)
+        overflow_batches = [b for b in (1, 2, 4, 8, 16) if self.max_overflow and b <= bucket(self.max_overflow)]
+        for b in overflow_batches:
+            for end in recompute_ends:
+                self.pool.capture_recompute(end, b)
         for b in batches:
             if self.final_attention == "full":
                 self.pool.capture_full(UPSAMPLE * (prompt_tokens + target_tokens), b)
