@@ -59,6 +59,10 @@ class EngineConfig:
     # batch runs asks the worker to hand back the batch's phases it has not started (later chunks, official
     # final passes), so it waits for one phase, not the whole batch. False: batches always run to the end.
     preempt_token2wav: bool = True
+    # With preemption on, a phase of official final passes (whole-utterance ODEs, ≈ 270 ms for 16 streams
+    # on the H100) also stops between two of its Euler steps for such a chunk and goes on after it; the
+    # passes give their flow slots back when they begin (they read none). False: a phase of them runs whole.
+    pause_final_passes: bool = True
     # A phase of first chunks takes along later chunks whose ODE has the same shape (a second chunk's new
     # frames equal a first chunk's), up to this many streams in the call: small ODE calls are launch-bound,
     # so the first chunks wait little longer and the token-to-wave worker saves a call. 0: never.

@@ -67,7 +67,8 @@ class _Message:
 class EngineCore:
     def __init__(self, lm_runner: LMRunner, token2wav: Any, lm: Any, max_chunk_batch: int = 64,
                  overlap: bool = True, chunk_slack_s: float = 0.0, first_chunk_wait_s: float = 0.0,
-                 preempt: bool = True, rider_streams: int = 16, open_ahead: bool = True) -> None:
+                 preempt: bool = True, rider_streams: int = 16, open_ahead: bool = True,
+                 pause_final_passes: bool = True) -> None:
         self.lm_runner = lm_runner
         self.t2w = token2wav
         self.lm = lm
@@ -75,6 +76,7 @@ class EngineCore:
         self.chunk_slack_s = chunk_slack_s
         self.first_chunk_wait_s = first_chunk_wait_s
         self.preempt = preempt
+        self.pause_final_passes = preempt and pause_final_passes
         self.rider_streams = rider_streams
         self.open_ahead = open_ahead
         self._step_s: float | None = None  # decode step period (moving average), for first-chunk waits
@@ -970,12 +972,14 @@ def _riders(t2w: Any, jobs: list[_Job], pool: list[_Job], limit: int) -> list[_J
 
 
 def run_jobs(t2w: Any, jobs: list[_Job], device: torch.device, phases: list[list[_Job]] | None = None, i: int = 0,
-             rider_streams: int = 0) -> list[tuple | None]:
+             rider_streams: int = 0, should_stop: Callable[[], bool] | None = None) -> list[tuple | None] | None:
     """Open the streams that start with this batch, then voice every job whose stream is open. With the
     batch's `phases` (`jobs` being phase i, or part of it), the jobs of phase i + 1 that can share its ODE
     calls (`_riders`) leave that phase and are appended to `jobs` before anything runs, so a caller
     that sees the run fail fails them with it. Returns each job's (pcm, flow_s, vocoder_s), riders
-    included; None for a job that failed alone (its error is on the job) or only opened its stream (no plan)."""
+    included; None for a job that failed alone (its error is on the job) or only opened its stream (no plan).
+    should_stop: passed to t2w.run, which may pause a phase of official final passes between Euler steps;
+    then the whole result is None (nothing voiced: the jobs go on in a later batch)."""
     t2w.watch.start()
     for job in jobs:
         if job.open_args is not None:
@@ -992,7 +996,10 @@ def run_jobs(t2w: Any, jobs: list[_Job], device: torch.device, phases: list[list
         jobs.extend(riders)
     runnable = [job for job in jobs if job.error is None and job.plan is not None]
     if runnable:
-        results = t2w.run([(job.state, job.seg.tokens[:], job.plan) for job in runnable])
+        items = [(job.state, job.seg.tokens[:], job.plan) for job in runnable]
+        results = t2w.run(items) if should_stop is None else t2w.run(items, should_stop=should_stop)
+        if results is None:
+            return None
     else:  # streams opened ahead of their first chunk (or none could open)
         results = []
         t2w.opened()
@@ -1038,23 +1045,28 @@ class _ChunkWorker:
                     error = e
                 now = time.perf_counter()
                 rest = phases[i + 1:]
-                stop = bool(rest) and self.preempt.is_set()
+                paused = error is None and results is None  # final passes stopped between Euler steps
+                stop = paused or (bool(rest) and self.preempt.is_set())
                 # one message with the unstarted jobs: the engine must not plan before it has them back
-                returned = [job for phase in rest for job in phase] if stop else []
-                self.core.inbox.put(_Message("chunks_done", (jobs, results, error, now, now - t0,
+                returned = [job for phase in ([jobs] if paused else []) + rest for job in phase] if stop else []
+                done, results = ([], []) if paused else (jobs, results)
+                self.core.inbox.put(_Message("chunks_done", (done, results, error, now, now - t0,
                                                              not rest or stop, returned)))
                 if stop:
                     break
                 i += 1
 
-    def _compute(self, phases: list[list[_Job]], i: int) -> list:
+    def _compute(self, phases: list[list[_Job]], i: int) -> list | None:
+        """Phase i's results, or None: a phase of official final passes paused (the engine asked to
+        preempt) between two Euler steps (EngineConfig.pause_final_passes)."""
         device, limit = self.core.lm_runner.device, self.core.rider_streams
+        should_stop = self.preempt.is_set if self.core.pause_final_passes else None
         if self.stream is None:
-            return run_jobs(self.core.t2w, phases[i], device, phases, i, limit)
+            return run_jobs(self.core.t2w, phases[i], device, phases, i, limit, should_stop)
         # the batch may read what the engine thread wrote on its stream (prompt caches of new voices)
         self.stream.wait_stream(self.core.gpu_stream)
         with torch.cuda.stream(self.stream):
-            return run_jobs(self.core.t2w, phases[i], device, phases, i, limit)
+            return run_jobs(self.core.t2w, phases[i], device, phases, i, limit, should_stop)
 
 
 __all__ = ["EngineCore", "RowSampling"]

@@ -60,10 +60,11 @@ def scrub_lm_slot(lm_runner: Any, slot: int) -> None:
 
 
 def scrub_flow_slot(token2wav: Any, state: Any) -> None:
-    """Zero a failed stream's flow-pool rows (keys/values and conv tails of both CFG rows), if it has any."""
+    """Zero a failed stream's flow-pool rows (keys/values and conv tails of both CFG rows), if it still holds
+    a slot (one given back, e.g. when its final pass began, may be another stream's by now)."""
     pool, flow = getattr(token2wav, "pool", None), getattr(state, "flow", None)
     slot = getattr(flow, "slot", None)
-    if pool is None or slot is None:
+    if pool is None or slot is None or getattr(flow, "closed", False) or not getattr(flow, "in_slot", True):
         return
     rows = slice(2 * slot, 2 * slot + 2)
     pool.kv[:, :, :, rows].zero_()

@@ -5,7 +5,8 @@ of its finished frames and its causal-conv tails (models/flow_stream.py explains
 batch of chunks that add the same number of frames runs the whole 10-step ODE as one graph replay,
 keyed by (batch bucket, new frames, attended-length bucket); before it, one batched encoder step per
 group of streams at the same token (the slot's encoder caches are pooled too). Official final chunks
-(full attention, finalizing encoder) run as one graph per (batch bucket, padded length).
+(full attention, finalizing encoder) run as a `FinalPass`: one encoder graph, then one graph replay per
+Euler step, so a batch of them can pause between steps (core._ChunkWorker) and needs no slot while it runs.
 Pool memory: models.flow_stream.cache_bytes_per_frame × slots × frames (≈ 2.3 MB per frame for
 CosyVoice2-0.5B in bf16), so the pool is sized by EngineConfig.flow_slots × flow_frames. A stream takes a
 slot when its first chunk fits; its chunks past the slot recompute every frame as the official code does
@@ -55,6 +56,31 @@ class PooledStream:
         return UPSAMPLE * self.encoder.num_tokens
 
 
+@dataclass
+class FinalPass:
+    """Official final passes of a batch of streams (one padded length) in progress: the ODE state and the
+    estimator's CFG inputs, owned here, so the pass can stop after any Euler step and go on later while
+    other batches replay the same graphs. It reads no pool slot (own keys, conv tails from zero)."""
+
+    key: tuple[int, int]  # (batch bucket, padded frames): the graphs it replays
+    x: torch.Tensor  # [rows, 80, padded] float32
+    mu: torch.Tensor  # [2·rows, 80, padded], CFG rows, model dtype
+    spks: torch.Tensor  # [2·rows, 80]
+    cond: torch.Tensor  # [2·rows, 80, padded]
+    frames: torch.Tensor  # [rows] each row's frames (device)
+    lengths: list[int]  # the same, on the host
+    num_steps: int
+    step: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.num_steps
+
+    def mel(self, row: int) -> torch.Tensor:
+        """Row's mel [80, frames] (prompt frames included); valid once done."""
+        return self.x[row, :, :self.lengths[row]]
+
+
 class FlowRunner:
     def __init__(self, flow: Flow, num_slots: int, max_frames: int, use_graphs: bool = True,
                  compile: bool = False, fused_kernels: bool = True,
@@ -80,7 +106,11 @@ class FlowRunner:
         self.chunk = est.dims.static_chunk_size
         self.graphs = GraphCache(self._ode, self.device, use_graphs, stream=capture_stream)
         self.encoder_graphs = GraphCache(self._encode_core, self.device, use_graphs, stream=capture_stream)
-        self.final_graphs = GraphCache(self._final_core, self.device, use_graphs, stream=capture_stream)
+        self.final_encoder_graphs = GraphCache(self._final_encode_core, self.device, use_graphs, stream=capture_stream)
+        self.final_step_graphs = GraphCache(self._final_step_core, self.device, use_graphs, stream=capture_stream)
+        # each Euler step's t and dt on the device, read by the one graph every step of a final pass replays
+        self.t_steps = torch.tensor(self.cfm.t_steps, device=self.device, dtype=torch.float32)
+        self.dt_steps = torch.tensor(self.cfm.dt_steps, device=self.device, dtype=torch.float32)
         self.recompute_graphs = GraphCache(self._recompute_core, self.device, use_graphs, stream=capture_stream)
         self._step = maybe_compile(est.step, compile)
         self.watch = watch or Stopwatch(self.device)
@@ -154,14 +184,16 @@ class FlowRunner:
         return PooledStream(self.scratch, prompt, self.flow.encoder.new_state(0), in_slot=False)
 
     def close(self, stream: PooledStream) -> None:
-        if not stream.in_slot:
-            if not stream.closed:
-                stream.closed = True
-                self.overflow -= 1
+        """Give the stream's slot (or its room beyond the pool) back; again is a no-op (a stream's slot
+        goes back when its final pass starts, and the stream is released again when it ends)."""
+        if stream.closed:
             return
-        if stream.slot not in self.free:
-            self.free.append(stream.slot)
-            self.free.sort()
+        stream.closed = True
+        if not stream.in_slot:
+            self.overflow -= 1
+            return
+        self.free.append(stream.slot)
+        self.free.sort()
 
     # ------------------------------------------------------------------ chunks
     @torch.inference_mode()
@@ -294,37 +326,24 @@ class FlowRunner:
         self.graphs.run((batch, num_new, attn_len), [z, mu, spks, torch.zeros_like(mu), slots, starts, marker])
 
     def capture_full(self, num_frames: int, batch: int = 1) -> None:
-        """Capture the final pass (encoder + full-attention ODE) of `batch` streams of `num_frames`
-        (prompt included), on the scratch slot."""
-        if num_frames > self.max_frames or not self.final_graphs.enabled:
+        """Capture the final pass's graphs (its encoder; one Euler step) for `batch` streams of `num_frames`
+        (prompt included); padding rows only."""
+        rows, padded = bucket(batch), self._full_length(num_frames)
+        if not self.final_step_graphs.enabled or (rows, padded) in self.final_step_graphs.graphs:
             return
-        padded = self._full_length(num_frames)
-        if (batch, padded) in self.final_graphs.graphs:
-            return
-        bins, dev = self.cfm.num_bins, self.device
-        tokens = padded // UPSAMPLE
-        self.final_graphs.run((batch, padded), [
-            torch.zeros(batch, tokens, dtype=torch.long, device=dev),
-            torch.full((batch,), num_frames // UPSAMPLE, device=dev, dtype=torch.long),
-            torch.zeros(batch, bins, padded, device=dev), torch.zeros(batch, bins, device=dev, dtype=self.dtype),
-            torch.zeros(batch, bins, padded, device=dev, dtype=self.dtype),
-            torch.full((batch,), self.scratch, device=dev, dtype=torch.long)])
+        self.final_step(self.begin_final(padded, [], rows=rows))
 
     def capture_recompute(self, num_frames: int, batch: int = 1) -> None:
         """Capture the recompute pass (`recompute_many`) of `batch` streams of `num_frames` (prompt
-        included), on the scratch slot (warm-up: streams beyond the pool take this path at every chunk)."""
+        included); padding rows only (warm-up: streams beyond the pool take this path at every chunk)."""
         rows, padded = bucket(batch), self._full_length(num_frames)
         if not self.recompute_graphs.enabled or (rows, padded) in self.recompute_graphs.graphs:
             return
         tokens = padded // UPSAMPLE
         ids = torch.zeros(rows, tokens + self.flow.dims.pre_lookahead_len, dtype=torch.long, device=self.device)
         valid = torch.full((rows,), ids.shape[1], device=self.device, dtype=torch.long)
-        bins, dev = self.cfm.num_bins, self.device
-        self.recompute_graphs.run((rows, padded), [
-            ids, valid, torch.full_like(valid, tokens), torch.zeros(rows, bins, padded, device=dev),
-            torch.zeros(rows, bins, device=dev, dtype=self.dtype),
-            torch.zeros(rows, bins, padded, device=dev, dtype=self.dtype),
-            torch.full((rows,), self.scratch, device=dev, dtype=torch.long)])
+        z, cond, spks = self._whole_pass_inputs(padded, rows, [])
+        self.recompute_graphs.run((rows, padded), [ids, valid, torch.full_like(valid, tokens), z, spks, cond])
 
     def _full_length(self, num_frames: int) -> int:
         """Frames a final pass is padded to (even: whole tokens). Not capped by the slot: the pass attends
@@ -336,23 +355,85 @@ class FlowRunner:
 
     @torch.inference_mode()
     def full_pass(self, prompt: PromptCache, target_ids: torch.Tensor) -> torch.Tensor | None:
-        """The official final call (full attention, zero look-ahead) over prompt + every target token, on
-        the scratch slot. Returns mel [80, F] (prompt frames included), or None when it does not fit the
-        pool (the caller then runs it eagerly)."""
-        return self.full_passes([(prompt, target_ids, self.scratch)])[0]
+        """The official final call (full attention, zero look-ahead) over prompt + every target token.
+        Returns mel [80, F] (prompt frames included), or None when it is longer than the official noise
+        table (the caller then runs it eagerly)."""
+        return self.full_passes([(prompt, target_ids)])[0]
 
     @torch.inference_mode()
-    def full_passes(self, items: Sequence[tuple[PromptCache, torch.Tensor, int]]) -> list[torch.Tensor | None]:
-        """Final calls of several streams: items are (prompt, target ids, pool slot whose conv tails to
-        compute in: the stream's own, which it no longer needs, or the scratch slot). Streams padded to the
-        same length share one graph replay. None for a stream longer than the official noise table."""
-        out: list[torch.Tensor | None] = [None] * len(items)
-        frames = [UPSAMPLE * (prompt.prompt_tokens.shape[0] + ids.shape[0]) for prompt, ids, _ in items]
+    def full_passes(self, items: Sequence[tuple[PromptCache, torch.Tensor]]) -> list[torch.Tensor | None]:
+        """Final calls of several streams, items (prompt, target ids), run to the end (`begin_finals`)."""
+        begun = self.begin_finals(items)
+        out: list[torch.Tensor | None] = []
+        for item in begun:
+            if item is None:
+                out.append(None)
+                continue
+            final, row = item
+            self.finish_final(final)
+            out.append(final.mel(row))
+        return out
+
+    @torch.inference_mode()
+    def begin_finals(self, items: Sequence[tuple[PromptCache, torch.Tensor]]) -> list[tuple[FinalPass, int] | None]:
+        """Start the official final calls of several streams, items (prompt, target ids): streams padded to
+        the same length share a FinalPass (its encoder has run, no Euler step yet). Returns each item's
+        (pass, row), or None for a stream longer than the official noise table."""
+        out: list[tuple[FinalPass, int] | None] = [None] * len(items)
+        frames = [UPSAMPLE * (prompt.prompt_tokens.shape[0] + ids.shape[0]) for prompt, ids in items]
         fits = [i for i, n in enumerate(frames) if n <= self.cfm.rand_noise.shape[-1]]
         for padded, members in self._by_padded_length(fits, frames):
-            for i, mel in zip(members, self._full_batch(padded, [items[i] for i in members]), strict=True):
-                out[i] = mel
+            final = self.begin_final(padded, [items[i] for i in members])
+            for row, i in enumerate(members):
+                out[i] = (final, row)
+        self.watch.lap("final_setup")
         return out
+
+    def begin_final(self, padded: int, items: Sequence[tuple[PromptCache, torch.Tensor]],
+                    rows: int | None = None) -> FinalPass:
+        """PERF: the finalizing encoder of every stream (padded to the batch's length, masked) as one graph
+        replay per (batch bucket, padded length); rows past the items (at least `rows`) are padding."""
+        rows = bucket(max(len(items), rows or 1))
+        ids = torch.zeros(rows, padded // UPSAMPLE, dtype=torch.long, device=self.device)
+        valid = torch.full((rows,), padded // UPSAMPLE, device=self.device, dtype=torch.long)
+        lengths = []
+        for j, (prompt, target) in enumerate(items):
+            all_ids = _all_ids(prompt, target)
+            ids[j, :all_ids.shape[0]] = all_ids
+            valid[j] = all_ids.shape[0]
+            lengths.append(UPSAMPLE * all_ids.shape[0])
+        z, cond, spks = self._whole_pass_inputs(
+            padded, rows, [(prompt, n) for (prompt, _), n in zip(items, lengths, strict=True)])
+        mu, spks, cond = self.final_encoder_graphs.run((rows, padded), [ids, valid, spks, cond])
+        # graph outputs are overwritten by the next replay of this shape: the pass keeps its own
+        return FinalPass((rows, padded), z, mu.clone(), spks.clone(), cond.clone(), UPSAMPLE * valid, lengths,
+                         self.cfm.num_steps)
+
+    @torch.inference_mode()
+    def final_step(self, final: FinalPass) -> None:
+        """One Euler step of a final pass (one graph replay)."""
+        (x,) = self.final_step_graphs.run(final.key, [final.x, final.mu, final.spks, final.cond, final.frames,
+                                                      self.t_steps[final.step], self.dt_steps[final.step]])
+        final.x.copy_(x)
+        final.step += 1
+
+    @torch.inference_mode()
+    def finish_final(self, final: FinalPass) -> None:
+        """The Euler steps a final pass has left."""
+        while not final.done:
+            self.final_step(final)
+        self.watch.lap("final_pass")
+
+    def _final_encode_core(self, ids, valid, spks, cond) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The official final call's finalizing encoder, and its inputs as the estimator's CFG rows."""
+        return self.cfm.cfg_inputs(self.flow.encode_padded(ids, valid), spks, cond)
+
+    def _final_step_core(self, x, mu, spks, cond, frames, t, dt) -> tuple[torch.Tensor]:
+        """One Euler step of the official final call: full attention over each row's first `frames`
+        frames (padding frames come after them: the causal convs never carry them backwards)."""
+        velocity = self._whole_pass_velocity(frames, x.shape[-1], chunk=0)
+        v = velocity(0, self.cfm.cfg_rows(x), mu, spks, cond, t.expand(2 * x.shape[0]))
+        return (self.cfm.euler_step(x, v, dt),)
 
     def _by_padded_length(self, indices: Sequence[int], frames: Sequence[int]) -> list[tuple[int, list[int]]]:
         """Whole-utterance passes grouped by the length they are padded to, at most _WHOLE_PASS_ROWS streams
@@ -363,60 +444,36 @@ class FlowRunner:
         return [(padded, members[k:k + _WHOLE_PASS_ROWS]) for padded, members in groups.items()
                 for k in range(0, len(members), _WHOLE_PASS_ROWS)]
 
-    def _whole_pass_inputs(self, padded: int, items: Sequence[tuple[PromptCache, int, int]]
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(z, cond, spks, slots) of a padded batch of whole-utterance passes from frame 0; items are
-        (prompt, frames, slot); rows past the items are padding on the scratch slot."""
-        rows = bucket(len(items))
+    def _whole_pass_inputs(self, padded: int, rows: int, items: Sequence[tuple[PromptCache, int]]
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(z, cond, spks) of a padded batch of `rows` whole-utterance passes from frame 0; items are
+        (prompt, frames); rows past the items are padding."""
         bins, dev = self.cfm.num_bins, self.device
         z = torch.zeros(rows, bins, padded, device=dev)
         cond = torch.zeros(rows, bins, padded, device=dev, dtype=self.dtype)
         spks = torch.zeros(rows, bins, device=dev, dtype=self.dtype)
-        slots = torch.full((rows,), self.scratch, device=dev, dtype=torch.long)
-        for j, (prompt, frames, slot) in enumerate(items):
+        for j, (prompt, frames) in enumerate(items):
             z[j, :, :frames] = self.cfm.noise(0, frames)[0].to(dev)
             cond[j, :, :prompt.prompt_mel.shape[0]] = prompt.prompt_mel.T
             spks[j] = prompt.spks
-            slots[j] = slot
-        return z, cond, spks, slots
+        return z, cond, spks
 
-    def _full_batch(self, padded: int, items: Sequence[tuple[PromptCache, torch.Tensor, int]]) -> list[torch.Tensor]:
-        """PERF: the finalizing encoder of every stream (padded to the batch's length, masked) and the ODE
-        run as one graph replay per (batch bucket, padded length)."""
-        rows = bucket(len(items))
-        ids = torch.zeros(rows, padded // UPSAMPLE, dtype=torch.long, device=self.device)
-        valid = torch.full((rows,), padded // UPSAMPLE, device=self.device, dtype=torch.long)
-        lengths = []
-        for j, (prompt, target, _) in enumerate(items):
-            all_ids = _all_ids(prompt, target)
-            ids[j, :all_ids.shape[0]] = all_ids
-            valid[j] = all_ids.shape[0]
-            lengths.append(UPSAMPLE * all_ids.shape[0])
-        z, cond, spks, slots = self._whole_pass_inputs(
-            padded, [(prompt, n, slot) for (prompt, _, slot), n in zip(items, lengths, strict=True)])
-        self.watch.lap("final_setup")
-        (x,) = self.final_graphs.run((rows, padded), [ids, valid, z, spks, cond, slots])
-        out = [x[j, :, :frames].clone() for j, frames in enumerate(lengths)]
-        self.watch.lap("final_pass")
-        return out
-
-    def recompute(self, prompt: PromptCache, target_ids: torch.Tensor, finalize: bool, slot: int) -> torch.Tensor:
+    def recompute(self, prompt: PromptCache, target_ids: torch.Tensor, finalize: bool) -> torch.Tensor:
         """`recompute_many` for one stream."""
-        return self.recompute_many([(prompt, target_ids, finalize, slot)])[0]
+        return self.recompute_many([(prompt, target_ids, finalize)])[0]
 
     @torch.inference_mode()
-    def recompute_many(self, items: Sequence[tuple[PromptCache, torch.Tensor, bool, int]]) -> list[torch.Tensor]:
+    def recompute_many(self, items: Sequence[tuple[PromptCache, torch.Tensor, bool]]) -> list[torch.Tensor]:
         """The official streaming call (spec/streaming.md §2: chunk masks) over prompt + target ids, every
         frame recomputed as the official code does at each chunk: for streams whose next chunk would
-        outgrow their slots, and streams beyond the pool (`open_overflow`). No keys are kept, so it needs
-        no memory beyond the pass's own, and it costs one graphed pass of the stream's length (encoder and
-        ODE) instead of the eager path's Python launches. items: (prompt, target ids, finalize, slot whose
-        conv tails to compute in: the stream's own, or the scratch slot); finalize=False: the last 3
-        target ids are look-ahead. Streams padded to one length share one graph replay. Returns mel
-        [80, F] each (prompt frames included)."""
+        outgrow their slots, and streams beyond the pool (`open_overflow`). No keys are kept and no slot
+        is read, so it needs no memory beyond the pass's own, and it costs one graphed pass of the
+        stream's length (encoder and ODE) instead of the eager path's Python launches. items: (prompt,
+        target ids, finalize); finalize=False: the last 3 target ids are look-ahead. Streams padded to
+        one length share one graph replay. Returns mel [80, F] each (prompt frames included)."""
         lookahead = self.flow.dims.pre_lookahead_len
         frames = [UPSAMPLE * (prompt.prompt_tokens.shape[0] + ids.shape[0] - (0 if finalize else lookahead))
-                  for prompt, ids, finalize, _ in items]
+                  for prompt, ids, finalize in items]
         out: list[torch.Tensor | None] = [None] * len(items)
         for padded, members in self._by_padded_length(range(len(items)), frames):
             mels = self._recompute_batch(padded, [items[i] for i in members])
@@ -425,7 +482,7 @@ class FlowRunner:
         self.watch.lap("recompute")
         return out  # type: ignore[return-value]
 
-    def _recompute_batch(self, padded: int, items: Sequence[tuple[PromptCache, torch.Tensor, bool, int]]
+    def _recompute_batch(self, padded: int, items: Sequence[tuple[PromptCache, torch.Tensor, bool]]
                          ) -> list[torch.Tensor]:
         """PERF: the streaming encoder of every stream (padded, masked to its own tokens) and the ODE as one
         graph replay per (batch bucket, padded length); the encoder ran eagerly per stream before, ≈ 40 ms
@@ -436,61 +493,56 @@ class FlowRunner:
         valid = torch.full((rows,), ids.shape[1], device=self.device, dtype=torch.long)
         positions = torch.full((rows,), padded // UPSAMPLE, device=self.device, dtype=torch.long)
         lengths = []
-        for j, (prompt, target, finalize, _) in enumerate(items):
+        for j, (prompt, target, finalize) in enumerate(items):
             all_ids = _all_ids(prompt, target)
             num_positions = all_ids.shape[0] - (0 if finalize else lookahead)
             ids[j, :all_ids.shape[0]] = all_ids
             valid[j] = all_ids.shape[0]
             positions[j] = num_positions
             lengths.append(UPSAMPLE * num_positions)  # from the host's int: reading positions back would sync
-        z, cond, spks, slots = self._whole_pass_inputs(
-            padded, [(prompt, n, slot) for (prompt, _, _, slot), n in zip(items, lengths, strict=True)])
+        z, cond, spks = self._whole_pass_inputs(
+            padded, rows, [(prompt, n) for (prompt, _, _), n in zip(items, lengths, strict=True)])
         self.watch.lap("recompute_setup")
-        (x,) = self.recompute_graphs.run((rows, padded), [ids, valid, positions, z, spks, cond, slots])
+        (x,) = self.recompute_graphs.run((rows, padded), [ids, valid, positions, z, spks, cond])
         return [x[j, :, :n].clone() for j, n in enumerate(lengths)]
 
-    def _recompute_core(self, ids, valid, positions, z, spks, cond, slots) -> tuple[torch.Tensor]:
+    def _recompute_core(self, ids, valid, positions, z, spks, cond) -> tuple[torch.Tensor]:
         """A streaming pass from frame 0 over each row's first 2·positions frames: the chunk-masked encoder
         (tokens past a row's positions up to valid are its look-ahead), then chunk-masked attention to its
-        own keys, conv tails from zero (padding frames come after a row's frames)."""
+        own keys (padding frames come after a row's frames)."""
         mu = self.flow.encode_padded(ids, valid, streaming=True, positions=positions)[:, :, :z.shape[-1]]
-        self._zero_conv_tails(slots)
-        frames = UPSAMPLE * positions
-        return self._integrate(z, mu, spks, cond, slots, torch.zeros_like(frames), frames, self.chunk, z.shape[-1],
-                               own_keys=True)
+        velocity = self._whole_pass_velocity(UPSAMPLE * positions, z.shape[-1], self.chunk)
+        return (self.cfm.solve(z, mu, spks, cond, velocity),)
 
-    def _final_core(self, ids, valid, z, spks, cond, slots) -> tuple[torch.Tensor]:
-        """The official final call of each row: the finalizing encoder, then full attention over each
-        row's first 2·valid frames; its rows start with zero conv tails (padding frames come after a
-        row's frames: the causal convs never carry them backwards)."""
-        mu = self.flow.encode_padded(ids, valid)
-        self._zero_conv_tails(slots)
-        frames = UPSAMPLE * valid
-        return self._integrate(z, mu, spks, cond, slots, torch.zeros_like(frames), frames, 0, z.shape[-1],
-                               own_keys=True)
+    def _whole_pass_velocity(self, frames: torch.Tensor, num_frames: int, chunk: int):
+        """The estimator's velocity for a whole-utterance pass from frame 0 of rows [B] each `frames` long
+        (graph body): attention over its own keys (chunk masks when chunk > 0), causal-conv tails from zero
+        at every Euler step (the official left padding). It touches no pool slot."""
+        est = self.cfm.estimator
+        rows = 2 * frames.shape[0]
+        write_pos = torch.arange(num_frames, device=frames.device).repeat(rows, 1)
+        limits = frames.repeat_interleave(2)
+        own = torch.arange(rows, device=frames.device)
 
-    def _zero_conv_tails(self, slots: torch.Tensor) -> None:
-        """Both CFG rows of each slot start a pass from frame 0 (the official left padding)."""
-        self.conv.index_fill_(1, torch.stack([2 * slots, 2 * slots + 1], dim=1).flatten(), 0)
+        def velocity(k: int, x, mu_in, spks_in, cond_in, t):
+            conv = torch.zeros(rows, est.conv_state_channels, 2, device=x.device, dtype=self.dtype)
+            keys = PooledKV(self.kv[0], own, write_pos, limits, chunk, num_frames, self.attention_ops, own_keys=True)
+            return self._step(x, mu_in, spks_in, cond_in, t, [keys], conv, write_pos, [])
+
+        return velocity
 
     def _ode(self, z, mu, spks, cond, slots, starts, marker) -> tuple[torch.Tensor]:
         """The 10-step CFG Euler ODE for a padded batch (graph body: static shapes, no host syncs).
         Each new frame sees its own chunk and everything before it, up to the batch's last new frame."""
-        key_limit = starts + z.shape[-1]
-        return self._integrate(z, mu, spks, cond, slots, starts, key_limit, self.chunk, marker.shape[0])
-
-    def _integrate(self, z, mu, spks, cond, slots, starts, key_limit, chunk: int, attn_len: int,
-                   own_keys: bool = False) -> tuple[torch.Tensor]:
-        """own_keys: a whole-utterance pass from frame 0 (see PooledKV.own_keys)."""
         num_new = z.shape[-1]
         rows = torch.stack([2 * slots, 2 * slots + 1], dim=1).flatten()  # [2B]: (cond, uncond) per stream
-        q_pos = starts.unsqueeze(1) + torch.arange(num_new, device=z.device)  # [B, C]
-        write_pos = q_pos.repeat_interleave(2, dim=0)
-        limits = key_limit.repeat_interleave(2, dim=0)
+        write_pos = (starts.unsqueeze(1) + torch.arange(num_new, device=z.device)).repeat_interleave(2, dim=0)
+        limits = (starts + num_new).repeat_interleave(2, dim=0)
+        attn_len = marker.shape[0]
 
         def velocity(k: int, x, mu_in, spks_in, cond_in, t):
             conv = self.conv[k][rows]
-            pooled = PooledKV(self.kv[k], rows, write_pos, limits, chunk, attn_len, self.attention_ops, own_keys)
+            pooled = PooledKV(self.kv[k], rows, write_pos, limits, self.chunk, attn_len, self.attention_ops)
             v = self._step(x, mu_in, spks_in, cond_in, t, [pooled], conv, write_pos, [])
             self.conv[k][rows] = conv
             return v

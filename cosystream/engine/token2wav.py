@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from cosystream.config import EngineConfig
 from cosystream.engine.chunking import ChunkPlan
-from cosystream.engine.flow_runner import FlowRunner, PooledStream
+from cosystream.engine.flow_runner import FinalPass, FlowRunner, PooledStream
 from cosystream.engine.graphs import GraphCache, bucket, capture_stream, maybe_compile
 from cosystream.engine.stopwatch import Stopwatch
 from cosystream.kernels import triton_usable
@@ -49,6 +49,8 @@ class Token2WavState:
     source_cache: torch.Tensor | None = None  # [1, 3840]
     wav_cache: torch.Tensor | None = None  # [3840]
     frames_done: int = 0
+    # its official final pass, begun and not yet voiced: (pass, row); it may pause between Euler steps
+    final: tuple[FinalPass, int] | None = None
 
 
 class Token2WavRunner:
@@ -204,10 +206,16 @@ class Token2WavRunner:
 
     # ------------------------------------------------------------------ chunks
     @torch.inference_mode()
-    def run(self, jobs: Sequence[tuple[Token2WavState, list[int], ChunkPlan]]
-            ) -> list[tuple[np.ndarray, float, float]]:
-        """Audio for each job (state, all tokens of the segment so far, plan): (pcm, flow_s, vocoder_s)."""
+    def run(self, jobs: Sequence[tuple[Token2WavState, list[int], ChunkPlan]],
+            should_stop: Callable[[], bool] | None = None) -> list[tuple[np.ndarray, float, float]] | None:
+        """Audio for each job (state, all tokens of the segment so far, plan): (pcm, flow_s, vocoder_s).
+
+        should_stop: when every job is an official final pass in the pool (`pausable`), it is asked after
+        each Euler step of their passes; True pauses them: None is returned, their progress stays on their
+        states and a later run with these jobs goes on from there."""
         t0 = time.perf_counter()
+        if should_stop is not None and self.pausable(jobs) and not self._step_finals(jobs, should_stop):
+            return None
         mels = self._flow(jobs)
         t1 = self._now()
         wavs = self._vocode([(st, mel, plan.is_final) for (st, _, plan), mel in zip(jobs, mels, strict=True)])
@@ -275,21 +283,57 @@ class Token2WavRunner:
         self._recompute(recomputes, mels)
         return mels  # type: ignore[return-value]
 
+    def pausable(self, jobs: Sequence[tuple[Token2WavState, list[int], ChunkPlan]]) -> bool:
+        """Whether every job is an official final pass of a pooled stream (run() may pause them)."""
+        return self.pool is not None and self.final_attention == "full" and bool(jobs) and all(
+            plan.is_final and isinstance(st.flow, PooledStream) for st, _, plan in jobs)
+
+    def _step_finals(self, jobs: Sequence[tuple[Token2WavState, list[int], ChunkPlan]],
+                     should_stop: Callable[[], bool]) -> bool:
+        """PERF: the Euler steps of the jobs' final passes (begun, or going on from where they paused),
+        asking should_stop after each; False: paused. A batch of them takes ≈ 270 ms for 16 streams on the
+        H100; a first chunk that turns ready meanwhile waits for one step (≈ 1/10 of that), not all."""
+        self._begin_finals([(st, self._tokens(tokens[:plan.token_end])) for st, tokens, plan in jobs])
+        passes = list({id(st.final[0]): st.final[0] for st, _, _ in jobs if st.final is not None}.values())
+        for final in passes:
+            while not final.done:
+                self.pool.final_step(final)
+                if should_stop() and not all(p.done for p in passes):
+                    self.watch.lap("final_pass")
+                    return False
+        self.watch.lap("final_pass")
+        return True
+
+    def _begin_finals(self, items: Sequence[tuple[Token2WavState, torch.Tensor]]) -> None:
+        """Begin the final passes of the streams that have none yet; each gives its slot back at once (the
+        pass reads none), so a new stream may open in it while the pass runs or pauses."""
+        new = [(st, ids) for st, ids in items if st.final is None]
+        if not new:
+            return
+        for (st, _), begun in zip(new, self.pool.begin_finals([(st.flow.prompt, ids[0]) for st, ids in new]),
+                                  strict=True):
+            st.final = begun
+            if begun is not None:
+                self.release(st)
+
     def _finish_pooled(self, finals: list[tuple[int, Token2WavState, torch.Tensor, ChunkPlan]],
                        mels: list[torch.Tensor | None]) -> None:
-        """Official final calls of pooled streams, batched: each computes in its own slot (its incremental
-        state is no longer needed), streams of one padded length in one graph replay."""
+        """Official final calls of pooled streams: streams of one padded length share a FinalPass (begun
+        here or by a paused run), run to the end; one longer than the official noise table runs eagerly."""
         if not finals:
             return
-        full = self.pool.full_passes([(st.flow.prompt, ids[0], st.flow.slot) for _, st, ids, _ in finals])
-        for (i, st, ids, plan), mel in zip(finals, full, strict=True):
-            if mel is None:
+        self._begin_finals([(st, ids) for _, st, ids, _ in finals])
+        for i, st, ids, plan in finals:
+            if st.final is None:
                 mels[i] = self._finish_eager(st, ids, plan)
                 self.watch.lap("eager_flow")
                 continue
+            final, row = st.final
+            self.pool.finish_final(final)
+            st.final = None
             st.flow.is_finished = True
             self.release(st)
-            mels[i] = mel[:, self._emitted_from(st, plan):]
+            mels[i] = final.mel(row)[:, self._emitted_from(st, plan):]
 
     def flow_group(self, st: Token2WavState, plan: ChunkPlan) -> tuple[bool, int, bool] | None:
         """The key under which `_flow` would batch this chunk's ODE with others (chunks of equal keys share
@@ -359,8 +403,7 @@ class Token2WavRunner:
         its slot (admission) but no longer reads its keys."""
         if not jobs:
             return
-        full = self.pool.recompute_many([(st.flow.prompt, ids[0], plan.is_final, st.flow.slot)
-                                         for _, st, ids, plan in jobs])
+        full = self.pool.recompute_many([(st.flow.prompt, ids[0], plan.is_final) for _, st, ids, plan in jobs])
         for (i, st, _, plan), mel in zip(jobs, full, strict=True):
             if plan.is_final:
                 st.flow.is_finished = True
@@ -488,8 +531,9 @@ class Token2WavRunner:
             for frames, has_cache in mel_lengths:
                 self._capture_hift(b, frames, has_cache)
         pool = self.pool
-        return sum(len(cache.graphs) for cache in (pool.graphs, pool.final_graphs, pool.encoder_graphs,
-                                                    pool.recompute_graphs, self.hift_first, self.hift_next))
+        return sum(len(cache.graphs) for cache in (pool.graphs, pool.final_encoder_graphs, pool.final_step_graphs,
+                                                    pool.encoder_graphs, pool.recompute_graphs, self.hift_first,
+                                                    self.hift_next))
 
     def _capture_hift(self, batch: int, frames: int, has_cache: bool) -> None:
         mel = torch.zeros(batch, self.hift.conv_pre.weight.shape[1], frames, device=self.device,

@@ -93,18 +93,30 @@ class CausalConditionalCFM(nn.Module):
 
         mu, cond [B, 80, C], spks [B, 80]. The ODE state stays float32 whatever the model dtype.
         """
-        dtype = self.estimator.final_proj.weight.dtype
-        mu_in, spks_in, cond_in = (with_unconditional(a.to(dtype)) for a in (mu, spks, cond))
+        mu_in, spks_in, cond_in = self.cfg_inputs(mu, spks, cond)
         x = z.float()
-        rows = 2 * x.shape[0]
         for k, (t, dt) in enumerate(zip(self.t_steps, self.dt_steps, strict=True)):
-            t_in = torch.full((rows,), t, device=x.device, dtype=torch.float32)
-            x_in = x.repeat_interleave(2, dim=0).to(dtype)
-            v = velocity(k, x_in, mu_in, spks_in, cond_in, t_in).float()
-            v_cond, v_uncond = v[0::2], v[1::2]
-            # PARITY: v = (1 + λ)·v_c − λ·v_u, then x += dt·v, in float32 (spec/flow.md §4).
-            x = x + dt * ((1.0 + self.cfg_rate) * v_cond - self.cfg_rate * v_uncond)
+            t_in = torch.full((2 * x.shape[0],), t, device=x.device, dtype=torch.float32)
+            x = self.euler_step(x, velocity(k, self.cfg_rows(x), mu_in, spks_in, cond_in, t_in), dt)
         return x
+
+    def cfg_inputs(self, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """mu, spks, cond as the estimator's CFG rows (conditional, unconditional per request), model dtype."""
+        dtype = self.estimator.final_proj.weight.dtype
+        return tuple(with_unconditional(a.to(dtype)) for a in (mu, spks, cond))  # type: ignore[return-value]
+
+    def cfg_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The ODE state [B, 80, C] as the estimator's 2B input rows (model dtype)."""
+        return x.repeat_interleave(2, dim=0).to(self.estimator.final_proj.weight.dtype)
+
+    def euler_step(self, x: torch.Tensor, v: torch.Tensor, dt: float | torch.Tensor) -> torch.Tensor:
+        """x + dt · CFG-combined velocity; v [2B, 80, C] from cfg_rows(x). dt: a float or a float32 scalar
+        tensor (a graph replayed at every step reads it from the device; the product is the same)."""
+        v = v.float()
+        v_cond, v_uncond = v[0::2], v[1::2]
+        # PARITY: v = (1 + λ)·v_c − λ·v_u, then x += dt·v, in float32 (spec/flow.md §4).
+        return x + dt * ((1.0 + self.cfg_rate) * v_cond - self.cfg_rate * v_uncond)
 
     def sample(self, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor, streaming: bool
                ) -> torch.Tensor:

@@ -65,20 +65,15 @@ class PooledKV:
     chunk: int
     attn_len: int
     ops: ModuleType
-    # The keys of every query are this call's own frames (a whole-utterance pass from frame 0 with full
-    # attention: chunk 0, each row's write_pos = 0, 1, ..., attn_len - 1): attention reads them where the
-    # q/k/v projection put them and the pool is not written (nothing reads it later: each Euler step
-    # recomputes every frame).
+    # The keys of every query are this call's own frames (a whole-utterance pass from frame 0: each row's
+    # write_pos = 0, 1, ..., attn_len - 1): attention reads them where the q/k/v projection put them and
+    # the pool is neither written nor read (nothing reads it later: each Euler step recomputes every
+    # frame), so such a pass needs no slot and may outlive the stream's hold on one (FlowRunner.FinalPass).
+    # The fused ops' path writes q/k/v into the pool: these calls never take it.
     own_keys: bool = False
 
     def __getitem__(self, block: int) -> PooledBlock:
         return PooledBlock(self, block)
-
-
-def _fits_pool(pooled: PooledKV) -> bool:
-    """Whether the frames a call writes fit the pool's rows (a final pass, which attends to its own keys,
-    may be longer than a slot: the fused path would still write them into the pool)."""
-    return not pooled.own_keys or pooled.attn_len <= pooled.pool.shape[-2]
 
 
 @dataclass
@@ -412,7 +407,7 @@ class Estimator(nn.Module):
                       write_idx: torch.Tensor, attn_bias: Sequence[torch.Tensor]) -> torch.Tensor:
         ops = blocks[0].kernels
         if (ops is not None and isinstance(kv[0], PooledKV) and blocks[0].attn1.qkv_weight is not None
-                and h.shape[0] * h.shape[2] <= PROLOGUE_GEMM_MAX_ROWS and _fits_pool(kv[0])):
+                and h.shape[0] * h.shape[2] <= PROLOGUE_GEMM_MAX_ROWS and not kv[0].own_keys):
             return Estimator._pooled_transformers(blocks, h, kv[0], ops)
         h = h.transpose(1, 2)
         if ops is None:

@@ -343,10 +343,10 @@ def test_the_worker_stops_after_the_running_phase_and_returns_the_rest_in_one_me
 
     runs: list[list[str]] = []
     core = SimpleNamespace(inbox=queue.Queue(), lm_runner=SimpleNamespace(device=torch.device("cpu")),
-                           rider_streams=16)
+                           rider_streams=16, pause_final_passes=False)
     worker = _ChunkWorker(core)
 
-    def run(items: list) -> list:
+    def run(items: list, should_stop=None) -> list:
         runs.append([plan.name for _, _, plan in items])
         if len(runs) == 1:
             worker.preempt.set()  # the engine asks while the first phase computes
@@ -370,6 +370,42 @@ def test_the_worker_stops_after_the_running_phase_and_returns_the_rest_in_one_me
     assert runs == [["a"], ["b"], ["c"]] and core.inbox.empty()
 
 
+def test_a_paused_phase_of_final_passes_comes_back_whole_with_the_rest():
+    """EngineConfig.pause_final_passes: the worker hands the preemption flag to the run as `should_stop`; a
+    run that paused (None) voiced nothing, so its jobs come back, ahead of the unstarted phases, in one
+    message that ends the batch. Off: the run is not asked."""
+    from cosystream.engine.core import _ChunkWorker
+
+    asked: list[object] = []
+    core = SimpleNamespace(inbox=queue.Queue(), lm_runner=SimpleNamespace(device=torch.device("cpu")),
+                           rider_streams=16, pause_final_passes=True)
+    worker = _ChunkWorker(core)
+
+    def run(items: list, should_stop=None) -> list | None:
+        asked.append(should_stop)
+        worker.preempt.set()  # the engine asks while the phase computes
+        if should_stop is not None and should_stop():
+            return None
+        return [(np.zeros(4, np.float32), 0.0, 0.0)] * len(items)
+
+    core.t2w = SimpleNamespace(watch=_Watch(), run=run)
+    req = RequestState(request_id="r", segments=[Segment(inputs=None, planner=None, min_len=0, max_len=1)],
+                       sampling=None, emit=lambda _: None)
+    jobs = [_Job(req, req.audio_segment, plan=SimpleNamespace(name=n)) for n in ("f1", "f2", "g")]
+    worker.start()
+    try:
+        worker.submit([[jobs[0], jobs[1]], [jobs[2]]])
+        done, results, error, _, _, last, returned = core.inbox.get(timeout=10).payload
+        assert (done, results, error, last, returned) == ([], [], None, True, jobs)
+        core.pause_final_passes = False
+        worker.submit([jobs])
+        done, _, error, _, _, last, returned = core.inbox.get(timeout=10).payload
+    finally:
+        worker.stop()
+    assert done == jobs and error is None and last and returned == []
+    assert asked[0] is not None and asked[1] is None and core.inbox.empty()
+
+
 class _GroupingT2W:
     """Token-to-wave fake whose ODE group of a chunk is its plan's `key` (None: a path of its own)."""
 
@@ -383,7 +419,7 @@ class _GroupingT2W:
     def flow_group(self, state: object, plan: SimpleNamespace) -> object:
         return plan.key
 
-    def run(self, items: list) -> list:
+    def run(self, items: list, should_stop=None) -> list:
         self.runs.append([plan.name for _, _, plan in items])
         return [(np.zeros(4, np.float32), 0.0, 0.0)] * len(items)
 
@@ -440,7 +476,7 @@ def test_riders_of_a_failed_run_are_in_the_failed_phase():
     from cosystream.engine.core import run_jobs
 
     class _Failing(_GroupingT2W):
-        def run(self, items: list) -> list:
+        def run(self, items: list, should_stop=None) -> list:
             raise RuntimeError("out of memory")
 
     a, b, c = _keyed_job("a", 50, first=True), _keyed_job("b", 50), _keyed_job("c", 100)
@@ -455,7 +491,7 @@ def test_the_worker_hands_riders_back_with_the_first_chunks_they_rode_with():
     from cosystream.engine.core import _ChunkWorker
 
     core = SimpleNamespace(inbox=queue.Queue(), lm_runner=SimpleNamespace(device=torch.device("cpu")),
-                           t2w=_GroupingT2W(), rider_streams=16)
+                           t2w=_GroupingT2W(), rider_streams=16, pause_final_passes=False)
     worker = _ChunkWorker(core)
     a, b, c = _keyed_job("a", 50, first=True), _keyed_job("b", 50), _keyed_job("c", 100)
     worker.start()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import numpy as np
 import pytest
 import torch
 
@@ -84,7 +87,8 @@ def test_streams_at_different_tokens_share_a_batch(checkpoint, load_fixture):
 def test_pooled_full_pass_equals_the_official_final_call(checkpoint, load_fixture, cfm_noise, manifest):
     f, flow, prompt, runner = _official_noise_runner(checkpoint, load_fixture, cfm_noise, num_slots=1,
                                                      max_frames=512)
-    runner.conv.normal_()  # garbage left by earlier use of the scratch rows must not matter
+    runner.conv.normal_()  # garbage left by earlier use of the pool must not matter
+    runner.kv.normal_()
     final = len(manifest["stream"]["schedule"]) - 1
     mel = runner.full_pass(prompt, f["token"][0])
     torch.testing.assert_close(mel[:, 2 * f["prompt_token"].shape[1]:], f[f"call{final}_flow_mel_full"][0],
@@ -92,8 +96,8 @@ def test_pooled_full_pass_equals_the_official_final_call(checkpoint, load_fixtur
 
 
 def test_batched_final_passes_equal_one_at_a_time(checkpoint, load_fixture, cfm_noise):
-    """Final calls of streams of different lengths in one batch, each in its own slot full of stale state,
-    give what each gives alone on the clean scratch slot."""
+    """Final calls of streams of different lengths in one batch, with the pool full of stale state, give
+    what each gives alone."""
     f, flow, prompt, runner = _official_noise_runner(checkpoint, load_fixture, cfm_noise, num_slots=3,
                                                      max_frames=512)
     tokens = f["token"][0]
@@ -101,12 +105,12 @@ def test_batched_final_passes_equal_one_at_a_time(checkpoint, load_fixture, cfm_
     alone = [runner.full_pass(prompt, t) for t in targets]
     runner.kv.normal_()
     runner.conv.normal_()
-    batched = runner.full_passes([(prompt, t, slot) for slot, t in zip((2, 0, 1), targets, strict=True)])
+    batched = runner.full_passes([(prompt, t) for t in targets])
     for got, want in zip(batched, alone, strict=True):
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
     beyond_noise = torch.zeros(cfm_noise.shape[-1], dtype=torch.long)  # the official table bounds a call
-    assert runner.full_passes([(prompt, beyond_noise, 0)]) == [None]
+    assert runner.full_passes([(prompt, beyond_noise)]) == [None]
 
 
 def test_a_final_pass_longer_than_a_slot_equals_the_official_final_call(checkpoint, load_fixture, cfm_noise,
@@ -116,17 +120,17 @@ def test_a_final_pass_longer_than_a_slot_equals_the_official_final_call(checkpoi
     f, flow, prompt, runner = _official_noise_runner(checkpoint, load_fixture, cfm_noise, num_slots=1,
                                                      max_frames=128)
     final = len(manifest["stream"]["schedule"]) - 1
-    (mel,) = runner.full_passes([(prompt, f["token"][0], 0)])
+    (mel,) = runner.full_passes([(prompt, f["token"][0])])
     assert mel.shape[-1] == 2 * (f["prompt_token"].shape[1] + f["token"].shape[1]) > runner.max_frames
     torch.testing.assert_close(mel[:, 2 * f["prompt_token"].shape[1]:], f[f"call{final}_flow_mel_full"][0],
                                atol=1e-4, rtol=0)
-    # a short one (2 rows × 256 padded frames) would take the fused ops' path, which writes keys into the
-    # pool: past a slot it must take the other path
+    # a short one (2 rows × 256 padded frames) is within the fused ops' row limit, whose path writes keys
+    # into the pool: a whole pass must not take it
     big = FlowRunner(flow, num_slots=1, max_frames=512, use_graphs=False)
     short = f["token"][0][:40]
     flow.decoder.estimator.set_kernels(reference)
     try:
-        (got,) = runner.full_passes([(prompt, short, 0)])
+        (got,) = runner.full_passes([(prompt, short)])
     finally:
         flow.decoder.estimator.set_kernels(None)
     torch.testing.assert_close(got, big.full_pass(prompt, short), atol=1e-4, rtol=0)
@@ -211,7 +215,7 @@ def test_recomputed_chunks_equal_the_official_calls(checkpoint, load_fixture, cf
     flow.decoder.estimator.set_kernels(reference if fused else None)
     try:
         for i, call in enumerate(manifest["stream"]["schedule"][:-1]):
-            mel = runner.recompute(prompt, f["token"][0][:call["n_tokens"]], finalize=False, slot=0)
+            mel = runner.recompute(prompt, f["token"][0][:call["n_tokens"]], finalize=False)
             torch.testing.assert_close(mel[:, 2 * num_prompt:], f[f"call{i}_flow_mel_full"][0], atol=1e-4, rtol=0)
     finally:
         flow.decoder.estimator.set_kernels(None)
@@ -219,14 +223,15 @@ def test_recomputed_chunks_equal_the_official_calls(checkpoint, load_fixture, cf
 
 def test_recomputed_chunks_of_several_streams_equal_one_at_a_time(checkpoint, load_fixture, cfm_noise):
     """Streams past their slots recompute together: lengths padded to one bucket share a pass (rows masked
-    to their own frames), other lengths run apart; each gets what it gets alone, whatever its slot held."""
+    to their own frames), other lengths run apart; each gets what it gets alone, whatever the pool held."""
     f, flow, prompt, runner = _official_noise_runner(checkpoint, load_fixture, cfm_noise, num_slots=3,
                                                      max_frames=128)
     tokens = f["token"][0]
-    items = [(prompt, tokens[:98], False, 2), (prompt, (tokens[:90] * 5 + 2) % 6561, False, 0),
-             (prompt, tokens, True, 1)]  # 250 and 234 frames share a 256-frame bucket, 460 runs apart
+    # 250 and 234 frames share a 256-frame bucket, 460 runs apart
+    items = [(prompt, tokens[:98], False), (prompt, (tokens[:90] * 5 + 2) % 6561, False), (prompt, tokens, True)]
     alone = [runner.recompute(*item) for item in items]
     runner.conv.normal_()
+    runner.kv.normal_()
     together = runner.recompute_many(items)
     for got, want in zip(together, alone, strict=True):
         assert got.shape == want.shape
@@ -251,3 +256,60 @@ def test_whole_utterance_passes_group_by_padded_length_in_replays_of_at_most_32_
     assert [(padded, len(members)) for padded, members in groups] == [(896, 32), (896, 32), (896, 6), (384, 1),
                                                                       (256, 1)]
     assert sorted(i for _, members in groups for i in members) == list(range(len(frames)))
+
+
+def test_a_final_pass_stepped_with_other_work_between_its_steps_equals_one_run_whole(checkpoint, load_fixture,
+                                                                                      cfm_noise):
+    """A FinalPass owns its ODE state and inputs: another pass of the same shape stepping between its
+    steps, and a pool overwritten meanwhile, change nothing."""
+    f, flow, prompt, runner = _official_noise_runner(checkpoint, load_fixture, cfm_noise, num_slots=2,
+                                                     max_frames=512)
+    tokens = f["token"][0]
+    items = [(prompt, tokens), (prompt, tokens[:-5])]
+    want = runner.full_passes(items)
+    (a, row_a), (b, row_b) = runner.begin_finals(items)
+    changed = (tokens * 3 + 1) % 6561
+    (other, _), _ = runner.begin_finals([(prompt, changed), (prompt, changed[:-2])])
+    assert a is b and other is not a and other.key == a.key and (row_a, row_b) == (0, 1)
+    while not a.done:
+        runner.final_step(a)
+        runner.kv.normal_()
+        runner.conv.normal_()
+        if not other.done:
+            runner.final_step(other)
+    assert other.done and a.step == runner.cfm.num_steps
+    for got, w in zip((a.mel(row_a), a.mel(row_b)), want, strict=True):
+        torch.testing.assert_close(got, w, atol=1e-6, rtol=0)
+
+
+def test_a_paused_final_pass_gives_its_slot_back_and_ends_as_one_run_whole(checkpoint, load_fixture, cfm_noise):
+    """Token2WavRunner.run with should_stop: the official final pass of a pooled stream gives the slot back
+    when it begins (it reads none), pauses when asked after a step, and a later run goes on from there: a
+    new stream in that slot meanwhile changes nothing, and releasing the paused stream again at its end
+    does not free the new stream's slot."""
+    from cosystream.config import EngineConfig
+    from cosystream.engine.chunking import ChunkPlan
+    from cosystream.engine.loader import load_hift
+    from cosystream.engine.token2wav import Token2WavRunner, Token2WavState
+
+    f, flow, prompt, runner = _official_noise_runner(checkpoint, load_fixture, cfm_noise, num_slots=1,
+                                                     max_frames=512)
+    t2w = Token2WavRunner(flow, load_hift(checkpoint), EngineConfig())
+    t2w.pool = runner
+    tokens = f["token"][0].tolist()
+    plan = ChunkPlan(index=0, offset=0, num_new=len(tokens), token_end=len(tokens), is_final=True)
+    (whole,) = t2w.run([(Token2WavState(runner.open(prompt), key="a"), tokens, plan)])
+    assert runner.free == [0]
+    paused = Token2WavState(runner.open(prompt), key="b")
+    asked: list[int] = []
+    assert t2w.run([(paused, tokens, plan)], should_stop=lambda: asked.append(1) or len(asked) >= 3) is None
+    assert runner.free == [0] and paused.final is not None and paused.final[0].step == 3
+    new = runner.open(prompt)  # the new stream takes the slot back and writes its rows
+    runner.kv.normal_()
+    runner.conv.normal_()
+    (got,) = t2w.run([(paused, tokens, plan)])
+    assert paused.final is None and paused.flow.is_finished and runner.free == [] and new.slot == 0
+    np.testing.assert_allclose(got[0], whole[0], atol=1e-6, rtol=0)
+    # a run that is not all official final passes is never paused
+    later = replace(plan, is_final=False)
+    assert not t2w.pausable([]) and not t2w.pausable([(Token2WavState(new, key="c"), tokens, later)])

@@ -72,7 +72,7 @@ def test_streams_beyond_the_pool_start_at_once_and_sound_as_the_eager_path(model
 
         monkeypatch.setattr(t2w, "start", start)
         monkeypatch.setattr(t2w.pool, "recompute_many",
-                            lambda items: recomputed.extend(f for _, _, f, _ in items) or real_recompute(items))
+                            lambda items: recomputed.extend(f for _, _, f in items) or real_recompute(items))
         results = synthesize_together(eng, params)
         assert all(not isinstance(r, Exception) for r in results), results
         assert (False, 1) in opened and len(opened) == 3  # one stream ran beyond the pool, never two at once
@@ -125,7 +125,7 @@ def test_a_stream_of_unknown_length_starts_in_the_pool_and_sounds_as_the_eager_p
         real_recompute = t2w.pool.recompute_many
         monkeypatch.setattr(t2w, "start", start)
         monkeypatch.setattr(t2w.pool, "recompute_many",
-                            lambda items: recomputed.extend(f for _, _, f, _ in items) or real_recompute(items))
+                            lambda items: recomputed.extend(f for _, _, f in items) or real_recompute(items))
         got = eng.synthesize(params)
         assert opened == ["PooledStream"]
         if slot == "first chunk":
