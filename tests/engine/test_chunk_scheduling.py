@@ -638,3 +638,32 @@ def test_a_batch_of_open_jobs_opens_streams_and_runs_no_flow():
     assert run_jobs(t2w, [ok, bad], torch.device("cpu"), [[ok, bad]], 0, rider_streams=16) == [None, None]
     assert ok.state is not None and ok.error is None and isinstance(bad.error, RuntimeError)
     assert t2w.runs == [] and t2w.settled == 1
+
+
+def test_a_segment_whose_next_chunk_is_the_official_final_pass_gives_its_flow_slot_back():
+    """The official final pass reads no flow slot: once the LM is done and only that pass is left, the
+    slot goes back (after the segment's chunk on the worker, if any, is voiced), not when the pass ends."""
+    core = _core()
+    released: list[object] = []
+    core.t2w.release = released.append
+    core.t2w.final_attention = "full"
+    req = _request(core, "a", buffered_s=None, lm=LMStatus.decoding, slot=0)
+    seg = req.audio_segment
+    seg.tokens = list(range(40))
+    job = _Job(req, seg, seg.planner.next_plan(40, done=False), state=seg.t2w, first=True)  # 25 + 3 tokens
+    core._in_flight = [job]
+    core._lm_done(req, seg)  # 40 tokens: a second chunk would need 78, so the final pass is next
+    assert released == []  # its first chunk is still on the worker: the slot is in use
+    core._chunks_done([job], [(np.zeros(4, np.float32), 0.0, 0.0)], None, time.perf_counter())
+    assert released == [seg.t2w]
+
+    # not while another chunk is due first, nor in "chunk" mode (the final chunk reads the slot's keys)
+    for tokens, mode in ((list(range(90)), "full"), (list(range(40)), "chunk")):
+        core.t2w.final_attention = mode
+        req = _request(core, f"b{len(tokens)}{mode}", buffered_s=None, lm=LMStatus.decoding, slot=1)
+        seg = req.audio_segment
+        seg.tokens = tokens
+        seg.planner.next_plan(len(tokens), done=False)
+        released.clear()
+        core._lm_done(req, seg)
+        assert released == []
