@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cosystream.engine.graphs import GraphCache, bucket, maybe_compile
+from cosystream.engine.graphs import REPLAY_ROWS, GraphCache, bucket, maybe_compile
 from cosystream.engine.stopwatch import Stopwatch
 from cosystream.kernels import flow as flow_kernels
 from cosystream.kernels import reference as reference_kernels
@@ -31,7 +31,6 @@ from cosystream.models.flow_stream import FlowStream, PromptCache
 
 _LEN_BUCKET = 128  # attended frames are rounded up to a multiple of this (fewer graphs, little waste)
 _ENCODER_ROWS = (1, 2, 4, 8, 16, 32)  # streams per batched encoder step (graph buckets)
-_WHOLE_PASS_ROWS = 32  # streams per final or recompute pass replay (warm-up captures buckets up to the pool's)
 
 
 @dataclass
@@ -436,13 +435,13 @@ class FlowRunner:
         return (self.cfm.euler_step(x, v, dt),)
 
     def _by_padded_length(self, indices: Sequence[int], frames: Sequence[int]) -> list[tuple[int, list[int]]]:
-        """Whole-utterance passes grouped by the length they are padded to, at most _WHOLE_PASS_ROWS streams
+        """Whole-utterance passes grouped by the length they are padded to, at most REPLAY_ROWS streams
         per group (one graph replay each: a larger batch bucket would capture a graph mid-traffic)."""
         groups: dict[int, list[int]] = {}
         for i in indices:
             groups.setdefault(self._full_length(frames[i]), []).append(i)
-        return [(padded, members[k:k + _WHOLE_PASS_ROWS]) for padded, members in groups.items()
-                for k in range(0, len(members), _WHOLE_PASS_ROWS)]
+        return [(padded, members[k:k + REPLAY_ROWS]) for padded, members in groups.items()
+                for k in range(0, len(members), REPLAY_ROWS)]
 
     def _whole_pass_inputs(self, padded: int, rows: int, items: Sequence[tuple[PromptCache, int]]
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -22,6 +22,11 @@ import torch
 
 CAPTURE_LOCK = threading.RLock()  # one graph capture at a time in the process (engine thread or worker)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+# Most streams in one replay of a token-to-wave graph whose batch the flow slots do not bound (official
+# final passes and their vocoder calls: a stream gives its slot back when only its final pass is left,
+# so dozens may wait for one): warm-up captures every bucket up to it, so no batch captures mid-traffic
+# (≈ 1.5 s of stalled worker on the H100 when a vocoder batch of 49 finals did).
+REPLAY_ROWS = 32
 
 
 def bucket(n: int, buckets: Sequence[int] = BATCH_BUCKETS) -> int:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from cosystream.config import EngineConfig
 from cosystream.engine.chunking import ChunkPlan
 from cosystream.engine.flow_runner import FinalPass, FlowRunner, PooledStream
-from cosystream.engine.graphs import GraphCache, bucket, capture_stream, maybe_compile
+from cosystream.engine.graphs import BATCH_BUCKETS, REPLAY_ROWS, GraphCache, bucket, capture_stream, maybe_compile
 from cosystream.engine.stopwatch import Stopwatch
 from cosystream.kernels import triton_usable
 from cosystream.kernels import vocoder as vocoder_kernels
@@ -414,17 +414,19 @@ class Token2WavRunner:
         return torch.tensor(tokens, dtype=torch.long, device=self.device).unsqueeze(0)
 
     def _vocode(self, items: list[tuple[Token2WavState, torch.Tensor, bool]]) -> list[torch.Tensor]:
-        """Continuity-cached HiFT per job; calls with equal mel length run as one batch."""
+        """Continuity-cached HiFT per job; calls with equal mel length run as one batch (REPLAY_ROWS at most)."""
         inputs = [self._vocoder_input(st, mel) for st, mel, _ in items]
         out: list[torch.Tensor | None] = [None] * len(items)
         groups: dict[tuple[int, bool], list[int]] = {}
         for i, mel in enumerate(inputs):
             groups.setdefault((mel.shape[-1], items[i][0].source_cache is None), []).append(i)
-        for idx in groups.values():
-            wavs, sources = self._hift_batch([items[i][0] for i in idx], [inputs[i] for i in idx])
-            for j, i in enumerate(idx):
-                st, _, final = items[i]
-                out[i] = self._continue(st, inputs[i], wavs[j], sources[j], final)
+        for members in groups.values():
+            for part in range(0, len(members), REPLAY_ROWS):
+                idx = members[part:part + REPLAY_ROWS]
+                wavs, sources = self._hift_batch([items[i][0] for i in idx], [inputs[i] for i in idx])
+                for j, i in enumerate(idx):
+                    st, _, final = items[i]
+                    out[i] = self._continue(st, inputs[i], wavs[j], sources[j], final)
         return out  # type: ignore[return-value]
 
     def _vocoder_input(self, st: Token2WavState, mel: torch.Tensor) -> torch.Tensor:
@@ -498,7 +500,8 @@ class Token2WavRunner:
     @torch.inference_mode()
     def warmup(self, prompt_tokens: int = 150, target_tokens: int = 250, schedule=None) -> int:
         """Capture the flow and HiFT graphs a steady stream of requests with this prompt and length
-        will use, for every batch bucket up to the pool size; returns the number of graphs."""
+        will use, for every batch bucket up to the pool size (official final passes and their vocoder
+        calls: up to REPLAY_ROWS); returns the number of graphs."""
         if self.pool is None or not self.pool.graphs.enabled:
             return 0
         from cosystream.config import ChunkSchedule
@@ -507,29 +510,36 @@ class Token2WavRunner:
         planner = ChunkPlanner(schedule or ChunkSchedule(), prompt_tokens)
         frame = UPSAMPLE * self.stream.prompt_cache_tokens(prompt_tokens)
         shapes, encoder_shapes, mel_lengths, recompute_ends, cached = [], [], [], [], False
+        official_final = self.final_attention == "full"
         while (plan := planner.next_plan(target_tokens, done=True)) is not None:
             end = UPSAMPLE * (prompt_tokens + plan.offset + plan.num_new)
-            if not plan.is_final or self.final_attention == "chunk":
+            if not plan.is_final or not official_final:
                 shapes.append((end - frame, self.pool.attn_len_for(end)))
                 encoder_shapes.append((frame // UPSAMPLE, (end - frame) // UPSAMPLE, not plan.is_final))
                 recompute_ends.append(end)
-            mel_lengths.append((2 * plan.num_new + (MEL_CACHE_FRAMES if cached else 0), cached))
+            # (mel frames, cached?, bounded by the slots?)
+            mel_lengths.append((2 * plan.num_new + (MEL_CACHE_FRAMES if cached else 0), cached,
+                                not (plan.is_final and official_final)))
             frame, cached = end, True
-        batches = [b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64) if b <= bucket(len(self.pool.free))]
+        batches = [b for b in BATCH_BUCKETS if b <= bucket(len(self.pool.free))]
+        # official final passes wait without a slot: up to REPLAY_ROWS of them share a replay, however few slots
+        unbounded = [b for b in BATCH_BUCKETS if b <= REPLAY_ROWS]
         # streams beyond the pool recompute each chunk that is not an official final pass
         overflow_batches = [b for b in (1, 2, 4, 8, 16) if self.max_overflow and b <= bucket(self.max_overflow)]
         for b in overflow_batches:
             for end in recompute_ends:
                 self.pool.capture_recompute(end, b)
         for b in batches:
-            if self.final_attention == "full":
-                self.pool.capture_full(UPSAMPLE * (prompt_tokens + target_tokens), b)
             for num_new, attn_len in shapes:
                 self.pool.capture(b, num_new, attn_len)
             for start, n, has_context in encoder_shapes:
                 self.pool.capture_encoder(b, start, n, has_context)
-            for frames, has_cache in mel_lengths:
-                self._capture_hift(b, frames, has_cache)
+        for b in sorted(set(batches) | set(unbounded)):
+            if official_final and b in unbounded:
+                self.pool.capture_full(UPSAMPLE * (prompt_tokens + target_tokens), b)
+            for frames, has_cache, by_slots in mel_lengths:
+                if b <= REPLAY_ROWS and (b in batches if by_slots else b in unbounded):
+                    self._capture_hift(b, frames, has_cache)
         pool = self.pool
         return sum(len(cache.graphs) for cache in (pool.graphs, pool.final_encoder_graphs, pool.final_step_graphs,
                                                     pool.encoder_graphs, pool.recompute_graphs, self.hift_first,

@@ -174,3 +174,24 @@ def test_a_voice_prompt_is_at_hand_in_memory_or_in_a_record_of_this_model(models
     assert runner.has_prompt("w", records["v"])  # a stored record of this very model
     other = {**records["v"], "model": torch.tensor(list(b"another model"), dtype=torch.uint8)}
     assert not runner.has_prompt("w", other)
+
+
+def test_vocoder_calls_of_one_length_run_at_most_replay_rows_streams_at_once(models, load_fixture, monkeypatch):
+    """Official final passes wait without a flow slot, so dozens of their vocoder calls may share one mel
+    length: they run REPLAY_ROWS at a time (the largest batch warm-up captures), each stream gets the audio
+    it gets alone."""
+    from cosystream.engine.graphs import REPLAY_ROWS
+    from cosystream.engine.token2wav import Token2WavState
+
+    runner = Token2WavRunner(*models, EngineConfig())
+    batches: list[int] = []
+    real = runner._hift_batch
+    monkeypatch.setattr(runner, "_hift_batch", lambda states, mels: batches.append(len(states)) or real(states, mels))
+    mel = torch.randn(80, 12, generator=torch.Generator().manual_seed(0)) - 5
+    n = REPLAY_ROWS + 3
+    wavs = runner._vocode([(Token2WavState(None, key=i, noise_offset=97 * i), mel, True) for i in range(n)])
+    assert batches == [REPLAY_ROWS, 3]
+    (alone,) = runner._vocode([(Token2WavState(None, key=n - 1, noise_offset=97 * (n - 1)), mel, True)])
+    # a batch's size moves float sums by ~1e-4; another row's audio differs by ~0.1
+    torch.testing.assert_close(wavs[-1], alone, atol=1e-3, rtol=0)
+    assert not torch.allclose(wavs[-2], alone, atol=1e-2)
