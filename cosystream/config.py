@@ -63,6 +63,10 @@ class EngineConfig:
     # on the H100) also stops between two of its Euler steps for such a chunk and goes on after it; the
     # passes give their flow slots back when they begin (they read none). False: a phase of them runs whole.
     pause_final_passes: bool = True
+    # With pause_final_passes: an official final pass whose client has less than this many seconds of audio
+    # left is due: no batch leaves it out for a first chunk, and a phase with it does not pause (a pass of
+    # 32 streams takes ≈ 0.55 s on the H100).
+    final_slack_s: float = 2.0
     # A phase of first chunks takes along later chunks whose ODE has the same shape (a second chunk's new
     # frames equal a first chunk's), up to this many streams in the call: small ODE calls are launch-bound,
     # so the first chunks wait little longer and the token-to-wave worker saves a call. 0: never.
@@ -132,6 +136,8 @@ class EngineConfig:
             raise ValueError(f"flow_overflow_streams: must be >= 0, got {self.flow_overflow_streams}")
         if self.rider_streams < 0:
             raise ValueError(f"rider_streams: must be >= 0, got {self.rider_streams}")
+        if self.final_slack_s < 0:
+            raise ValueError(f"final_slack_s: must be >= 0, got {self.final_slack_s}")
         if self.first_chunk_wait_s < 0:
             raise ValueError(f"first_chunk_wait_s: must be >= 0, got {self.first_chunk_wait_s}")
         if not self.max_voice_cache_gb >= 0:

@@ -22,6 +22,9 @@ def test_values_take_their_fields_types():
     assert EngineConfig(**config_overrides(["max_voice_cache_gb=0.5"])).max_voice_cache_gb == 0.5
     with pytest.raises(ValueError, match="flow_overflow_streams: must be >= 0"):
         EngineConfig(**config_overrides(["flow_overflow_streams=-1"]))
+    with pytest.raises(ValueError, match="final_slack_s: must be >= 0"):
+        EngineConfig(**config_overrides(["final_slack_s=-0.5"]))
+    assert EngineConfig(**config_overrides(["final_slack_s=0", "pause_final_passes=off"])).final_slack_s == 0
 
 
 @pytest.mark.parametrize(("item", "message"), [

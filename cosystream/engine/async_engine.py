@@ -60,7 +60,8 @@ class AsyncEngine:
         self.core = EngineCore(lm_runner, t2w, self.lm, overlap=config.overlap,
                                chunk_slack_s=config.chunk_slack_s, first_chunk_wait_s=config.first_chunk_wait_s,
                                preempt=config.preempt_token2wav,
-                               pause_final_passes=config.pause_final_passes, rider_streams=config.rider_streams,
+                               pause_final_passes=config.pause_final_passes,
+                               final_slack_s=config.final_slack_s, rider_streams=config.rider_streams,
                                open_ahead=config.open_ahead)
         self.pool = ThreadPoolExecutor(max_workers=config.frontend_threads, thread_name_prefix="frontend")
         self._voice_prompts: dict[str, VoicePrompt] = {}

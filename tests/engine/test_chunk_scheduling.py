@@ -162,6 +162,30 @@ def test_a_batch_with_a_first_chunk_leaves_out_official_finals_that_can_wait():
     assert len(core._without_costly_finals(_ready(new, ending), now)) == 2
 
 
+def test_a_final_pass_with_less_than_final_slack_of_audio_left_is_due():
+    """EngineConfig.final_slack_s (with pause_final_passes): a final pass whose client has less audio left
+    than that goes in a first chunk's batch, and its job may not pause; one with more waits, or pauses."""
+    runner = SimpleNamespace(max_slots=8, device=torch.device("cpu"), set_active=lambda slot, active: None)
+    core = EngineCore(runner, _Pool(4), lm=None, overlap=False, chunk_slack_s=0.6, final_slack_s=2.0)
+    core.t2w.final_attention = "full"
+    new = _with_tokens(_request(core, "new", buffered_s=None, lm=LMStatus.decoding, slot=0), 40)
+    soon = _request(core, "soon", buffered_s=1.5, lm=LMStatus.done, slot=1)
+    later = _request(core, "later", buffered_s=3.0, lm=LMStatus.done, slot=2)
+    for req in (soon, later):
+        req.audio_segment.tokens = list(range(20))  # fewer than the next hop needs: its next chunk is final
+    now = time.perf_counter()
+    assert [r.request_id for r, _ in core._without_costly_finals(_ready(new, soon, later), now)] == ["new", "soon"]
+    core._chunks = worker = _FakeWorker()
+    core._token2wav()
+    (jobs,) = worker.submitted
+    by_name = {job.req.request_id: job for phase in jobs for job in phase}
+    assert set(by_name) == {"new", "soon"} and not by_name["soon"].pausable and not by_name["new"].pausable
+    # without pausing, the old rule: finals with more than chunk_slack_s left wait
+    off = EngineCore(runner, _Pool(4), lm=None, overlap=False, chunk_slack_s=0.6, final_slack_s=2.0,
+                     pause_final_passes=False)
+    assert off.final_slack_s == 0 and not off._final_due(soon, now)
+
+
 def _with_tokens(req: RequestState, n: int) -> RequestState:
     req.audio_segment.tokens = list(range(n))
     return req
@@ -391,19 +415,23 @@ def test_a_paused_phase_of_final_passes_comes_back_whole_with_the_rest():
     core.t2w = SimpleNamespace(watch=_Watch(), run=run)
     req = RequestState(request_id="r", segments=[Segment(inputs=None, planner=None, min_len=0, max_len=1)],
                        sampling=None, emit=lambda _: None)
-    jobs = [_Job(req, req.audio_segment, plan=SimpleNamespace(name=n)) for n in ("f1", "f2", "g")]
+    jobs = [_Job(req, req.audio_segment, plan=SimpleNamespace(name=n), pausable=n != "g")
+            for n in ("f1", "f2", "g")]
     worker.start()
     try:
         worker.submit([[jobs[0], jobs[1]], [jobs[2]]])
         done, results, error, _, _, last, returned = core.inbox.get(timeout=10).payload
         assert (done, results, error, last, returned) == ([], [], None, True, jobs)
+        worker.submit([jobs])  # a phase with a job that may not pause (a due final): not asked
+        done, _, error, _, _, last, returned = core.inbox.get(timeout=10).payload
+        assert done == jobs and error is None and last and returned == []
         core.pause_final_passes = False
-        worker.submit([jobs])
+        worker.submit([jobs[:2]])
         done, _, error, _, _, last, returned = core.inbox.get(timeout=10).payload
     finally:
         worker.stop()
-    assert done == jobs and error is None and last and returned == []
-    assert asked[0] is not None and asked[1] is None and core.inbox.empty()
+    assert done == jobs[:2] and error is None and last and returned == []
+    assert asked[0] is not None and asked[1] is None and asked[2] is None and core.inbox.empty()
 
 
 class _GroupingT2W:
