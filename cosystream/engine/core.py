@@ -951,20 +951,24 @@ def _buffered_audio_s(req: RequestState, now: float) -> float:
 
 def _phases(jobs: list[_Job], now: float, dry_s: float) -> list[list[_Job]]:
     """A batch's jobs in the order they are voiced and handed back: chunks of clients with less than `dry_s`
-    of audio left, first chunks, later chunks, final chunks. PERF: each phase's audio goes out as soon as
-    that phase is done, so a new request's first chunk never waits for the official final passes (a
-    whole-utterance ODE each, ~300 ms for sixteen streams on the H100) or the later chunks in its batch;
+    of audio left, first chunks, later chunks, final chunks (those that are due, then those that may
+    pause). PERF: each phase's audio goes out as soon as that phase is done, so a new request's first chunk
+    never waits for the official final passes (a whole-utterance ODE each, ~300 ms for sixteen streams on
+    the H100) or the later chunks in its batch;
     the phases would not have shared a flow or vocoder call anyway (different frame counts, cached or
     not). A client about to run dry goes first: its first audio went out early, at the end of a phase,
     so its next chunk may have waited for the rest of that batch."""
-    order: list[list[_Job]] = [[], [], [], []]
+    order: list[list[_Job]] = [[], [], [], [], []]
     for job in jobs:
         if job.req.is_first_chunk:
             order[1].append(job)
         elif _buffered_audio_s(job.req, now) < dry_s:
             order[0].append(job)
+        elif job.plan.is_final:
+            # due finals apart from those that may pause: one due pass would keep a whole phase from pausing
+            order[4 if job.pausable else 3].append(job)
         else:
-            order[3 if job.plan.is_final else 2].append(job)
+            order[2].append(job)
     return [phase for phase in order if phase]
 
 

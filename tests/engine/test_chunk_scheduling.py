@@ -240,6 +240,12 @@ def test_a_batch_is_voiced_dry_clients_first_chunks_later_chunks_then_finals():
         ["dry_final", "dry"], ["new", "short"], ["middle"], ["ending"]]
     assert [len(phase) for phase in _phases(jobs[1:2], time.perf_counter(), 0.3)] == [1]  # no empty phases
     assert len(_phases(jobs, time.perf_counter(), dry_s=0.0)) == 3  # no client counts as dry
+    # finals that may pause go after the due ones, in a phase of their own (one due pass keeps a phase whole)
+    later = _request(core, "later", buffered_s=5.0, lm=LMStatus.done, slot=6)
+    waiting = _job(later, True)
+    waiting.pausable = True
+    phases = _phases([waiting, *jobs], time.perf_counter(), dry_s=0.3)
+    assert [[j.req.request_id for j in phase] for phase in phases][-2:] == [["ending"], ["later"]]
 
 
 def test_a_phase_that_comes_back_is_emitted_while_the_rest_of_its_batch_still_runs():
