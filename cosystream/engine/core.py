@@ -793,13 +793,10 @@ class EngineCore:
 
     def _without_costly_finals(self, ready: list, now: float) -> list:
         """PERF: an official final chunk is a full pass over the whole utterance (≈ 50 ms on the H100):
-        without pause_final_passes, a batch that voices a first chunk leaves out the finals whose clients
-        have audio buffered, unless new streams wait for the flow slots those finals would free. With it,
-        every final goes (last; one that is not due pauses for the next first chunk): left out, they came
-        due together and ran unpaused as one convoy (34 requests underrunning at 15.5 req/s on the H100)."""
-        if (self.chunk_slack_s <= 0 or getattr(self.t2w, "final_attention", "full") != "full"
-                or self.pause_final_passes):
-            return ready  # pausing: a final pass in the batch yields to a first chunk between Euler steps
+        a batch that voices a first chunk leaves out the finals whose clients have audio buffered, unless
+        new streams wait for the flow slots those finals would free."""
+        if self.chunk_slack_s <= 0 or getattr(self.t2w, "final_attention", "full") != "full":
+            return ready
         if not any(req.is_first_chunk for req, _ in ready) or self._flow_slots_short():
             return ready
         return [(req, seg) for req, seg in ready

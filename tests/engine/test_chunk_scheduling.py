@@ -144,7 +144,6 @@ def test_decoding_pauses_while_a_first_chunk_is_voiced_unless_another_request_wa
 
 def test_a_batch_with_a_first_chunk_leaves_out_official_finals_that_can_wait():
     core = _core(free_slots=2)
-    core.pause_final_passes = False  # with it, finals go along and pause instead (below)
     core.t2w.final_attention = "full"
     new = _request(core, "new", buffered_s=None, lm=LMStatus.decoding, slot=0, has_stream=False)
     ending = _request(core, "ending", buffered_s=5.0, lm=LMStatus.done, slot=1)
@@ -175,17 +174,12 @@ def test_a_final_pass_with_less_than_final_slack_of_audio_left_is_due():
     for req in (soon, later):
         req.audio_segment.tokens = list(range(20))  # fewer than the next hop needs: its next chunk is final
     now = time.perf_counter()
-    # pausing: every final goes along (it pauses for first chunks unless due)
-    assert len(core._without_costly_finals(_ready(new, soon, later), now)) == 3
-    core.pause_final_passes = False
     assert [r.request_id for r, _ in core._without_costly_finals(_ready(new, soon, later), now)] == ["new", "soon"]
-    core.pause_final_passes = True
     core._chunks = worker = _FakeWorker()
     core._token2wav()
     (jobs,) = worker.submitted
     by_name = {job.req.request_id: job for phase in jobs for job in phase}
-    assert set(by_name) == {"new", "soon", "later"} and by_name["later"].pausable
-    assert not by_name["soon"].pausable and not by_name["new"].pausable
+    assert set(by_name) == {"new", "soon"} and not by_name["soon"].pausable and not by_name["new"].pausable
     # without pausing, the old rule: finals with more than chunk_slack_s left wait
     off = EngineCore(runner, _Pool(4), lm=None, overlap=False, chunk_slack_s=0.6, final_slack_s=2.0,
                      pause_final_passes=False)
