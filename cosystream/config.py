@@ -60,9 +60,11 @@ class EngineConfig:
     # final passes), so it waits for one phase, not the whole batch. False: batches always run to the end.
     preempt_token2wav: bool = True
     # With preemption on, a phase of official final passes (whole-utterance ODEs, ≈ 270 ms for 16 streams
-    # on the H100) also stops between two of its Euler steps for such a chunk and goes on after it; the
-    # passes give their flow slots back when they begin (they read none). False: a phase of them runs whole.
-    pause_final_passes: bool = True
+    # on the H100) also stops between two of its Euler steps for such a chunk and goes on after it. Opt-in:
+    # on the H100 at 15 req/s it cut first audio p95 by a quarter to a third, but deferred passes sometimes
+    # came due together and made later chunks late (2 and 34 requests underrunning in two of its runs;
+    # docs/benchmarks.md). False: a phase of them runs whole.
+    pause_final_passes: bool = False
     # With pause_final_passes: an official final pass whose client has less than this many seconds of audio
     # left is due: no batch leaves it out for a first chunk, and a phase with it does not pause (a pass of
     # 32 streams takes ≈ 0.55 s on the H100).

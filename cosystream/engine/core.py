@@ -71,7 +71,7 @@ class EngineCore:
     def __init__(self, lm_runner: LMRunner, token2wav: Any, lm: Any, max_chunk_batch: int = 64,
                  overlap: bool = True, chunk_slack_s: float = 0.0, first_chunk_wait_s: float = 0.0,
                  preempt: bool = True, rider_streams: int = 16, open_ahead: bool = True,
-                 pause_final_passes: bool = True, final_slack_s: float = 0.0) -> None:
+                 pause_final_passes: bool = False, final_slack_s: float = 0.0) -> None:
         self.lm_runner = lm_runner
         self.t2w = token2wav
         self.lm = lm

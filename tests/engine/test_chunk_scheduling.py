@@ -166,7 +166,8 @@ def test_a_final_pass_with_less_than_final_slack_of_audio_left_is_due():
     """EngineConfig.final_slack_s (with pause_final_passes): a final pass whose client has less audio left
     than that goes in a first chunk's batch, and its job may not pause; one with more waits, or pauses."""
     runner = SimpleNamespace(max_slots=8, device=torch.device("cpu"), set_active=lambda slot, active: None)
-    core = EngineCore(runner, _Pool(4), lm=None, overlap=False, chunk_slack_s=0.6, final_slack_s=2.0)
+    core = EngineCore(runner, _Pool(4), lm=None, overlap=False, chunk_slack_s=0.6, final_slack_s=2.0,
+                      pause_final_passes=True)
     core.t2w.final_attention = "full"
     new = _with_tokens(_request(core, "new", buffered_s=None, lm=LMStatus.decoding, slot=0), 40)
     soon = _request(core, "soon", buffered_s=1.5, lm=LMStatus.done, slot=1)
