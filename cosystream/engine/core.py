@@ -659,7 +659,7 @@ class EngineCore:
                                 first=req.is_first_chunk)
                            for req, seg in ready]
         for job in jobs:
-            job.pausable = job.plan.is_final and not self._final_due(job.req, now)
+            job.pausable = self.pause_final_passes and job.plan.is_final and not self._final_due(job.req, now)
         phases = _phases(jobs, now, self.chunk_slack_s / 2)
         if self._chunks is not None:
             self._in_flight = jobs
