@@ -1030,7 +1030,7 @@ def run_jobs(t2w: Any, jobs: list[_Job], device: torch.device, phases: list[list
     runnable = [job for job in jobs if job.error is None and job.plan is not None]
     if runnable:
         items = [(job.state, job.seg.tokens[:], job.plan) for job in runnable]
-        results = t2w.run(items) if should_stop is None else t2w.run(items, should_stop=should_stop)
+        results = t2w.run(items, should_stop=should_stop)
         if results is None:
             return None
     else:  # streams opened ahead of their first chunk (or none could open)

@@ -41,10 +41,10 @@ class PooledStream:
     prompt: PromptCache
     encoder: EncoderState
     is_finished: bool = False
-    # False: a stream beyond the pool (FlowRunner.open_overflow): `slot` is the scratch slot, whose conv
-    # tails its whole passes use, and every chunk recomputes
+    # False: a stream beyond the pool (FlowRunner.open_overflow): `slot` is the scratch slot (it reads
+    # nothing there: every chunk is a whole pass)
     in_slot: bool = True
-    closed: bool = False
+    closed: bool = False  # its slot (or room beyond the pool) was given back
 
     @property
     def num_tokens(self) -> int:
@@ -177,8 +177,7 @@ class FlowRunner:
 
     def open_overflow(self, prompt: PromptCache) -> PooledStream:
         """A stream for which no slot is free: it holds nothing in the pool and computes each chunk as the
-        official code does (`recompute_many`; its final as `full_passes`), in the scratch slot's conv
-        tails, which every whole pass zeroes first and none reads afterwards."""
+        official code does (`recompute_many`; its final as a FinalPass): whole passes read no slot."""
         self.overflow += 1
         return PooledStream(self.scratch, prompt, self.flow.encoder.new_state(0), in_slot=False)
 

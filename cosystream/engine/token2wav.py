@@ -293,7 +293,8 @@ class Token2WavRunner:
         """PERF: the Euler steps of the jobs' final passes (begun, or going on from where they paused),
         asking should_stop after each; False: paused. A batch of them takes ≈ 270 ms for 16 streams on the
         H100; a first chunk that turns ready meanwhile waits for one step (≈ 1/10 of that), not all."""
-        self._begin_finals([(st, self._tokens(tokens[:plan.token_end])) for st, tokens, plan in jobs])
+        self._begin_finals([(st, self._tokens(tokens[:plan.token_end])) for st, tokens, plan in jobs
+                            if st.final is None])  # a resumed run has nothing to begin
         passes = list({id(st.final[0]): st.final[0] for st, _, _ in jobs if st.final is not None}.values())
         for final in passes:
             while not final.done:
@@ -534,11 +535,11 @@ class Token2WavRunner:
                 self.pool.capture(b, num_new, attn_len)
             for start, n, has_context in encoder_shapes:
                 self.pool.capture_encoder(b, start, n, has_context)
-        for b in sorted(set(batches) | set(unbounded)):
-            if official_final and b in unbounded:
-                self.pool.capture_full(UPSAMPLE * (prompt_tokens + target_tokens), b)
-            for frames, has_cache, by_slots in mel_lengths:
-                if b <= REPLAY_ROWS and (b in batches if by_slots else b in unbounded):
+        for b in unbounded if official_final else []:
+            self.pool.capture_full(UPSAMPLE * (prompt_tokens + target_tokens), b)
+        for frames, has_cache, by_slots in mel_lengths:
+            for b in (batches if by_slots else unbounded):
+                if b <= REPLAY_ROWS:  # larger vocoder batches are split (_vocode)
                     self._capture_hift(b, frames, has_cache)
         pool = self.pool
         return sum(len(cache.graphs) for cache in (pool.graphs, pool.final_encoder_graphs, pool.final_step_graphs,

@@ -141,10 +141,10 @@ def test_out_of_memory_in_a_token_to_wave_batch_fails_only_that_batch(engine, vo
     t2w, core = engine.async_engine.token2wav, engine.async_engine.core
     real_run = t2w.run
 
-    def run_or_oom(jobs):
+    def run_or_oom(jobs, should_stop=None):
         if any(st.key[0] == BAD for st, _, _ in jobs):
             raise _oom_for(BAD)
-        return real_run(jobs)
+        return real_run(jobs, should_stop=should_stop)
 
     monkeypatch.setattr(t2w, "run", run_or_oom)
     monkeypatch.setattr(core, "max_chunk_batch", 1)  # one request per batch, so the fault's batch is known
