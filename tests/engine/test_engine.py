@@ -144,7 +144,7 @@ def test_a_failing_chunk_fails_only_its_request(engine, voice):
     t2w = engine.async_engine.token2wav
     original = t2w.run
 
-    def broken(jobs):
+    def broken(jobs, should_stop=None):
         t2w.run = original  # fail once
         raise RuntimeError("simulated device fault")
 
