@@ -65,9 +65,10 @@ class EngineConfig:
     # came due together and made later chunks late (2 and 34 requests underrunning in two of its runs;
     # docs/benchmarks.md). False: a phase of them runs whole.
     pause_final_passes: bool = False
-    # With pause_final_passes: an official final pass whose client has less than this many seconds of audio
-    # left is due: no batch leaves it out for a first chunk, and a phase with it does not pause (a pass of
-    # 32 streams takes ≈ 0.55 s on the H100).
+    # With pause_final_passes: an official final pass is due when its client's audio left, less the measured
+    # cost of the waiting passes whose clients run dry no later (earliest deadline first), is under this many
+    # seconds: no batch leaves it out for a first chunk, and a phase with it does not pause (a pass of 32
+    # streams takes ≈ 0.55 s on the H100). Without pausing, chunk_slack_s is that margin.
     final_slack_s: float = 2.0
     # A phase of first chunks takes along later chunks whose ODE has the same shape (a second chunk's new
     # frames equal a first chunk's), up to this many streams in the call: small ODE calls are launch-bound,

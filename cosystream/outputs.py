@@ -17,6 +17,8 @@ class StageTimes:
     frontend_s: float = 0.0  # text normalisation, tokenisation, prompt audio features
     llm_prefill_s: float = 0.0
     first_token_s: float = 0.0  # admitted -> first speech token
+    first_chunk_ready_s: float = 0.0  # submitted -> the first chunk's tokens all there (the LM's share)
+    first_chunk_start_s: float = 0.0  # submitted -> the first chunk's flow batch handed to the worker
     first_chunk_flow_s: float = 0.0
     first_chunk_vocoder_s: float = 0.0
     first_audio_s: float = 0.0  # submitted -> first chunk ready

@@ -119,6 +119,10 @@ class EngineCore:
         # voices them, in their phase order, with the urgent chunks that preempted them
         self._returned: list[_Job] = []
         self._step_ahead: _Step | None = None  # a launched decode step whose tokens are not read yet
+        # worker seconds of phases of official final passes and passes finished in them (decayed sums):
+        # the measured cost of one pass, for the deadline test of the passes that wait (_due_finals)
+        self._final_busy_s = 0.0
+        self._finals_done = 0.0
 
     # ------------------------------------------------------------------ thread-safe API
     def start(self) -> None:
@@ -317,6 +321,8 @@ class EngineCore:
         elif msg.kind == "chunks_done":
             jobs, results, error, now, busy_s, last, returned = msg.payload
             self.t2w_busy_s += busy_s
+            if error is None:
+                self._time_finals(jobs, busy_s)
             self._chunks_done(jobs, results, error, now, last, returned)
 
     @staticmethod
@@ -625,9 +631,14 @@ class EngineCore:
             if only is not None and not only(req):
                 continue
             seg = req.audio_segment
-            if seg is None or req.cancelled or id(seg) in skip or not self._can_voice(req, seg):
+            if seg is None or req.cancelled or id(seg) in skip:
                 continue
-            if seg.planner.has_plan(len(seg.tokens), seg.lm_status == LMStatus.done):
+            if not seg.planner.has_plan(len(seg.tokens), seg.lm_status == LMStatus.done):
+                continue
+            if req.is_first_chunk and req.t_first_ready is None:  # whether or not a flow slot is free
+                req.t_first_ready = time.perf_counter()
+                req.times.first_chunk_ready_s = req.t_first_ready - req.t_submit
+            if self._can_voice(req, seg):
                 ready.append((req, seg))
         ready.sort(key=lambda j: (not j[0].is_first_chunk, j[0].t_submit))
         return ready
@@ -650,7 +661,8 @@ class EngineCore:
                              or self._first_chunks_due_soon(ready, now)):
             self._open_ahead()
             return
-        ready = self._without_costly_finals(ready, now)
+        due = self._due_finals(now)
+        ready = self._without_costly_finals(ready, now, due)
         if self._chunks is not None:
             # the rest waits for the next batch, plans untouched
             ready = ready[:max(0, self.max_chunk_batch - len(returned))]
@@ -659,8 +671,11 @@ class EngineCore:
                                 first=req.is_first_chunk)
                            for req, seg in ready]
         for job in jobs:
-            job.pausable = self.pause_final_passes and job.plan.is_final and not self._final_due(job.req, now)
+            job.pausable = self.pause_final_passes and job.plan.is_final and id(job.req) not in due
         phases = _phases(jobs, now, self.chunk_slack_s / 2)
+        for job in jobs:
+            if job.first:  # handed back and planned again: the last hand-over is the one that ran
+                job.req.times.first_chunk_start_s = now - job.req.t_submit
         if self._chunks is not None:
             self._in_flight = jobs
             self._first_in_flight = {id(job.req) for job in jobs if job.req.is_first_chunk}
@@ -678,6 +693,8 @@ class EngineCore:
                     error = e
                 now = time.perf_counter()
                 self.t2w_busy_s += now - t0
+                if error is None:
+                    self._time_finals(batch, now - t0)
                 self._chunks_done(batch, results, error, now)
 
     def _open_ahead(self) -> None:
@@ -774,7 +791,7 @@ class EngineCore:
         if not firsts or any(not req.is_first_chunk and _buffered_audio_s(req, now) < self.chunk_slack_s
                              for req, _ in ready):
             return False
-        for req in firsts:
+        for req in firsts:  # set by _ready_chunks; a list built elsewhere counts from now
             if req.t_first_ready is None:
                 req.t_first_ready = now
         left = self.first_chunk_wait_s - (now - min(req.t_first_ready for req in firsts))
@@ -791,24 +808,53 @@ class EngineCore:
                 return True
         return False
 
-    def _without_costly_finals(self, ready: list, now: float) -> list:
+    def _without_costly_finals(self, ready: list, now: float, due: set[int]) -> list:
         """PERF: an official final chunk is a full pass over the whole utterance (≈ 50 ms on the H100):
-        a batch that voices a first chunk leaves out the finals whose clients have audio buffered, unless
-        new streams wait for the flow slots those finals would free."""
+        a batch that voices a first chunk leaves out the finals that are not due (`_due_finals`: ids of
+        requests), unless new streams wait for the flow slots those finals would free."""
         if self.chunk_slack_s <= 0 or getattr(self.t2w, "final_attention", "full") != "full":
             return ready
         if not any(req.is_first_chunk for req, _ in ready) or self._flow_slots_short():
             return ready
         return [(req, seg) for req, seg in ready
-                if req.is_first_chunk or not seg.planner.next_is_final(len(seg.tokens))
-                or _buffered_audio_s(req, now) < self.chunk_slack_s or self._final_due(req, now)]
+                if req.is_first_chunk or not seg.planner.next_is_final(len(seg.tokens)) or id(req) in due]
 
-    def _final_due(self, req: RequestState, now: float) -> bool:
-        """PERF: is the client's final pass due, with less than `final_slack_s` of audio left? Then no batch
-        leaves it out and its phase does not pause: passes left to wait until their clients ran nearly dry
-        came due together (71 of them at 15.5 req/s on the H100), and a phase of them that may not pause
-        (≈ 0.55 s per 32 streams) held up every chunk behind it."""
-        return _buffered_audio_s(req, now) < self.final_slack_s
+    def _due_finals(self, now: float) -> set[int]:
+        """PERF: ids of the requests whose official final pass may neither wait for a first chunk's batch
+        nor pause. Earliest deadline first: the waiting passes in the order their clients run dry, each
+        costing the measured time of a pass (`_final_cost_s`); pass k is due when its client's audio left,
+        less the cost of passes 1..k (they run before it), is under the slack (`final_slack_s` with pausing,
+        else `chunk_slack_s`), and so are passes 1..k. Judged on its own audio left, each pass came due
+        only when its client nearly ran dry: dozens of deferred passes (86 at 15 req/s on the H100) came
+        due together, more work than their clients' audio covered, and made other streams' chunks late."""
+        slack = max(self.chunk_slack_s, self.final_slack_s)
+        waiting = sorted((_buffered_audio_s(req, now), id(req)) for req in self.requests.values()
+                         if self._final_waits(req))
+        cost = self._final_cost_s()
+        due = 0
+        for k, (left, _) in enumerate(waiting, start=1):
+            if left - k * cost < slack:
+                due = k
+        return {key for _, key in waiting[:due]}
+
+    def _final_waits(self, req: RequestState) -> bool:
+        """Is the request's next chunk an official final pass that could run now (LM done, audio out)?"""
+        seg = req.audio_segment
+        return (seg is not None and not req.cancelled and not req.is_first_chunk and seg.lm_status == LMStatus.done
+                and not seg.planner.finished and seg.planner.next_is_final(len(seg.tokens)))
+
+    def _final_cost_s(self) -> float:
+        """Measured worker seconds per official final pass (0 before one was measured)."""
+        return self._final_busy_s / self._finals_done if self._finals_done > 0 else 0.0
+
+    def _time_finals(self, jobs: list[_Job], busy_s: float) -> None:
+        """Account a phase that came back: phases of official final passes (and a phase paused between
+        Euler steps, which comes back with no jobs: it can only be one of final passes) count towards
+        `_final_cost_s`. Decayed sums, so the estimate follows the batch sizes of the moment."""
+        if jobs and not all(job.plan is not None and job.plan.is_final for job in jobs):
+            return
+        self._final_busy_s = 0.9 * self._final_busy_s + busy_s
+        self._finals_done = 0.9 * self._finals_done + len(jobs)
 
     def _flow_slots_short(self) -> bool:
         """Do more new streams wait to start than free slots and room beyond the pool can take?"""

@@ -22,7 +22,8 @@ log = logging.getLogger("cosystream.server")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # StageTimes field → `stage` label of cosystream_stage_seconds
 STAGES = {"queue_s": "queue", "frontend_s": "frontend", "llm_prefill_s": "llm_prefill",
-          "first_token_s": "first_token", "first_chunk_flow_s": "first_chunk_flow",
+          "first_token_s": "first_token", "first_chunk_ready_s": "first_chunk_ready",
+          "first_chunk_start_s": "first_chunk_start", "first_chunk_flow_s": "first_chunk_flow",
           "first_chunk_vocoder_s": "first_chunk_vocoder", "first_audio_s": "first_audio", "total_s": "total"}
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0,
                      30.0, 60.0)

@@ -109,6 +109,8 @@ class StageTimes(BaseModel):
     frontend_s: float = 0.0
     llm_prefill_s: float = 0.0
     first_token_s: float = 0.0
+    first_chunk_ready_s: float = 0.0
+    first_chunk_start_s: float = 0.0
     first_chunk_flow_s: float = 0.0
     first_chunk_vocoder_s: float = 0.0
     first_audio_s: float = 0.0

@@ -207,7 +207,8 @@ class SynthesisSession:
         shows the server's own share."""
         if self.times is None or not hasattr(self.times, "as_dict"):
             return {}
-        keep = ("queue_s", "frontend_s", "llm_prefill_s", "first_token_s", "first_chunk_flow_s",
+        keep = ("queue_s", "frontend_s", "llm_prefill_s", "first_token_s", "first_chunk_ready_s",
+                "first_chunk_start_s", "first_chunk_flow_s",
                 "first_chunk_vocoder_s", "first_audio_s", "total_s")
         stages = self.times.as_dict()
         return {f"engine_{k}": float(stages[k]) for k in keep if k in stages}

@@ -152,14 +152,16 @@ def test_a_batch_with_a_first_chunk_leaves_out_official_finals_that_can_wait():
     middle.audio_segment.tokens = list(range(200))
     dry = _request(core, "dry", buffered_s=0.2, lm=LMStatus.done, slot=3)
     now = time.perf_counter()
-    kept = core._without_costly_finals(_ready(new, ending, middle, dry), now)
+    due = core._due_finals(now)
+    assert due == {id(dry)}  # 0.2 s left < chunk_slack_s
+    kept = core._without_costly_finals(_ready(new, ending, middle, dry), now, due)
     assert [r.request_id for r, _ in kept] == ["new", "middle", "dry"]
-    assert len(core._without_costly_finals(_ready(ending, middle), now)) == 2  # no first chunk: all go
+    assert len(core._without_costly_finals(_ready(ending, middle), now, due)) == 2  # no first chunk: all go
     core.t2w.free = 0  # "new" waits for a slot that "ending" frees
-    assert len(core._without_costly_finals(_ready(new, ending), now)) == 2
+    assert len(core._without_costly_finals(_ready(new, ending), now, due)) == 2
     core.t2w.final_attention = "chunk"  # an incremental final costs what any chunk costs
     core.t2w.free = 2
-    assert len(core._without_costly_finals(_ready(new, ending), now)) == 2
+    assert len(core._without_costly_finals(_ready(new, ending), now, due)) == 2
 
 
 def test_a_final_pass_with_less_than_final_slack_of_audio_left_is_due():
@@ -175,7 +177,9 @@ def test_a_final_pass_with_less_than_final_slack_of_audio_left_is_due():
     for req in (soon, later):
         req.audio_segment.tokens = list(range(20))  # fewer than the next hop needs: its next chunk is final
     now = time.perf_counter()
-    assert [r.request_id for r, _ in core._without_costly_finals(_ready(new, soon, later), now)] == ["new", "soon"]
+    assert core._due_finals(now) == {id(soon)}  # no pass measured yet: each judged on its own audio left
+    kept = core._without_costly_finals(_ready(new, soon, later), now, core._due_finals(now))
+    assert [r.request_id for r, _ in kept] == ["new", "soon"]
     core._chunks = worker = _FakeWorker()
     core._token2wav()
     (jobs,) = worker.submitted
@@ -184,7 +188,44 @@ def test_a_final_pass_with_less_than_final_slack_of_audio_left_is_due():
     # without pausing, the old rule: finals with more than chunk_slack_s left wait
     off = EngineCore(runner, _Pool(4), lm=None, overlap=False, chunk_slack_s=0.6, final_slack_s=2.0,
                      pause_final_passes=False)
-    assert off.final_slack_s == 0 and not off._final_due(soon, now)
+    assert off.final_slack_s == 0 and off._due_finals(now) == set()  # 1.5 s left > chunk_slack_s
+
+
+def _waiting_finals(core: EngineCore, left_s: list[float]) -> list[RequestState]:
+    reqs = [_request(core, f"final{i}", buffered_s=left, lm=LMStatus.done, slot=i) for i, left in enumerate(left_s)]
+    for req in reqs:
+        req.audio_segment.tokens = list(range(20))  # fewer than the next hop needs: its next chunk is final
+    return reqs
+
+
+def test_final_passes_come_due_by_earliest_deadline_with_the_measured_cost_of_those_before_them():
+    """Passes waiting to run cost the measured time each: the k-th to run dry is due once its audio left
+    minus k passes is under the slack, and with it every pass due before it."""
+    runner = SimpleNamespace(max_slots=8, device=torch.device("cpu"), set_active=lambda slot, active: None)
+    core = EngineCore(runner, _Pool(4), lm=None, overlap=False, chunk_slack_s=0.6, final_slack_s=2.0,
+                      pause_final_passes=True)
+    a, b, c, d = _waiting_finals(core, [3.0, 3.2, 3.4, 9.0])
+    now = time.perf_counter()
+    assert core._due_finals(now) == set()  # none measured: each has more than 2 s left
+    finals = [_Job(r, r.audio_segment, plan=SimpleNamespace(is_final=True)) for r in (a, b)]
+    core._time_finals(finals, busy_s=1.0)  # two passes in one phase: 0.5 s each
+    assert core._final_cost_s() == pytest.approx(0.5)
+    # c: 3.4 s left behind three passes of 0.5 s = 1.9 < 2: c is due, and a and b (earlier deadlines) with it
+    assert core._due_finals(now) == {id(a), id(b), id(c)}
+    c.cancelled = True  # b: 3.2 - 1.0 = 2.2, a: 3.0 - 0.5 = 2.5: neither due
+    assert core._due_finals(now) == set()
+
+
+def test_the_cost_of_a_final_pass_counts_paused_phases_and_only_phases_of_finals():
+    core = _core()
+    req = _request(core, "r", buffered_s=3.0, lm=LMStatus.done, slot=0)
+    final = _Job(req, req.audio_segment, plan=SimpleNamespace(is_final=True))
+    later = _Job(req, req.audio_segment, plan=SimpleNamespace(is_final=False))
+    core._time_finals([later], busy_s=5.0)  # a phase of later chunks: not a final's cost
+    assert core._final_cost_s() == 0.0
+    core._time_finals([], busy_s=0.2)  # a phase paused between Euler steps: time spent, no pass finished
+    core._time_finals([final, final], busy_s=0.4)
+    assert core._final_cost_s() == pytest.approx((0.9 * 0.2 + 0.4) / 2)
 
 
 def _with_tokens(req: RequestState, n: int) -> RequestState:

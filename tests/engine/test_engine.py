@@ -58,6 +58,9 @@ def test_streamed_audio_length_and_timings(engine, voice):
     t = chunks[-1].times
     assert t.num_tokens == 80 and abs(t.audio_s - 3.2) < 1e-6
     assert 0 < t.first_audio_s <= t.total_s and t.first_chunk_flow_s > 0 and t.llm_prefill_s > 0
+    # where the first audio's time went: tokens ready (LM), then handed to the flow, then voiced
+    assert t.queue_s + t.first_token_s < t.first_chunk_ready_s <= t.first_chunk_start_s < t.first_audio_s
+    assert t.first_audio_s - t.first_chunk_start_s >= t.first_chunk_flow_s
 
 
 def test_non_streaming_is_one_chunk_and_speed_changes_length(engine, voice):

@@ -6,8 +6,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_live import VOICE
 
-STAGES = ("queue", "frontend", "llm_prefill", "first_token", "first_chunk_flow", "first_chunk_vocoder", "first_audio",
-          "total")
+STAGES = ("queue", "frontend", "llm_prefill", "first_token", "first_chunk_ready", "first_chunk_start",
+          "first_chunk_flow", "first_chunk_vocoder", "first_audio", "total")
 
 
 def scrape(client) -> dict[tuple[str, tuple], float]:

@@ -10,8 +10,8 @@ import pytest
 from server_live import SAMPLES_PER_TOKEN, VOICE, decode, make_wav
 
 TEXT = "Hello world."
-STAGES = ("queue_s", "frontend_s", "llm_prefill_s", "first_token_s", "first_chunk_flow_s", "first_chunk_vocoder_s",
-          "first_audio_s", "total_s")
+STAGES = ("queue_s", "frontend_s", "llm_prefill_s", "first_token_s", "first_chunk_ready_s", "first_chunk_start_s",
+          "first_chunk_flow_s", "first_chunk_vocoder_s", "first_audio_s", "total_s")
 
 
 def ndjson(text: str) -> list[dict]:
