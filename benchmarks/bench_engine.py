@@ -228,6 +228,7 @@ def _busy_line(before: dict[str, float], after: dict[str, float], wall_s: float)
     return (f"engine busy over {wall_s:.1f} s: LM {d.get('lm_busy_seconds', 0.0):.1f} s "
             f"({d.get('num_steps', 0.0):.0f} steps), token-to-wave {d.get('token2wav_busy_seconds', 0.0):.1f} s "
             f"(flow {d.get('token2wav_flow_seconds', 0.0):.1f}, vocoder {d.get('token2wav_vocoder_seconds', 0.0):.1f}; "
+            f"final passes {d.get('token2wav_final_seconds', 0.0):.1f} s for {d.get('token2wav_finals', 0.0):.0f}; "
             f"{d.get('token2wav_batches', 0.0):.0f} batches, {d.get('token2wav_chunks', 0.0) / batches:.1f} "
             f"chunks per batch, {1000 * d.get('token2wav_busy_seconds', 0.0) / batches:.1f} ms per batch; "
             f"{d.get('flow_overflow_started', 0.0):.0f} streams started beyond the flow pool)"

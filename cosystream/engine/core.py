@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -97,6 +97,8 @@ class EngineCore:
         self.t2w_flow_s = 0.0  # of which the flow (encoder + ODE) ...
         self.t2w_vocoder_s = 0.0  # ... and HiFT with the copy to the host
         self.t2w_batches = 0
+        self.t2w_final_s = 0.0  # ... of which phases of official final passes (paused ones included)
+        self.t2w_finals = 0
         self.t2w_chunks = 0
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="cosystream-engine", daemon=True)
@@ -183,7 +185,8 @@ class EngineCore:
                "alive": float(self.error is None and self._thread.is_alive()),
                "lm_busy_seconds": self.lm_busy_s, "token2wav_busy_seconds": self.t2w_busy_s,
                "token2wav_flow_seconds": self.t2w_flow_s, "token2wav_vocoder_seconds": self.t2w_vocoder_s,
-               "token2wav_batches": float(self.t2w_batches), "token2wav_chunks": float(self.t2w_chunks)}
+               "token2wav_batches": float(self.t2w_batches), "token2wav_chunks": float(self.t2w_chunks),
+               "token2wav_final_seconds": self.t2w_final_s, "token2wav_finals": float(self.t2w_finals)}
         out.update(self.t2w.watch.stats())  # per-stage host and GPU seconds of the token-to-wave batches
         pool = getattr(self.t2w, "pool", None)
         if pool is not None:
@@ -465,6 +468,8 @@ class EngineCore:
                 continue  # the row ended (or failed) on an earlier token: this one was computed ahead
             seg.pos += 1
             self._accept_token(req, seg, tokens[slot])
+            if req.t_first_ready is None:
+                self._note_first_ready(req)
 
     def _time_step(self, now: float) -> None:
         """Track the decode step period; gaps longer than an idle pause are not steps."""
@@ -635,13 +640,22 @@ class EngineCore:
                 continue
             if not seg.planner.has_plan(len(seg.tokens), seg.lm_status == LMStatus.done):
                 continue
-            if req.is_first_chunk and req.t_first_ready is None:  # whether or not a flow slot is free
-                req.t_first_ready = time.perf_counter()
-                req.times.first_chunk_ready_s = req.t_first_ready - req.t_submit
+            if req.t_first_ready is None:  # whether or not a flow slot is free
+                self._note_first_ready(req)
             if self._can_voice(req, seg):
                 ready.append((req, seg))
         ready.sort(key=lambda j: (not j[0].is_first_chunk, j[0].t_submit))
         return ready
+
+    @staticmethod
+    def _note_first_ready(req: RequestState) -> None:
+        """Stamp the moment the request's first chunk has all its tokens (StageTimes.first_chunk_ready_s):
+        checked as each token is read, so a worker busy meanwhile does not hide how long the LM took."""
+        seg = req.audio_segment
+        if (req.is_first_chunk and seg is not None and not req.cancelled
+                and seg.planner.has_plan(len(seg.tokens), seg.lm_status == LMStatus.done)):
+            req.t_first_ready = time.perf_counter()
+            req.times.first_chunk_ready_s = req.t_first_ready - req.t_submit
 
     def _token2wav(self) -> None:
         if self._in_flight is not None:
@@ -656,12 +670,12 @@ class EngineCore:
         unopened = sum(1 for job in returned if job.open_args is not None)
         ready = self._within_free_slots(ready, reserved=unopened)
         now = time.perf_counter()
+        due = self._due_finals(now) if ready else set()
         # handed-back jobs were planned for a batch already: they go now, whatever else is ready
-        if not returned and (not ready or not self._worth_a_batch(ready, now)
+        if not returned and (not ready or not self._worth_a_batch(ready, now, due)
                              or self._first_chunks_due_soon(ready, now)):
             self._open_ahead()
             return
-        due = self._due_finals(now)
         ready = self._without_costly_finals(ready, now, due)
         if self._chunks is not None:
             # the rest waits for the next batch, plans untouched
@@ -750,11 +764,13 @@ class EngineCore:
         if urgent and not self._first_chunks_due_soon(urgent, now):
             worker.preempt.set()
 
-    def _worth_a_batch(self, ready: list, now: float) -> bool:
+    def _worth_a_batch(self, ready: list, now: float, due: Container[int] = ()) -> bool:
         """PERF: a flow batch costs nearly the same for one chunk as for sixteen (it is launch-bound), so
         while the LM is still producing tokens, chunks whose client has more than `chunk_slack_s` of audio
         buffered wait to share a batch with an urgent one. Urgent: a first chunk, a chunk whose client
-        is about to run dry, and, while new streams wait for a flow slot, a chunk of a stream whose LM is
+        is about to run dry, an official final pass that is due (`due`, from `_due_finals`: waiting, the
+        passes due together ran out of time once no first chunk came to open a batch, at the end of a run),
+        and, while new streams wait for a flow slot, a chunk of a stream whose LM is
         done (its end frees a slot). Nor do chunks wait when no other stream could join them: a lone
         stream's chunks run as soon as they are ready, so its last ones do not pile up behind its final
         token."""
@@ -764,7 +780,7 @@ class EngineCore:
             return True
         slots_short = self._flow_slots_short()
         for req, seg in ready:
-            if _buffered_audio_s(req, now) < self.chunk_slack_s:
+            if _buffered_audio_s(req, now) < self.chunk_slack_s or id(req) in due:
                 return True
             if slots_short and seg.lm_status == LMStatus.done:
                 return True
@@ -855,6 +871,8 @@ class EngineCore:
             return
         self._final_busy_s = 0.9 * self._final_busy_s + busy_s
         self._finals_done = 0.9 * self._finals_done + len(jobs)
+        self.t2w_final_s += busy_s
+        self.t2w_finals += len(jobs)
 
     def _flow_slots_short(self) -> bool:
         """Do more new streams wait to start than free slots and room beyond the pool can take?"""

@@ -216,6 +216,22 @@ def test_final_passes_come_due_by_earliest_deadline_with_the_measured_cost_of_th
     assert core._due_finals(now) == set()
 
 
+def test_a_due_final_pass_opens_a_batch_of_its_own():
+    """With no first chunk to open a batch (the end of a burst), finals due by their deadlines must not wait
+    until their clients have less than chunk_slack_s left: then all of them would be due at once."""
+    runner = SimpleNamespace(max_slots=8, device=torch.device("cpu"), set_active=lambda slot, active: None)
+    core = EngineCore(runner, _Pool(4), lm=None, overlap=False, chunk_slack_s=0.6, final_slack_s=2.0,
+                      pause_final_passes=True)
+    _request(core, "decoding", buffered_s=5.0, lm=LMStatus.decoding, slot=5)  # its chunks could join later
+    (final,) = _waiting_finals(core, [1.5])
+    now = time.perf_counter()
+    assert core._worth_a_batch(_ready(final), now, core._due_finals(now))
+    assert not core._worth_a_batch(_ready(final), now)  # 1.5 s buffered > chunk_slack_s: it would wait
+    core._chunks = worker = _FakeWorker()
+    core._token2wav()
+    assert [[job.req.request_id for job in phase] for phase in worker.submitted[0]] == [["final0"]]
+
+
 def test_the_cost_of_a_final_pass_counts_paused_phases_and_only_phases_of_finals():
     core = _core()
     req = _request(core, "r", buffered_s=3.0, lm=LMStatus.done, slot=0)
