@@ -232,7 +232,16 @@ def _busy_line(before: dict[str, float], after: dict[str, float], wall_s: float)
             f"{d.get('token2wav_batches', 0.0):.0f} batches, {d.get('token2wav_chunks', 0.0) / batches:.1f} "
             f"chunks per batch, {1000 * d.get('token2wav_busy_seconds', 0.0) / batches:.1f} ms per batch; "
             f"{d.get('flow_overflow_started', 0.0):.0f} streams started beyond the flow pool)"
-            + _stage_line(d))
+            + _step_line(d) + _stage_line(d))
+
+
+def _step_line(d: dict[str, float]) -> str:
+    """Mean decode step by what the token-to-wave worker ran meanwhile (they share the GPU)."""
+    prefix = "decode_steps_beside_"
+    kinds = [k[len(prefix):] for k in d if k.startswith(prefix) and d[k] > 0]
+    parts = [f"{kind} {1000 * d[f'decode_step_seconds_beside_{kind}'] / d[prefix + kind]:.2f} ms "
+             f"({d[prefix + kind]:.0f})" for kind in sorted(kinds)]
+    return "\n    decode step beside the worker's " + ", ".join(parts) if parts else ""
 
 
 def _stage_line(d: dict[str, float]) -> str:

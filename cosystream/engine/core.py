@@ -84,6 +84,8 @@ class EngineCore:
         self.rider_streams = rider_streams
         self.open_ahead = open_ahead
         self._step_s: float | None = None  # decode step period (moving average), for first-chunk waits
+        # decode step periods (seconds, steps) by the worker's phase meanwhile (_ChunkWorker.running)
+        self.step_beside: dict[str, tuple[float, int]] = {}
         self._last_read_t: float | None = None
         self.inbox: queue.Queue[_Message] = queue.Queue()
         self.requests: dict[str, RequestState] = {}
@@ -187,6 +189,9 @@ class EngineCore:
                "token2wav_flow_seconds": self.t2w_flow_s, "token2wav_vocoder_seconds": self.t2w_vocoder_s,
                "token2wav_batches": float(self.t2w_batches), "token2wav_chunks": float(self.t2w_chunks),
                "token2wav_final_seconds": self.t2w_final_s, "token2wav_finals": float(self.t2w_finals)}
+        for beside, (total, count) in list(self.step_beside.items()):
+            out[f"decode_step_seconds_beside_{beside}"] = total
+            out[f"decode_steps_beside_{beside}"] = float(count)
         out.update(self.t2w.watch.stats())  # per-stage host and GPU seconds of the token-to-wave batches
         pool = getattr(self.t2w, "pool", None)
         if pool is not None:
@@ -472,10 +477,15 @@ class EngineCore:
                 self._note_first_ready(req)
 
     def _time_step(self, now: float) -> None:
-        """Track the decode step period; gaps longer than an idle pause are not steps."""
+        """Track the decode step period; gaps longer than an idle pause are not steps. Each period is also
+        summed under what the token-to-wave worker was running meanwhile (`step_beside`): the two share
+        the GPU, so this shows which of its phases slow the LM down."""
         if self._last_read_t is not None and now - self._last_read_t < 0.05:
             period = now - self._last_read_t
             self._step_s = period if self._step_s is None else 0.8 * self._step_s + 0.2 * period
+            beside = self._chunks.running if self._chunks is not None and self._in_flight is not None else "idle"
+            total, count = self.step_beside.get(beside, (0.0, 0))
+            self.step_beside[beside] = (total + period, count + 1)
         self._last_read_t = now
 
     def _accept_token(self, req: RequestState, seg: Segment, token: int) -> None:
@@ -1036,6 +1046,18 @@ def _phases(jobs: list[_Job], now: float, dry_s: float) -> list[list[_Job]]:
     return [phase for phase in order if phase]
 
 
+def phase_kind(jobs: list[_Job]) -> str:
+    """What a phase runs, for the decode-step statistics: "open" (streams opened ahead), "first" (first
+    chunks, with any riders), "final" (official final passes) or "chunks" (later chunks)."""
+    if all(job.plan is None for job in jobs):
+        return "open"
+    if any(job.first for job in jobs):
+        return "first"
+    if all(getattr(job.plan, "is_final", False) for job in jobs):
+        return "final"
+    return "chunks"
+
+
 def _rider_pool(phases: list[list[_Job]], i: int, limit: int) -> list[_Job]:
     """Jobs that may ride along with phase i (EngineConfig.rider_streams: `limit` streams in the call): the
     next phase's, when phase i is one of first chunks."""
@@ -1113,6 +1135,7 @@ class _ChunkWorker:
         self.core = core
         self.jobs: queue.Queue[list | None] = queue.Queue()
         self.preempt = threading.Event()  # set by the engine thread: stop after the running phase
+        self.running = "idle"  # the kind of phase on the GPU now (phase_kind), read by the engine's stats
         self.thread = threading.Thread(target=self._run, name="cosystream-token2wav", daemon=True)
         device = core.lm_runner.device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -1134,6 +1157,7 @@ class _ChunkWorker:
             i = 0
             while i < len(phases):
                 jobs = phases[i]
+                self.running = phase_kind(jobs)
                 results, error = None, None
                 t0 = time.perf_counter()
                 try:
@@ -1152,6 +1176,7 @@ class _ChunkWorker:
                 if stop:
                     break
                 i += 1
+            self.running = "idle"
 
     def _compute(self, phases: list[list[_Job]], i: int) -> list | None:
         """Phase i's results, or None: a phase of official final passes, none of them due, paused (the

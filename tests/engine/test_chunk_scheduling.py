@@ -16,7 +16,7 @@ import torch
 
 from cosystream.config import ChunkSchedule
 from cosystream.engine.chunking import ChunkPlanner
-from cosystream.engine.core import EngineCore, _Job, _phases
+from cosystream.engine.core import EngineCore, _Job, _phases, phase_kind
 from cosystream.engine.request import LMStatus, RequestState, Segment
 
 
@@ -759,3 +759,27 @@ def test_a_segment_whose_next_chunk_is_the_official_final_pass_gives_its_flow_sl
         released.clear()
         core._lm_done(req, seg)
         assert released == []
+
+
+def test_decode_steps_are_timed_by_what_the_worker_runs_beside_them():
+    core = _core()
+    first = _request(core, "first", buffered_s=None, lm=LMStatus.decoding, slot=0)
+    ending = _request(core, "ending", buffered_s=3.0, lm=LMStatus.done, slot=1)
+    final = _Job(ending, ending.audio_segment, plan=SimpleNamespace(is_final=True))
+    later = _Job(ending, ending.audio_segment, plan=SimpleNamespace(is_final=False))
+    assert phase_kind([_Job(first, first.audio_segment, plan=SimpleNamespace(is_final=False), first=True), later]) \
+        == "first"
+    assert [phase_kind(p) for p in ([final], [later, final], [_Job(first, first.audio_segment, plan=None)])] == \
+        ["final", "chunks", "open"]
+    core._chunks = worker = _FakeWorker()
+    worker.running = "final"
+    core._time_step(10.000)
+    core._time_step(10.002)  # no batch out: the worker is idle whatever it last ran
+    core._in_flight = [final]
+    core._time_step(10.007)
+    core._time_step(10.200)  # a pause, not a step
+    assert core.step_beside == {"idle": (pytest.approx(0.002), 1), "final": (pytest.approx(0.005), 1)}
+    core.t2w.watch = SimpleNamespace(stats=dict)
+    stats = {k: v for k, v in core.stats().items() if k.startswith("decode_step")}
+    assert stats == {"decode_step_seconds_beside_idle": pytest.approx(0.002), "decode_steps_beside_idle": 1.0,
+                     "decode_step_seconds_beside_final": pytest.approx(0.005), "decode_steps_beside_final": 1.0}
