@@ -236,12 +236,18 @@ def _busy_line(before: dict[str, float], after: dict[str, float], wall_s: float)
 
 
 def _step_line(d: dict[str, float]) -> str:
-    """Mean decode step by what the token-to-wave worker ran meanwhile (they share the GPU)."""
-    prefix = "decode_steps_beside_"
-    kinds = [k[len(prefix):] for k in d if k.startswith(prefix) and d[k] > 0]
-    parts = [f"{kind} {1000 * d[f'decode_step_seconds_beside_{kind}'] / d[prefix + kind]:.2f} ms "
-             f"({d[prefix + kind]:.0f})" for kind in sorted(kinds)]
-    return "\n    decode step beside the worker's " + ", ".join(parts) if parts else ""
+    """Mean decode step (and the steps of 20 ms or more) by what the token-to-wave worker ran meanwhile."""
+    def steps(name: str) -> str:
+        prefix = f"{name}s_beside_"
+        kinds = [k[len(prefix):] for k in d if k.startswith(prefix) and d[k] > 0]
+        return ", ".join(f"{kind} {1000 * d[f'{name}_seconds_beside_{kind}'] / d[prefix + kind]:.2f} ms "
+                         f"({d[prefix + kind]:.0f})" for kind in sorted(kinds))
+
+    line = steps("decode_step")
+    if not line:
+        return ""
+    slow = steps("decode_slow_step") or "none"
+    return f"\n    decode step beside the worker's {line}; steps of 20 ms or more: {slow}"
 
 
 def _stage_line(d: dict[str, float]) -> str:

@@ -59,6 +59,7 @@ class _Step:
 
     rows: list[tuple[int, RequestState, Segment]]
     ticket: StepTicket
+    ahead: bool = False  # launched while the step before it was still in flight (decoding went on)
 
 
 @dataclass
@@ -86,6 +87,7 @@ class EngineCore:
         self._step_s: float | None = None  # decode step period (moving average), for first-chunk waits
         # decode step periods (seconds, steps) by the worker's phase meanwhile (_ChunkWorker.running)
         self.step_beside: dict[str, tuple[float, int]] = {}
+        self.slow_steps_beside: dict[str, tuple[float, int]] = {}  # ... of 20 ms or more
         self._last_read_t: float | None = None
         self.inbox: queue.Queue[_Message] = queue.Queue()
         self.requests: dict[str, RequestState] = {}
@@ -189,9 +191,10 @@ class EngineCore:
                "token2wav_flow_seconds": self.t2w_flow_s, "token2wav_vocoder_seconds": self.t2w_vocoder_s,
                "token2wav_batches": float(self.t2w_batches), "token2wav_chunks": float(self.t2w_chunks),
                "token2wav_final_seconds": self.t2w_final_s, "token2wav_finals": float(self.t2w_finals)}
-        for beside, (total, count) in list(self.step_beside.items()):
-            out[f"decode_step_seconds_beside_{beside}"] = total
-            out[f"decode_steps_beside_{beside}"] = float(count)
+        for name, table in (("decode_step", self.step_beside), ("decode_slow_step", self.slow_steps_beside)):
+            for beside, (total, count) in list(table.items()):
+                out[f"{name}_seconds_beside_{beside}"] = total
+                out[f"{name}s_beside_{beside}"] = float(count)
         out.update(self.t2w.watch.stats())  # per-stage host and GPU seconds of the token-to-wave batches
         pool = getattr(self.t2w, "pool", None)
         if pool is not None:
@@ -463,11 +466,11 @@ class EngineCore:
         max_pos = max(seg.pos for _, _, seg in rows) + int(ahead)
         ticket = self.lm_runner.launch(rows[-1][0] + 1, max_pos)
         self.num_steps += 1
-        return _Step(rows, ticket)
+        return _Step(rows, ticket, ahead)
 
     def _read_step(self, step: _Step) -> None:
         tokens = self.lm_runner.collect(step.ticket)
-        self._time_step(time.perf_counter())
+        self._time_step(time.perf_counter(), step.ahead)
         for slot, req, seg in step.rows:
             if seg.lm_status != LMStatus.decoding or seg.slot != slot or self.slot_owner.get(slot) is not req:
                 continue  # the row ended (or failed) on an earlier token: this one was computed ahead
@@ -476,16 +479,22 @@ class EngineCore:
             if req.t_first_ready is None:
                 self._note_first_ready(req)
 
-    def _time_step(self, now: float) -> None:
-        """Track the decode step period; gaps longer than an idle pause are not steps. Each period is also
-        summed under what the token-to-wave worker was running meanwhile (`step_beside`): the two share
-        the GPU, so this shows which of its phases slow the LM down."""
+    def _time_step(self, now: float, ahead: bool = True) -> None:
+        """Track the decode step period; gaps longer than an idle pause are not steps. The period of a step
+        launched while the one before it ran (`ahead`: decoding went on between the two reads) is also
+        summed under what the token-to-wave worker was running meanwhile (`step_beside`; those of 20 ms
+        or more in `slow_steps_beside` too): the two share the GPU and the engine thread's interpreter,
+        so this shows which of the worker's phases slow the LM down."""
         if self._last_read_t is not None and now - self._last_read_t < 0.05:
             period = now - self._last_read_t
             self._step_s = period if self._step_s is None else 0.8 * self._step_s + 0.2 * period
+        if self._last_read_t is not None and ahead:
+            period = now - self._last_read_t
             beside = self._chunks.running if self._chunks is not None and self._in_flight is not None else "idle"
-            total, count = self.step_beside.get(beside, (0.0, 0))
-            self.step_beside[beside] = (total + period, count + 1)
+            for table, counted in ((self.step_beside, True), (self.slow_steps_beside, period >= 0.02)):
+                if counted:
+                    total, count = table.get(beside, (0.0, 0))
+                    table[beside] = (total + period, count + 1)
         self._last_read_t = now
 
     def _accept_token(self, req: RequestState, seg: Segment, token: int) -> None:

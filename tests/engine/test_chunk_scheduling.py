@@ -777,9 +777,13 @@ def test_decode_steps_are_timed_by_what_the_worker_runs_beside_them():
     core._time_step(10.002)  # no batch out: the worker is idle whatever it last ran
     core._in_flight = [final]
     core._time_step(10.007)
-    core._time_step(10.200)  # a pause, not a step
-    assert core.step_beside == {"idle": (pytest.approx(0.002), 1), "final": (pytest.approx(0.005), 1)}
+    core._time_step(10.037)  # a slow step
+    core._time_step(10.200, ahead=False)  # decoding had stopped: a pause, not a step
+    assert core.step_beside == {"idle": (pytest.approx(0.002), 1), "final": (pytest.approx(0.035), 2)}
+    assert core.slow_steps_beside == {"final": (pytest.approx(0.030), 1)}
     core.t2w.watch = SimpleNamespace(stats=dict)
-    stats = {k: v for k, v in core.stats().items() if k.startswith("decode_step")}
+    stats = {k: v for k, v in core.stats().items() if k.startswith("decode_")}
     assert stats == {"decode_step_seconds_beside_idle": pytest.approx(0.002), "decode_steps_beside_idle": 1.0,
-                     "decode_step_seconds_beside_final": pytest.approx(0.005), "decode_steps_beside_final": 1.0}
+                     "decode_step_seconds_beside_final": pytest.approx(0.035), "decode_steps_beside_final": 2.0,
+                     "decode_slow_step_seconds_beside_final": pytest.approx(0.030),
+                     "decode_slow_steps_beside_final": 1.0}
