@@ -226,6 +226,11 @@ class Token2WavRunner:
         t2 = time.perf_counter()
         return [(pcm, t1 - t0, t2 - t1) for pcm in host]
 
+    def _wait_for_stream(self) -> None:
+        """Wait for the work queued on this thread's CUDA stream (not the LM's)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
     def _now(self) -> float:
         if self.sync:  # this thread's stream only: the LM runs on another one meanwhile
             torch.cuda.current_stream(self.device).synchronize()
@@ -299,6 +304,10 @@ class Token2WavRunner:
         for final in passes:
             while not final.done:
                 self.pool.final_step(final)
+                # PERF: a replay only queues the step; unless the host waits for it, all ten steps are queued
+                # at once and a chunk that pauses the pass still runs after them on this stream (the pause
+                # then saved nothing: first chunks took 130-150 ms of "flow" behind final passes on the H100)
+                self._wait_for_stream()
                 if should_stop() and not all(p.done for p in passes):
                     self.watch.lap("final_pass")
                     return False
