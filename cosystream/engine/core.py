@@ -48,9 +48,11 @@ class _Job:
     state: Any = None  # the segment's token-to-wave stream
     error: Exception | None = None  # this job alone failed (e.g. its stream could not open)
     first: bool = False  # the request's first chunk (snapshot when planned: the worker reads no request state)
-    # an official final pass whose client has audio to spare (EngineConfig.final_slack_s): its phase may
-    # pause between Euler steps (snapshot when the batch is submitted)
+    # an official final pass with pause_final_passes: its phase may pause between Euler steps, for a first
+    # chunk or a client about to run dry; when `due` (_due_finals) only for the latter (snapshots when the
+    # batch is submitted)
     pausable: bool = False
+    due: bool = False
 
 
 @dataclass
@@ -704,7 +706,8 @@ class EngineCore:
                                 first=req.is_first_chunk)
                            for req, seg in ready]
         for job in jobs:
-            job.pausable = self.pause_final_passes and job.plan.is_final and id(job.req) not in due
+            job.pausable = self.pause_final_passes and job.plan.is_final
+            job.due = job.plan.is_final and id(job.req) in due
         phases = _phases(jobs, now, self.chunk_slack_s / 2)
         for job in jobs:
             if job.first:  # handed back and planned again: the last hand-over is the one that ran
@@ -771,7 +774,7 @@ class EngineCore:
         the next batch, behind it. Not while the new first chunk would wait for others of its burst anyway
         (`_first_chunks_due_soon`)."""
         worker = self._chunks
-        if not self.preempt or worker is None or worker.preempt.is_set() or not self._in_flight:
+        if not self.preempt or worker is None or worker.dry.is_set() or not self._in_flight:
             return
         now = time.perf_counter()
         dry_s = self.chunk_slack_s / 2
@@ -780,7 +783,10 @@ class EngineCore:
         urgent = self._ready_chunks({id(job.seg) for job in self._in_flight},
                                     only=lambda req: req.is_first_chunk or _buffered_audio_s(req, now) < dry_s)
         urgent = self._within_free_slots(urgent)
-        if urgent and not self._first_chunks_due_soon(urgent, now):
+        if any(not req.is_first_chunk for req, _ in urgent):  # a client about to run dry: due passes pause too
+            worker.dry.set()
+            worker.preempt.set()
+        elif urgent and not worker.preempt.is_set() and not self._first_chunks_due_soon(urgent, now):
             worker.preempt.set()
 
     def _worth_a_batch(self, ready: list, now: float, due: Container[int] = ()) -> bool:
@@ -1049,7 +1055,7 @@ def _phases(jobs: list[_Job], now: float, dry_s: float) -> list[list[_Job]]:
             order[0].append(job)
         elif job.plan.is_final:
             # due finals apart from those that may pause: one due pass would keep a whole phase from pausing
-            order[4 if job.pausable else 3].append(job)
+            order[3 if job.due else 4].append(job)
         else:
             order[2].append(job)
     return [phase for phase in order if phase]
@@ -1144,6 +1150,7 @@ class _ChunkWorker:
         self.core = core
         self.jobs: queue.Queue[list | None] = queue.Queue()
         self.preempt = threading.Event()  # set by the engine thread: stop after the running phase
+        self.dry = threading.Event()  # ... and the urgent chunk is a client's about to run dry (set with it)
         self.running = "idle"  # the kind of phase on the GPU now (phase_kind), read by the engine's stats
         self.thread = threading.Thread(target=self._run, name="cosystream-token2wav", daemon=True)
         device = core.lm_runner.device
@@ -1158,6 +1165,7 @@ class _ChunkWorker:
 
     def submit(self, phases: list[list[_Job]]) -> None:
         self.preempt.clear()  # a request to stop early is about the batch before this one
+        self.dry.clear()
         self.jobs.put(phases)
 
     def _run(self) -> None:
@@ -1191,8 +1199,10 @@ class _ChunkWorker:
         """Phase i's results, or None: a phase of official final passes, none of them due, paused (the
         engine asked to preempt) between two Euler steps (EngineConfig.pause_final_passes)."""
         device, limit = self.core.lm_runner.device, self.core.rider_streams
-        pausable = self.core.pause_final_passes and all(job.pausable for job in phases[i])
-        should_stop = self.preempt.is_set if pausable else None
+        should_stop = None
+        if self.core.pause_final_passes and all(job.pausable for job in phases[i]):
+            # due passes give way only to a client about to run dry, not to first chunks
+            should_stop = self.dry.is_set if any(job.due for job in phases[i]) else self.preempt.is_set
         if self.stream is None:
             return run_jobs(self.core.t2w, phases[i], device, phases, i, limit, should_stop)
         # the batch may read what the engine thread wrote on its stream (prompt caches of new voices)

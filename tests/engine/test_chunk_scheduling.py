@@ -184,7 +184,7 @@ def test_a_final_pass_with_less_than_final_slack_of_audio_left_is_due():
     core._token2wav()
     (jobs,) = worker.submitted
     by_name = {job.req.request_id: job for phase in jobs for job in phase}
-    assert set(by_name) == {"new", "soon"} and not by_name["soon"].pausable and not by_name["new"].pausable
+    assert set(by_name) == {"new", "soon"} and by_name["soon"].due and not by_name["new"].pausable
     # without pausing, the old rule: finals with more than chunk_slack_s left wait
     off = EngineCore(runner, _Pool(4), lm=None, overlap=False, chunk_slack_s=0.6, final_slack_s=2.0,
                      pause_final_passes=False)
@@ -301,7 +301,8 @@ def test_a_batch_is_voiced_dry_clients_first_chunks_later_chunks_then_finals():
     # finals that may pause go after the due ones, in a phase of their own (one due pass keeps a phase whole)
     later = _request(core, "later", buffered_s=5.0, lm=LMStatus.done, slot=6)
     waiting = _job(later, True)
-    waiting.pausable = True
+    for job in jobs:
+        job.due = job.plan.is_final
     phases = _phases([waiting, *jobs], time.perf_counter(), dry_s=0.3)
     assert [[j.req.request_id for j in phase] for phase in phases][-2:] == [["ending"], ["later"]]
 
@@ -337,10 +338,12 @@ class _Watch:
 class _FakeWorker:
     def __init__(self) -> None:
         self.preempt = threading.Event()
+        self.dry = threading.Event()
         self.submitted: list[list[list[_Job]]] = []
 
     def submit(self, phases: list[list[_Job]]) -> None:
         self.preempt.clear()
+        self.dry.clear()
         self.submitted.append(phases)
 
 
@@ -469,9 +472,13 @@ def test_a_paused_phase_of_final_passes_comes_back_whole_with_the_rest():
                            rider_streams=16, pause_final_passes=True)
     worker = _ChunkWorker(core)
 
+    dry_too = [False]
+
     def run(items: list, should_stop=None) -> list | None:
         asked.append(should_stop)
-        worker.preempt.set()  # the engine asks while the phase computes
+        worker.preempt.set()  # the engine asks while the phase computes (for a first chunk) ...
+        if dry_too[0]:
+            worker.dry.set()  # ... or for a client about to run dry
         if should_stop is not None and should_stop():
             return None
         return [(np.zeros(4, np.float32), 0.0, 0.0)] * len(items)
@@ -479,23 +486,31 @@ def test_a_paused_phase_of_final_passes_comes_back_whole_with_the_rest():
     core.t2w = SimpleNamespace(watch=_Watch(), run=run)
     req = RequestState(request_id="r", segments=[Segment(inputs=None, planner=None, min_len=0, max_len=1)],
                        sampling=None, emit=lambda _: None)
-    jobs = [_Job(req, req.audio_segment, plan=SimpleNamespace(name=n), pausable=n != "g")
+    jobs = [_Job(req, req.audio_segment, plan=SimpleNamespace(name=n), pausable=True, due=n == "g")
             for n in ("f1", "f2", "g")]
+    later = _Job(req, req.audio_segment, plan=SimpleNamespace(name="later"))  # not a final pass: never asked
     worker.start()
     try:
         worker.submit([[jobs[0], jobs[1]], [jobs[2]]])
         done, results, error, _, _, last, returned = core.inbox.get(timeout=10).payload
         assert (done, results, error, last, returned) == ([], [], None, True, jobs)
-        worker.submit([jobs])  # a phase with a job that may not pause (a due final): not asked
+        worker.submit([jobs])  # a phase with a due pass: it does not give way to a first chunk
         done, _, error, _, _, last, returned = core.inbox.get(timeout=10).payload
         assert done == jobs and error is None and last and returned == []
+        dry_too[0] = True
+        worker.submit([jobs])  # ... but to a client about to run dry
+        done, _, error, _, _, last, returned = core.inbox.get(timeout=10).payload
+        assert done == [] and error is None and last and returned == jobs
+        worker.submit([[later]])
+        done, _, error, _, _, last, returned = core.inbox.get(timeout=10).payload
+        assert done == [later] and returned == []
         core.pause_final_passes = False
         worker.submit([jobs[:2]])
         done, _, error, _, _, last, returned = core.inbox.get(timeout=10).payload
     finally:
         worker.stop()
     assert done == jobs[:2] and error is None and last and returned == []
-    assert asked[0] is not None and asked[1] is None and asked[2] is None and core.inbox.empty()
+    assert all(a is not None for a in asked[:3]) and asked[3:] == [None, None] and core.inbox.empty()
 
 
 class _GroupingT2W:
@@ -759,6 +774,19 @@ def test_a_segment_whose_next_chunk_is_the_official_final_pass_gives_its_flow_sl
         released.clear()
         core._lm_done(req, seg)
         assert released == []
+
+
+def test_a_client_about_to_run_dry_asks_due_final_passes_to_pause_a_first_chunk_does_not():
+    core = _core()
+    core._chunks = worker = _FakeWorker()
+    ending = _request(core, "ending", buffered_s=3.0, lm=LMStatus.done, slot=0)
+    core._in_flight = [_Job(ending, ending.audio_segment, plan=SimpleNamespace(is_final=True), due=True)]
+    _ready_first_chunk(core, "new", slot=1)
+    core._maybe_preempt()
+    assert worker.preempt.is_set() and not worker.dry.is_set()
+    _with_tokens(_request(core, "dry", buffered_s=0.1, lm=LMStatus.decoding, slot=2), 200)  # its next chunk is ready
+    core._maybe_preempt()
+    assert worker.preempt.is_set() and worker.dry.is_set()
 
 
 def test_decode_steps_are_timed_by_what_the_worker_runs_beside_them():
