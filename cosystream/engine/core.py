@@ -35,7 +35,6 @@ from cosystream.outputs import AudioChunk
 
 log = logging.getLogger("cosystream.engine")
 _NEVER = 1 << 40  # a min_len that is never reached
-_LOAD_WINDOW_S = 5.0  # the window over which the worker's load of chunks is measured (_chunk_load)
 
 
 @dataclass
@@ -132,7 +131,6 @@ class EngineCore:
         # the measured cost of one pass, for the deadline test of the passes that wait (_due_finals)
         self._final_busy_s = 0.0
         self._finals_done = 0.0
-        self._chunk_phases: deque[tuple[float, float]] = deque()  # (end, worker seconds) of other phases
 
     # ------------------------------------------------------------------ thread-safe API
     def start(self) -> None:
@@ -337,7 +335,7 @@ class EngineCore:
             jobs, results, error, now, busy_s, last, returned = msg.payload
             self.t2w_busy_s += busy_s
             if error is None:
-                self._time_finals(jobs, busy_s, now)
+                self._time_finals(jobs, busy_s)
             self._chunks_done(jobs, results, error, now, last, returned)
 
     @staticmethod
@@ -732,7 +730,7 @@ class EngineCore:
                 now = time.perf_counter()
                 self.t2w_busy_s += now - t0
                 if error is None:
-                    self._time_finals(batch, now - t0, now)
+                    self._time_finals(batch, now - t0)
                 self._chunks_done(batch, results, error, now)
 
     def _open_ahead(self) -> None:
@@ -867,17 +865,13 @@ class EngineCore:
         nor pause. Earliest deadline first: the waiting passes in the order their clients run dry, each
         costing the measured time of a pass (`_final_cost_s`); pass k is due when its client's audio left,
         less the cost of passes 1..k (they run before it), is under the slack (`final_slack_s` with pausing,
-        else `chunk_slack_s`), and so are passes 1..k. A pass costs its measured time over the share of the
-        worker the other chunks left free in the last seconds (`_chunk_load`): at 15 req/s on the H100 they
-        took about two thirds, and passes due by their own time alone still came too late. Judged on its
-        own audio left, each pass came due
+        else `chunk_slack_s`), and so are passes 1..k. Judged on its own audio left, each pass came due
         only when its client nearly ran dry: dozens of deferred passes (86 at 15 req/s on the H100) came
         due together, more work than their clients' audio covered, and made other streams' chunks late."""
         slack = max(self.chunk_slack_s, self.final_slack_s)
         waiting = sorted((_buffered_audio_s(req, now), id(req)) for req in self.requests.values()
                          if self._final_waits(req))
-        # the passes get only the worker time the chunks (which go first) leave them
-        cost = self._final_cost_s() / (1.0 - self._chunk_load(now))
+        cost = self._final_cost_s()
         due = 0
         for k, (left, _) in enumerate(waiting, start=1):
             if left - k * cost < slack:
@@ -894,20 +888,11 @@ class EngineCore:
         """Measured worker seconds per official final pass (0 before one was measured)."""
         return self._final_busy_s / self._finals_done if self._finals_done > 0 else 0.0
 
-    def _chunk_load(self, now: float) -> float:
-        """The share of the last `_LOAD_WINDOW_S` the worker spent on phases other than final passes (at
-        most 0.8, so that a burst of them does not make every pass due at once)."""
-        while self._chunk_phases and self._chunk_phases[0][0] < now - _LOAD_WINDOW_S:
-            self._chunk_phases.popleft()
-        return min(0.8, sum(busy for _, busy in self._chunk_phases) / _LOAD_WINDOW_S)
-
-    def _time_finals(self, jobs: list[_Job], busy_s: float, now: float) -> None:
+    def _time_finals(self, jobs: list[_Job], busy_s: float) -> None:
         """Account a phase that came back: phases of official final passes (and a phase paused between
         Euler steps, which comes back with no jobs: it can only be one of final passes) count towards
-        `_final_cost_s` (decayed sums, so the estimate follows the batch sizes of the moment), the others
-        towards `_chunk_load`."""
+        `_final_cost_s`. Decayed sums, so the estimate follows the batch sizes of the moment."""
         if jobs and not all(job.plan is not None and job.plan.is_final for job in jobs):
-            self._chunk_phases.append((now, busy_s))
             return
         self._final_busy_s = 0.9 * self._final_busy_s + busy_s
         self._finals_done = 0.9 * self._finals_done + len(jobs)
