@@ -60,15 +60,15 @@ class EngineConfig:
     # final passes), so it waits for one phase, not the whole batch. False: batches always run to the end.
     preempt_token2wav: bool = True
     # With preemption on, a phase of official final passes (whole-utterance ODEs, ≈ 270 ms for 16 streams
-    # on the H100) also stops between two of its Euler steps for such a chunk and goes on after it. Opt-in:
-    # on the H100 at 15 req/s it cut first audio p95 by a quarter to a third, but deferred passes sometimes
-    # came due together and made later chunks late (2 and 34 requests underrunning in two of its runs;
-    # docs/benchmarks.md). False: a phase of them runs whole.
+    # on the H100) also stops between two of its Euler steps for such a chunk (the worker waits for each step
+    # on the GPU) and goes on after it; passes that are due (final_slack_s) stop only for a client about to
+    # run dry. Opt-in: at 15 req/s on the H100 it halved first audio p95 (to 270-340 ms), but at 232 arrivals
+    # (≈ 155x real time) the passes deferred at the end of the burst made 26-32 requests' last chunk late
+    # (docs/benchmarks.md). False: a phase of them runs whole.
     pause_final_passes: bool = False
     # With pause_final_passes: an official final pass is due when its client's audio left, less the measured
     # cost of the waiting passes whose clients run dry no later (earliest deadline first), is under this many
-    # seconds: no batch leaves it out for a first chunk, and a phase with it does not pause (a pass of 32
-    # streams takes ≈ 0.55 s on the H100). Without pausing, chunk_slack_s is that margin.
+    # seconds: no batch leaves it out for a first chunk, and it pauses only for a client about to run dry.
     final_slack_s: float = 2.0
     # A phase of first chunks takes along later chunks whose ODE has the same shape (a second chunk's new
     # frames equal a first chunk's), up to this many streams in the call: small ODE calls are launch-bound,

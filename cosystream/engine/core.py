@@ -861,16 +861,20 @@ class EngineCore:
                 if req.is_first_chunk or not seg.planner.next_is_final(len(seg.tokens)) or id(req) in due]
 
     def _due_finals(self, now: float) -> set[int]:
-        """PERF: ids of the requests whose official final pass may neither wait for a first chunk's batch
-        nor pause. Earliest deadline first: the waiting passes in the order their clients run dry, each
-        costing the measured time of a pass (`_final_cost_s`); pass k is due when its client's audio left,
-        less the cost of passes 1..k (they run before it), is under the slack (`final_slack_s` with pausing,
-        else `chunk_slack_s`), and so are passes 1..k. Judged on its own audio left, each pass came due
-        only when its client nearly ran dry: dozens of deferred passes (86 at 15 req/s on the H100) came
-        due together, more work than their clients' audio covered, and made other streams' chunks late."""
-        slack = max(self.chunk_slack_s, self.final_slack_s)
+        """PERF: ids of the requests whose official final pass may not wait for a first chunk's batch, and
+        pauses only for a client about to run dry. Earliest deadline first: the waiting passes in the order
+        their clients run dry, each costing the measured time of a pass (`_final_cost_s`); pass k is due when
+        its client's audio left, less the cost of passes 1..k (they run before it), is under
+        `final_slack_s`, and so are passes 1..k. Judged on its own audio left, each pass came due only when
+        its client nearly ran dry: dozens of deferred passes (86 at 15 req/s on the H100) came due together,
+        more work than their clients' audio covered, and made other streams' chunks late. Without
+        pause_final_passes a pass is due when its own client has less than `chunk_slack_s` left (the rule
+        measured as the default; the deadline test was measured with pausing only)."""
         waiting = sorted((_buffered_audio_s(req, now), id(req)) for req in self.requests.values()
                          if self._final_waits(req))
+        if not self.pause_final_passes:  # passes never pause: each is due by its own audio left, as before
+            return {key for left, key in waiting if left < self.chunk_slack_s}
+        slack = max(self.chunk_slack_s, self.final_slack_s)
         cost = self._final_cost_s()
         due = 0
         for k, (left, _) in enumerate(waiting, start=1):
@@ -1055,7 +1059,7 @@ def _phases(jobs: list[_Job], now: float, dry_s: float) -> list[list[_Job]]:
             order[0].append(job)
         elif job.plan.is_final:
             # due finals apart from those that may pause: one due pass would keep a whole phase from pausing
-            order[3 if job.due else 4].append(job)
+            order[3 if job.due or not job.pausable else 4].append(job)
         else:
             order[2].append(job)
     return [phase for phase in order if phase]

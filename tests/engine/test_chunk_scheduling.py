@@ -301,6 +301,7 @@ def test_a_batch_is_voiced_dry_clients_first_chunks_later_chunks_then_finals():
     # finals that may pause go after the due ones, in a phase of their own (one due pass keeps a phase whole)
     later = _request(core, "later", buffered_s=5.0, lm=LMStatus.done, slot=6)
     waiting = _job(later, True)
+    waiting.pausable = True
     for job in jobs:
         job.due = job.plan.is_final
     phases = _phases([waiting, *jobs], time.perf_counter(), dry_s=0.3)
