@@ -296,12 +296,30 @@ class EngineCore:
         return not any(r.is_first_chunk and id(r) not in self._first_in_flight for r in self.slot_owner.values()
                        if r.lm_segment is not None and r.lm_segment.lm_status == LMStatus.decoding)
 
+    def _wake_after_s(self, now: float) -> float | None:
+        """Seconds until the first client with a ready chunk that waits behind the batch on the worker has
+        less than chunk_slack_s / 2 of audio left, when the engine must ask the worker to make way
+        (`_maybe_preempt`); None: nothing to wake for. PERF: running dry is a matter of time, not a message:
+        once the LM had no row left to decode (the end of a burst), the engine thread slept until the
+        worker's batch came back, and on the H100 the second chunks of the last requests of a burst came up
+        to 0.55 s late behind a phase of final passes."""
+        worker = self._chunks
+        if not self.preempt or worker is None or not self._in_flight or worker.dry.is_set():
+            return None
+        dry_s = self.chunk_slack_s / 2
+        skip = {id(job.seg) for job in self._in_flight}
+        waits = [left - dry_s for req, _ in self._ready_chunks(skip, only=lambda req: not req.is_first_chunk)
+                 if (left := _buffered_audio_s(req, now)) > dry_s]
+        return min(waits) if waits else None
+
     def _drain(self) -> bool:
-        """Handle every queued message; block for one only when there is nothing else to do."""
+        """Handle every queued message; block for one only when there is nothing else to do, and then no
+        longer than until a client waiting for a ready chunk runs dry (`_wake_after_s`)."""
         block = not self._busy()
+        timeout = self._wake_after_s(time.perf_counter()) if block else None
         while True:
             try:
-                msg = self.inbox.get(block=block)
+                msg = self.inbox.get(block=block, timeout=timeout)
             except queue.Empty:
                 return True
             block = False

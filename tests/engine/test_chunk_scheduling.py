@@ -816,3 +816,27 @@ def test_decode_steps_are_timed_by_what_the_worker_runs_beside_them():
                      "decode_step_seconds_beside_final": pytest.approx(0.035), "decode_steps_beside_final": 2.0,
                      "decode_slow_step_seconds_beside_final": pytest.approx(0.030),
                      "decode_slow_steps_beside_final": 1.0}
+
+
+def test_the_idle_engine_wakes_when_a_client_waiting_behind_the_worker_is_about_to_run_dry():
+    """With no LM row decoding, the engine thread blocks until the worker's batch comes back; a client whose
+    ready chunk waits behind that batch runs dry meanwhile unless the engine wakes in time to preempt."""
+    core = _core(slack=0.6)  # dry: less than 0.3 s left
+    core._chunks = worker = _FakeWorker()
+    ending = _request(core, "ending", buffered_s=5.0, lm=LMStatus.done, slot=0)
+    core._in_flight = [_Job(ending, ending.audio_segment, plan=SimpleNamespace(is_final=True))]
+    assert core._wake_after_s(time.perf_counter()) is None  # nothing else waits: block until the batch is back
+    playing = _request(core, "playing", buffered_s=0.35, lm=LMStatus.done, slot=1)
+    assert not core._busy()
+    assert core._wake_after_s(time.perf_counter()) == pytest.approx(0.05, abs=0.01)
+    t0 = time.perf_counter()
+    drained = threading.Thread(target=core._drain, daemon=True)  # no message comes: it must return by itself
+    drained.start()
+    drained.join(timeout=2.0)
+    assert not drained.is_alive() and time.perf_counter() - t0 > 0.03  # at the deadline, not before
+    core._maybe_preempt()
+    assert worker.dry.is_set() and worker.preempt.is_set()
+    assert core._wake_after_s(time.perf_counter()) is None  # asked already: block until the worker answers
+    worker.dry.clear()
+    playing.times.audio_s -= 1.0  # already past dry and not taken (no waking every millisecond for it)
+    assert core._wake_after_s(time.perf_counter()) is None
