@@ -21,6 +21,7 @@ import threading
 import time
 
 import torch
+from profile_stages import random_voice  # this folder is on the path when the script runs
 
 from cosystream.checkpoint import load_checkpoint
 from cosystream.config import ChunkSchedule, EngineConfig
@@ -28,7 +29,6 @@ from cosystream.engine.chunking import ChunkPlanner
 from cosystream.engine.lm_runner import LMRunner, RowSampling
 from cosystream.engine.loader import load_flow, load_hift, load_llm
 from cosystream.engine.token2wav import Token2WavRunner
-from cosystream.frontend import ModelInputs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PROMPT_TOKENS = 150
@@ -113,14 +113,7 @@ def main() -> None:
 
     flow, hift = load_flow(ckpt, device, dtype), load_hift(ckpt, device, dtype)
     t2w = Token2WavRunner(flow, hift, EngineConfig(device=str(device), flow_slots=args.streams + 2, flow_frames=832))
-    g = torch.Generator().manual_seed(0)
-    inputs = ModelInputs(mode="vc", text_ids=torch.zeros(0, dtype=torch.int32),
-                         xvector=torch.randn(192, generator=g),
-                         flow_prompt_speech_tokens=torch.randint(0, 6561, (PROMPT_TOKENS,), generator=g,
-                                                                 dtype=torch.int32),
-                         prompt_mel=torch.randn(2 * PROMPT_TOKENS, 80, generator=g) - 5,
-                         source_speech_tokens=torch.zeros(0, dtype=torch.int32))
-    tokens = torch.randint(0, 6561, (300,), generator=g).tolist()
+    inputs, tokens = random_voice(PROMPT_TOKENS)
     prompt_cache = t2w.prompt_cache(inputs, "voice")
 
     def final_passes() -> None:

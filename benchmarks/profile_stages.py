@@ -106,10 +106,8 @@ def bench_lm(ckpt, device, dtype, batches, iters, graphs: bool, compile: bool = 
     return out
 
 
-def bench_token2wav(ckpt, device, dtype, batches, iters, prompt_tokens: int = 150, fused: bool = True) -> dict:
-    flow, hift = load_flow(ckpt, device, dtype), load_hift(ckpt, device, dtype)
-    runner = Token2WavRunner(flow, hift, EngineConfig(device=str(device), fused_kernels=fused,
-                                                      flow_slots=max(batches) + 2, flow_frames=832))
+def random_voice(prompt_tokens: int, target_tokens: int = 300) -> tuple[ModelInputs, list[int]]:
+    """A voice of random prompt tokens, mel and embedding (seed 0), and random target speech tokens."""
     g = torch.Generator().manual_seed(0)
     inputs = ModelInputs(mode="vc", text_ids=torch.zeros(0, dtype=torch.int32),
                          xvector=torch.randn(192, generator=g),
@@ -117,7 +115,14 @@ def bench_token2wav(ckpt, device, dtype, batches, iters, prompt_tokens: int = 15
                                                                  dtype=torch.int32),
                          prompt_mel=torch.randn(2 * prompt_tokens, 80, generator=g) - 5,
                          source_speech_tokens=torch.zeros(0, dtype=torch.int32))
-    tokens = torch.randint(0, 6561, (300,), generator=g).tolist()
+    return inputs, torch.randint(0, 6561, (target_tokens,), generator=g).tolist()
+
+
+def bench_token2wav(ckpt, device, dtype, batches, iters, prompt_tokens: int = 150, fused: bool = True) -> dict:
+    flow, hift = load_flow(ckpt, device, dtype), load_hift(ckpt, device, dtype)
+    runner = Token2WavRunner(flow, hift, EngineConfig(device=str(device), fused_kernels=fused,
+                                                      flow_slots=max(batches) + 2, flow_frames=832))
+    inputs, tokens = random_voice(prompt_tokens)
     out = {"prompt_cache_ms": timed(lambda: runner.prompt_cache(inputs, None), device, max(iters // 4, 2))}
     runner.prompt_cache(inputs, "voice")
     for b in batches:

@@ -505,11 +505,10 @@ class EngineCore:
         summed under what the token-to-wave worker was running meanwhile (`step_beside`; those of 20 ms
         or more in `slow_steps_beside` too): the two share the GPU and the engine thread's interpreter,
         so this shows which of the worker's phases slow the LM down."""
-        if self._last_read_t is not None and now - self._last_read_t < 0.05:
-            period = now - self._last_read_t
+        period = None if self._last_read_t is None else now - self._last_read_t
+        if period is not None and period < 0.05:
             self._step_s = period if self._step_s is None else 0.8 * self._step_s + 0.2 * period
-        if self._last_read_t is not None and ahead:
-            period = now - self._last_read_t
+        if period is not None and ahead:
             beside = self._chunks.running if self._chunks is not None and self._in_flight is not None else "idle"
             for table, counted in ((self.step_beside, True), (self.slow_steps_beside, period >= 0.02)):
                 if counted:
