@@ -10,6 +10,10 @@ queued before step N's tokens are read), first alone, then while a second thread
 job on its own stream: official final passes of `--streams` streams (250 tokens after a 6 s prompt), or
 first chunks of as many streams. Prints the median and p90 step period (host clock between two reads, as the
 engine's statistics) and the worker's jobs done meanwhile, as one JSON line per case.
+
+`--worker-sms 0,66,100` repeats the cases with the worker's stream in a CUDA green context of that many SMs
+(0: the whole GPU, as the engine runs now), and times each worker job alone on it: whether capping the
+worker's SMs keeps the decode steps at their own speed, and what it costs the worker.
 """
 
 from __future__ import annotations
@@ -48,6 +52,45 @@ def decode_periods(runner: LMRunner, rows: int, steps: int) -> list[float]:
     return periods
 
 
+def sm_limited_stream(device: torch.device, sms: int) -> tuple[torch.cuda.Stream | None, object]:
+    """A stream whose kernels run on `sms` SMs only (a CUDA green context), or a plain one (sms 0)."""
+    if device.type != "cuda":
+        return None, None
+    if sms <= 0:
+        return torch.cuda.Stream(device), None
+    from torch.cuda import green_contexts
+
+    ctx = green_contexts.GreenContext.create(num_sms=sms, device_id=device.index or 0)
+    if hasattr(ctx, "Stream"):
+        return ctx.Stream(), ctx  # the context must outlive its stream: the caller keeps it
+    # older torch: setting the green context makes a stream of its own the current one
+    ctx.set_context()
+    stream = torch.cuda.current_stream(device)
+    ctx.pop_context()
+    return stream, ctx
+
+
+def job_ms_alone(job, stream: torch.cuda.Stream | None, iters: int = 10) -> float:
+    """Median wall milliseconds of one worker job on `stream`, nothing else running."""
+    samples = []
+    with torch.cuda.stream(stream) if stream is not None else _null():
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            job()
+            if stream is not None:
+                stream.synchronize()
+            samples.append(1e3 * (time.perf_counter() - t0))
+    return round(statistics.median(samples), 2)
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
 def worker_loop(job, stop: threading.Event, done: list[int], stream: torch.cuda.Stream | None) -> None:
     torch.set_grad_enabled(False)
     if stream is None:
@@ -62,9 +105,9 @@ def worker_loop(job, stop: threading.Event, done: list[int], stream: torch.cuda.
             done[0] += 1
 
 
-def measure(runner: LMRunner, rows: int, steps: int, job, device: torch.device) -> dict:
+def measure(runner: LMRunner, rows: int, steps: int, job, device: torch.device,
+            worker_stream: torch.cuda.Stream | None) -> dict:
     lm_stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
-    worker_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
     stop, done = threading.Event(), [0]
     thread = threading.Thread(target=worker_loop, args=(job, stop, done, worker_stream)) if job else None
     if thread is not None:
@@ -93,6 +136,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=16, help="LM rows decoding at once")
     parser.add_argument("--streams", type=int, default=16, help="streams in each worker job")
     parser.add_argument("--steps", type=int, default=300, help="timed decode steps per case (at most 700)")
+    parser.add_argument("--worker-sms", default="0", help="comma list: SMs of the worker's green context (0: all)")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
@@ -133,10 +177,15 @@ def main() -> None:
     for job in cases.values():  # warm-up: captures every graph before anything is timed
         if job is not None:
             job()
-    for name, job in cases.items():
-        fresh_rows()
-        result = measure(runner, args.rows, args.steps, job, device)
-        print(json.dumps({"case": name, "rows": args.rows, "streams": args.streams, **result}), flush=True)
+    for sms in (int(x) for x in args.worker_sms.split(",")):
+        worker_stream, _ctx = sm_limited_stream(device, sms)
+        for name, job in cases.items():
+            fresh_rows()
+            result = measure(runner, args.rows, args.steps, job, device, worker_stream)
+            if job is not None:
+                result["job_ms_alone"] = job_ms_alone(job, worker_stream)
+            print(json.dumps({"case": name, "worker_sms": sms, "rows": args.rows, "streams": args.streams,
+                              **result}), flush=True)
 
 
 if __name__ == "__main__":
