@@ -156,16 +156,37 @@ def main() -> None:
             runner.set_active(slot, True)
 
     flow, hift = load_flow(ckpt, device, dtype), load_hift(ckpt, device, dtype)
-    t2w = Token2WavRunner(flow, hift, EngineConfig(device=str(device), flow_slots=args.streams + 2, flow_frames=832))
     inputs, tokens = random_voice(PROMPT_TOKENS)
+    for sms in (int(x) for x in args.worker_sms.split(",")):
+        # the worker's graphs are captured on its own (SM-limited) stream, as they replay there
+        worker_stream, _ctx = sm_limited_stream(device, sms)
+        t2w = Token2WavRunner(flow, hift, EngineConfig(device=str(device), flow_slots=args.streams + 2,
+                                                       flow_frames=832), graph_stream=worker_stream)
+        cases = worker_cases(t2w, inputs, tokens, args.streams, device)
+        with torch.cuda.stream(worker_stream) if worker_stream is not None else _null():
+            for job in cases.values():  # warm-up: captures every graph before anything is timed
+                if job is not None:
+                    job()
+        for name, job in cases.items():
+            fresh_rows()
+            result = measure(runner, args.rows, args.steps, job, device, worker_stream)
+            if job is not None:
+                result["job_ms_alone"] = job_ms_alone(job, worker_stream)
+            print(json.dumps({"case": name, "worker_sms": sms, "rows": args.rows, "streams": args.streams,
+                              **result}), flush=True)
+        del t2w, cases
+
+
+def worker_cases(t2w: Token2WavRunner, inputs, tokens: list[int], streams: int, device: torch.device) -> dict:
+    """The worker jobs to time decode steps beside: none, first chunks, official final passes."""
     prompt_cache = t2w.prompt_cache(inputs, "voice")
 
     def final_passes() -> None:
         target = torch.tensor(tokens[:250], device=device)
-        t2w.pool.full_passes([(prompt_cache, target)] * args.streams)
+        t2w.pool.full_passes([(prompt_cache, target)] * streams)
 
     def first_chunks() -> None:
-        states = [t2w.start(inputs, "voice", seed=i) for i in range(args.streams)]
+        states = [t2w.start(inputs, "voice", seed=i) for i in range(streams)]
         plans = [ChunkPlanner(ChunkSchedule(), PROMPT_TOKENS).next_plan(len(tokens), False) for _ in states]
         t2w.run([(s, tokens, p) for s, p in zip(states, plans, strict=True)])
         for s in states:
@@ -174,18 +195,7 @@ def main() -> None:
     cases = {"alone": None, "beside_first_chunks": first_chunks}
     if t2w.pool is not None:
         cases["beside_final_passes"] = final_passes
-    for job in cases.values():  # warm-up: captures every graph before anything is timed
-        if job is not None:
-            job()
-    for sms in (int(x) for x in args.worker_sms.split(",")):
-        worker_stream, _ctx = sm_limited_stream(device, sms)
-        for name, job in cases.items():
-            fresh_rows()
-            result = measure(runner, args.rows, args.steps, job, device, worker_stream)
-            if job is not None:
-                result["job_ms_alone"] = job_ms_alone(job, worker_stream)
-            print(json.dumps({"case": name, "worker_sms": sms, "rows": args.rows, "streams": args.streams,
-                              **result}), flush=True)
+    return cases
 
 
 if __name__ == "__main__":
