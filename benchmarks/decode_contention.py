@@ -11,9 +11,9 @@ job on its own stream: official final passes of `--streams` streams (250 tokens 
 first chunks of as many streams. Prints the median and p90 step period (host clock between two reads, as the
 engine's statistics) and the worker's jobs done meanwhile, as one JSON line per case.
 
-`--worker-sms 0,66,100` repeats the cases with the worker's stream in a CUDA green context of that many SMs
-(0: the whole GPU, as the engine runs now), and times each worker job alone on it: whether capping the
-worker's SMs keeps the decode steps at their own speed, and what it costs the worker.
+`--final-pass-sms 0,100` repeats the cases for each value of `EngineConfig.final_pass_sms` (official final
+passes on a CUDA green context of that many SMs; 0: the whole GPU) and times each worker job alone: how much
+capping the passes' SMs keeps the decode steps at their own speed, and what it costs the passes.
 """
 
 from __future__ import annotations
@@ -52,43 +52,16 @@ def decode_periods(runner: LMRunner, rows: int, steps: int) -> list[float]:
     return periods
 
 
-def sm_limited_stream(device: torch.device, sms: int) -> tuple[torch.cuda.Stream | None, object]:
-    """A stream whose kernels run on `sms` SMs only (a CUDA green context), or a plain one (sms 0)."""
-    if device.type != "cuda":
-        return None, None
-    if sms <= 0:
-        return torch.cuda.Stream(device), None
-    from torch.cuda import green_contexts
-
-    ctx = green_contexts.GreenContext.create(num_sms=sms, device_id=device.index or 0)
-    if hasattr(ctx, "Stream"):
-        return ctx.Stream(), ctx  # the context must outlive its stream: the caller keeps it
-    # older torch: setting the green context makes a stream of its own the current one
-    ctx.set_context()
-    stream = torch.cuda.current_stream(device)
-    ctx.pop_context()
-    return stream, ctx
-
-
-def job_ms_alone(job, stream: torch.cuda.Stream | None, iters: int = 10) -> float:
-    """Median wall milliseconds of one worker job on `stream`, nothing else running."""
+def job_ms_alone(job, device: torch.device, iters: int = 10) -> float:
+    """Median wall milliseconds of one worker job, nothing else running."""
     samples = []
-    with torch.cuda.stream(stream) if stream is not None else _null():
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            job()
-            if stream is not None:
-                stream.synchronize()
-            samples.append(1e3 * (time.perf_counter() - t0))
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        job()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        samples.append(1e3 * (time.perf_counter() - t0))
     return round(statistics.median(samples), 2)
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def worker_loop(job, stop: threading.Event, done: list[int], stream: torch.cuda.Stream | None) -> None:
@@ -105,9 +78,9 @@ def worker_loop(job, stop: threading.Event, done: list[int], stream: torch.cuda.
             done[0] += 1
 
 
-def measure(runner: LMRunner, rows: int, steps: int, job, device: torch.device,
-            worker_stream: torch.cuda.Stream | None) -> dict:
+def measure(runner: LMRunner, rows: int, steps: int, job, device: torch.device) -> dict:
     lm_stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
+    worker_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
     stop, done = threading.Event(), [0]
     thread = threading.Thread(target=worker_loop, args=(job, stop, done, worker_stream)) if job else None
     if thread is not None:
@@ -136,7 +109,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=16, help="LM rows decoding at once")
     parser.add_argument("--streams", type=int, default=16, help="streams in each worker job")
     parser.add_argument("--steps", type=int, default=300, help="timed decode steps per case (at most 700)")
-    parser.add_argument("--worker-sms", default="0", help="comma list: SMs of the worker's green context (0: all)")
+    parser.add_argument("--final-pass-sms", default="0", help="comma list of EngineConfig.final_pass_sms values")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
@@ -157,24 +130,30 @@ def main() -> None:
 
     flow, hift = load_flow(ckpt, device, dtype), load_hift(ckpt, device, dtype)
     inputs, tokens = random_voice(PROMPT_TOKENS)
-    for sms in (int(x) for x in args.worker_sms.split(",")):
-        # the worker's graphs are captured on its own (SM-limited) stream, as they replay there
-        worker_stream, _ctx = sm_limited_stream(device, sms)
-        t2w = Token2WavRunner(flow, hift, EngineConfig(device=str(device), flow_slots=args.streams + 2,
-                                                       flow_frames=832), graph_stream=worker_stream)
-        cases = worker_cases(t2w, inputs, tokens, args.streams, device)
-        with torch.cuda.stream(worker_stream) if worker_stream is not None else _null():
-            for job in cases.values():  # warm-up: captures every graph before anything is timed
-                if job is not None:
-                    job()
-        for name, job in cases.items():
-            fresh_rows()
-            result = measure(runner, args.rows, args.steps, job, device, worker_stream)
-            if job is not None:
-                result["job_ms_alone"] = job_ms_alone(job, worker_stream)
-            print(json.dumps({"case": name, "worker_sms": sms, "rows": args.rows, "streams": args.streams,
-                              **result}), flush=True)
-        del t2w, cases
+    for sms in (int(x) for x in args.final_pass_sms.split(",")):
+        config = EngineConfig(device=str(device), flow_slots=args.streams + 2, flow_frames=832, final_pass_sms=sms)
+        for line in contention_cases(Token2WavRunner(flow, hift, config), inputs, tokens, args, device,
+                                     runner, fresh_rows):
+            print(json.dumps({"final_pass_sms": sms, **line}), flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the runner's pool and graphs are gone: the next one needs their memory
+
+
+def contention_cases(t2w: Token2WavRunner, inputs, tokens: list[int], args, device: torch.device,
+                     runner: LMRunner, fresh_rows) -> list[dict]:
+    """One result per worker job: decode steps beside it, and the job's own time alone."""
+    cases = worker_cases(t2w, inputs, tokens, args.streams, device)
+    for job in cases.values():  # warm-up: captures every graph before anything is timed
+        if job is not None:
+            job()
+    lines = []
+    for name, job in cases.items():
+        fresh_rows()
+        result = measure(runner, args.rows, args.steps, job, device)
+        if job is not None:
+            result["job_ms_alone"] = job_ms_alone(job, device)
+        lines.append({"case": name, "rows": args.rows, "streams": args.streams, **result})
+    return lines
 
 
 def worker_cases(t2w: Token2WavRunner, inputs, tokens: list[int], streams: int, device: torch.device) -> dict:

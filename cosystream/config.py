@@ -70,6 +70,9 @@ class EngineConfig:
     # cost of the waiting passes whose clients run dry no later (earliest deadline first), is under this many
     # seconds: no batch leaves it out for a first chunk, and it pauses only for a client about to run dry.
     final_slack_s: float = 2.0
+    # CUDA: official final passes (the token-to-wave worker's largest job) run on at most this many SMs (a
+    # CUDA green context), so the LM's decode steps beside them find SMs free. 0: the whole GPU.
+    final_pass_sms: int = 0
     # A phase of first chunks takes along later chunks whose ODE has the same shape (a second chunk's new
     # frames equal a first chunk's), up to this many streams in the call: small ODE calls are launch-bound,
     # so the first chunks wait little longer and the token-to-wave worker saves a call. 0: never.
@@ -139,6 +142,8 @@ class EngineConfig:
             raise ValueError(f"flow_overflow_streams: must be >= 0, got {self.flow_overflow_streams}")
         if self.rider_streams < 0:
             raise ValueError(f"rider_streams: must be >= 0, got {self.rider_streams}")
+        if self.final_pass_sms < 0:
+            raise ValueError(f"final_pass_sms: must be >= 0 (0: the whole GPU), got {self.final_pass_sms}")
         if self.final_slack_s < 0:
             raise ValueError(f"final_slack_s: must be >= 0, got {self.final_slack_s}")
         if self.first_chunk_wait_s < 0:

@@ -25,6 +25,9 @@ def test_values_take_their_fields_types():
     with pytest.raises(ValueError, match="final_slack_s: must be >= 0"):
         EngineConfig(**config_overrides(["final_slack_s=-0.5"]))
     assert EngineConfig(**config_overrides(["final_slack_s=0", "pause_final_passes=off"])).final_slack_s == 0
+    with pytest.raises(ValueError, match="final_pass_sms: must be >= 0"):
+        EngineConfig(**config_overrides(["final_pass_sms=-8"]))
+    assert EngineConfig(**config_overrides(["final_pass_sms=100"])).final_pass_sms == 100
 
 
 @pytest.mark.parametrize(("item", "message"), [

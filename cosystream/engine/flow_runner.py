@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cosystream.engine.graphs import REPLAY_ROWS, GraphCache, bucket, maybe_compile
+from cosystream.engine.graphs import REPLAY_ROWS, GraphCache, SMLimitedStream, bucket, maybe_compile
 from cosystream.engine.stopwatch import Stopwatch
 from cosystream.kernels import flow as flow_kernels
 from cosystream.kernels import reference as reference_kernels
@@ -83,7 +83,8 @@ class FinalPass:
 class FlowRunner:
     def __init__(self, flow: Flow, num_slots: int, max_frames: int, use_graphs: bool = True,
                  compile: bool = False, fused_kernels: bool = True,
-                 capture_stream: torch.cuda.Stream | None = None, watch: Stopwatch | None = None) -> None:
+                 capture_stream: torch.cuda.Stream | None = None, watch: Stopwatch | None = None,
+                 final_pass_sms: int = 0) -> None:
         self.flow = flow
         self.cfm = flow.decoder
         est = flow.decoder.estimator
@@ -105,8 +106,12 @@ class FlowRunner:
         self.chunk = est.dims.static_chunk_size
         self.graphs = GraphCache(self._ode, self.device, use_graphs, stream=capture_stream)
         self.encoder_graphs = GraphCache(self._encode_core, self.device, use_graphs, stream=capture_stream)
-        self.final_encoder_graphs = GraphCache(self._final_encode_core, self.device, use_graphs, stream=capture_stream)
-        self.final_step_graphs = GraphCache(self._final_step_core, self.device, use_graphs, stream=capture_stream)
+        # official final passes may run on part of the GPU (EngineConfig.final_pass_sms): their graphs are
+        # captured where they replay
+        self.final_sms = SMLimitedStream.create(self.device, final_pass_sms) if self.graphs.enabled else None
+        final_capture = self.final_sms.stream if self.final_sms is not None else capture_stream
+        self.final_encoder_graphs = GraphCache(self._final_encode_core, self.device, use_graphs, stream=final_capture)
+        self.final_step_graphs = GraphCache(self._final_step_core, self.device, use_graphs, stream=final_capture)
         # each Euler step's t and dt on the device, read by the one graph every step of a final pass replays
         self.t_steps = torch.tensor(self.cfm.t_steps, device=self.device, dtype=torch.float32)
         self.dt_steps = torch.tensor(self.cfm.dt_steps, device=self.device, dtype=torch.float32)
@@ -402,7 +407,7 @@ class FlowRunner:
             lengths.append(UPSAMPLE * all_ids.shape[0])
         z, cond, spks = self._whole_pass_inputs(
             padded, rows, [(prompt, n) for (prompt, _), n in zip(items, lengths, strict=True)])
-        mu, spks, cond = self.final_encoder_graphs.run((rows, padded), [ids, valid, spks, cond])
+        mu, spks, cond = self._final_replay(self.final_encoder_graphs, (rows, padded), [ids, valid, spks, cond])
         # graph outputs are overwritten by the next replay of this shape: the pass keeps its own
         return FinalPass((rows, padded), z, mu.clone(), spks.clone(), cond.clone(), UPSAMPLE * valid, lengths,
                          self.cfm.num_steps)
@@ -410,8 +415,9 @@ class FlowRunner:
     @torch.inference_mode()
     def final_step(self, final: FinalPass) -> None:
         """One Euler step of a final pass (one graph replay)."""
-        (x,) = self.final_step_graphs.run(final.key, [final.x, final.mu, final.spks, final.cond, final.frames,
-                                                      self.t_steps[final.step], self.dt_steps[final.step]])
+        (x,) = self._final_replay(self.final_step_graphs, final.key,
+                                  [final.x, final.mu, final.spks, final.cond, final.frames,
+                                   self.t_steps[final.step], self.dt_steps[final.step]])
         final.x.copy_(x)
         final.step += 1
 
@@ -421,6 +427,12 @@ class FlowRunner:
         while not final.done:
             self.final_step(final)
         self.watch.lap("final_pass")
+
+    def _final_replay(self, graphs: GraphCache, key: tuple, inputs: list[torch.Tensor]) -> Sequence[torch.Tensor]:
+        """A final pass's graph replay (or capture), on the SM-limited stream where there is one."""
+        if self.final_sms is None:
+            return graphs.run(key, inputs)
+        return self.final_sms.run(lambda: graphs.run(key, inputs))
 
     def _final_encode_core(self, ids, valid, spks, cond) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The official final call's finalizing encoder, and its inputs as the estimator's CFG rows."""

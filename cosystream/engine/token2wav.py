@@ -67,7 +67,8 @@ class Token2WavRunner:
         self.watch = Stopwatch(self.device)  # stage times of the batches the engine runs
         slots = _pool_slots(flow, config) if self.device.type == "cuda" else 0
         self.pool = (FlowRunner(flow, slots, config.flow_frames, config.cuda_graphs, config.compile,
-                                config.fused_kernels, capture_stream=graph_stream, watch=self.watch)
+                                config.fused_kernels, capture_stream=graph_stream, watch=self.watch,
+                                final_pass_sms=config.final_pass_sms)
                      if slots else None)
         if config.fused_kernels and triton_usable(self.device):
             hift.set_kernels(vocoder_kernels)  # one launch per Snake instead of seven

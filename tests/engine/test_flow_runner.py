@@ -11,6 +11,7 @@ import torch
 from cosystream.config import ChunkSchedule
 from cosystream.engine.chunking import ChunkPlanner
 from cosystream.engine.flow_runner import FlowRunner
+from cosystream.engine.graphs import SMLimitedStream
 from cosystream.engine.loader import load_flow
 from cosystream.kernels import reference
 from cosystream.models.flow_stream import FlowStream
@@ -89,6 +90,21 @@ def test_pooled_full_pass_equals_the_official_final_call(checkpoint, load_fixtur
                                                      max_frames=512)
     runner.conv.normal_()  # garbage left by earlier use of the pool must not matter
     runner.kv.normal_()
+    final = len(manifest["stream"]["schedule"]) - 1
+    mel = runner.full_pass(prompt, f["token"][0])
+    torch.testing.assert_close(mel[:, 2 * f["prompt_token"].shape[1]:], f[f"call{final}_flow_mel_full"][0],
+                               atol=1e-4, rtol=0)
+
+
+def test_final_pass_sms_on_the_cpu_runs_the_pass_on_the_caller_s_device_unchanged(checkpoint, load_fixture,
+                                                                                  cfm_noise, manifest):
+    """EngineConfig.final_pass_sms needs CUDA green contexts: elsewhere the passes run as before, no error."""
+    f = load_fixture("stream")
+    flow = load_flow(checkpoint)
+    flow.decoder.set_noise_table(cfm_noise)
+    prompt = FlowStream(flow).build_prompt_cache(f["prompt_token"], f["prompt_feat"], f["embedding"])
+    runner = FlowRunner(flow, num_slots=1, max_frames=512, use_graphs=False, final_pass_sms=64)
+    assert runner.final_sms is None and SMLimitedStream.create(torch.device("cpu"), 64) is None
     final = len(manifest["stream"]["schedule"]) - 1
     mel = runner.full_pass(prompt, f["token"][0])
     torch.testing.assert_close(mel[:, 2 * f["prompt_token"].shape[1]:], f[f"call{final}_flow_mel_full"][0],
