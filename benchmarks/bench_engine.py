@@ -247,7 +247,10 @@ def _step_line(d: dict[str, float]) -> str:
     if not line:
         return ""
     slow = steps("decode_slow_step") or "none"
-    return f"\n    decode step beside the worker's {line}; steps of 20 ms or more: {slow}"
+    prefix = "decode_slow_step_seconds_in_"
+    parts = ", ".join(f"{k[len(prefix):]} {d[k]:.2f} s" for k in sorted(d) if k.startswith(prefix))
+    return (f"\n    decode step beside the worker's {line}; steps of 20 ms or more: {slow}"
+            + (f"; their time in {parts}" if parts else ""))
 
 
 def _stage_line(d: dict[str, float]) -> str:

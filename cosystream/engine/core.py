@@ -90,6 +90,10 @@ class EngineCore:
         # decode step periods (seconds, steps) by the worker's phase meanwhile (_ChunkWorker.running)
         self.step_beside: dict[str, tuple[float, int]] = {}
         self.slow_steps_beside: dict[str, tuple[float, int]] = {}  # ... of 20 ms or more
+        # where the engine thread's time went in those slow steps: waiting for the step on the GPU ("gpu"),
+        # handling messages, admitting (prefill), planning token-to-wave ("voicing"); "other" is the rest
+        self.slow_step_parts: dict[str, float] = {}
+        self._parts_since_read: dict[str, float] = {}
         self._last_read_t: float | None = None
         self.inbox: queue.Queue[_Message] = queue.Queue()
         self.requests: dict[str, RequestState] = {}
@@ -197,6 +201,8 @@ class EngineCore:
             for beside, (total, count) in list(table.items()):
                 out[f"{name}_seconds_beside_{beside}"] = total
                 out[f"{name}s_beside_{beside}"] = float(count)
+        for part, seconds in list(self.slow_step_parts.items()):
+            out[f"decode_slow_step_seconds_in_{part}"] = seconds
         out.update(self.t2w.watch.stats())  # per-stage host and GPU seconds of the token-to-wave batches
         pool = getattr(self.t2w, "pool", None)
         if pool is not None:
@@ -223,17 +229,29 @@ class EngineCore:
             torch.set_grad_enabled(False)
             if self.gpu_stream is not None:
                 torch.cuda.set_stream(self.gpu_stream)
-            while self._drain():
-                t0 = time.perf_counter()
+            while True:
+                t_drain = time.perf_counter()
+                if not self._drain():
+                    break
+                t0 = self._lap("messages", t_drain)
                 self._guarded(self._admit, self._admitting)
+                self._lap("admit", t0)
                 self._guarded(self._decode, self._decoding)
                 self.lm_busy_s += time.perf_counter() - t0
+                t2 = time.perf_counter()
                 self._guarded(self._token2wav, self._voicing)
+                self._lap("voicing", t2)
         except BaseException as e:  # the engine is dead: tell every waiting client
             log.exception("engine loop failed")
             self.error = e
             for req in list(self.requests.values()):
                 req.emit(EngineDead(f"engine failed: {e!r}"))
+
+    def _lap(self, part: str, since: float) -> float:
+        """Add the time since `since` to `part` of the current decode step period; returns now."""
+        now = time.perf_counter()
+        self._parts_since_read[part] = self._parts_since_read.get(part, 0.0) + now - since
+        return now
 
     def _guarded(self, step, affected) -> None:
         """Run one phase; if it fails, fail only the requests it was working on and go on serving."""
@@ -489,8 +507,9 @@ class EngineCore:
         return _Step(rows, ticket, ahead)
 
     def _read_step(self, step: _Step) -> None:
+        t0 = time.perf_counter()
         tokens = self.lm_runner.collect(step.ticket)
-        self._time_step(time.perf_counter(), step.ahead)
+        self._time_step(self._lap("gpu", t0), step.ahead)
         for slot, req, seg in step.rows:
             if seg.lm_status != LMStatus.decoding or seg.slot != slot or self.slot_owner.get(slot) is not req:
                 continue  # the row ended (or failed) on an earlier token: this one was computed ahead
@@ -514,6 +533,12 @@ class EngineCore:
                 if counted:
                     total, count = table.get(beside, (0.0, 0))
                     table[beside] = (total + period, count + 1)
+            if period >= 0.02:
+                parts = self._parts_since_read
+                parts["other"] = period - sum(parts.values())
+                for part, seconds in parts.items():
+                    self.slow_step_parts[part] = self.slow_step_parts.get(part, 0.0) + seconds
+        self._parts_since_read = {}
         self._last_read_t = now
 
     def _accept_token(self, req: RequestState, seg: Segment, token: int) -> None:

@@ -805,17 +805,23 @@ def test_decode_steps_are_timed_by_what_the_worker_runs_beside_them():
     core._time_step(10.000)
     core._time_step(10.002)  # no batch out: the worker is idle whatever it last ran
     core._in_flight = [final]
-    core._time_step(10.007)
+    core._parts_since_read = {"gpu": 0.001}
+    core._time_step(10.007)  # a fast step: where its time went is not kept
+    core._parts_since_read = {"gpu": 0.004, "admit": 0.020}
     core._time_step(10.037)  # a slow step
     core._time_step(10.200, ahead=False)  # decoding had stopped: a pause, not a step
     assert core.step_beside == {"idle": (pytest.approx(0.002), 1), "final": (pytest.approx(0.035), 2)}
     assert core.slow_steps_beside == {"final": (pytest.approx(0.030), 1)}
+    assert core.slow_step_parts == {"gpu": pytest.approx(0.004), "admit": pytest.approx(0.020),
+                                    "other": pytest.approx(0.006)}
     core.t2w.watch = SimpleNamespace(stats=dict)
     stats = {k: v for k, v in core.stats().items() if k.startswith("decode_")}
     assert stats == {"decode_step_seconds_beside_idle": pytest.approx(0.002), "decode_steps_beside_idle": 1.0,
                      "decode_step_seconds_beside_final": pytest.approx(0.035), "decode_steps_beside_final": 2.0,
                      "decode_slow_step_seconds_beside_final": pytest.approx(0.030),
-                     "decode_slow_steps_beside_final": 1.0}
+                     "decode_slow_steps_beside_final": 1.0, "decode_slow_step_seconds_in_gpu": pytest.approx(0.004),
+                     "decode_slow_step_seconds_in_admit": pytest.approx(0.020),
+                     "decode_slow_step_seconds_in_other": pytest.approx(0.006)}
 
 
 def test_the_idle_engine_wakes_when_a_client_waiting_behind_the_worker_is_about_to_run_dry():
