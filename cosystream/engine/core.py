@@ -91,7 +91,8 @@ class EngineCore:
         self.step_beside: dict[str, tuple[float, int]] = {}
         self.slow_steps_beside: dict[str, tuple[float, int]] = {}  # ... of 20 ms or more
         # where the engine thread's time went in those slow steps: waiting for the step on the GPU ("gpu"),
-        # handling messages, admitting (prefill), planning token-to-wave ("voicing"); "other" is the rest
+        # handling each kind of message, admitting, prefilling, planning token-to-wave ("voicing"); "other"
+        # is the rest (launching the step, reading its tokens)
         self.slow_step_parts: dict[str, float] = {}
         self._parts_since_read: dict[str, float] = {}
         self._last_read_t: float | None = None
@@ -229,13 +230,9 @@ class EngineCore:
             torch.set_grad_enabled(False)
             if self.gpu_stream is not None:
                 torch.cuda.set_stream(self.gpu_stream)
-            while True:
-                t_drain = time.perf_counter()
-                if not self._drain():
-                    break
-                t0 = self._lap("messages", t_drain)
+            while self._drain():
+                t0 = time.perf_counter()
                 self._guarded(self._admit, self._admitting)
-                self._lap("admit", t0)
                 self._guarded(self._decode, self._decoding)
                 self.lm_busy_s += time.perf_counter() - t0
                 t2 = time.perf_counter()
@@ -247,10 +244,13 @@ class EngineCore:
             for req in list(self.requests.values()):
                 req.emit(EngineDead(f"engine failed: {e!r}"))
 
-    def _lap(self, part: str, since: float) -> float:
-        """Add the time since `since` to `part` of the current decode step period; returns now."""
+    def _lap(self, part: str, since: float, nested_before: float | None = None) -> float:
+        """Add the time since `since` to `part` of the current decode step period, less the parts lapped
+        meanwhile (`nested_before`: their sum at `since`); returns now."""
         now = time.perf_counter()
-        self._parts_since_read[part] = self._parts_since_read.get(part, 0.0) + now - since
+        parts = self._parts_since_read
+        nested = 0.0 if nested_before is None else sum(parts.values()) - nested_before
+        parts[part] = parts.get(part, 0.0) + now - since - nested
         return now
 
     def _guarded(self, step, affected) -> None:
@@ -345,7 +345,9 @@ class EngineCore:
                 return False
             if self.gpu_stream is not None:  # what other threads queued on the default stream comes first
                 self.gpu_stream.wait_stream(torch.cuda.default_stream(self.gpu_stream.device))
+            t0, nested = time.perf_counter(), sum(self._parts_since_read.values())
             self._handle(msg)
+            self._lap(f"message {msg.kind}", t0, nested)
 
     def _handle(self, msg: _Message) -> None:
         if msg.kind == "add":
@@ -411,8 +413,10 @@ class EngineCore:
                 continue
             if embeds is not None:
                 batch.append((req, req.lm_segment, slot, embeds))
+        t1 = self._lap("admit", t0)
         if batch:
             self._prefill(batch, t0)
+            self._lap("prefill", t1)
 
     def _prefill_failed(self, req: RequestState, slot: int, error: Exception) -> None:
         log.exception("prefill of %s failed", req.request_id)
@@ -1005,8 +1009,10 @@ class EngineCore:
                     self.t2w.release(job.state)
         if self._in_flight is None:
             later, self._after_batch = self._after_batch, []
+            t0 = time.perf_counter()
             for fn in later:
                 fn()
+            self._lap("after batch", t0)
         if error is not None:
             log.error("token-to-wave batch failed: %r", error)
             err = error if isinstance(error, Exception) else RuntimeError(repr(error))
@@ -1019,8 +1025,10 @@ class EngineCore:
             if timed is not None:  # every job of a batch carries the batch's flow and vocoder times
                 self.t2w_flow_s += timed[1]
                 self.t2w_vocoder_s += timed[2]
+            t0 = time.perf_counter()
             for job, result in zip(jobs, results, strict=True):
                 self._job_done(job, result, now)
+            self._lap("emit audio", t0)
         if self._in_flight is None:
             calls, self._deferred_calls = self._deferred_calls, []
             for msg in calls:

@@ -824,6 +824,19 @@ def test_decode_steps_are_timed_by_what_the_worker_runs_beside_them():
                      "decode_slow_step_seconds_in_other": pytest.approx(0.006)}
 
 
+def test_a_lap_leaves_out_the_parts_lapped_inside_it():
+    """A message handler that runs deferred work: each second of the step period counts in one part."""
+    core = _core()
+    core._parts_since_read = {"gpu": 0.25}
+    start = time.perf_counter() - 1.0  # the handler began a second ago
+    nested = sum(core._parts_since_read.values())
+    core._parts_since_read["after batch"] = 0.75  # lapped inside the handler
+    core._lap("message chunks_done", start, nested)
+    parts = core._parts_since_read
+    assert parts["gpu"] == 0.25 and parts["after batch"] == 0.75
+    assert parts["message chunks_done"] == pytest.approx(0.25, abs=0.05)
+
+
 def test_the_idle_engine_wakes_when_a_client_waiting_behind_the_worker_is_about_to_run_dry():
     """With no LM row decoding, the engine thread blocks until the worker's batch comes back; a client whose
     ready chunk waits behind that batch runs dry meanwhile unless the engine wakes in time to preempt."""
