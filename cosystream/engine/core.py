@@ -91,8 +91,8 @@ class EngineCore:
         self.step_beside: dict[str, tuple[float, int]] = {}
         self.slow_steps_beside: dict[str, tuple[float, int]] = {}  # ... of 20 ms or more
         # where the engine thread's time went in those slow steps: waiting for the step on the GPU ("gpu"),
-        # handling each kind of message, admitting, prefilling, planning token-to-wave ("voicing"); "other"
-        # is the rest (launching the step, reading its tokens)
+        # handling each kind of message ("drain": deciding whether to wait for one), admitting, prefilling,
+        # launching the step, taking its tokens, planning token-to-wave ("voicing"); "other" is the rest
         self.slow_step_parts: dict[str, float] = {}
         self._parts_since_read: dict[str, float] = {}
         self._last_read_t: float | None = None
@@ -333,8 +333,10 @@ class EngineCore:
     def _drain(self) -> bool:
         """Handle every queued message; block for one only when there is nothing else to do, and then no
         longer than until a client waiting for a ready chunk runs dry (`_wake_after_s`)."""
+        t0 = time.perf_counter()
         block = not self._busy()
-        timeout = self._wake_after_s(time.perf_counter()) if block else None
+        timeout = self._wake_after_s(t0) if block else None
+        self._lap("drain", t0)
         while True:
             try:
                 msg = self.inbox.get(block=block, timeout=timeout)
@@ -490,7 +492,9 @@ class EngineCore:
         if not self._decode_paused():
             rows = self._decoding_rows()
             if rows:
+                t0 = time.perf_counter()
                 current = self._launch_step(rows, ahead=previous is not None)
+                self._lap("launch", t0)
         if previous is not None:
             self._read_step(previous)
         if current is not None:
@@ -513,7 +517,7 @@ class EngineCore:
     def _read_step(self, step: _Step) -> None:
         t0 = time.perf_counter()
         tokens = self.lm_runner.collect(step.ticket)
-        self._time_step(self._lap("gpu", t0), step.ahead)
+        t1 = self._time_step(self._lap("gpu", t0), step.ahead)
         for slot, req, seg in step.rows:
             if seg.lm_status != LMStatus.decoding or seg.slot != slot or self.slot_owner.get(slot) is not req:
                 continue  # the row ended (or failed) on an earlier token: this one was computed ahead
@@ -521,8 +525,9 @@ class EngineCore:
             self._accept_token(req, seg, tokens[slot])
             if req.t_first_ready is None:
                 self._note_first_ready(req)
+        self._lap("tokens", t1)
 
-    def _time_step(self, now: float, ahead: bool = True) -> None:
+    def _time_step(self, now: float, ahead: bool = True) -> float:
         """Track the decode step period; gaps longer than an idle pause are not steps. The period of a step
         launched while the one before it ran (`ahead`: decoding went on between the two reads) is also
         summed under what the token-to-wave worker was running meanwhile (`step_beside`; those of 20 ms
@@ -544,6 +549,7 @@ class EngineCore:
                     self.slow_step_parts[part] = self.slow_step_parts.get(part, 0.0) + seconds
         self._parts_since_read = {}
         self._last_read_t = now
+        return now
 
     def _accept_token(self, req: RequestState, seg: Segment, token: int) -> None:
         if token == faults.NON_FINITE_TOKEN:  # this row's logits held NaN/inf; the other rows are fine
