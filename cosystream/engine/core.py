@@ -91,10 +91,11 @@ class EngineCore:
         self.step_beside: dict[str, tuple[float, int]] = {}
         self.slow_steps_beside: dict[str, tuple[float, int]] = {}  # ... of 20 ms or more
         # where the engine thread's time went in those slow steps: waiting for the step on the GPU ("gpu"),
-        # handling each kind of message ("drain": deciding whether to wait for one), admitting, prefilling,
-        # launching the step, taking its tokens, planning token-to-wave ("voicing"); "other" is the rest
+        # waiting for messages ("inbox"; "drain": deciding whether to), handling each kind, admitting,
+        # prefilling, launching the step, taking its tokens, planning token-to-wave ("voicing")
         self.slow_step_parts: dict[str, float] = {}
         self._parts_since_read: dict[str, float] = {}
+        self._lap_mark = time.perf_counter()
         self._last_read_t: float | None = None
         self.inbox: queue.Queue[_Message] = queue.Queue()
         self.requests: dict[str, RequestState] = {}
@@ -235,22 +236,21 @@ class EngineCore:
                 self._guarded(self._admit, self._admitting)
                 self._guarded(self._decode, self._decoding)
                 self.lm_busy_s += time.perf_counter() - t0
-                t2 = time.perf_counter()
                 self._guarded(self._token2wav, self._voicing)
-                self._lap("voicing", t2)
+                self._lap("voicing")
         except BaseException as e:  # the engine is dead: tell every waiting client
             log.exception("engine loop failed")
             self.error = e
             for req in list(self.requests.values()):
                 req.emit(EngineDead(f"engine failed: {e!r}"))
 
-    def _lap(self, part: str, since: float, nested_before: float | None = None) -> float:
-        """Add the time since `since` to `part` of the current decode step period, less the parts lapped
-        meanwhile (`nested_before`: their sum at `since`); returns now."""
-        now = time.perf_counter()
+    def _lap(self, part: str, now: float | None = None) -> float:
+        """The engine thread's time since the last lap was spent in `part` (of the current decode step
+        period); returns now. Laps end where their part ends, so together they tile the period."""
+        now = time.perf_counter() if now is None else now
         parts = self._parts_since_read
-        nested = 0.0 if nested_before is None else sum(parts.values()) - nested_before
-        parts[part] = parts.get(part, 0.0) + now - since - nested
+        parts[part] = parts.get(part, 0.0) + now - self._lap_mark
+        self._lap_mark = now
         return now
 
     def _guarded(self, step, affected) -> None:
@@ -333,23 +333,23 @@ class EngineCore:
     def _drain(self) -> bool:
         """Handle every queued message; block for one only when there is nothing else to do, and then no
         longer than until a client waiting for a ready chunk runs dry (`_wake_after_s`)."""
-        t0 = time.perf_counter()
         block = not self._busy()
-        timeout = self._wake_after_s(t0) if block else None
-        self._lap("drain", t0)
+        timeout = self._wake_after_s(time.perf_counter()) if block else None
+        self._lap("drain")
         while True:
             try:
                 msg = self.inbox.get(block=block, timeout=timeout)
             except queue.Empty:
+                self._lap("inbox")
                 return True
+            self._lap("inbox")
             block = False
             if msg.kind == "stop":
                 return False
             if self.gpu_stream is not None:  # what other threads queued on the default stream comes first
                 self.gpu_stream.wait_stream(torch.cuda.default_stream(self.gpu_stream.device))
-            t0, nested = time.perf_counter(), sum(self._parts_since_read.values())
             self._handle(msg)
-            self._lap(f"message {msg.kind}", t0, nested)
+            self._lap(f"message {msg.kind}")
 
     def _handle(self, msg: _Message) -> None:
         if msg.kind == "add":
@@ -415,10 +415,10 @@ class EngineCore:
                 continue
             if embeds is not None:
                 batch.append((req, req.lm_segment, slot, embeds))
-        t1 = self._lap("admit", t0)
+        self._lap("admit")
         if batch:
             self._prefill(batch, t0)
-            self._lap("prefill", t1)
+            self._lap("prefill")
 
     def _prefill_failed(self, req: RequestState, slot: int, error: Exception) -> None:
         log.exception("prefill of %s failed", req.request_id)
@@ -492,9 +492,8 @@ class EngineCore:
         if not self._decode_paused():
             rows = self._decoding_rows()
             if rows:
-                t0 = time.perf_counter()
                 current = self._launch_step(rows, ahead=previous is not None)
-                self._lap("launch", t0)
+                self._lap("launch")
         if previous is not None:
             self._read_step(previous)
         if current is not None:
@@ -515,9 +514,9 @@ class EngineCore:
         return _Step(rows, ticket, ahead)
 
     def _read_step(self, step: _Step) -> None:
-        t0 = time.perf_counter()
+        self._lap("launch")  # (what came before the wait: this step's launch, or the decision not to launch)
         tokens = self.lm_runner.collect(step.ticket)
-        t1 = self._time_step(self._lap("gpu", t0), step.ahead)
+        self._time_step(self._lap("gpu"), step.ahead)
         for slot, req, seg in step.rows:
             if seg.lm_status != LMStatus.decoding or seg.slot != slot or self.slot_owner.get(slot) is not req:
                 continue  # the row ended (or failed) on an earlier token: this one was computed ahead
@@ -525,9 +524,9 @@ class EngineCore:
             self._accept_token(req, seg, tokens[slot])
             if req.t_first_ready is None:
                 self._note_first_ready(req)
-        self._lap("tokens", t1)
+        self._lap("tokens")
 
-    def _time_step(self, now: float, ahead: bool = True) -> float:
+    def _time_step(self, now: float, ahead: bool = True) -> None:
         """Track the decode step period; gaps longer than an idle pause are not steps. The period of a step
         launched while the one before it ran (`ahead`: decoding went on between the two reads) is also
         summed under what the token-to-wave worker was running meanwhile (`step_beside`; those of 20 ms
@@ -543,13 +542,10 @@ class EngineCore:
                     total, count = table.get(beside, (0.0, 0))
                     table[beside] = (total + period, count + 1)
             if period >= 0.02:
-                parts = self._parts_since_read
-                parts["other"] = period - sum(parts.values())
-                for part, seconds in parts.items():
+                for part, seconds in self._parts_since_read.items():
                     self.slow_step_parts[part] = self.slow_step_parts.get(part, 0.0) + seconds
         self._parts_since_read = {}
         self._last_read_t = now
-        return now
 
     def _accept_token(self, req: RequestState, seg: Segment, token: int) -> None:
         if token == faults.NON_FINITE_TOKEN:  # this row's logits held NaN/inf; the other rows are fine
@@ -1015,10 +1011,10 @@ class EngineCore:
                     self.t2w.release(job.state)
         if self._in_flight is None:
             later, self._after_batch = self._after_batch, []
-            t0 = time.perf_counter()
+            self._lap("message chunks_done")
             for fn in later:
                 fn()
-            self._lap("after batch", t0)
+            self._lap("after batch")
         if error is not None:
             log.error("token-to-wave batch failed: %r", error)
             err = error if isinstance(error, Exception) else RuntimeError(repr(error))
@@ -1031,10 +1027,10 @@ class EngineCore:
             if timed is not None:  # every job of a batch carries the batch's flow and vocoder times
                 self.t2w_flow_s += timed[1]
                 self.t2w_vocoder_s += timed[2]
-            t0 = time.perf_counter()
+            self._lap("message chunks_done")
             for job, result in zip(jobs, results, strict=True):
                 self._job_done(job, result, now)
-            self._lap("emit audio", t0)
+            self._lap("emit audio")
         if self._in_flight is None:
             calls, self._deferred_calls = self._deferred_calls, []
             for msg in calls:

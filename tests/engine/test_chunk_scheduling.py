@@ -807,34 +807,31 @@ def test_decode_steps_are_timed_by_what_the_worker_runs_beside_them():
     core._in_flight = [final]
     core._parts_since_read = {"gpu": 0.001}
     core._time_step(10.007)  # a fast step: where its time went is not kept
-    core._parts_since_read = {"gpu": 0.004, "admit": 0.020}
+    core._parts_since_read = {"gpu": 0.004, "admit": 0.026}
     core._time_step(10.037)  # a slow step
     core._time_step(10.200, ahead=False)  # decoding had stopped: a pause, not a step
     assert core.step_beside == {"idle": (pytest.approx(0.002), 1), "final": (pytest.approx(0.035), 2)}
     assert core.slow_steps_beside == {"final": (pytest.approx(0.030), 1)}
-    assert core.slow_step_parts == {"gpu": pytest.approx(0.004), "admit": pytest.approx(0.020),
-                                    "other": pytest.approx(0.006)}
+    assert core.slow_step_parts == {"gpu": pytest.approx(0.004), "admit": pytest.approx(0.026)}
     core.t2w.watch = SimpleNamespace(stats=dict)
     stats = {k: v for k, v in core.stats().items() if k.startswith("decode_")}
     assert stats == {"decode_step_seconds_beside_idle": pytest.approx(0.002), "decode_steps_beside_idle": 1.0,
                      "decode_step_seconds_beside_final": pytest.approx(0.035), "decode_steps_beside_final": 2.0,
                      "decode_slow_step_seconds_beside_final": pytest.approx(0.030),
                      "decode_slow_steps_beside_final": 1.0, "decode_slow_step_seconds_in_gpu": pytest.approx(0.004),
-                     "decode_slow_step_seconds_in_admit": pytest.approx(0.020),
-                     "decode_slow_step_seconds_in_other": pytest.approx(0.006)}
+                     "decode_slow_step_seconds_in_admit": pytest.approx(0.026)}
 
 
-def test_a_lap_leaves_out_the_parts_lapped_inside_it():
-    """A message handler that runs deferred work: each second of the step period counts in one part."""
+def test_laps_tile_the_engine_thread_s_time_between_two_reads():
+    """Each lap takes the time since the one before: a handler's inner laps and its own never overlap."""
     core = _core()
-    core._parts_since_read = {"gpu": 0.25}
-    start = time.perf_counter() - 1.0  # the handler began a second ago
-    nested = sum(core._parts_since_read.values())
-    core._parts_since_read["after batch"] = 0.75  # lapped inside the handler
-    core._lap("message chunks_done", start, nested)
-    parts = core._parts_since_read
-    assert parts["gpu"] == 0.25 and parts["after batch"] == 0.75
-    assert parts["message chunks_done"] == pytest.approx(0.25, abs=0.05)
+    core._lap_mark = 10.0
+    core._lap("inbox", now=10.5)
+    core._lap("message chunks_done", now=10.75)  # the handler's work before the deferred calls
+    core._lap("after batch", now=11.0)
+    core._lap("message chunks_done", now=11.125)  # ... and after them
+    assert core._parts_since_read == {"inbox": 0.5, "message chunks_done": 0.375, "after batch": 0.25}
+    assert core._lap_mark == 11.125
 
 
 def test_the_idle_engine_wakes_when_a_client_waiting_behind_the_worker_is_about_to_run_dry():
