@@ -348,6 +348,7 @@ class EngineCore:
                 return False
             if self.gpu_stream is not None:  # what other threads queued on the default stream comes first
                 self.gpu_stream.wait_stream(torch.cuda.default_stream(self.gpu_stream.device))
+                self._lap("wait for the default stream")
             self._handle(msg)
             self._lap(f"message {msg.kind}")
 
