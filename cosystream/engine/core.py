@@ -20,7 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Container, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, is_dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -68,6 +68,29 @@ class _Step:
 class _Message:
     kind: str  # "add" | "abort" | "text" | "text_end" | "call" | "chunks_done" | "stop"
     payload: Any = None
+
+
+def _holds_cuda_tensors(msg: _Message) -> bool:
+    """Does a message from another thread carry CUDA tensors (a request's inputs, a call's arguments)?"""
+    if msg.kind == "add":
+        return any(_holds_cuda(seg.inputs) for seg in msg.payload.segments) or _holds_cuda(msg.payload.voice_cache)
+    if msg.kind == "call":
+        return _holds_cuda(msg.payload[1])
+    return False
+
+
+def _holds_cuda(obj: Any, depth: int = 3) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return obj.is_cuda
+    if depth == 0 or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+        return False
+    if isinstance(obj, dict):
+        return any(_holds_cuda(v, depth - 1) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_holds_cuda(v, depth - 1) for v in obj)
+    if is_dataclass(obj) and not isinstance(obj, type):
+        return any(_holds_cuda(getattr(obj, f.name), depth - 1) for f in fields(obj))
+    return False
 
 
 class EngineCore:
@@ -346,7 +369,11 @@ class EngineCore:
             block = False
             if msg.kind == "stop":
                 return False
-            if self.gpu_stream is not None:  # what other threads queued on the default stream comes first
+            if self.gpu_stream is not None and _holds_cuda_tensors(msg):
+                # what the sender's thread queued on the default stream for these tensors comes first.
+                # PERF: only then: beside official final passes this wait took ≈ 18 ms of the engine
+                # thread's time on the H100 (25 decode steps of 34 ms per run at 15 req/s), for requests
+                # whose inputs are all on the CPU (the frontend's are)
                 self.gpu_stream.wait_stream(torch.cuda.default_stream(self.gpu_stream.device))
                 self._lap("wait for the default stream")
             self._handle(msg)
