@@ -19,6 +19,7 @@ capping the passes' SMs keeps the decode steps at their own speed, and what it c
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import threading
@@ -135,8 +136,9 @@ def main() -> None:
         for line in contention_cases(Token2WavRunner(flow, hift, config), inputs, tokens, args, device,
                                      runner, fresh_rows):
             print(json.dumps({"final_pass_sms": sms, **line}), flush=True)
+        gc.collect()  # the runner's graph caches hold it in reference cycles
         if device.type == "cuda":
-            torch.cuda.empty_cache()  # the runner's pool and graphs are gone: the next one needs their memory
+            torch.cuda.empty_cache()  # its pool and graphs are gone: the next runner needs their memory
 
 
 def contention_cases(t2w: Token2WavRunner, inputs, tokens: list[int], args, device: torch.device,

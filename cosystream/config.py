@@ -71,7 +71,10 @@ class EngineConfig:
     # seconds: no batch leaves it out for a first chunk, and it pauses only for a client about to run dry.
     final_slack_s: float = 2.0
     # CUDA: official final passes (the token-to-wave worker's largest job) run on at most this many SMs (a
-    # CUDA green context), so the LM's decode steps beside them find SMs free. 0: the whole GPU.
+    # CUDA green context), so the LM's decode steps beside them find SMs free. 0: the whole GPU. Opt-in: on
+    # the H100 at 100 of 132 SMs a decode step beside 16 passes took 1.6 ms instead of 3.6, but the passes
+    # ≈ 20% longer, and at 15 req/s (the worker busy nearly all the time) first audio p95 got worse
+    # (docs/benchmarks.md, fifteenth session). Ignored where green contexts are missing (logged).
     final_pass_sms: int = 0
     # A phase of first chunks takes along later chunks whose ODE has the same shape (a second chunk's new
     # frames equal a first chunk's), up to this many streams in the call: small ODE calls are launch-bound,

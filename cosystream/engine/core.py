@@ -375,9 +375,9 @@ class EngineCore:
                 # thread's time on the H100 (25 decode steps of 34 ms per run at 15 req/s), for requests
                 # whose inputs are all on the CPU (the frontend's are)
                 self.gpu_stream.wait_stream(torch.cuda.default_stream(self.gpu_stream.device))
-                self._lap("wait for the default stream")
+                self._lap("wait_default_stream")
             self._handle(msg)
-            self._lap(f"message {msg.kind}")
+            self._lap(f"message_{msg.kind}")
 
     def _handle(self, msg: _Message) -> None:
         if msg.kind == "add":
@@ -1039,10 +1039,10 @@ class EngineCore:
                     self.t2w.release(job.state)
         if self._in_flight is None:
             later, self._after_batch = self._after_batch, []
-            self._lap("message chunks_done")
+            self._lap("message_chunks_done")
             for fn in later:
                 fn()
-            self._lap("after batch")
+            self._lap("after_batch")
         if error is not None:
             log.error("token-to-wave batch failed: %r", error)
             err = error if isinstance(error, Exception) else RuntimeError(repr(error))
@@ -1055,10 +1055,10 @@ class EngineCore:
             if timed is not None:  # every job of a batch carries the batch's flow and vocoder times
                 self.t2w_flow_s += timed[1]
                 self.t2w_vocoder_s += timed[2]
-            self._lap("message chunks_done")
+            self._lap("message_chunks_done")
             for job, result in zip(jobs, results, strict=True):
                 self._job_done(job, result, now)
-            self._lap("emit audio")
+            self._lap("emit_audio")
         if self._in_flight is None:
             calls, self._deferred_calls = self._deferred_calls, []
             for msg in calls:

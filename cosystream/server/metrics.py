@@ -8,6 +8,7 @@ admission gauges likewise from the server's Admission (server/admission.py).
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -81,7 +82,13 @@ def engine_stats(engine: Any) -> dict[str, float]:
     else:
         core = getattr(engine, "core", None)
         raw = {"num_active": getattr(core, "num_active", None), "queue_depth": getattr(core, "queue_depth", None)}
-    return {k: float(v) for k, v in raw.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    # a key becomes part of a metric name: anything but letters, digits and underscores would make the
+    # scrape fail, so it turns into an underscore
+    return {_METRIC_UNSAFE.sub("_", k): float(v) for k, v in raw.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+_METRIC_UNSAFE = re.compile(r"[^a-zA-Z0-9_]")
 
 
 class _EngineCollector(Collector):

@@ -861,10 +861,10 @@ def test_laps_tile_the_engine_thread_s_time_between_two_reads():
     core = _core()
     core._lap_mark = 10.0
     core._lap("inbox", now=10.5)
-    core._lap("message chunks_done", now=10.75)  # the handler's work before the deferred calls
-    core._lap("after batch", now=11.0)
-    core._lap("message chunks_done", now=11.125)  # ... and after them
-    assert core._parts_since_read == {"inbox": 0.5, "message chunks_done": 0.375, "after batch": 0.25}
+    core._lap("message_chunks_done", now=10.75)  # the handler's work before the deferred calls
+    core._lap("after_batch", now=11.0)
+    core._lap("message_chunks_done", now=11.125)  # ... and after them
+    assert core._parts_since_read == {"inbox": 0.5, "message_chunks_done": 0.375, "after_batch": 0.25}
     assert core._lap_mark == 11.125
 
 

@@ -66,3 +66,17 @@ def test_openapi_documents_every_endpoint_and_message(client):
     tts_body = schema["paths"]["/v1/tts"]["post"]["requestBody"]["content"]
     assert {"application/json", "multipart/form-data"} <= set(tts_body)
     assert "422" not in schema["paths"]["/v1/audio/speech"]["post"]["responses"]
+
+
+
+def test_engine_stat_keys_become_metric_name_safe_and_only_numbers_count():
+    """Gauge names are built from the keys: prometheus_client versions differ in what they do with other
+    characters, so the keys are made safe first; flags and text are not gauges."""
+    from cosystream.server.metrics import engine_stats
+
+    class Engine:
+        def stats(self) -> dict:
+            return {"decode_slow_step_seconds_in_message add": 0.5, "a-b.c": 2, "ok_key": 1.0, "flag": True,
+                    "name": "x"}
+
+    assert engine_stats(Engine()) == {"decode_slow_step_seconds_in_message_add": 0.5, "a_b_c": 2.0, "ok_key": 1.0}
