@@ -70,9 +70,10 @@ class SMLimitedStream:
         try:
             from torch.cuda import green_contexts
 
-            context = green_contexts.GreenContext.create(num_sms, index)
+            # keywords: torch 2.11 takes (num_sms, device_id), later versions keywords only
+            context = green_contexts.GreenContext.create(num_sms=num_sms, device_id=index)
             return cls(context, context.Stream(), num_sms)
-        except (ImportError, AttributeError, RuntimeError) as e:
+        except (ImportError, AttributeError, RuntimeError, TypeError) as e:
             log.warning("final passes run on all %d SMs: no CUDA green context of %d SMs here (%s)", total, num_sms, e)
             return None
 
