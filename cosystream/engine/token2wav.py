@@ -55,15 +55,14 @@ class Token2WavState:
 
 class Token2WavRunner:
     def __init__(self, flow: Any, hift: HiFTGenerator, config: EngineConfig,
-                 source_override: SourceOverride | None = None, max_voice_caches: int = 16,
-                 graph_stream: torch.cuda.Stream | None = None) -> None:
+                 source_override: SourceOverride | None = None, max_voice_caches: int = 16) -> None:
         self.flow = flow
         self.hift = hift
         self.stream = FlowStream(flow, config.final_attention)
         self.final_attention = config.final_attention
         self.device = flow.input_embedding.weight.device
         # token-to-wave graphs may replay beside the LM's (overlap): captured on a stream of their own
-        graph_stream = graph_stream or capture_stream(self.device)
+        graph_stream = capture_stream(self.device)
         self.watch = Stopwatch(self.device)  # stage times of the batches the engine runs
         slots = _pool_slots(flow, config) if self.device.type == "cuda" else 0
         self.pool = (FlowRunner(flow, slots, config.flow_frames, config.cuda_graphs, config.compile,
