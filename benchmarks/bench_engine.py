@@ -35,6 +35,7 @@ from cosystream.bench.report import (
     RequestRecord,
     Timeline,
     build_results,
+    format_first_audio_breakdown,
     format_table,
     write_json,
     write_plot,
@@ -276,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     device = _device_name(args.device)
     print(f"{started_at[:10]} · {device} · {args.dtype} · commit {_commit()} · force_tokens {args.force_tokens}\n")
     print(format_table(summaries))
+    if breakdown := format_first_audio_breakdown(records, [s.level for s in summaries]):  # warm-up left out
+        print("\nwhere first audio goes (means, ms; the first five from submission):\n" + breakdown)
     if args.out:
         meta = {"tool": "benchmarks/bench_engine.py", "started_at": started_at, "device": device,
                 "dtype": args.dtype, "commit": _commit(), "args": vars(args)}

@@ -28,7 +28,15 @@ from typing import Any
 from cosystream.bench.clients import TARGETS, HttpClient, RequestSpec, WsClient, endpoint_url, register_voice
 from cosystream.bench.loadgen import LevelPlan, build_plans, run_benchmark, run_event_loop
 from cosystream.bench.procs import ClientJob, run_level_in_processes
-from cosystream.bench.report import LevelSummary, RequestRecord, build_results, format_table, write_json, write_plot
+from cosystream.bench.report import (
+    LevelSummary,
+    RequestRecord,
+    build_results,
+    format_first_audio_breakdown,
+    format_table,
+    write_json,
+    write_plot,
+)
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # the shell's code for "ended by SIGINT"
@@ -101,6 +109,8 @@ def run_bench(args: argparse.Namespace) -> int:
     meta = {**_meta(args, spec, plans, started_at, interrupted), "tags": tags}
     path = write_json(args.out, build_results(meta, summaries, records))
     print(format_table(summaries))
+    if breakdown := format_first_audio_breakdown(records, [s.level for s in summaries]):  # warm-up left out
+        print("\nwhere first audio goes (means, ms; the first five from submission):\n" + breakdown)
     _log(f"wrote {path}")
     if args.plot and summaries:
         _log(f"wrote {write_plot(args.plot, summaries, title=f'{args.target} {endpoint_url(args.url, args.target)}')}")

@@ -260,6 +260,50 @@ def format_table(summaries: Sequence[LevelSummary]) -> str:
     return "\n".join(rows)
 
 
+# the server's stage times of a request's first audio (StageTimes), in the order they happen: the first five
+# count from the request's submission, flow and vocoder are the first chunk's own durations
+FIRST_AUDIO_STAGES = (("queue_s", "queue"), ("first_token_s", "first token"),
+                      ("first_chunk_ready_s", "tokens ready"), ("first_chunk_start_s", "to the worker"),
+                      ("first_chunk_flow_s", "flow"), ("first_chunk_vocoder_s", "vocoder"),
+                      ("first_audio_s", "server first audio"))
+
+
+def first_audio_breakdown(records: Sequence[RequestRecord], levels: Sequence[str] | None = None,
+                          slowest: float = 0.1) -> list[tuple[str, str, int, dict[str, float]]]:
+    """Where first audio goes, per level (`levels`: these, in this order; None: every level of the records):
+    (level, group, requests, mean seconds by stage) for all successful requests that carry the server's
+    stage times and for the `slowest` share of them by the client's first audio (the tail a percentile
+    target is about)."""
+    out: list[tuple[str, str, int, dict[str, float]]] = []
+    for level in levels if levels is not None else list(dict.fromkeys(r.level for r in records)):
+        timed = sorted((r for r in records if r.level == level and r.ok and r.first_audio_s is not None
+                        and all(isinstance(r.server.get(k), (int, float)) for k, _ in FIRST_AUDIO_STAGES)),
+                       key=lambda r: r.first_audio_s)
+        if not timed:
+            continue
+        tail = timed[min(int(len(timed) * (1 - slowest)), len(timed) - 1):]
+        for group, rs in (("all", timed), (f"slowest {slowest:.0%}", tail)):
+            means = {k: sum(r.server[k] for r in rs) / len(rs) for k, _ in FIRST_AUDIO_STAGES}
+            means["client first audio"] = sum(r.first_audio_s for r in rs) / len(rs)
+            out.append((level, group, len(rs), means))
+    return out
+
+
+def format_first_audio_breakdown(records: Sequence[RequestRecord], levels: Sequence[str] | None = None) -> str:
+    """`first_audio_breakdown` as a markdown table in ms ("" when no request carries stage times)."""
+    rows = first_audio_breakdown(records, levels)
+    if not rows:
+        return ""
+    names = [name for _, name in FIRST_AUDIO_STAGES] + ["client first audio"]  # ms
+    head = "| level | requests | " + " | ".join(names) + " |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for level, group, n, means in rows:
+        keys = [k for k, _ in FIRST_AUDIO_STAGES] + ["client first audio"]
+        cells = [f"{1000 * means[k]:.0f}" for k in keys]
+        lines.append(f"| {level}, {group} | {n} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def write_plot(path: str | Path, summaries: Sequence[LevelSummary], title: str = "") -> Path:
     """PNG: first-audio percentiles (ms) and aggregate real-time factor against the load level."""
     import matplotlib

@@ -11,6 +11,8 @@ from cosystream.bench.report import (
     Timeline,
     build_results,
     distribution,
+    first_audio_breakdown,
+    format_first_audio_breakdown,
     format_table,
     percentile,
     playback_underruns,
@@ -159,3 +161,31 @@ def test_table_json_and_plot(tmp_path) -> None:
     assert loaded["requests"][1]["underruns"] == 2 and loaded["requests"][2]["refused"] is True
     png = write_plot(tmp_path / "r.png", summaries, title="test")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _timed(level: str, index: int, first_audio_s: float, ready_s: float, **extra: object) -> RequestRecord:
+    server = {"queue_s": 0.001, "first_token_s": 0.01, "first_chunk_ready_s": ready_s,
+              "first_chunk_start_s": ready_s + 0.01, "first_chunk_flow_s": 0.02, "first_chunk_vocoder_s": 0.003,
+              "first_audio_s": first_audio_s - 0.002}
+    return RequestRecord(level=level, index=index, start_s=0.0, first_audio_s=first_audio_s, server=server, **extra)
+
+
+def test_first_audio_breakdown_means_all_and_the_slowest_tenth_per_level() -> None:
+    records = [_timed("rate=15", i, first_audio_s=0.1 * (i + 1), ready_s=0.01 * (i + 1)) for i in range(20)]
+    records += [RequestRecord(level="rate=15", index=20, start_s=0.0, first_audio_s=5.0),  # no stage times
+                _timed("rate=15", 21, first_audio_s=9.0, ready_s=1.0, error="boom"),  # failed: not counted
+                _timed("c=1", 0, first_audio_s=0.05, ready_s=0.02)]
+    rows = first_audio_breakdown(records)
+    assert [(level, group, n) for level, group, n, _ in rows] == \
+        [("rate=15", "all", 20), ("rate=15", "slowest 10%", 2), ("c=1", "all", 1), ("c=1", "slowest 10%", 1)]
+    every, tail = rows[0][3], rows[1][3]
+    assert every["first_chunk_ready_s"] == pytest.approx(sum(0.01 * (i + 1) for i in range(20)) / 20)
+    assert every["client first audio"] == pytest.approx(1.05)
+    assert tail["first_chunk_ready_s"] == pytest.approx((0.19 + 0.20) / 2)  # the two slowest of twenty
+    assert tail["first_chunk_start_s"] == pytest.approx((0.20 + 0.21) / 2)
+    assert tail["client first audio"] == pytest.approx(1.95)
+    table = format_first_audio_breakdown(records).splitlines()
+    assert table[0].startswith("| level | requests | queue | first token | tokens ready | to the worker |")
+    assert table[3] == "| rate=15, slowest 10% | 2 | 1 | 10 | 195 | 205 | 20 | 3 | 1948 | 1950 |"
+    assert format_first_audio_breakdown([RequestRecord(level="c=1", index=0, start_s=0.0, first_audio_s=0.1)]) == ""
+    assert [row[:2] for row in first_audio_breakdown(records, ["c=1"])] == [("c=1", "all"), ("c=1", "slowest 10%")]
