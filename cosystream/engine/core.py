@@ -521,7 +521,6 @@ class EngineCore:
             rows = self._decoding_rows()
             if rows:
                 current = self._launch_step(rows, ahead=previous is not None)
-                self._lap("launch")
         if previous is not None:
             self._read_step(previous)
         if current is not None:
@@ -542,7 +541,7 @@ class EngineCore:
         return _Step(rows, ticket, ahead)
 
     def _read_step(self, step: _Step) -> None:
-        self._lap("launch")  # (what came before the wait: this step's launch, or the decision not to launch)
+        self._lap("launch")  # what came before the wait: the next step's launch (or the decision not to)
         tokens = self.lm_runner.collect(step.ticket)
         self._time_step(self._lap("gpu"), step.ahead)
         for slot, req, seg in step.rows:
