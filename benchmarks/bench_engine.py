@@ -233,7 +233,7 @@ def _busy_line(before: dict[str, float], after: dict[str, float], wall_s: float)
             f"{d.get('token2wav_batches', 0.0):.0f} batches, {d.get('token2wav_chunks', 0.0) / batches:.1f} "
             f"chunks per batch, {1000 * d.get('token2wav_busy_seconds', 0.0) / batches:.1f} ms per batch; "
             f"{d.get('flow_overflow_started', 0.0):.0f} streams started beyond the flow pool)"
-            + _step_line(d) + _stage_line(d))
+            + _step_line(d) + _stage_line(d) + _calls_line(d))
 
 
 def _step_line(d: dict[str, float]) -> str:
@@ -260,6 +260,15 @@ def _stage_line(d: dict[str, float]) -> str:
     parts = [f"{s} {d[f'token2wav_{s}_gpu_seconds']:.2f} ({d.get(f'token2wav_{s}_host_seconds', 0.0):.2f})"
              for s in stages]
     return "\n  token-to-wave stages, GPU s (host s): " + ", ".join(parts) if parts else ""
+
+
+def _calls_line(d: dict[str, float]) -> str:
+    """The worker's graph calls by shape (streams x frames): how many, and their GPU ms each."""
+    prefix = "token2wav_calls_"
+    tags = sorted(k[len(prefix):] for k in d if k.startswith(prefix) and not k.endswith("_seconds") and d[k] > 0)
+    parts = [f"{t} {d[prefix + t]:.0f}" + (f" × {1000 * d[prefix + t + '_seconds'] / d[prefix + t]:.1f} ms"
+                                           if prefix + t + "_seconds" in d else "") for t in tags]
+    return "\n  token-to-wave calls (streams x frames): " + ", ".join(parts) if parts else ""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -232,7 +232,7 @@ class FlowRunner:
         self.watch.lap("ode_setup")
         (x,) = self.graphs.run((padded, num_new, attn_len), [z, mu, spks, cond, slots, start_t, marker])
         out = [x[i].clone() for i in range(b)]
-        self.watch.lap("ode")
+        self.watch.lap("ode", tag=f"ode_{b}x{num_new}")
         return out
 
     def _encode_all(self, streams: Sequence[PooledStream], windows: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
@@ -426,7 +426,7 @@ class FlowRunner:
         """The Euler steps a final pass has left."""
         while not final.done:
             self.final_step(final)
-        self.watch.lap("final_pass")
+        self.watch.lap("final_pass", tag=f"final_{len(final.lengths)}x{final.key[1]}")
 
     def _final_replay(self, graphs: GraphCache, key: tuple, inputs: list[torch.Tensor]) -> Sequence[torch.Tensor]:
         """A final pass's graph replay (or capture), on the SM-limited stream where there is one."""

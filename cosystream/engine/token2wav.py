@@ -271,6 +271,8 @@ class Token2WavRunner:
             else:
                 groups.setdefault((pooled, window[0].shape[0], plan.is_final), []).append((i, window))
         self.watch.lap("flow_setup")
+        if groups:
+            self.watch.count(f"run_with_{len(groups)}_ode_groups")
         for (pooled, _, final), members in groups.items():
             states = [jobs[i][0] for i, _ in members]
             starts = [st.flow.num_frames for st in states]

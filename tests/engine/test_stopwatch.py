@@ -24,6 +24,22 @@ def test_laps_accumulate_per_stage_across_batches():
     assert stats["token2wav_flow_gpu_seconds"] == stats["token2wav_flow_host_seconds"]  # no GPU: host clock
 
 
+def test_tagged_laps_count_calls_and_their_time_per_tag():
+    watch = Stopwatch(torch.device("cpu"))
+    for tag in ("ode_1x100", "ode_1x100", "ode_4x200"):
+        watch.start()
+        time.sleep(0.005)
+        watch.lap("ode", tag=tag)
+        watch.count("run_with_1_ode_groups")
+        watch.settle()
+    stats = watch.stats()
+    assert stats["token2wav_calls_ode_1x100"] == 2.0 and stats["token2wav_calls_ode_4x200"] == 1.0
+    tagged = stats["token2wav_calls_ode_1x100_seconds"] + stats["token2wav_calls_ode_4x200_seconds"]
+    assert abs(tagged - stats["token2wav_ode_gpu_seconds"]) < 1e-9  # the tags split the stage's time
+    assert stats["token2wav_calls_run_with_1_ode_groups"] == 3.0
+    assert "token2wav_calls_run_with_1_ode_groups_seconds" not in stats  # counted, never timed
+
+
 def test_laps_without_a_started_batch_are_ignored():
     watch = Stopwatch(torch.device("cpu"))
     watch.lap("flow")
