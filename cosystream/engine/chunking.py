@@ -6,6 +6,7 @@ is done, is a chunk ready, and which tokens does it cover?
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -65,6 +66,10 @@ class ChunkPlanner:
     def next_is_final(self, available: int) -> bool:
         """Would the next plan, once there is one, be the final chunk? (It does not change the planner.)"""
         return not (self.stream and available >= self.tokens_needed())
+
+    def peek_plan(self, available: int, done: bool) -> ChunkPlan | None:
+        """The plan next_plan(available, done) would return, leaving this planner as it is."""
+        return copy.copy(self).next_plan(available, done)
 
     def next_plan(self, available: int, done: bool) -> ChunkPlan | None:
         if self.finished:

@@ -97,13 +97,15 @@ class EngineCore:
     def __init__(self, lm_runner: LMRunner, token2wav: Any, lm: Any, max_chunk_batch: int = 64,
                  overlap: bool = True, chunk_slack_s: float = 0.0, first_chunk_wait_s: float = 0.0,
                  preempt: bool = True, rider_streams: int = 16, open_ahead: bool = True,
-                 pause_final_passes: bool = False, final_slack_s: float = 0.0) -> None:
+                 pause_final_passes: bool = False, final_slack_s: float = 0.0,
+                 later_chunk_hold_s: float = 0.0) -> None:
         self.lm_runner = lm_runner
         self.t2w = token2wav
         self.lm = lm
         self.max_chunk_batch = max_chunk_batch
         self.chunk_slack_s = chunk_slack_s
         self.first_chunk_wait_s = first_chunk_wait_s
+        self.later_chunk_hold_s = later_chunk_hold_s
         self.preempt = preempt
         self.pause_final_passes = preempt and pause_final_passes
         self.final_slack_s = final_slack_s if self.pause_final_passes else 0.0
@@ -773,6 +775,10 @@ class EngineCore:
             self._open_ahead()
             return
         ready = self._without_costly_finals(ready, now, due)
+        ready = self._without_early_later_chunks(ready, now, due)
+        if not ready and not returned:
+            self._open_ahead()
+            return
         if self._chunks is not None:
             # the rest waits for the next batch, plans untouched
             ready = ready[:max(0, self.max_chunk_batch - len(returned))]
@@ -934,6 +940,40 @@ class EngineCore:
             return ready
         return [(req, seg) for req, seg in ready
                 if req.is_first_chunk or not seg.planner.next_is_final(len(seg.tokens)) or id(req) in due]
+
+    def _without_early_later_chunks(self, ready: list, now: float, due: Container[int] = ()) -> list:
+        """PERF: an ODE call costs about as much for one stream as for several (≈ 25 ms before its first
+        stream on the H100: launch-bound), and at 15 req/s the batches that first chunks open took along the
+        later chunks ready at that moment, one to three at a time. So while the LM decodes and other
+        streams could join, a later (not final) chunk whose client has `later_chunk_hold_s` of audio or more
+        buffered stays out of the batch, unless it shares a first chunk's ODE call (a rider, nearly free):
+        it meets other streams' chunks in a later batch. Chunks that opened the batch (a client about to run
+        dry, a stream whose end frees a slot others wait for) always go."""
+        hold = max(self.later_chunk_hold_s, self.chunk_slack_s)
+        if (self.later_chunk_hold_s <= 0 or not self._lm_decoding() or len(ready) >= self.max_chunk_batch // 4
+                or not self._others_could_join(ready)):
+            return ready
+        slots_short = self._flow_slots_short()
+        rides = {self._ode_key(req, seg) for req, seg in ready if req.is_first_chunk}
+        rides.discard(None)
+
+        def goes(req: RequestState, seg: Segment) -> bool:
+            if req.is_first_chunk or id(req) in due or _buffered_audio_s(req, now) < hold:
+                return True
+            if seg.planner.next_is_final(len(seg.tokens)) or (slots_short and seg.lm_status == LMStatus.done):
+                return True
+            return self._ode_key(req, seg) in rides
+
+        return [(req, seg) for req, seg in ready if goes(req, seg)]
+
+    def _ode_key(self, req: RequestState, seg: Segment) -> Any:
+        """The ODE call this segment's next chunk would share (Token2WavRunner.flow_group), or None where it
+        cannot tell (a stream not open yet, a runner without flow groups)."""
+        group = getattr(self.t2w, "flow_group", None)
+        if group is None or seg.t2w is None:
+            return None
+        plan = seg.planner.peek_plan(len(seg.tokens), seg.lm_status == LMStatus.done)
+        return group(seg.t2w, plan) if plan is not None else None
 
     def _due_finals(self, now: float) -> set[int]:
         """PERF: ids of the requests whose official final pass may not wait for a first chunk's batch, and

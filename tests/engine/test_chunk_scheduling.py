@@ -890,3 +890,72 @@ def test_the_idle_engine_wakes_when_a_client_waiting_behind_the_worker_is_about_
     worker.dry.clear()
     playing.times.audio_s -= 1.0  # already past dry and not taken (no waking every millisecond for it)
     assert core._wake_after_s(time.perf_counter()) is None
+
+
+def _later_with_tokens(core: EngineCore, name: str, buffered_s: float, slot: int, chunks_done: int = 1
+                       ) -> RequestState:
+    """A decoding request whose next (later, not final) chunk is ready: `chunks_done` chunks voiced."""
+    req = _request(core, name, buffered_s=buffered_s, lm=LMStatus.decoding, slot=slot)
+    seg = req.audio_segment
+    for _ in range(chunks_done):
+        seg.tokens = [0] * seg.planner.tokens_needed()
+        seg.planner.next_plan(len(seg.tokens), False)
+    seg.tokens = [0] * seg.planner.tokens_needed()
+    return req
+
+
+def _first_with_tokens(core: EngineCore, name: str, slot: int) -> RequestState:
+    req = _request(core, name, buffered_s=None, lm=LMStatus.decoding, slot=slot)
+    req.audio_segment.tokens = [0] * req.audio_segment.planner.tokens_needed()
+    return req
+
+
+def test_later_chunks_with_audio_to_spare_stay_out_of_a_first_chunks_batch():
+    core = _core()
+    core.later_chunk_hold_s = 1.5
+    new = _first_with_tokens(core, "new", slot=0)
+    rich = _later_with_tokens(core, "rich", buffered_s=3.0, slot=1)
+    poor = _later_with_tokens(core, "poor", buffered_s=1.0, slot=2)
+    _request(core, "other", buffered_s=5.0, lm=LMStatus.decoding, slot=3)  # could join a later batch
+    now = time.perf_counter()
+    ready = _ready(new, rich, poor)
+    assert [r.request_id for r, _ in core._without_early_later_chunks(ready, now)] == ["new", "poor"]
+    assert core._without_early_later_chunks(ready, now, due={id(rich)}) == ready  # a due chunk goes
+    core.later_chunk_hold_s = 0.0  # off: the batch takes every ready chunk
+    assert core._without_early_later_chunks(ready, now) == ready
+    core.later_chunk_hold_s = 0.3  # below chunk_slack_s (0.6) it holds what chunk_slack_s would
+    assert [r.request_id for r, _ in core._without_early_later_chunks(_ready(new, rich), now)] == ["new"]
+
+
+def test_a_held_back_later_chunk_rides_along_when_it_shares_a_first_chunks_ode():
+    core = _core()
+    core.later_chunk_hold_s = 1.5
+    new = _first_with_tokens(core, "new", slot=0)
+    second = _later_with_tokens(core, "second", buffered_s=3.0, slot=1, chunks_done=1)
+    third = _later_with_tokens(core, "third", buffered_s=3.0, slot=2, chunks_done=2)
+    _request(core, "other", buffered_s=5.0, lm=LMStatus.decoding, slot=3)
+    now = time.perf_counter()
+    # the planner's own arithmetic as the ODE key: a first chunk adds 25 tokens, a second 50, a third 100
+    core.t2w.flow_group = lambda state, plan: plan.num_new
+    kept = core._without_early_later_chunks(_ready(new, second, third), now)
+    assert [r.request_id for r, _ in kept] == ["new"]
+    core.t2w.flow_group = lambda state, plan: plan.num_new if plan.index == 0 else 25 * plan.index
+    kept = core._without_early_later_chunks(_ready(new, second, third), now)
+    assert [r.request_id for r, _ in kept] == ["new", "second"]  # its call has the first chunk's shape
+    assert second.audio_segment.planner.index == 1 and new.audio_segment.planner.index == 0  # only peeked
+
+
+def test_later_chunks_are_not_held_when_no_more_chunks_can_join_them():
+    core = _core()
+    core.later_chunk_hold_s = 1.5
+    rich = _later_with_tokens(core, "rich", buffered_s=3.0, slot=0)
+    poor = _later_with_tokens(core, "poor", buffered_s=0.2, slot=1)
+    now = time.perf_counter()
+    ready = _ready(rich, poor)
+    assert core._without_early_later_chunks(ready, now) == ready  # every stream is in the batch already
+    _request(core, "other", buffered_s=5.0, lm=LMStatus.decoding, slot=2)
+    assert core._without_early_later_chunks(ready, now) == [(poor, poor.audio_segment)]
+    for req in core.requests.values():
+        req.audio_segment.lm_status = LMStatus.done  # no more tokens are coming: nothing to wait for
+    core.slot_owner.clear()
+    assert core._without_early_later_chunks(ready, now) == ready

@@ -74,3 +74,14 @@ def test_next_is_final_foretells_the_next_plan(stream):
             continue
         foretold = planner.next_is_final(available)
         assert planner.next_plan(available, done).is_final == foretold
+
+
+@pytest.mark.parametrize("first_hop", [None, 15])
+def test_peek_plan_returns_the_next_plan_and_leaves_the_planner_as_it_was(first_hop):
+    planner = ChunkPlanner(ChunkSchedule(), 150, first_hop=first_hop)
+    for available in range(0, 400, 11):
+        done = available >= 350
+        before = (planner.offset, planner.hop, planner.index, planner.finished)
+        peeked = planner.peek_plan(available, done)
+        assert (planner.offset, planner.hop, planner.index, planner.finished) == before
+        assert peeked == planner.next_plan(available, done)
