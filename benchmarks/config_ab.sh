@@ -12,6 +12,6 @@ for seed in ${SEEDS:-0}; do
   for v in ${VALUES:?VALUES: the values to compare}; do
     echo "== ${FIELD:?FIELD: an EngineConfig field}=$v seed $seed"
     $B --config "$FIELD=$v" ${LEVELS:---concurrency 1,16 --requests-per-level 80} --rate 15 --duration 15 \
-      --seed "$seed" --out "$OUT/ab_${FIELD}_${v}_seed${seed}.json" 2>&1 | grep -E "^\| [cr]|Error|Traceback|beyond the flow pool|decode step beside"
+      --seed "$seed" --out "$OUT/ab_${FIELD}_${v}_seed${seed}.json" 2>&1 | grep -E "^\| [cr]|Error|Traceback|beyond the flow pool|decode step beside|token-to-wave calls"
   done
 done
