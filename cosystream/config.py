@@ -76,6 +76,11 @@ class EngineConfig:
     # cost of the waiting passes whose clients run dry no later (earliest deadline first), is under this many
     # seconds: no batch leaves it out for a first chunk, and it pauses only for a client about to run dry.
     final_slack_s: float = 2.0
+    # Official final passes run in phases of at most this many streams, so a first chunk (or a client about
+    # to run dry) that preempts the worker waits for one such phase. 0: all the passes of a batch in one
+    # phase (on the H100 a pass costs 16.3 ms in a phase of 32 streams, 17.6 ms in one of 16 and ≈ 24 ms in
+    # one of 4; phases of 4 cut the aggregate at c=16 from 207x to 157x, docs/benchmarks.md).
+    final_phase_streams: int = 0
     # CUDA: official final passes (the token-to-wave worker's largest job) run on at most this many SMs (a
     # CUDA green context), so the LM's decode steps beside them find SMs free. 0: the whole GPU. Opt-in: on
     # the H100 at 100 of 132 SMs a decode step beside 16 passes took 1.6 ms instead of 3.6, but the passes
@@ -155,6 +160,8 @@ class EngineConfig:
             raise ValueError(f"final_pass_sms: must be >= 0 (0: the whole GPU), got {self.final_pass_sms}")
         if self.final_slack_s < 0:
             raise ValueError(f"final_slack_s: must be >= 0, got {self.final_slack_s}")
+        if self.final_phase_streams < 0:
+            raise ValueError(f"final_phase_streams: must be >= 0 (0: no limit), got {self.final_phase_streams}")
         if self.later_chunk_hold_s < 0:
             raise ValueError(f"later_chunk_hold_s: must be >= 0, got {self.later_chunk_hold_s}")
         if self.first_chunk_wait_s < 0:

@@ -28,6 +28,8 @@ def test_values_take_their_fields_types():
     with pytest.raises(ValueError, match="final_pass_sms: must be >= 0"):
         EngineConfig(**config_overrides(["final_pass_sms=-8"]))
     assert EngineConfig(**config_overrides(["final_pass_sms=100"])).final_pass_sms == 100
+    with pytest.raises(ValueError, match="final_phase_streams: must be >= 0"):
+        EngineConfig(**config_overrides(["final_phase_streams=-2"]))
     with pytest.raises(ValueError, match="later_chunk_hold_s: must be >= 0"):
         EngineConfig(**config_overrides(["later_chunk_hold_s=-1"]))
     assert EngineConfig(**config_overrides(["later_chunk_hold_s=1.5"])).later_chunk_hold_s == 1.5

@@ -98,7 +98,7 @@ class EngineCore:
                  overlap: bool = True, chunk_slack_s: float = 0.0, first_chunk_wait_s: float = 0.0,
                  preempt: bool = True, rider_streams: int = 16, open_ahead: bool = True,
                  pause_final_passes: bool = False, final_slack_s: float = 0.0,
-                 later_chunk_hold_s: float = 0.0) -> None:
+                 later_chunk_hold_s: float = 0.0, final_phase_streams: int = 0) -> None:
         self.lm_runner = lm_runner
         self.t2w = token2wav
         self.lm = lm
@@ -106,6 +106,7 @@ class EngineCore:
         self.chunk_slack_s = chunk_slack_s
         self.first_chunk_wait_s = first_chunk_wait_s
         self.later_chunk_hold_s = later_chunk_hold_s
+        self.final_phase_streams = final_phase_streams
         self.preempt = preempt
         self.pause_final_passes = preempt and pause_final_passes
         self.final_slack_s = final_slack_s if self.pause_final_passes else 0.0
@@ -789,7 +790,7 @@ class EngineCore:
         for job in jobs:
             job.pausable = self.pause_final_passes and job.plan.is_final
             job.due = job.plan.is_final and id(job.req) in due
-        phases = _phases(jobs, now, self.chunk_slack_s / 2)
+        phases = _phases(jobs, now, self.chunk_slack_s / 2, self.final_phase_streams)
         for job in jobs:
             if job.first:  # handed back and planned again: the last hand-over is the one that ran
                 job.req.times.first_chunk_start_s = now - job.req.t_submit
@@ -1161,7 +1162,7 @@ def _buffered_audio_s(req: RequestState, now: float) -> float:
     return req.t_submit + req.times.first_audio_s + req.times.audio_s - now
 
 
-def _phases(jobs: list[_Job], now: float, dry_s: float) -> list[list[_Job]]:
+def _phases(jobs: list[_Job], now: float, dry_s: float, final_streams: int = 0) -> list[list[_Job]]:
     """A batch's jobs in the order they are voiced and handed back: chunks of clients with less than `dry_s`
     of audio left, first chunks, later chunks, final chunks (those that are due, then those that may
     pause). PERF: each phase's audio goes out as soon as that phase is done, so a new request's first chunk
@@ -1169,7 +1170,8 @@ def _phases(jobs: list[_Job], now: float, dry_s: float) -> list[list[_Job]]:
     the H100) or the later chunks in its batch;
     the phases would not have shared a flow or vocoder call anyway (different frame counts, cached or
     not). A client about to run dry goes first: its first audio went out early, at the end of a phase,
-    so its next chunk may have waited for the rest of that batch."""
+    so its next chunk may have waited for the rest of that batch. final_streams > 0: official final passes
+    go in phases of at most that many streams (a chunk that preempts waits for one such phase)."""
     order: list[list[_Job]] = [[], [], [], [], []]
     for job in jobs:
         if job.req.is_first_chunk:
@@ -1181,7 +1183,11 @@ def _phases(jobs: list[_Job], now: float, dry_s: float) -> list[list[_Job]]:
             order[3 if job.due or not job.pausable else 4].append(job)
         else:
             order[2].append(job)
-    return [phase for phase in order if phase]
+    phases = [phase for phase in order[:3] if phase]
+    for finals in order[3:]:
+        step = final_streams if final_streams > 0 else max(len(finals), 1)
+        phases += [finals[i:i + step] for i in range(0, len(finals), step)]
+    return phases
 
 
 def phase_kind(jobs: list[_Job]) -> str:

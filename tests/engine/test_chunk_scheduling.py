@@ -310,6 +310,22 @@ def test_a_batch_is_voiced_dry_clients_first_chunks_later_chunks_then_finals():
     assert [[j.req.request_id for j in phase] for phase in phases][-2:] == [["ending"], ["later"]]
 
 
+def test_final_passes_go_in_phases_of_at_most_final_phase_streams():
+    core = _core()
+    finals = []
+    for i in range(5):
+        req = _request(core, f"end{i}", buffered_s=3.0, lm=LMStatus.done, slot=i)
+        finals.append(_job(req, True))
+    new = _job(_request(core, "new", buffered_s=None, lm=LMStatus.decoding, slot=6), False)
+    pausable = _job(_request(core, "pausable", buffered_s=3.0, lm=LMStatus.done, slot=7), True)
+    pausable.pausable = True
+    jobs = [*finals, new, pausable]
+    names = [[j.req.request_id for j in phase] for phase in _phases(jobs, time.perf_counter(), 0.3, 2)]
+    assert names == [["new"], ["end0", "end1"], ["end2", "end3"], ["end4"], ["pausable"]]
+    whole = [[j.req.request_id for j in phase] for phase in _phases(jobs, time.perf_counter(), 0.3, 0)]
+    assert whole == [["new"], [f"end{i}" for i in range(5)], ["pausable"]]
+
+
 def test_a_phase_that_comes_back_is_emitted_while_the_rest_of_its_batch_still_runs():
     core = _core()
     got: dict[str, list] = {"new": [], "ending": []}
