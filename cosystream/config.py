@@ -54,9 +54,10 @@ class EngineConfig:
     # A batch opened for an urgent chunk leaves out later chunks (not final ones) whose client still has at
     # least this many seconds of audio buffered, unless they share a first chunk's ODE call (riders): they
     # wait for a later batch and meet the chunks of other streams there. An ODE call costs ≈ 25 ms before
-    # its first stream on the H100 (launch-bound), and at 15 req/s later chunks went out 1-3 at a time.
+    # its first stream on the H100 (launch-bound), and at 15 req/s later chunks went out 1-3 at a time; with
+    # 1.5 the worker was busy 0.4-1.1 s less in a 16 s run (docs/benchmarks.md, sixteenth session).
     # 0: a batch takes every ready chunk. Below chunk_slack_s it acts as chunk_slack_s.
-    later_chunk_hold_s: float = 0.0
+    later_chunk_hold_s: float = 1.5
     # A ready first chunk waits up to this long for other streams whose first chunk is due sooner than
     # that (their missing tokens × the measured decode step), so a burst's first chunks share one flow
     # batch instead of queueing behind the earliest stream's lone one. 0: never wait.
@@ -77,10 +78,11 @@ class EngineConfig:
     # seconds: no batch leaves it out for a first chunk, and it pauses only for a client about to run dry.
     final_slack_s: float = 2.0
     # Official final passes run in phases of at most this many streams, so a first chunk (or a client about
-    # to run dry) that preempts the worker waits for one such phase. 0: all the passes of a batch in one
-    # phase (on the H100 a pass costs 16.3 ms in a phase of 32 streams, 17.6 ms in one of 16 and ≈ 24 ms in
-    # one of 4; phases of 4 cut the aggregate at c=16 from 207x to 157x, docs/benchmarks.md).
-    final_phase_streams: int = 0
+    # to run dry) that preempts the worker waits for one such phase, not for up to 64 passes (a pass costs
+    # 16.3 ms in a phase of 32 streams on the H100, 17.6 ms in one of 16). At 15 req/s it cut first audio
+    # p95 from 442 to 356 ms and from 661 to 412 ms (two seeds, docs/benchmarks.md, sixteenth session);
+    # phases of 4 cost too much batching (c=16: 207x -> 157x). 0: all the passes of a batch in one phase.
+    final_phase_streams: int = 16
     # CUDA: official final passes (the token-to-wave worker's largest job) run on at most this many SMs (a
     # CUDA green context), so the LM's decode steps beside them find SMs free. 0: the whole GPU. Opt-in: on
     # the H100 at 100 of 132 SMs a decode step beside 16 passes took 1.6 ms instead of 3.6, but the passes
