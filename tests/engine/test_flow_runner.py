@@ -329,3 +329,16 @@ def test_a_paused_final_pass_gives_its_slot_back_and_ends_as_one_run_whole(check
     # a run that is not all official final passes is never paused
     later = replace(plan, is_final=False)
     assert not t2w.pausable([]) and not t2w.pausable([(Token2WavState(new, key="c"), tokens, later)])
+
+
+def test_the_stopwatch_counts_a_batched_final_pass_once_with_its_streams(checkpoint, load_fixture, cfm_noise):
+    """Every stream of a batched final pass asks for it; it runs, and counts as a call, once."""
+    f, flow, prompt, runner = _official_noise_runner(checkpoint, load_fixture, cfm_noise, num_slots=3,
+                                                     max_frames=512)
+    tokens = f["token"][0]
+    runner.watch.start()
+    runner.full_passes([(prompt, tokens), (prompt, (tokens * 7 + 5) % 6561)])
+    runner.watch.settle()
+    calls = {tag: n for tag, n in runner.watch.tag_calls.items() if tag.startswith("final_")}
+    frames = runner._full_length(2 * (f["prompt_token"].shape[1] + tokens.shape[0]))
+    assert calls == {f"final_2x{frames}": 1}
