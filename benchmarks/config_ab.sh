@@ -4,7 +4,7 @@
 #   FIELD=rider_streams VALUES="16 0" SEEDS="0 1" COSYSTREAM_COMMIT=<hash> bash benchmarks/config_ab.sh
 # LEVELS: closed-loop arguments (default c=1,16, 80 requests each; " ": the open loop alone, then it is
 # level 0 and --seed draws its arrivals). JSON under $OUT: ab_<field>_<value>_seed<seed>.json.
-source benchmarks/gpu_prep.sh
+source benchmarks/gpu_prep.sh || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 B="python3 benchmarks/bench_engine.py --model-dir /tmp/m05 --device cuda --dtype bfloat16 --warmup-requests 3 \
    --config flow_slots=28 --config flow_frames=832 --timeout 150"

@@ -6,13 +6,13 @@
 #   bash benchmarks/gpu_final.sh stages   # GPU tests, stage times, levels 1/16/28 with token-to-wave stage lines
 #   bash benchmarks/gpu_final.sh http     # only the HTTP levels (HTTP_LEVELS, HTTP_N)
 # JSON/PNG go under $OUT.
-source benchmarks/gpu_prep.sh
+source benchmarks/gpu_prep.sh || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 POOL="--config flow_slots=28 --config flow_frames=832"
 B="python3 benchmarks/bench_engine.py --model-dir /tmp/m05 --device cuda --dtype bfloat16 --warmup-requests 3 $POOL"
 
 http_bench() {  # cosystream serve + cosystream bench over HTTP; HTTP_LEVELS (1,16) and HTTP_N (32) requests per level
-  SERVE_LOG_LEVEL=warning source benchmarks/serve_bg.sh
+  SERVE_LOG_LEVEL=warning source benchmarks/serve_bg.sh || return 1
   python3 -m cosystream.cli bench --url http://127.0.0.1:8000 --target tts --workload /tmp/wl/workload.json \
     --concurrency ${HTTP_LEVELS:-1,16} --requests-per-level ${HTTP_N:-32} --warmup-requests 3 --out "$OUT/http.json" \
     --plot "$OUT/http.png" --tag "commit=${COSYSTREAM_COMMIT:-unknown}" \

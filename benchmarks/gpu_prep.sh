@@ -6,6 +6,11 @@ if [ -d .whl ] && [ ! -d /tmp/site ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=/tmp/site:$PWD
+if ! python3 -c "import soundfile, fastapi, uvicorn, wetext" 2>/dev/null; then
+  echo "gpu_prep: cosystream's dependencies are missing here: carry .whl/ (bash benchmarks/fetch_wheels.sh)" >&2
+  set +e
+  return 1 2>/dev/null || exit 1
+fi
 if [ ! -f /tmp/m05/llm.pt ]; then
   python3 -m cosystream.cli make-random-model --size 0.5b /tmp/m05 > /tmp/make_model.log 2>&1
 fi

@@ -3,7 +3,7 @@
 # with a first hop of 15 tokens. CONFIGS: space-separated server configurations, "defaults" (no --config) or
 # one EngineConfig FIELD=VALUE item each. JSON under $OUT: http_<config>_r<n>.json, http_<config>_hop15.json.
 #   CONFIGS="defaults gc_freeze=false" RUNS=3 C=<commit> bash benchmarks/http_repeat.sh
-source benchmarks/gpu_prep.sh
+source benchmarks/gpu_prep.sh || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 benchmarks/workload.py /tmp/wl > /dev/null
 BENCH="python3 -m cosystream.cli bench --url http://127.0.0.1:8000 --target tts --workload /tmp/wl/workload.json \
@@ -13,7 +13,7 @@ for cfg in ${CONFIGS:-defaults}; do
   extra=(); [ "$cfg" = defaults ] || extra=(--config "$cfg")
   python3 -m cosystream.cli serve --model-dir /tmp/m05 "${extra[@]}" > "/tmp/serve_$name.log" 2>&1 &
   server=$!
-  python3 benchmarks/wait_ready.py
+  python3 benchmarks/wait_ready.py --pid "$server" --log "/tmp/serve_$name.log" || continue
   for r in $(seq 1 "${RUNS:-3}"); do
     echo "== $cfg run $r"
     $BENCH --concurrency 1,16 --requests-per-level 80 --tag "config=$cfg" --out "$OUT/http_${name}_r$r.json" 2>&1 \

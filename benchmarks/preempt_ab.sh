@@ -2,7 +2,7 @@
 # A/B of token-to-wave preemption (EngineConfig.preempt_token2wav) on one machine: closed loop c=16 and the
 # open loop at 15 req/s (= 150x real time).
 #   COSYSTREAM_COMMIT=<hash> bash benchmarks/preempt_ab.sh      (JSON under $OUT)
-source benchmarks/gpu_prep.sh
+source benchmarks/gpu_prep.sh || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 B="python3 benchmarks/bench_engine.py --model-dir /tmp/m05 --device cuda --dtype bfloat16 --warmup-requests 3 \
    --config flow_slots=28 --config flow_frames=832 --timeout 150"

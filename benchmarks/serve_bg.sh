@@ -6,4 +6,4 @@ python3 -m cosystream.cli serve --model-dir /tmp/m05 --config flow_slots=28 --co
   --log-level "${SERVE_LOG_LEVEL:-info}" > /tmp/serve.log 2>&1 &
 SERVER=$!
 python3 benchmarks/workload.py /tmp/wl > /dev/null
-python3 benchmarks/wait_ready.py
+python3 benchmarks/wait_ready.py --pid "$SERVER" --log /tmp/serve.log || return 1 2>/dev/null || exit 1

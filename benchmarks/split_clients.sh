@@ -3,8 +3,8 @@
 # together at one wall-clock time; two rounds. Answers: is the load generator's own CPU part of the c=16 first
 # audio? The server's request_done lines (engine stage times) come back with the JSON.
 #   C=<hash> bash benchmarks/split_clients.sh
-source benchmarks/gpu_prep.sh; mkdir -p $OUT
-source benchmarks/serve_bg.sh
+source benchmarks/gpu_prep.sh || exit 1; mkdir -p $OUT
+source benchmarks/serve_bg.sh || exit 1
 BN="python3 -m cosystream.cli bench --url http://127.0.0.1:8000 --target tts --workload /tmp/wl/workload.json --tag commit=$C"
 $BN --concurrency 1 --requests-per-level 8 --warmup-requests 3 --out $OUT/warm.json > /dev/null 2>&1
 for r in 1 2; do
