@@ -80,7 +80,7 @@ class EngineConfig:
     # Official final passes run in phases of at most this many streams, so a first chunk (or a client about
     # to run dry) that preempts the worker waits for one such phase, not for up to 64 passes (a pass costs
     # 16.3 ms in a phase of 32 streams on the H100, 17.6 ms in one of 16). At 15 req/s it cut first audio
-    # p95 from 442 to 356 ms and from 661 to 412 ms (two seeds, docs/benchmarks.md, sixteenth session);
+    # p95 from 442 to 356 ms and from 543-661 to 412 ms (two seeds, docs/benchmarks.md, sixteenth session);
     # phases of 4 cost too much batching (c=16: 207x -> 157x). 0: all the passes of a batch in one phase.
     final_phase_streams: int = 16
     # CUDA: official final passes (the token-to-wave worker's largest job) run on at most this many SMs (a
