@@ -881,9 +881,7 @@ class EngineCore:
         done (its end frees a slot). Nor do chunks wait when no other stream could join them: a lone
         stream's chunks run as soon as they are ready, so its last ones do not pile up behind its final
         token."""
-        if self.chunk_slack_s <= 0 or not self._lm_decoding() or len(ready) >= self.max_chunk_batch // 4:
-            return True
-        if not self._others_could_join(ready):
+        if self.chunk_slack_s <= 0 or not self._chunks_may_wait(ready):
             return True
         slots_short = self._flow_slots_short()
         for req, seg in ready:
@@ -892,6 +890,11 @@ class EngineCore:
             if slots_short and seg.lm_status == LMStatus.done:
                 return True
         return False
+
+    def _chunks_may_wait(self, ready: list) -> bool:
+        """Could waiting make `ready` share a fuller batch? Only while the LM still makes tokens, the batch
+        is not large already and another stream could bring a chunk to it."""
+        return self._lm_decoding() and len(ready) < self.max_chunk_batch // 4 and self._others_could_join(ready)
 
     def _others_could_join(self, ready: list) -> bool:
         """Is there a request not in `ready` that still has audio to voice (so a chunk of it may soon be
@@ -951,8 +954,7 @@ class EngineCore:
         it meets other streams' chunks in a later batch. Chunks that opened the batch (a client about to run
         dry, a stream whose end frees a slot others wait for) always go."""
         hold = max(self.later_chunk_hold_s, self.chunk_slack_s)
-        if (self.later_chunk_hold_s <= 0 or not self._lm_decoding() or len(ready) >= self.max_chunk_batch // 4
-                or not self._others_could_join(ready)):
+        if self.later_chunk_hold_s <= 0 or not self._chunks_may_wait(ready):
             return ready
         slots_short = self._flow_slots_short()
         rides = {self._ode_key(req, seg) for req, seg in ready if req.is_first_chunk}
