@@ -119,8 +119,12 @@ class FlowRunner:
         self._step = maybe_compile(est.step, compile)
         self.watch = watch or Stopwatch(self.device)
         self.attention_ops = flow_kernels if fused_kernels and triton_usable(self.device) else reference_kernels
+        # the ODE's final projection, CFG mix and Euler update as one kernel (None: the module statements)
+        self.solver_ops = flow_kernels if self.attention_ops is flow_kernels else None
         if self.attention_ops is flow_kernels:
             est.set_kernels(flow_kernels)  # fused norms, residual adds and pool writes in the estimator
+        for t in self.cfm.t_steps:  # made before any graph capture: graphs read them as constants
+            est.step_times(t)
 
     # ------------------------------------------------------------------ slots
     def holds(self, prompt: PromptCache) -> bool:
@@ -523,23 +527,27 @@ class FlowRunner:
         (tokens past a row's positions up to valid are its look-ahead), then chunk-masked attention to its
         own keys (padding frames come after a row's frames)."""
         mu = self.flow.encode_padded(ids, valid, streaming=True, positions=positions)[:, :, :z.shape[-1]]
-        velocity = self._whole_pass_velocity(UPSAMPLE * positions, z.shape[-1], self.chunk)
-        return (self.cfm.solve(z, mu, spks, cond, velocity),)
+        velocity = self._whole_pass_velocity(UPSAMPLE * positions, z.shape[-1], self.chunk, in_solver=True)
+        return (self.cfm.solve(z, mu, spks, cond, velocity, fused=self.solver_ops),)
 
-    def _whole_pass_velocity(self, frames: torch.Tensor, num_frames: int, chunk: int):
+    def _whole_pass_velocity(self, frames: torch.Tensor, num_frames: int, chunk: int, in_solver: bool = False):
         """The estimator's velocity for a whole-utterance pass from frame 0 of rows [B] each `frames` long
         (graph body): attention over its own keys (chunk masks when chunk > 0), causal-conv tails from zero
-        at every Euler step (the official left padding). It touches no pool slot."""
+        at every Euler step (the official left padding). It touches no pool slot. in_solver: called by
+        `cfm.solve` with `fused=self.solver_ops` (the step index is the Euler step's: its StepTimes are used)."""
         est = self.cfm.estimator
         rows = 2 * frames.shape[0]
         write_pos = torch.arange(num_frames, device=frames.device).repeat(rows, 1)
         limits = frames.repeat_interleave(2)
         own = torch.arange(rows, device=frames.device)
+        project = not in_solver or self.solver_ops is None
 
         def velocity(k: int, x, mu_in, spks_in, cond_in, t):
             conv = torch.zeros(rows, est.conv_state_channels, 2, device=x.device, dtype=self.dtype)
             keys = PooledKV(self.kv[0], own, write_pos, limits, chunk, num_frames, self.attention_ops, own_keys=True)
-            return self._step(x, mu_in, spks_in, cond_in, t, [keys], conv, write_pos, [])
+            times = est.step_times(self.cfm.t_steps[k]) if in_solver else None
+            return self._step(x, mu_in, spks_in, cond_in, t, [keys], conv, write_pos, [], times=times,
+                              project=project)
 
         return velocity
 
@@ -552,14 +560,17 @@ class FlowRunner:
         limits = (starts + num_new).repeat_interleave(2, dim=0)
         attn_len = marker.shape[0]
 
+        est = self.cfm.estimator
+
         def velocity(k: int, x, mu_in, spks_in, cond_in, t):
             conv = self.conv[k][rows]
             pooled = PooledKV(self.kv[k], rows, write_pos, limits, self.chunk, attn_len, self.attention_ops)
-            v = self._step(x, mu_in, spks_in, cond_in, t, [pooled], conv, write_pos, [])
+            v = self._step(x, mu_in, spks_in, cond_in, t, [pooled], conv, write_pos, [],
+                           times=est.step_times(self.cfm.t_steps[k]), project=self.solver_ops is None)
             self.conv[k][rows] = conv
             return v
 
-        return (self.cfm.solve(z, mu, spks, cond, velocity),)
+        return (self.cfm.solve(z, mu, spks, cond, velocity, fused=self.solver_ops),)
 
 
 def _all_ids(prompt: PromptCache, target_ids: torch.Tensor) -> torch.Tensor:

@@ -152,6 +152,12 @@ def _kernels() -> SimpleNamespace:
         m_ok = offs_m < M
         d_ok = offs_d < DIM
         ok = m_ok[:, None] & d_ok[None, :]
+        n0 = pid_n * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        # PERF: the weight tile first: it depends on nothing before it, so its load is in flight while the
+        # rows load and the norm is computed (the two latencies overlap instead of adding up)
+        w = tl.load(w_ptr + offs_n[None, :] * DIM + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
         r = offs_m // num_t
         t = offs_m - r * num_t
         x = tl.load(x_ptr + (r * sx_r + t * sx_t)[:, None] + offs_d[None, :] * sx_c, mask=ok, other=0.0)
@@ -169,10 +175,6 @@ def _kernels() -> SimpleNamespace:
         lb = tl.load(lnb_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
         a = (diff * inv[:, None] * lw[None, :] + lb[None, :]).to(dt)  # PARITY: the norm's output is rounded
         # GEMM: a [BLOCK_M, DIM] @ W[n0:n0+BLOCK_N, :]^T
-        n0 = pid_n * BLOCK_N
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
-        w = tl.load(w_ptr + offs_n[None, :] * DIM + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
         acc = tl.dot(a, w, input_precision=PRECISION)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -280,9 +282,50 @@ def _kernels() -> SimpleNamespace:
                     tl.store(t_row + ci[:, None] * st_c + j[None, :] * st_t, tl.where((f < 0)[None, :], sv, xv),
                              mask=live_i[:, None])
 
+
+    @triton.jit
+    def project_cfg_euler_kernel(h_ptr, w_ptr, b_ptr, x_ptr, x_out_ptr, rows_out_ptr, n_in, num_t, dt, cfg_c,
+                                 cfg_u, sh_r, sh_c, sh_t, N_OUT: tl.constexpr, BLOCK_O: tl.constexpr,
+                                 BLOCK_CI: tl.constexpr, BLOCK_T: tl.constexpr, PRECISION: tl.constexpr):
+        # One program: BLOCK_T frames of one request's CFG pair (rows 2p, 2p + 1 of h).
+        pair = tl.program_id(0)
+        offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+        offs_o = tl.arange(0, BLOCK_O)
+        offs_i = tl.arange(0, BLOCK_CI)
+        live_t = offs_t < num_t
+        live_o = offs_o < N_OUT
+        h_cond = h_ptr + (2 * pair).to(tl.int64) * sh_r
+        h_uncond = h_cond + sh_r
+        acc_c = tl.zeros((BLOCK_T, BLOCK_O), tl.float32)
+        acc_u = tl.zeros((BLOCK_T, BLOCK_O), tl.float32)
+        for c0 in range(0, n_in, BLOCK_CI):
+            ci = c0 + offs_i
+            live_i = ci < n_in
+            w = tl.load(w_ptr + offs_o[None, :] * n_in + ci[:, None], mask=live_i[:, None] & live_o[None, :],
+                        other=0.0)
+            at = offs_t[:, None] * sh_t + ci[None, :] * sh_c
+            m = live_t[:, None] & live_i[None, :]
+            acc_c = tl.dot(tl.load(h_cond + at, mask=m, other=0.0), w, acc_c, input_precision=PRECISION)
+            acc_u = tl.dot(tl.load(h_uncond + at, mask=m, other=0.0), w, acc_u, input_precision=PRECISION)
+        dt_ = rows_out_ptr.dtype.element_ty
+        b = tl.load(b_ptr + offs_o, mask=live_o, other=0.0).to(tl.float32)
+        # PARITY: the projection rounded, + bias rounded (as the 1x1 conv), then the CFG mix and the Euler
+        # update in float32 in cfm.euler_step's order
+        v_c = (acc_c.to(dt_).to(tl.float32) + b[None, :]).to(dt_).to(tl.float32)
+        v_u = (acc_u.to(dt_).to(tl.float32) + b[None, :]).to(dt_).to(tl.float32)
+        mask = live_t[:, None] & live_o[None, :]
+        at_x = (pair.to(tl.int64) * N_OUT + offs_o[None, :]) * num_t + offs_t[:, None]
+        x = tl.load(x_ptr + at_x, mask=mask, other=0.0)
+        x_new = x + dt * (cfg_c * v_c - cfg_u * v_u)
+        tl.store(x_out_ptr + at_x, x_new, mask=mask)
+        at_rows = ((2 * pair).to(tl.int64) * N_OUT + offs_o[None, :]) * num_t + offs_t[:, None]
+        tl.store(rows_out_ptr + at_rows, x_new.to(dt_), mask=mask)
+        tl.store(rows_out_ptr + at_rows + N_OUT * num_t, x_new.to(dt_), mask=mask)
+
     return SimpleNamespace(pooled_attention_kernel=pooled_attention_kernel, add_layer_norm_kernel=add_layer_norm_kernel,
                            channel_norm_mish_kernel=channel_norm_mish_kernel, pool_write_kernel=pool_write_kernel,
                            norm_gemm_kernel=norm_gemm_kernel, causal_conv_kernel=causal_conv_kernel,
+                           project_cfg_euler_kernel=project_cfg_euler_kernel,
                            next_power_of_2=triton.next_power_of_2)
 
 
@@ -508,3 +551,24 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, offset: int, weight: 
     if tail_out is None:
         state.copy_(tail)
     return out
+
+
+def project_cfg_euler(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, x: torch.Tensor, dt: float,
+                      cfg_rate: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `reference.project_cfg_euler`; h [2B, Cin, T] any strides, x [B, Cout, T] float32
+    contiguous. PERF: one launch for the final 1x1 conv, the CFG mix, the Euler update and the next step's
+    input rows (a cuDNN conv with its two layout transforms and ~8 element-wise kernels before)."""
+    kern = _kernels()
+    rows, n_in, num_t = h.shape
+    n_out = weight.shape[0]
+    assert rows == 2 * x.shape[0] and x.is_contiguous() and x.dtype == torch.float32
+    w = weight.reshape(n_out, n_in)
+    assert w.is_contiguous()
+    x_new = torch.empty_like(x)
+    next_rows = torch.empty(rows, n_out, num_t, device=h.device, dtype=h.dtype)
+    block_t = 16
+    kern.project_cfg_euler_kernel[(x.shape[0], -(-num_t // block_t))](
+        h, w, bias, x, x_new, next_rows, n_in, num_t, float(dt), 1.0 + cfg_rate, float(cfg_rate), h.stride(0),
+        h.stride(1), h.stride(2), N_OUT=n_out, BLOCK_O=kern.next_power_of_2(n_out), BLOCK_CI=64, BLOCK_T=block_t,
+        PRECISION=_precision(h), num_warps=4)
+    return x_new, next_rows

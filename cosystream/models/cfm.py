@@ -7,6 +7,7 @@ velocity function (which decides what the estimator sees and caches), this modul
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -88,16 +89,25 @@ class CausalConditionalCFM(nn.Module):
         return self.rand_noise[:, :, start:start + num_frames].float()
 
     def solve(self, z: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
-              velocity: VelocityFn) -> torch.Tensor:
+              velocity: VelocityFn, fused: ModuleType | None = None) -> torch.Tensor:
         """Euler-integrate from z [B, 80, C] (float32) with CFG; returns x1 [B, 80, C] float32.
 
         mu, cond [B, 80, C], spks [B, 80]. The ODE state stays float32 whatever the model dtype.
+        fused: ops with `project_cfg_euler` (`cosystream.kernels.flow`, or `.reference`); the velocity
+        function then returns the estimator's hidden state (`Estimator.step(..., project=False)`) and the
+        final projection, the CFG mix, the update and the next rows are one op.
         """
         mu_in, spks_in, cond_in = self.cfg_inputs(mu, spks, cond)
         x = z.float()
+        rows = None
+        proj = self.estimator.final_proj
         for k, (t, dt) in enumerate(zip(self.t_steps, self.dt_steps, strict=True)):
             t_in = torch.full((2 * x.shape[0],), t, device=x.device, dtype=torch.float32)
-            x = self.euler_step(x, velocity(k, self.cfg_rows(x), mu_in, spks_in, cond_in, t_in), dt)
+            out = velocity(k, self.cfg_rows(x) if rows is None else rows, mu_in, spks_in, cond_in, t_in)
+            if fused is None:
+                x = self.euler_step(x, out, dt)
+            else:
+                x, rows = fused.project_cfg_euler(out, proj.weight, proj.bias, x.contiguous(), dt, self.cfg_rate)
         return x
 
     def cfg_inputs(self, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor

@@ -82,6 +82,16 @@ class PooledBlock:
     block: int
 
 
+@dataclass(frozen=True)
+class StepTimes:
+    """What an Euler step's time t gives every row alike: the time embedding [1, 4C] and each ResNet's
+    time term mlp(t_emb) [1, C] (in `Estimator.resnets` order). PERF: t is one of the ODE's ten fixed
+    times, so these are made once per t (`Estimator.step_times`) instead of by ~15 launches a step."""
+
+    t_emb: torch.Tensor
+    resnet: tuple[torch.Tensor, ...]
+
+
 class CausalConv(nn.Conv1d):
     """Kernel-3 conv whose 2 left frames come from `conv_state` (zeros = the official left padding).
 
@@ -146,10 +156,10 @@ class ResNet(nn.Module):
 
     def forward(self, x: torch.Tensor, t_emb: torch.Tensor, conv_state: torch.Tensor,
                 time: torch.Tensor | None = None, tail_out: torch.Tensor | None = None) -> torch.Tensor:
-        """Fused ops only: time [R, C] this block's mlp(t_emb) when precomputed (Estimator.step batches
-        them); tail_out as CausalConv."""
+        """time [R, C]: this block's mlp(t_emb) when precomputed (Estimator.step batches them, or takes
+        them from StepTimes); tail_out (fused ops only) as CausalConv."""
         if self.block1.kernels is None:
-            h = self.block1(x, conv_state, add=self.mlp(t_emb))
+            h = self.block1(x, conv_state, add=self.mlp(t_emb) if time is None else time)
             h = self.block2(h, conv_state)
             return h + self.res_conv(x)
         h = self.block1(x, conv_state, add=self.mlp(t_emb) if time is None else time, tail_out=tail_out)
@@ -278,6 +288,14 @@ class TimeMLP(nn.Module):
         return self.linear_2(F.silu(self.linear_1(s)))
 
 
+def _version(t: torch.Tensor) -> int:
+    """t's in-place modification count (0 for inference tensors, which keep none: nothing modifies them)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return 0
+
+
 def timestep_sinusoid(t: torch.Tensor, dim: int) -> torch.Tensor:
     """[R] float32 times -> [R, dim] float32 (spec/flow.md §5.1)."""
     half = dim // 2
@@ -320,6 +338,7 @@ class Estimator(nn.Module):
         # every ResNet's time Linear stacked (fuse_projections; not state-dict keys)
         self.time_weight: torch.Tensor | None = None
         self.time_bias: torch.Tensor | None = None
+        self._step_times: dict[tuple, StepTimes] = {}
 
     def resnets(self) -> list[ResNet]:
         """The ResNets in the order `step` runs them."""
@@ -361,38 +380,68 @@ class Estimator(nn.Module):
 
     def step(self, x: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor, t: torch.Tensor,
              kv: Sequence[torch.Tensor], conv_state: torch.Tensor, write_idx: torch.Tensor,
-             attn_bias: Sequence[torch.Tensor]) -> torch.Tensor:
+             attn_bias: Sequence[torch.Tensor], times: StepTimes | None = None, project: bool = True
+             ) -> torch.Tensor:
         """Velocity for C new frames of R rows, given everything before them.
 
         x, mu, cond: [R, 80, C]; spks: [R, 80]; t: [R] float32. Rows are split into groups (requests),
         group g owning the next kv[g].shape[2] rows. kv[g]: [blocks, 2, rows_g, cap_g, inner], the
         group's keys/values for earlier frames; the new ones are written at frames write_idx[g] [C].
         attn_bias[g]: [C, L_g] additive bias over the first L_g cached frames (chunk_attention_bias).
-        conv_state: [R, conv_state_channels, 2], read and updated in place. Returns v [R, 80, C].
+        conv_state: [R, conv_state_channels, 2], read and updated in place. times: `step_times` of the
+        value every row of t holds (t is then not read). Returns v [R, 80, C], or with project=False the
+        hidden state [R, C_hidden, C] the final 1x1 projection turns into v (a caller that fuses it).
         No host syncs and no data-dependent Python control flow (CUDA-graph friendly).
         """
         dtype = self.final_proj.weight.dtype
-        t_emb = self.time_mlp(timestep_sinusoid(t, self.in_channels).to(dtype))
+        if times is None:
+            t_emb = self.time_mlp(timestep_sinusoid(t, self.in_channels).to(dtype))
+            resnet_times = self._resnet_times(t_emb)
+        else:
+            rows = x.shape[0]
+            t_emb = times.t_emb.expand(rows, -1)
+            resnet_times = [term.expand(rows, -1) for term in times.resnet]
         h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, x.shape[-1]), cond], dim=1).to(dtype)
-        times = iter(self._resnet_times(t_emb))
+        time_terms = iter(resnet_times)
         # Fused ops: every conv reads its old tail from conv_state and writes the new one into `tail`,
         # copied back once at the end (a conv's kernel cannot update its tail in place without a race,
         # and one copy per step beats one per conv). Every state channel belongs to one conv.
         tail = None if self.kernels is None else torch.empty_like(conv_state)
         resnet, blocks, conv = self.down_blocks[0]
-        h = self._transformers(blocks, resnet(h, t_emb, conv_state, next(times), tail), kv, write_idx, attn_bias)
+        h = self._transformers(blocks, resnet(h, t_emb, conv_state, next(time_terms), tail), kv, write_idx, attn_bias)
         skip = h
         h = conv(h, conv_state, tail)
         for resnet, blocks in self.mid_blocks:
-            h = self._transformers(blocks, resnet(h, t_emb, conv_state, next(times), tail), kv, write_idx,
+            h = self._transformers(blocks, resnet(h, t_emb, conv_state, next(time_terms), tail), kv, write_idx,
                                    attn_bias)
         resnet, blocks, conv = self.up_blocks[0]
-        h = resnet(torch.cat([h, skip], dim=1), t_emb, conv_state, next(times), tail)
+        h = resnet(torch.cat([h, skip], dim=1), t_emb, conv_state, next(time_terms), tail)
         h = conv(self._transformers(blocks, h, kv, write_idx, attn_bias), conv_state, tail)
         h = self.final_block(h, conv_state, tail_out=tail)
         if tail is not None:
             conv_state.copy_(tail)
-        return self.final_proj(h)
+        return self.final_proj(h) if project else h
+
+    def step_times(self, t: float) -> StepTimes:
+        """StepTimes of the time t, made once per t and weights (a cache keyed by t and the time weights'
+        storage and version, so reloaded or cast weights make new ones). Inside a CUDA-graph capture an
+        uncached t is computed into the graph and not kept (its memory belongs to the graph's pool)."""
+        params = [*self.time_mlp.parameters(), *(p for r in self.resnets() for p in r.mlp.parameters())]
+        params += [p for p in (self.time_weight, self.time_bias) if p is not None]
+        key = (t, self.kernels is None, tuple((p.data_ptr(), _version(p), p.dtype) for p in params))
+        cached = self._step_times.get(key)
+        if cached is not None:
+            return cached
+        p = self.final_proj.weight
+        t_emb = self.time_mlp(timestep_sinusoid(torch.tensor([t], device=p.device), self.in_channels).to(p.dtype))
+        terms = self._resnet_times(t_emb)
+        if terms[0] is None:
+            terms = [r.mlp(t_emb) for r in self.resnets()]
+        made = StepTimes(t_emb, tuple(terms))
+        # never dropped: captured graphs read these tensors (a few KB per t and weights version)
+        if not (p.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self._step_times[key] = made
+        return made
 
     def _resnet_times(self, t_emb: torch.Tensor) -> list[torch.Tensor | None]:
         """Each ResNet's mlp(t_emb) on the fused path, else None (each ResNet computes its own).

@@ -45,10 +45,12 @@ def _compare_pooled_with_stream(runner, stream, prompt, f, ops, max_chunks: int 
         windows = [stream._window(s, i, finalize=False) for s, i in zip(pooled, ids, strict=True)]
         starts = [s.num_frames for s in pooled]
         est.set_kernels(ops)
+        runner.solver_ops = ops  # the ODE's projection + CFG + Euler update as the fused op too
         try:
             got = runner.advance(pooled, windows)
         finally:
             est.set_kernels(None)
+            runner.solver_ops = None
         for b in range(2):
             want = stream.feed(alone[b], ids[b])
             mel = stream._target_frames(pooled[b], got[b][None], starts[b])
@@ -203,10 +205,12 @@ def test_voice_prompts_built_together_in_the_pool_equal_the_per_request_build(ch
     want = [stream.build_prompt_cache(*voice) for voice in voices]
     runner = FlowRunner(flow, num_slots=3, max_frames=512, use_graphs=False)
     flow.decoder.estimator.set_kernels(reference if fused else None)
+    runner.solver_ops = reference if fused else None
     try:
         got = runner.build_prompt_caches(stream, voices)
     finally:
         flow.decoder.estimator.set_kernels(None)
+        runner.solver_ops = None
     assert sorted(runner.free) == [0, 1, 2]
     for g, w in zip(got, want, strict=True):
         assert g.num_tokens == w.num_tokens > 0
@@ -229,12 +233,14 @@ def test_recomputed_chunks_equal_the_official_calls(checkpoint, load_fixture, cf
     runner.conv.normal_()  # the stream's slot holds stale conv tails: the pass starts from zero
     num_prompt = f["prompt_token"].shape[1]
     flow.decoder.estimator.set_kernels(reference if fused else None)
+    runner.solver_ops = reference if fused else None
     try:
         for i, call in enumerate(manifest["stream"]["schedule"][:-1]):
             mel = runner.recompute(prompt, f["token"][0][:call["n_tokens"]], finalize=False)
             torch.testing.assert_close(mel[:, 2 * num_prompt:], f[f"call{i}_flow_mel_full"][0], atol=1e-4, rtol=0)
     finally:
         flow.decoder.estimator.set_kernels(None)
+        runner.solver_ops = None
 
 
 def test_recomputed_chunks_of_several_streams_equal_one_at_a_time(checkpoint, load_fixture, cfm_noise):

@@ -272,3 +272,22 @@ def test_causal_conv_large_frame_tiles(device: str, dtype: torch.dtype, tile: Ti
     out = flow.causal_conv(x, state, 24, w, b, **kw, tile=tile)
     assert torch.equal(state, want_state)
     assert _rel(out, want) < (8e-3 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("num_t", [1, 37])
+def test_project_cfg_euler(device: str, dtype: torch.dtype, num_t: int) -> None:
+    """The ODE's final 1x1 projection, CFG mix and Euler update in one kernel: the new state and the next
+    estimator rows equal the module statements (cfm.euler_step, cfm.cfg_rows) on a strided hidden state."""
+    g = torch.Generator().manual_seed(41)
+    pairs = 3
+    h = torch.randn(2 * pairs, num_t, 256, generator=g).to(device, dtype).transpose(1, 2)  # [2B, C, T] strided
+    w = (torch.randn(80, 256, 1, generator=g) / 16).to(device, dtype)
+    b = torch.randn(80, generator=g).to(device, dtype)
+    x = torch.randn(pairs, 80, num_t, generator=g).to(device)
+    x_new, rows = flow.project_cfg_euler(h, w, b, x, 0.0731, 0.7)
+    want_x, want_rows = reference.project_cfg_euler(h, w, b, x, 0.0731, 0.7)
+    assert rows.dtype == dtype and x_new.dtype == torch.float32 and rows.shape == (2 * pairs, 80, num_t)
+    assert torch.equal(rows[0::2], rows[1::2])  # each request's state twice: conditional and unconditional rows
+    tol = 2e-3 if dtype == torch.bfloat16 else 1e-6
+    assert _rel(x_new - x, want_x - x) < tol  # the update itself, not only the state it is added to
+    assert _rel(rows.float(), want_rows.float()) < tol

@@ -212,3 +212,44 @@ def test_resnet_residual_of_a_transposed_input_is_its_conv(flow):
     assert got.transpose(1, 2).is_contiguous()  # written in the input's layout: nothing was transposed
     with torch.no_grad():
         _close(resnet._residual(x.contiguous()), want, 0)
+
+
+@pytest.mark.parametrize("ops", ["plain", "fused"])
+def test_step_with_precomputed_step_times_equals_the_step_that_embeds_t(flow, ops):
+    """An Euler step given `step_times(t)` (made once per t, the same for every row) computes what the
+    step that embeds t row by row computes, on the plain and on the fused-op path; the projection can be
+    left to the caller (project=False returns the hidden state the final 1x1 conv reads)."""
+    from cosystream.kernels import reference
+
+    est = flow.decoder.estimator
+    (x, mu, spks, cond, _), conv, pool, pos = _step_case(est, seed=5)
+    t = flow.decoder.t_steps[3]
+    t_rows = torch.full((x.shape[0],), t)
+    with torch.no_grad(), _fused(est, reference) if ops == "fused" else contextlib.nullcontext():
+        kv, bias = [pool[:, :, :x.shape[0]]], [torch.zeros(x.shape[-1], pool.shape[3])]
+        want = est.step(x, mu, spks, cond, t_rows, kv, conv.clone(), pos[:1], bias)
+        times = est.step_times(t)
+        got = est.step(x, mu, spks, cond, torch.full_like(t_rows, float("nan")), kv, conv.clone(), pos[:1], bias,
+                       times=times)
+        hidden = est.step(x, mu, spks, cond, t_rows, kv, conv.clone(), pos[:1], bias, times=times, project=False)
+        assert est.step_times(t) is times  # made once
+        projected = est.final_proj(hidden)
+    assert times.t_emb.shape[0] == 1 and len(times.resnet) == len(est.resnets())
+    _close(got, want, 1e-5)  # the NaN times were never read (1e-5: one-row vs two-row GEMM sums)
+    _close(projected, want, 1e-5)
+
+
+def test_step_times_follow_the_weights(checkpoint, cfm_noise):
+    """New time weights (a reload, a cast) make new step times: nothing stale is reused."""
+    model = Flow(checkpoint.hparams.flow)
+    check_and_load(model, checkpoint.flow_state(), "flow.pt")
+    est = model.decoder.estimator
+    t = model.decoder.t_steps[1]
+    with torch.no_grad():
+        before = est.step_times(t)
+        est.resnets()[2].mlp[1].bias.add_(1.0)  # in place: the version changes
+        after = est.step_times(t)
+        _close(after.resnet[2], before.resnet[2] + 1.0, 1e-6)
+        _close(after.resnet[0], before.resnet[0], 0)
+        est.double()
+        assert est.step_times(t).t_emb.dtype == torch.float64
