@@ -69,10 +69,12 @@ class EngineConfig:
     # With preemption on, a phase of official final passes (whole-utterance ODEs, ≈ 270 ms for 16 streams
     # on the H100) also stops between two of its Euler steps for such a chunk (the worker waits for each step
     # on the GPU) and goes on after it; passes that are due (final_slack_s) stop only for a client about to
-    # run dry. Opt-in: at 15 req/s on the H100 it halved first audio p95 (to 270-340 ms), but at 232 arrivals
-    # (≈ 155x real time) the passes deferred at the end of the burst made 26-32 requests' last chunk late
-    # (docs/benchmarks.md). False: a phase of them runs whole.
-    pause_final_passes: bool = False
+    # run dry. Default since the seventeenth session: with phases of at most 16 passes and the later-chunk
+    # hold, at 15 req/s on the H100 first audio p95 was 229-245 ms against 342-406 without it over three
+    # arrival seeds (216-232 arrivals), zero underruns either way, and c=1 / c=16 unchanged (53 ms; 116 ms,
+    # 220x). Before those two settings the passes it deferred piled up and made up to 34 requests' last
+    # chunk late (docs/benchmarks.md). False: a phase of them runs whole.
+    pause_final_passes: bool = True
     # With pause_final_passes: an official final pass is due when its client's audio left, less the measured
     # cost of the waiting passes whose clients run dry no later (earliest deadline first), is under this many
     # seconds: no batch leaves it out for a first chunk, and it pauses only for a client about to run dry.

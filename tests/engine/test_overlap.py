@@ -87,6 +87,9 @@ def test_batches_handed_back_after_every_phase_give_the_same_audio(overlapped, e
     engine.run(engine.async_engine.add_voice("fixture_inline2", str(fixture_dir / "prompt_24k.wav"),
                                              "Hello there. This is a short synthetic prompt."))
     core = overlapped.async_engine.core
+    # whole phases handed back (final passes paused between Euler steps: the test after this one)
+    monkeypatch.setattr(core, "pause_final_passes", False)
+    monkeypatch.setattr(core, "final_slack_s", 0.0)
     flag = _AlwaysStop()
     monkeypatch.setattr(core._chunks, "preempt", flag)
     handed_back: list[int] = []
