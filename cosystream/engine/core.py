@@ -137,6 +137,10 @@ class EngineCore:
         self.t2w_batches = 0
         self.t2w_final_s = 0.0  # ... of which phases of official final passes (paused ones included)
         self.t2w_finals = 0
+        # ... of which phases with a due pass (they pause only for a client about to run dry: a first chunk
+        # that becomes ready meanwhile waits for the whole phase)
+        self.t2w_due_final_s = 0.0
+        self.t2w_due_final_phases = 0
         self.t2w_chunks = 0
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="cosystream-engine", daemon=True)
@@ -224,7 +228,9 @@ class EngineCore:
                "lm_busy_seconds": self.lm_busy_s, "token2wav_busy_seconds": self.t2w_busy_s,
                "token2wav_flow_seconds": self.t2w_flow_s, "token2wav_vocoder_seconds": self.t2w_vocoder_s,
                "token2wav_batches": float(self.t2w_batches), "token2wav_chunks": float(self.t2w_chunks),
-               "token2wav_final_seconds": self.t2w_final_s, "token2wav_finals": float(self.t2w_finals)}
+               "token2wav_final_seconds": self.t2w_final_s, "token2wav_finals": float(self.t2w_finals),
+               "token2wav_due_final_seconds": self.t2w_due_final_s,
+               "token2wav_due_final_phases": float(self.t2w_due_final_phases)}
         for name, table in (("decode_step", self.step_beside), ("decode_slow_step", self.slow_steps_beside)):
             for beside, (total, count) in list(table.items()):
                 out[f"{name}_seconds_beside_{beside}"] = total
@@ -1020,6 +1026,9 @@ class EngineCore:
         self._finals_done = 0.9 * self._finals_done + len(jobs)
         self.t2w_final_s += busy_s
         self.t2w_finals += len(jobs)
+        if any(job.due for job in jobs):
+            self.t2w_due_final_s += busy_s
+            self.t2w_due_final_phases += 1
 
     def _flow_slots_short(self) -> bool:
         """Do more new streams wait to start than free slots and room beyond the pool can take?"""

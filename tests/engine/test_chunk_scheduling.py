@@ -244,6 +244,19 @@ def test_the_cost_of_a_final_pass_counts_paused_phases_and_only_phases_of_finals
     core._time_finals([], busy_s=0.2)  # a phase paused between Euler steps: time spent, no pass finished
     core._time_finals([final, final], busy_s=0.4)
     assert core._final_cost_s() == pytest.approx((0.9 * 0.2 + 0.4) / 2)
+    assert core.t2w_due_final_phases == 0 and core.t2w_due_final_s == 0  # none of them was due
+
+
+def test_phases_with_a_due_final_pass_are_counted_apart():
+    """The worker time of phases that hold a due pass (they do not pause for first chunks) is its own stat."""
+    core = _core()
+    req = _request(core, "r", buffered_s=1.0, lm=LMStatus.done, slot=0)
+    waiting = _Job(req, req.audio_segment, plan=SimpleNamespace(is_final=True))
+    due = _Job(req, req.audio_segment, plan=SimpleNamespace(is_final=True), due=True)
+    core._time_finals([waiting, due], busy_s=0.3)
+    core._time_finals([waiting], busy_s=0.2)
+    assert core.t2w_final_s == pytest.approx(0.5) and core.t2w_finals == 3
+    assert core.t2w_due_final_s == pytest.approx(0.3) and core.t2w_due_final_phases == 1
 
 
 def _with_tokens(req: RequestState, n: int) -> RequestState:

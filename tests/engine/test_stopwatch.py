@@ -59,3 +59,4 @@ def test_engine_stats_split_token2wav_time_into_stages(engine, fixture_dir):
     staged = sum(after[k] - before.get(k, 0.0) for k in after if k.endswith("_host_seconds"))
     busy = after["token2wav_busy_seconds"] - before["token2wav_busy_seconds"]
     assert 0 < staged <= busy + 1e-3
+    assert 0 <= after["token2wav_due_final_seconds"] <= after["token2wav_final_seconds"]
