@@ -123,8 +123,13 @@ class FlowRunner:
         self.solver_ops = flow_kernels if self.attention_ops is flow_kernels else None
         if self.attention_ops is flow_kernels:
             est.set_kernels(flow_kernels)  # fused norms, residual adds and pool writes in the estimator
-        for t in self.cfm.t_steps:  # made before any graph capture: graphs read them as constants
-            est.step_times(t)
+        # Each Euler step's time terms made once (Estimator.step_times) where graphs replay them as constants
+        # (CUDA): there they save ~15 launches a step. On the CPU every path embeds t row by row, so that the
+        # pooled, eager and final passes keep computing the same float sums (a one-row GEMM sums differently).
+        self.constant_times = self.device.type == "cuda"
+        if self.constant_times:
+            for t in self.cfm.t_steps:  # made before any graph capture
+                est.step_times(t)
 
     # ------------------------------------------------------------------ slots
     def holds(self, prompt: PromptCache) -> bool:
@@ -545,7 +550,7 @@ class FlowRunner:
         def velocity(k: int, x, mu_in, spks_in, cond_in, t):
             conv = torch.zeros(rows, est.conv_state_channels, 2, device=x.device, dtype=self.dtype)
             keys = PooledKV(self.kv[0], own, write_pos, limits, chunk, num_frames, self.attention_ops, own_keys=True)
-            times = est.step_times(self.cfm.t_steps[k]) if in_solver else None
+            times = est.step_times(self.cfm.t_steps[k]) if in_solver and self.constant_times else None
             return self._step(x, mu_in, spks_in, cond_in, t, [keys], conv, write_pos, [], times=times,
                               project=project)
 
@@ -566,7 +571,8 @@ class FlowRunner:
             conv = self.conv[k][rows]
             pooled = PooledKV(self.kv[k], rows, write_pos, limits, self.chunk, attn_len, self.attention_ops)
             v = self._step(x, mu_in, spks_in, cond_in, t, [pooled], conv, write_pos, [],
-                           times=est.step_times(self.cfm.t_steps[k]), project=self.solver_ops is None)
+                           times=est.step_times(self.cfm.t_steps[k]) if self.constant_times else None,
+                           project=self.solver_ops is None)
             self.conv[k][rows] = conv
             return v
 
