@@ -1,6 +1,8 @@
 """A/B of the LM decode step's launch options on one machine: programmatic dependent launch
-(cosystream.kernels.PDL) and RoPE with the cache write inside the attention kernel
-(kernels.decode.ROPE_IN_ATTENTION: one kernel a layer fewer).
+(cosystream.kernels.PDL), RoPE with the cache write inside the attention kernel
+(kernels.decode.ROPE_IN_ATTENTION: one kernel a layer fewer), the loads made before each kernel waits for the
+one before (kernels.decode.WEIGHTS_EARLY, KEYS_EARLY) and launch tiles of the linears that make one K step
+per program (so a program's whole weight slab is loaded before the wait).
 
     python benchmarks/decode_launch.py --model-dir /tmp/m05 --batches 1,16
 
@@ -25,13 +27,48 @@ from cosystream.checkpoint import load_checkpoint
 from cosystream.engine.lm_runner import LMRunner, RowSampling
 from cosystream.engine.loader import load_llm
 from cosystream.kernels import decode
-
-# name -> (PDL, decode.ROPE_IN_ATTENTION)
-VARIANTS = {"plain": (False, False), "pdl": (True, False), "pdl_rope": (True, True)}
+from cosystream.kernels.decode import LinearTile
 
 
-def make_runner(lm, batches: list[int], options: tuple[bool, bool]) -> LMRunner:
-    kernels.PDL, decode.ROPE_IN_ATTENTION = options
+def _one_step_tiles(gate_up: LinearTile, down: LinearTile) -> dict[tuple[int, int, int], LinearTile]:
+    """Tiles whose programs make one K step (k_per_split = block_k) for the 0.5B model's linears, both row
+    buckets the benchmark runs (1 and 16); the head keeps its measured tile."""
+    tiles = {}
+    for bucket in (1, 16):
+        tiles[(1152, 896, bucket)] = LinearTile(64, 128, 7, 4, 1)  # q/k/v: 18 × 7 programs
+        tiles[(896, 896, bucket)] = LinearTile(64, 128, 7, 4, 1)  # o: 14 × 7
+        tiles[(9728, 896, bucket)] = gate_up
+        tiles[(896, 4864, bucket)] = down
+    return tiles
+
+
+# name -> (PDL, ROPE_IN_ATTENTION, WEIGHTS_EARLY, KEYS_EARLY, linear tiles to use instead of the measured ones)
+VARIANTS = {
+    "plain": (False, False, False, False, {}),
+    "pdl": (True, False, False, False, {}),
+    "pdl_rope": (True, True, False, False, {}),
+    "early_w": (True, True, True, False, {}),
+    "early_kv": (True, True, False, True, {}),
+    "early": (True, True, True, True, {}),
+    # gate/up split over its inputs (partials summed in the down projection's prologue)
+    "early_1k": (True, True, True, True, _one_step_tiles(LinearTile(128, 128, 7, 4, 1), LinearTile(64, 256, 19, 4, 1))),
+    "early_1k_wide": (True, True, True, True,
+                      _one_step_tiles(LinearTile(128, 256, 4, 8, 1), LinearTile(64, 512, 10, 8, 1))),
+}
+
+
+def make_runner(lm, batches: list[int], options: tuple) -> LMRunner:
+    kernels.PDL, decode.ROPE_IN_ATTENTION, decode.WEIGHTS_EARLY, decode.KEYS_EARLY, tiles = options
+    saved = dict(decode._LINEAR_TILES)
+    decode._LINEAR_TILES.update(tiles)
+    try:
+        return _captured_runner(lm, batches)
+    finally:
+        decode._LINEAR_TILES.clear()
+        decode._LINEAR_TILES.update(saved)
+
+
+def _captured_runner(lm, batches: list[int]) -> LMRunner:
     d = lm.dims
     runner = LMRunner(lm, max_slots=max(batches), max_len=1024)
     sampling = RowSampling(seed=0, top_p=d.top_p, top_k=d.top_k, win_size=d.win_size, tau_r=d.tau_r,

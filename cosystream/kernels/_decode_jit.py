@@ -61,25 +61,37 @@ def attention_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, o_par
                            head_stride, part_stride, keys_per_split, num_splits, scale, GROUPS: tl.constexpr,
                            NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, ROPE: tl.constexpr, PARTS: tl.constexpr,
-                           PRECISION: tl.constexpr, PDL: tl.constexpr):
+                           PRECISION: tl.constexpr, KV_EARLY: tl.constexpr, PDL: tl.constexpr):
     # ROPE: q_ptr is the q/k/v projection ([B, (H + 2·KV)·D], or float32 split-K partials [PARTS, B, ...]):
     # this program rotates its queries itself, and the program whose keys hold the row's position also
     # rotates the new key, stores it and the new value in the cache and attends to them from registers.
     # Else q_ptr holds rotated queries [B, H, D] and the cache holds every key already.
-    if PDL:
-        follow_previous()
+    # KV_EARLY (with ROPE only): the first block of cached keys/values, the position and the RoPE terms
+    # are loaded before waiting for the kernel before (PDL): none of them is written inside the step
+    # before this kernel (earlier positions were stored by earlier steps; positions move after the step).
     row = tl.program_id(0)
     kv = tl.program_id(1)
     split = tl.program_id(2)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
+    if PDL and not KV_EARLY:
+        follow_previous()
     pos = tl.load(pos_ptr + row)
     head0 = kv * GROUPS
     m_ok = offs_m < GROUPS
     dtype = k_ptr.dtype.element_ty
     width = (NUM_KV * GROUPS + 2 * NUM_KV) * HEAD_DIM
+    start = split * keys_per_split
     if ROPE:
+        stop = tl.minimum(start + keys_per_split, pos)  # the new key comes from registers
         partner, sign, cos, sin = rope_terms(cos_ptr, sin_ptr, pos, HEAD_DIM)
+    else:
+        stop = tl.minimum(start + keys_per_split, pos + 1)
+    cache = row * slot_stride + kv * head_stride
+    k_first, v_first, valid_first = load_keys(k_ptr, v_ptr, cache, start, stop, offs_d, HEAD_DIM, BLOCK_N)
+    if PDL and KV_EARLY:
+        follow_previous()
+    if ROPE:
         q_at = row * width + (head0 + offs_m[:, None]) * HEAD_DIM
         q = rotate(q_ptr, q_at + offs_d[None, :], q_at + partner[None, :], m_ok[:, None], cos[None, :],
                    sin[None, :], sign[None, :], part_stride, PARTS, dtype)
@@ -89,25 +101,10 @@ def attention_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, o_par
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
-    start = split * keys_per_split
-    if ROPE:
-        stop = tl.minimum(start + keys_per_split, pos)  # the new key comes from registers
-    else:
-        stop = tl.minimum(start + keys_per_split, pos + 1)
-    cache = row * slot_stride + kv * head_stride
-    for block in range(start, stop, BLOCK_N):
-        offs_n = block + tl.arange(0, BLOCK_N)
-        valid = offs_n < stop
-        k = tl.load(k_ptr + cache + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=valid[None, :], other=0.0)
-        s = tl.dot(q, k, input_precision=PRECISION) * scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        v = tl.load(v_ptr + cache + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
+    m_i, l_i, acc = attend(q, k_first, v_first, valid_first, m_i, l_i, acc, scale, PRECISION)
+    for block in range(start + BLOCK_N, stop, BLOCK_N):
+        k, v, valid = load_keys(k_ptr, v_ptr, cache, block, stop, offs_d, HEAD_DIM, BLOCK_N)
+        m_i, l_i, acc = attend(q, k, v, valid, m_i, l_i, acc, scale, PRECISION)
     if ROPE:
         # does this split hold the new key? (on a vector: the interpreter refuses scalar masks)
         pos_d = tl.zeros((HEAD_DIM,), tl.int64) + pos
@@ -134,6 +131,32 @@ def attention_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, o_par
     tl.store(o_part_ptr + (part + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], acc)
     tl.store(ml_part_ptr + (part + offs_m) * 2, m_i)
     tl.store(ml_part_ptr + (part + offs_m) * 2 + 1, l_i)
+
+
+@triton.jit
+def load_keys(k_ptr, v_ptr, cache, block, stop, offs_d, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Cached keys (transposed, [D, BLOCK_N]) and values ([BLOCK_N, D]) at positions [block, block + BLOCK_N)
+    below stop, and which of them are valid; positions at or past stop read as zeros."""
+    offs_n = block + tl.arange(0, BLOCK_N)
+    valid = offs_n < stop
+    k = tl.load(k_ptr + cache + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=valid[None, :], other=0.0)
+    v = tl.load(v_ptr + cache + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=valid[:, None], other=0.0)
+    return k, v, valid
+
+
+@triton.jit
+def attend(q, k, v, valid, m_i, l_i, acc, scale, PRECISION: tl.constexpr):
+    """One block of keys into the running softmax (m_i, l_i, acc). A block with no valid key leaves the state
+    as it was (m_ref keeps exp() off -inf - -inf)."""
+    s = tl.dot(q, k, input_precision=PRECISION) * scale
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_ref[:, None])
+    alpha = tl.exp(m_i - m_ref)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -206,35 +229,43 @@ def silu_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
 
 @triton.jit
 def linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, rows, n_out, n_in, x_stride, k_per_split, part_stride,
-                  SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  in_part_stride, SILU: tl.constexpr, IN_PARTS: tl.constexpr, HAS_BIAS: tl.constexpr,
                   PARTIAL: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
+                  BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, W_EARLY: tl.constexpr, PDL: tl.constexpr):
     # Weight-streaming GEMM for a few rows: out^T [BLOCK_N, rows] = W tile @ x^T, so the weight's
     # output features fill the MMA's wide side and the rows (padded to 16) its narrow one.
+    # W_EARLY: the first weight tile is loaded before waiting for the kernel before (PDL): weights are
+    # never written by a kernel, so its load overlaps that kernel; a program of one K step then only
+    # reads its rows and multiplies once the wait is over.
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
-    if PDL:
-        follow_previous()
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     n_ok = offs_n < n_out
     m_ok = offs_m < rows
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     k_start = split * k_per_split
-    for kk in range(0, k_per_split, BLOCK_K):
+    first = 0
+    if W_EARLY:
+        offs_k = k_start + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < n_in
+        w = tl.load(w_ptr + offs_n[:, None] * n_in + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        if PDL:
+            follow_previous()
+        xt = load_rows(x_ptr, offs_m, offs_k, m_ok, k_ok, x_stride, n_in, in_part_stride, SILU, IN_PARTS,
+                       w.dtype)
+        acc = tl.dot(w, xt, acc, input_precision=PRECISION)
+        first = BLOCK_K
+    elif PDL:
+        follow_previous()
+    for kk in range(first, k_per_split, BLOCK_K):
         offs_k = k_start + kk + tl.arange(0, BLOCK_K)
         k_ok = offs_k < n_in
         w = tl.load(w_ptr + offs_n[:, None] * n_in + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
                     other=0.0)
-        x_mask = m_ok[None, :] & k_ok[:, None]
-        x_offs = offs_m[None, :] * x_stride + offs_k[:, None]
-        if SILU:  # x = [gate | up] of width 2·n_in: the input is silu(gate)·up, rounded as torch does
-            gate = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0).to(tl.float32)
-            up = tl.load(x_ptr + n_in + x_offs, mask=x_mask, other=0.0).to(tl.float32)
-            act = (gate / (1.0 + tl.exp(-gate))).to(w.dtype).to(tl.float32)
-            xt = (act * up).to(w.dtype)
-        else:
-            xt = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
+        xt = load_rows(x_ptr, offs_m, offs_k, m_ok, k_ok, x_stride, n_in, in_part_stride, SILU, IN_PARTS,
+                       w.dtype)
         acc = tl.dot(w, xt, acc, input_precision=PRECISION)
     if HAS_BIAS:  # added once, by the first split
         bias = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
@@ -245,3 +276,19 @@ def linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, rows, n_out, n_in, x_stride, k_p
         tl.store(out_ptr + split * part_stride + out_offs, acc, mask=out_mask)
     else:
         tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def load_rows(x_ptr, offs_m, offs_k, m_ok, k_ok, x_stride, n_in, in_part_stride, SILU: tl.constexpr,
+              IN_PARTS: tl.constexpr, dtype: tl.constexpr):
+    """The linear's input x^T [BLOCK_K, BLOCK_M] at inputs offs_k. SILU: x = [gate | up] of width 2·n_in
+    (whole, or float32 split-K partials [IN_PARTS, rows, 2·n_in] summed and rounded once here) and the
+    input is silu(gate)·up, rounded as torch does."""
+    x_mask = m_ok[None, :] & k_ok[:, None]
+    x_offs = offs_m[None, :] * x_stride + offs_k[:, None]
+    if SILU:
+        gate = sum_parts(x_ptr, x_offs, x_mask, in_part_stride, IN_PARTS, dtype)
+        up = sum_parts(x_ptr, n_in + x_offs, x_mask, in_part_stride, IN_PARTS, dtype)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        return (act * up).to(dtype)
+    return tl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
