@@ -290,5 +290,7 @@ def load_rows(x_ptr, offs_m, offs_k, m_ok, k_ok, x_stride, n_in, in_part_stride,
         gate = sum_parts(x_ptr, x_offs, x_mask, in_part_stride, IN_PARTS, dtype)
         up = sum_parts(x_ptr, n_in + x_offs, x_mask, in_part_stride, IN_PARTS, dtype)
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        return (act * up).to(dtype)
-    return tl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
+        xt = (act * up).to(dtype)
+    else:
+        xt = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0).to(dtype)
+    return xt
