@@ -1,8 +1,8 @@
 """A/B of the LM decode step's launch options on one machine: programmatic dependent launch
 (cosystream.kernels.PDL), RoPE with the cache write inside the attention kernel
-(kernels.decode.ROPE_IN_ATTENTION: one kernel a layer fewer), the loads made before each kernel waits for the
-one before (kernels.decode.WEIGHTS_EARLY, KEYS_EARLY) and launch tiles of the linears that make one K step
-per program (so a program's whole weight slab is loaded before the wait).
+(kernels.decode.ROPE_IN_ATTENTION: one kernel a layer fewer) and the attention's cached keys loaded before it
+waits for the q/k/v projection (kernels.decode.KEYS_EARLY). (Commit 53b2f5d also A/B'd the linears' weights
+loaded before their wait, with one-K-step tiles: slower, removed.)
 
     python benchmarks/decode_launch.py --model-dir /tmp/m05 --batches 1,16
 
@@ -27,45 +27,15 @@ from cosystream.checkpoint import load_checkpoint
 from cosystream.engine.lm_runner import LMRunner, RowSampling
 from cosystream.engine.loader import load_llm
 from cosystream.kernels import decode
-from cosystream.kernels.decode import LinearTile
+
+# name -> (PDL, ROPE_IN_ATTENTION, KEYS_EARLY)
+VARIANTS = {"plain": (False, False, False), "pdl": (True, False, False), "pdl_rope": (True, True, False),
+            "early_kv": (True, True, True)}
 
 
-def _one_step_tiles(gate_up: LinearTile, down: LinearTile) -> dict[tuple[int, int, int], LinearTile]:
-    """Tiles whose programs make one K step (k_per_split = block_k) for the 0.5B model's linears, both row
-    buckets the benchmark runs (1 and 16); the head keeps its measured tile."""
-    tiles = {}
-    for bucket in (1, 16):
-        tiles[(1152, 896, bucket)] = LinearTile(64, 128, 7, 4, 1)  # q/k/v: 18 × 7 programs
-        tiles[(896, 896, bucket)] = LinearTile(64, 128, 7, 4, 1)  # o: 14 × 7
-        tiles[(9728, 896, bucket)] = gate_up
-        tiles[(896, 4864, bucket)] = down
-    return tiles
-
-
-# name -> (PDL, ROPE_IN_ATTENTION, WEIGHTS_EARLY, KEYS_EARLY, linear tiles to use instead of the measured ones)
-VARIANTS = {
-    "plain": (False, False, False, False, {}),
-    "pdl": (True, False, False, False, {}),
-    "pdl_rope": (True, True, False, False, {}),
-    "early_w": (True, True, True, False, {}),
-    "early_kv": (True, True, False, True, {}),
-    "early": (True, True, True, True, {}),
-    # gate/up split over its inputs (partials summed in the down projection's prologue)
-    "early_1k": (True, True, True, True, _one_step_tiles(LinearTile(128, 128, 7, 4, 1), LinearTile(64, 256, 19, 4, 1))),
-    "early_1k_wide": (True, True, True, True,
-                      _one_step_tiles(LinearTile(128, 256, 4, 8, 1), LinearTile(64, 512, 10, 8, 1))),
-}
-
-
-def make_runner(lm, batches: list[int], options: tuple) -> LMRunner:
-    kernels.PDL, decode.ROPE_IN_ATTENTION, decode.WEIGHTS_EARLY, decode.KEYS_EARLY, tiles = options
-    saved = dict(decode._LINEAR_TILES)
-    decode._LINEAR_TILES.update(tiles)
-    try:
-        return _captured_runner(lm, batches)
-    finally:
-        decode._LINEAR_TILES.clear()
-        decode._LINEAR_TILES.update(saved)
+def make_runner(lm, batches: list[int], options: tuple[bool, bool, bool]) -> LMRunner:
+    kernels.PDL, decode.ROPE_IN_ATTENTION, decode.KEYS_EARLY = options
+    return _captured_runner(lm, batches)
 
 
 def _captured_runner(lm, batches: list[int]) -> LMRunner:

@@ -229,43 +229,35 @@ def silu_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
 
 @triton.jit
 def linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, rows, n_out, n_in, x_stride, k_per_split, part_stride,
-                  in_part_stride, SILU: tl.constexpr, IN_PARTS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
                   PARTIAL: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, W_EARLY: tl.constexpr, PDL: tl.constexpr):
+                  BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
     # Weight-streaming GEMM for a few rows: out^T [BLOCK_N, rows] = W tile @ x^T, so the weight's
     # output features fill the MMA's wide side and the rows (padded to 16) its narrow one.
-    # W_EARLY: the first weight tile is loaded before waiting for the kernel before (PDL): weights are
-    # never written by a kernel, so its load overlaps that kernel; a program of one K step then only
-    # reads its rows and multiplies once the wait is over.
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
+    if PDL:
+        follow_previous()
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     n_ok = offs_n < n_out
     m_ok = offs_m < rows
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     k_start = split * k_per_split
-    first = 0
-    if W_EARLY:
-        offs_k = k_start + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < n_in
-        w = tl.load(w_ptr + offs_n[:, None] * n_in + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        if PDL:
-            follow_previous()
-        xt = load_rows(x_ptr, offs_m, offs_k, m_ok, k_ok, x_stride, n_in, in_part_stride, SILU, IN_PARTS,
-                       w.dtype)
-        acc = tl.dot(w, xt, acc, input_precision=PRECISION)
-        first = BLOCK_K
-    elif PDL:
-        follow_previous()
-    for kk in range(first, k_per_split, BLOCK_K):
+    for kk in range(0, k_per_split, BLOCK_K):
         offs_k = k_start + kk + tl.arange(0, BLOCK_K)
         k_ok = offs_k < n_in
         w = tl.load(w_ptr + offs_n[:, None] * n_in + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
                     other=0.0)
-        xt = load_rows(x_ptr, offs_m, offs_k, m_ok, k_ok, x_stride, n_in, in_part_stride, SILU, IN_PARTS,
-                       w.dtype)
+        x_mask = m_ok[None, :] & k_ok[:, None]
+        x_offs = offs_m[None, :] * x_stride + offs_k[:, None]
+        if SILU:  # x = [gate | up] of width 2·n_in: the input is silu(gate)·up, rounded as torch does
+            gate = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0).to(tl.float32)
+            up = tl.load(x_ptr + n_in + x_offs, mask=x_mask, other=0.0).to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(w.dtype).to(tl.float32)
+            xt = (act * up).to(w.dtype)
+        else:
+            xt = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
         acc = tl.dot(w, xt, acc, input_precision=PRECISION)
     if HAS_BIAS:  # added once, by the first split
         bias = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
@@ -276,21 +268,3 @@ def linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, rows, n_out, n_in, x_stride, k_p
         tl.store(out_ptr + split * part_stride + out_offs, acc, mask=out_mask)
     else:
         tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit
-def load_rows(x_ptr, offs_m, offs_k, m_ok, k_ok, x_stride, n_in, in_part_stride, SILU: tl.constexpr,
-              IN_PARTS: tl.constexpr, dtype: tl.constexpr):
-    """The linear's input x^T [BLOCK_K, BLOCK_M] at inputs offs_k. SILU: x = [gate | up] of width 2·n_in
-    (whole, or float32 split-K partials [IN_PARTS, rows, 2·n_in] summed and rounded once here) and the
-    input is silu(gate)·up, rounded as torch does."""
-    x_mask = m_ok[None, :] & k_ok[:, None]
-    x_offs = offs_m[None, :] * x_stride + offs_k[:, None]
-    if SILU:
-        gate = sum_parts(x_ptr, x_offs, x_mask, in_part_stride, IN_PARTS, dtype)
-        up = sum_parts(x_ptr, n_in + x_offs, x_mask, in_part_stride, IN_PARTS, dtype)
-        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        xt = (act * up).to(dtype)
-    else:
-        xt = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0).to(dtype)
-    return xt

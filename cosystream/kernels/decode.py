@@ -25,11 +25,12 @@ from cosystream.kernels import pdl_launch
 # 0.903 -> 0.880. (Combining the attention's splits inside the output projection instead of in a kernel
 # of their own was slower there: 0.903 -> 0.941 ms at batch 16; removed after that commit.)
 ROPE_IN_ATTENTION = True
-# PERF (with PDL): what a kernel reads that no kernel of the step writes before it is loaded before it waits
-# for the kernel before, so those loads overlap that kernel: the linears' first weight tile
-# (WEIGHTS_EARLY) and the attention's first block of cached keys/values (KEYS_EARLY). Read when a step is
-# traced (benchmarks/decode_launch.py A/Bs them).
-WEIGHTS_EARLY = True
+# PERF (with PDL): the attention kernel loads its first block of cached keys/values (written by earlier
+# steps), its position and RoPE terms before it waits for the q/k/v projection, so those loads overlap
+# that kernel. Read when a step is traced. Measured on the H100 (benchmarks/decode_launch.py, 53b2f5d):
+# batch-1 step 0.776 -> 0.737 ms, batch 16 0.840 -> 0.826. Loading the linears' first weight tile (or
+# whole slab, with one-K-step tiles) before their wait was slower (0.807 / 0.769 at batch 1, 0.869 /
+# 1.005 at 16): not kept.
 KEYS_EARLY = True
 _KEYS_PER_BLOCK = 64  # keys loaded per inner step of the attention kernel
 _MAX_SPLITS = 16  # attention programs per (row, kv head); their partial softmaxes are combined after
@@ -215,23 +216,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, tile: LinearTile | None = None) -> torch.Tensor:
-    """linear(silu(gate) · up, weight) for gate_up = [gate | up] ([rows, 2·n_in], or the gate/up linear's
-    float32 split-K partials [S, rows, 2·n_in], summed and rounded once here): the activation is computed
-    while the weight streams (no kernel of its own); output as `linear`'s."""
+    """linear(silu(gate) · up, weight) for gate_up = [gate | up] ([rows, 2·n_in], whole: the gate/up
+    linear runs with partials=False): the activation is computed while the weight streams (no kernel of
+    its own); output as `linear`'s."""
     return _linear(gate_up, weight, None, silu=True, tile=tile, partials=True)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool,
             tile: LinearTile | None, partials: bool) -> torch.Tensor:
-    if x.dim() != 2 and not (silu and x.dim() == 3):
+    if x.dim() != 2:
         raise ValueError("linear: the input must be a whole [rows, n_in] tensor, not partial sums")
-    if x.stride(-1) != 1 or not weight.is_contiguous() or (x.dim() == 3 and not x.is_contiguous()):
+    if x.stride(1) != 1 or not weight.is_contiguous():
         raise ValueError("linear: the input's rows and the weight must be contiguous")
-    rows = x.shape[-2]
+    rows = x.shape[0]
     n_out, n_in = weight.shape
     if rows > MAX_LINEAR_ROWS:
-        whole = x.float().sum(0).to(weight.dtype) if x.dim() == 3 else x
-        return torch.nn.functional.linear(silu_mul(whole) if silu else whole, weight, bias)
+        return torch.nn.functional.linear(silu_mul(x) if silu else x, weight, bias)
     k = _kernels()
     tile = tile or linear_tile(rows, n_out, n_in)
     k_per_split = -(-n_in // ((tile.splits if partials else 1) * tile.block_k)) * tile.block_k
@@ -239,10 +239,10 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
     shape = (splits, rows, n_out) if splits > 1 else (rows, n_out)
     out = torch.empty(shape, device=x.device, dtype=torch.float32 if splits > 1 else weight.dtype)
     grid = (-(-n_out // tile.block_n), splits)
-    k.linear_kernel[grid](x, weight, weight if bias is None else bias, out, rows, n_out, n_in, x.stride(-2),
-                          k_per_split, rows * n_out, x[0].numel() if x.dim() == 3 else 0, SILU=silu,
-                          IN_PARTS=_parts(x), HAS_BIAS=bias is not None, PARTIAL=splits > 1,
+    k.linear_kernel[grid](x, weight, weight if bias is None else bias, out, rows, n_out, n_in, x.stride(0),
+                          k_per_split, rows * n_out, SILU=silu,
+                          HAS_BIAS=bias is not None, PARTIAL=splits > 1,
                           PRECISION=_precision(weight), BLOCK_N=tile.block_n,
-                          BLOCK_K=tile.block_k, BLOCK_M=max(16, k.next_power_of_2(rows)), W_EARLY=WEIGHTS_EARLY,
+                          BLOCK_K=tile.block_k, BLOCK_M=max(16, k.next_power_of_2(rows)),
                           num_warps=tile.warps, num_stages=tile.stages, **pdl_launch(x))
     return out

@@ -219,7 +219,7 @@ class SpeechLM(nn.Module):
             a, residual = ops.add_rms_norm(h, residual, layer.input_layernorm.weight, d.rms_norm_eps)
             attn = attention(i, ops.linear(a, layer.qkv_proj.weight, layer.qkv_proj.bias))
             m, residual = ops.add_rms_norm(attn, residual, layer.post_attention_layernorm.weight, d.rms_norm_eps)
-            h = ops.silu_linear(ops.linear(m, layer.gate_up_proj.weight), layer.down_proj.weight)
+            h = ops.silu_linear(ops.linear(m, layer.gate_up_proj.weight, partials=False), layer.down_proj.weight)
         out, _ = ops.add_rms_norm(h, residual, self.norm.weight, d.rms_norm_eps)
         return out
 

@@ -1,8 +1,8 @@
 """On a GPU, at the 0.5B size, graphed: programmatic dependent launch of the decode kernels
 (cosystream.kernels.PDL) changes no number. It is pure scheduling, so the outputs must be identical bit for bit;
 a missing wait in a PDL kernel would show here as a race (a kernel reading its predecessor's output before that
-one has finished), as would an early load (kernels.decode.WEIGHTS_EARLY, KEYS_EARLY: made before the wait) of
-something the kernel before writes. RoPE and the cache write inside the attention kernel
+one has finished), as would an early load (kernels.decode.KEYS_EARLY: made before the wait) of something the
+kernel before writes. RoPE and the cache write inside the attention kernel
 (kernels.decode.ROPE_IN_ATTENTION) compute what the RoPE kernel did, up to float32 rounding."""
 
 from __future__ import annotations
@@ -73,10 +73,8 @@ def test_pdl_decode_steps_equal_plain_launches_at_full_size(batch: int, early: b
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     lm = _lm_05b()
     with torch.inference_mode():
-        monkeypatch.setattr(decode, "WEIGHTS_EARLY", False)  # the plain launches load in the old order
-        monkeypatch.setattr(decode, "KEYS_EARLY", False)
+        monkeypatch.setattr(decode, "KEYS_EARLY", False)  # the plain launches load in the old order
         want, want_cache = _graphed_steps(lm, batch, 12, pdl=False, monkeypatch=monkeypatch)
-        monkeypatch.setattr(decode, "WEIGHTS_EARLY", early)
         monkeypatch.setattr(decode, "KEYS_EARLY", early)
         got, got_cache = _graphed_steps(lm, batch, 12, pdl=True, monkeypatch=monkeypatch)
     assert all(torch.isfinite(h).all() for h in want)
