@@ -1,7 +1,8 @@
 """A/B of the LM decode step's launch options on one machine: programmatic dependent launch
 (cosystream.kernels.PDL), RoPE with the cache write inside the attention kernel
-(kernels.decode.ROPE_IN_ATTENTION: one kernel a layer fewer) and the attention's cached keys loaded before it
-waits for the q/k/v projection (kernels.decode.KEYS_EARLY). (Commit 53b2f5d also A/B'd the linears' weights
+(kernels.decode.ROPE_IN_ATTENTION: one kernel a layer fewer) and the loads of what the kernel before does not
+write made before the wait for it (kernels.EARLY_LOADS: the attention's cached keys, the norms' weights, the
+sampler's row state). (Commit 53b2f5d also A/B'd the linears' weights
 loaded before their wait, with one-K-step tiles: slower, removed.)
 
     python benchmarks/decode_launch.py --model-dir /tmp/m05 --batches 1,16
@@ -28,13 +29,13 @@ from cosystream.engine.lm_runner import LMRunner, RowSampling
 from cosystream.engine.loader import load_llm
 from cosystream.kernels import decode
 
-# name -> (PDL, ROPE_IN_ATTENTION, KEYS_EARLY)
+# name -> (PDL, ROPE_IN_ATTENTION, EARLY_LOADS)
 VARIANTS = {"plain": (False, False, False), "pdl": (True, False, False), "pdl_rope": (True, True, False),
-            "early_kv": (True, True, True)}
+            "early": (True, True, True)}
 
 
 def make_runner(lm, batches: list[int], options: tuple[bool, bool, bool]) -> LMRunner:
-    kernels.PDL, decode.ROPE_IN_ATTENTION, decode.KEYS_EARLY = options
+    kernels.PDL, decode.ROPE_IN_ATTENTION, kernels.EARLY_LOADS = options
     return _captured_runner(lm, batches)
 
 

@@ -9,12 +9,18 @@ from cosystream.kernels._launch_jit import follow_previous
 
 @triton.jit
 def add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, part_stride, eps,
-                        HAS_RES: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        follow_previous()
+                        HAS_RES: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr, EARLY: tl.constexpr,
+                        PDL: tl.constexpr):
+    # EARLY: the norm's weight (never written by a kernel) is loaded before the wait (PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    if EARLY:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if PDL:
+        follow_previous()
+    if not EARLY:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     # x may be a linear's split-K partial sums [PARTS, rows, n]: their sum is its output
     x = sum_parts(x_ptr, row * n_cols + cols, mask, part_stride, PARTS, out_ptr.dtype.element_ty)
     if HAS_RES:
@@ -24,7 +30,6 @@ def add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, par
     xf = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
     normed = (xf * inv).to(out_ptr.dtype.element_ty).to(tl.float32)  # PARITY: cast before the weight
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * n_cols + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -61,12 +66,12 @@ def attention_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, o_par
                            head_stride, part_stride, keys_per_split, num_splits, scale, GROUPS: tl.constexpr,
                            NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, ROPE: tl.constexpr, PARTS: tl.constexpr,
-                           PRECISION: tl.constexpr, KV_EARLY: tl.constexpr, PDL: tl.constexpr):
+                           PRECISION: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
     # ROPE: q_ptr is the q/k/v projection ([B, (H + 2·KV)·D], or float32 split-K partials [PARTS, B, ...]):
     # this program rotates its queries itself, and the program whose keys hold the row's position also
     # rotates the new key, stores it and the new value in the cache and attends to them from registers.
     # Else q_ptr holds rotated queries [B, H, D] and the cache holds every key already.
-    # KV_EARLY (with ROPE only): the first block of cached keys/values, the position and the RoPE terms
+    # EARLY (with ROPE only): the first block of cached keys/values, the position and the RoPE terms
     # are loaded before waiting for the kernel before (PDL): none of them is written inside the step
     # before this kernel (earlier positions were stored by earlier steps; positions move after the step).
     row = tl.program_id(0)
@@ -74,7 +79,7 @@ def attention_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, o_par
     split = tl.program_id(2)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    if PDL and not KV_EARLY:
+    if PDL and not EARLY:
         follow_previous()
     pos = tl.load(pos_ptr + row)
     head0 = kv * GROUPS
@@ -89,7 +94,7 @@ def attention_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, o_par
         stop = tl.minimum(start + keys_per_split, pos + 1)
     cache = row * slot_stride + kv * head_stride
     k_first, v_first, valid_first = load_keys(k_ptr, v_ptr, cache, start, stop, offs_d, HEAD_DIM, BLOCK_N)
-    if PDL and KV_EARLY:
+    if PDL and EARLY:
         follow_previous()
     if ROPE:
         q_at = row * width + (head0 + offs_m[:, None]) * HEAD_DIM

@@ -25,13 +25,6 @@ from cosystream.kernels import pdl_launch
 # 0.903 -> 0.880. (Combining the attention's splits inside the output projection instead of in a kernel
 # of their own was slower there: 0.903 -> 0.941 ms at batch 16; removed after that commit.)
 ROPE_IN_ATTENTION = True
-# PERF (with PDL): the attention kernel loads its first block of cached keys/values (written by earlier
-# steps), its position and RoPE terms before it waits for the q/k/v projection, so those loads overlap
-# that kernel. Read when a step is traced. Measured on the H100 (benchmarks/decode_launch.py, 53b2f5d):
-# batch-1 step 0.776 -> 0.737 ms, batch 16 0.840 -> 0.826. Loading the linears' first weight tile (or
-# whole slab, with one-K-step tiles) before their wait was slower (0.807 / 0.769 at batch 1, 0.869 /
-# 1.005 at 16): not kept.
-KEYS_EARLY = True
 _KEYS_PER_BLOCK = 64  # keys loaded per inner step of the attention kernel
 _MAX_SPLITS = 16  # attention programs per (row, kv head); their partial softmaxes are combined after
 
@@ -69,7 +62,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         raise ValueError("add_rms_norm: partial sums need a residual stream to land in")
     k.add_rms_norm_kernel[(rows,)](x, x if residual is None else residual, weight, out, res_out, n_cols,
                                    rows * n_cols, eps, HAS_RES=residual is not None, PARTS=parts,
-                                   BLOCK=k.next_power_of_2(n_cols), **pdl_launch(x))
+                                   BLOCK=k.next_power_of_2(n_cols), **pdl_launch(x, early=True))
     return out, res_out
 
 
@@ -136,7 +129,7 @@ def _attention(q: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, 
         q, cache_k, cache_v, positions, cos, sin, o_part, ml_part, cache_k.stride(0), cache_k.stride(1),
         q[0].numel() if parts else 0, keys_per_split, splits, head_dim ** -0.5, GROUPS=groups, NUM_KV=kv_heads,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=_KEYS_PER_BLOCK, ROPE=rope is not None, PARTS=parts,
-        PRECISION=_precision(cache_k), KV_EARLY=KEYS_EARLY and rope is not None, **pdl_launch(q))
+        PRECISION=_precision(cache_k), **pdl_launch(q, early=rope is not None))
     out = torch.empty(batch, num_heads * head_dim, device=q.device, dtype=cache_k.dtype)
     k.attention_combine_kernel[(batch, num_heads)](
         o_part, ml_part, out, splits, GROUPS=groups, NUM_KV=kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m,

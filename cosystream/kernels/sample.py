@@ -20,6 +20,8 @@ from types import SimpleNamespace
 
 import torch
 
+from cosystream.kernels import pdl_launch
+
 STREAM_KEYS = (0x9E3779B1, 0x3C6EF362)  # (stream · 0x9E3779B1) mod 2^32 for hash streams 1 (top-p draw), 2 (RAS)
 
 
@@ -56,4 +58,4 @@ def sample_and_record(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Te
         greedy, ban_special, active, tokens, positions, out, vocab, eos, max_position, non_finite_token,
         STREAM_KEYS[0], STREAM_KEYS[1], HIST=hist_width, MAX_K=min(max_top_k, vocab),
         BLOCK_V=k.next_power_of_2(vocab), BLOCK_H=max(k.next_power_of_2(hist_width + 1), 16),
-        num_warps=8)
+        num_warps=8, **pdl_launch(logits, early=True))

@@ -1,7 +1,7 @@
 """On a GPU, at the 0.5B size, graphed: programmatic dependent launch of the decode kernels
 (cosystream.kernels.PDL) changes no number. It is pure scheduling, so the outputs must be identical bit for bit;
 a missing wait in a PDL kernel would show here as a race (a kernel reading its predecessor's output before that
-one has finished), as would an early load (kernels.decode.KEYS_EARLY: made before the wait) of something the
+one has finished), as would an early load (kernels.EARLY_LOADS: made before the wait) of something the
 kernel before writes. RoPE and the cache write inside the attention kernel
 (kernels.decode.ROPE_IN_ATTENTION) compute what the RoPE kernel did, up to float32 rounding."""
 
@@ -12,6 +12,7 @@ import torch
 
 from cosystream import kernels
 from cosystream.checkpoint.hparams import LLMDims
+from cosystream.engine.lm_runner import LMRunner, RowSampling
 from cosystream.kernels import decode
 from cosystream.models.qwen2 import KVCache, SpeechLM
 
@@ -73,9 +74,8 @@ def test_pdl_decode_steps_equal_plain_launches_at_full_size(batch: int, early: b
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     lm = _lm_05b()
     with torch.inference_mode():
-        monkeypatch.setattr(decode, "KEYS_EARLY", False)  # the plain launches load in the old order
         want, want_cache = _graphed_steps(lm, batch, 12, pdl=False, monkeypatch=monkeypatch)
-        monkeypatch.setattr(decode, "KEYS_EARLY", early)
+        monkeypatch.setattr(kernels, "EARLY_LOADS", early)
         got, got_cache = _graphed_steps(lm, batch, 12, pdl=True, monkeypatch=monkeypatch)
     assert all(torch.isfinite(h).all() for h in want)
     for a, b in zip(got, want, strict=True):
@@ -105,3 +105,34 @@ def test_rope_in_attention_computes_the_unfused_steps(batch: int, monkeypatch: p
         new_want = want_kv[:, rows, :, written]
         assert _rel(new_got, new_want) < 4e-3
         torch.testing.assert_close(got_kv[..., :100, :], want_kv[..., :100, :], rtol=0, atol=0)  # untouched
+
+
+def _runner_tokens(lm: SpeechLM, batch: int, steps: int, pdl: bool, monkeypatch: pytest.MonkeyPatch
+                   ) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
+    """Tokens of `steps` graphed runner steps with top-p sampling (the fused sampler after the head), and the
+    rows' history and positions after them."""
+    monkeypatch.setattr(kernels, "PDL", pdl)
+    d = lm.dims
+    runner = LMRunner(lm, max_slots=batch, max_len=512)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    prompt = torch.randn(40, d.hidden_size, device="cuda", generator=g).to(torch.bfloat16) * 0.02
+    for slot in range(batch):
+        runner.set_row_sampling(slot, RowSampling(seed=slot, top_p=d.top_p, top_k=d.top_k, win_size=d.win_size,
+                                                  tau_r=d.tau_r, min_len=0))
+        runner.prefill(slot, prompt[: 20 + slot])
+        runner.set_active(slot, True)
+    tokens = [runner.decode(batch, 100) for _ in range(steps)]
+    return tokens, runner.sampling.history[:batch].clone(), runner.positions[:batch].clone()
+
+
+@needs_pdl
+@pytest.mark.parametrize("batch", [1, 16])
+def test_pdl_sampler_draws_the_plain_launches_tokens(batch: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sampler follows the head with PDL and loads its rows' state early: same draws, same state."""
+    lm = _lm_05b()
+    with torch.inference_mode():
+        want = _runner_tokens(lm, batch, 12, pdl=False, monkeypatch=monkeypatch)
+        got = _runner_tokens(lm, batch, 12, pdl=True, monkeypatch=monkeypatch)
+    assert len({t for step in want[0] for t in step}) > 1  # really sampling
+    assert got[0] == want[0]
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
