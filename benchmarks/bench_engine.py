@@ -191,7 +191,8 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-async def _amain(args: argparse.Namespace, tmp: Path) -> tuple[list[RequestRecord], list[LevelSummary]]:
+async def _amain(args: argparse.Namespace, tmp: Path, busy: list[dict[str, Any]] | None = None
+                 ) -> tuple[list[RequestRecord], list[LevelSummary]]:
     from cosystream.engine.async_engine import AsyncEngine
 
     prompt_wav = Path(args.prompt_wav) if args.prompt_wav else workload.write_workload_wav(tmp / "voice.wav")
@@ -203,20 +204,27 @@ async def _amain(args: argparse.Namespace, tmp: Path) -> tuple[list[RequestRecor
     engine = AsyncEngine.from_pretrained(args.model_dir, **config)
     try:
         await asyncio.to_thread(engine.warmup)  # graph capture is not part of any request's latency
-        return await run(engine, args, prompt_wav, log=_busy_logger(engine))
+        return await run(engine, args, prompt_wav, log=_busy_logger(engine, busy))
     finally:
         engine.close()
 
 
-def _busy_logger(engine: Any) -> Any:
+def _busy_logger(engine: Any, sink: list[dict[str, Any]] | None = None) -> Any:
     """A log function that follows each line (warm-up, every level) with the engine's busy time since the
-    previous one, so every level gets its own breakdown."""
+    previous one, so every level gets its own breakdown. `sink` (the JSON's meta.engine_stats) gets the engine's
+    stats as read at the start and after each line: the differences of consecutive snapshots are a level's
+    counters, so a run can be analysed after the fact."""
     mark = {"stats": engine.stats(), "t": time.perf_counter()}
+    if sink is not None:
+        sink.append({"after": "start", "wall_s": 0.0, "stats": mark["stats"]})
 
     def log(message: str) -> None:
         _log(message)
         stats, now = engine.stats(), time.perf_counter()
         _log("  " + _busy_line(mark["stats"], stats, now - mark["t"]))
+        if sink is not None:
+            sink.append({"after": message.splitlines()[0] if message else "", "wall_s": round(now - mark["t"], 6),
+                         "stats": stats})
         mark.update(stats=stats, t=now)
 
     return log
@@ -279,9 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.distinct_prompts and not args.prompt_per_request:
         parser.error("--distinct-prompts: goes with --prompt-per-request")
     started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    busy: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="cosystream-bench-") as tmp:
         try:
-            records, summaries = asyncio.run(_amain(args, Path(tmp)))
+            records, summaries = asyncio.run(_amain(args, Path(tmp), busy))
         except KeyboardInterrupt:
             _log("interrupted")
             return 130
@@ -292,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\nwhere first audio goes (means, ms; the first five from submission):\n" + breakdown)
     if args.out:
         meta = {"tool": "benchmarks/bench_engine.py", "started_at": started_at, "device": device,
-                "dtype": args.dtype, "commit": _commit(), "args": vars(args)}
+                "dtype": args.dtype, "commit": _commit(), "args": vars(args), "engine_stats": busy}
         _log(f"wrote {write_json(args.out, build_results(meta, summaries, records))}")
     if args.plot and summaries:
         _log(f"wrote {write_plot(args.plot, summaries, title=f'engine in-process · {device} · {args.dtype}')}")

@@ -97,3 +97,26 @@ def test_distinct_prompts_needs_prompt_per_request(bench_engine, capsys) -> None
     with pytest.raises(SystemExit) as exit_info:
         bench_engine.main(["--model-dir", "unused", "--distinct-prompts"])
     assert exit_info.value.code == 2 and "--distinct-prompts: goes with --prompt-per-request" in capsys.readouterr().err
+
+
+class CountingEngine(FakeEngine):
+    """FakeEngine with the engine's stats(): a counter of the requests it was sent."""
+
+    def stats(self) -> dict[str, float]:
+        return {"num_steps": float(len(self.params)), "queue_depth": 0.0}
+
+
+async def test_busy_logger_keeps_the_engine_stats_of_every_level(bench_engine, tmp_path: Path) -> None:
+    """meta.engine_stats: a snapshot at the start and after each level, so a level's counters can be read later."""
+    args = bench_engine.build_parser().parse_args(
+        ["--model-dir", "unused", "--concurrency", "1,2", "--requests-per-level", "4", "--warmup-requests", "2",
+         "--force-tokens", "25"])
+    engine, sink, lines = CountingEngine(), [], []
+    log = bench_engine._busy_logger(engine, sink)
+    await bench_engine.run(engine, args, tmp_path / "voice.wav", log=lambda m: (lines.append(m), log(m)))
+    assert [entry["after"] for entry in sink] == ["start"] + [line.splitlines()[0] for line in lines]
+    sent = [entry["stats"]["num_steps"] for entry in sink]
+    assert sent[0] == 0 and sent[-1] == len(engine.params) == 2 + 4 + 4
+    assert len(sink) == 4 and sent[1] == 2  # start, the warm-up line, one line per level
+    assert (sent[2] - sent[1], sent[3] - sent[2]) == (4, 4)
+    assert all(entry["wall_s"] >= 0 for entry in sink)
