@@ -63,8 +63,9 @@ _COUNTERS: dict[str, torch.Tensor] = {}
 def _counters(device: torch.device) -> torch.Tensor:
     """int32 arrival counters of the fused reductions on `device` ([0]: norms, [1:]: combines), zero between
     uses: the last program of a kernel resets its counter before the kernel ends, and the next kernel that
-    counts on it does so only after that (stream order, or its PDL wait). Made on first use, which the
-    runners' warm-up step reaches before any graph capture."""
+    counts on it does so only after that (stream order, or its PDL wait); so fused reductions on one device
+    must run on one stream at a time (the LM's). Made on first use, which the runners' warm-up step reaches
+    before any graph capture."""
     key = str(device)
     if key not in _COUNTERS:
         _COUNTERS[key] = torch.zeros(1 + _MAX_COUNTERS, dtype=torch.int32, device=device)
