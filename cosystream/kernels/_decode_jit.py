@@ -21,16 +21,26 @@ def add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, par
         follow_previous()
     if not EARLY:
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    # x may be a linear's split-K partial sums [PARTS, rows, n]: their sum is its output
-    x = sum_parts(x_ptr, row * n_cols + cols, mask, part_stride, PARTS, out_ptr.dtype.element_ty)
+    add_rms_norm_row(x_ptr, res_ptr, w, out_ptr, res_out_ptr, row, cols, mask, n_cols, part_stride, eps, PARTS,
+                     HAS_RES, "")
+
+
+@triton.jit
+def add_rms_norm_row(x_ptr, res_ptr, w, out_ptr, res_out_ptr, row, cols, mask, n_cols, part_stride, eps,
+                     PARTS: tl.constexpr, HAS_RES: tl.constexpr, CACHE: tl.constexpr):
+    """One row of add_rms_norm: x (a linear's output, or its split-K partials [PARTS, rows, n], summed) plus
+    the residual, stored as the new residual, RMS-normalised and scaled by w [BLOCK] (float32). CACHE: the
+    cache modifier of x's loads (".cg": from L2, for x other programs of the same kernel just stored)."""
+    at = row * n_cols + cols
+    x = sum_parts(x_ptr, at, mask, part_stride, PARTS, out_ptr.dtype.element_ty, CACHE)
     if HAS_RES:
-        r = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)
+        r = tl.load(res_ptr + at, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)  # PARITY: bf16 add
-        tl.store(res_out_ptr + row * n_cols + cols, x, mask=mask)
+        tl.store(res_out_ptr + at, x, mask=mask)
     xf = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
     normed = (xf * inv).to(out_ptr.dtype.element_ty).to(tl.float32)  # PARITY: cast before the weight
-    tl.store(out_ptr + row * n_cols + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + at, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -57,7 +67,7 @@ def rope_write_kv_kernel(qkv_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, q_out_ptr
         cache_off = slot * slot_stride + kv * head_stride + pos * HEAD_DIM
         tl.store(k_ptr + cache_off + offs_d, out)
         # the value head sits NUM_KV heads after its key head
-        v = sum_parts(qkv_ptr, base + NUM_KV * HEAD_DIM + offs_d, all_d, part_stride, PARTS, dtype)
+        v = sum_parts(qkv_ptr, base + NUM_KV * HEAD_DIM + offs_d, all_d, part_stride, PARTS, dtype, "")
         tl.store(v_ptr + cache_off + offs_d, v.to(v_ptr.dtype.element_ty))
 
 
@@ -122,7 +132,7 @@ def attention_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, o_par
         k_at = row * width + (NUM_KV * GROUPS + kv) * HEAD_DIM
         all_d = offs_d < HEAD_DIM
         k_new = rotate(q_ptr, k_at + offs_d, k_at + partner, all_d, cos, sin, sign, part_stride, PARTS, dtype)
-        v_new = sum_parts(q_ptr, k_at + NUM_KV * HEAD_DIM + offs_d, all_d, part_stride, PARTS, dtype).to(dtype)
+        v_new = sum_parts(q_ptr, k_at + NUM_KV * HEAD_DIM + offs_d, all_d, part_stride, PARTS, dtype, "").to(dtype)
         at = cache + pos * HEAD_DIM + offs_d
         tl.store(k_ptr + at, k_new, mask=mine_d)
         tl.store(v_ptr + at, v_new, mask=mine_d)
@@ -190,20 +200,20 @@ def rope_terms(cos_ptr, sin_ptr, pos, HEAD_DIM: tl.constexpr):
 def rotate(ptr, offs, partner, mask, c, s, sign, part_stride, PARTS: tl.constexpr, dtype: tl.constexpr):
     """Rotate-half RoPE of a linear's output at offs: x·cos + rotate_half(x)·sin, rounded to dtype, where
     rotate_half(x) = sign · x[partner] (see rope_terms)."""
-    x = sum_parts(ptr, offs, mask, part_stride, PARTS, dtype)
-    xr = sum_parts(ptr, partner, mask, part_stride, PARTS, dtype)
+    x = sum_parts(ptr, offs, mask, part_stride, PARTS, dtype, "")
+    xr = sum_parts(ptr, partner, mask, part_stride, PARTS, dtype, "")
     return (x * c + sign * xr * s).to(dtype)
 
 
 @triton.jit
-def sum_parts(ptr, offs, mask, part_stride, PARTS: tl.constexpr, dtype: tl.constexpr):
+def sum_parts(ptr, offs, mask, part_stride, PARTS: tl.constexpr, dtype: tl.constexpr, CACHE: tl.constexpr):
     """A linear's output at offs as float32: one tensor (PARTS = 0), or the sum of its float32 split-K
-    partials, rounded once to the linear's dtype (PARITY)."""
+    partials, rounded once to the linear's dtype (PARITY). CACHE: the loads' cache modifier."""
     if PARTS == 0:
-        return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    acc = tl.load(ptr + offs, mask=mask, other=0.0)
+        return tl.load(ptr + offs, mask=mask, other=0.0, cache_modifier=CACHE).to(tl.float32)
+    acc = tl.load(ptr + offs, mask=mask, other=0.0, cache_modifier=CACHE)
     for p in tl.static_range(1, PARTS):
-        acc += tl.load(ptr + p * part_stride + offs, mask=mask, other=0.0)
+        acc += tl.load(ptr + p * part_stride + offs, mask=mask, other=0.0, cache_modifier=CACHE)
     return acc.to(dtype).to(tl.float32)
 
 
@@ -317,22 +327,4 @@ def linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, rows, n_out, n_in, x_stride, k_p
             w_norm = tl.load(norm_w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
             for row in range(rows):
                 add_rms_norm_row(out_ptr, res_ptr, w_norm, norm_out_ptr, res_out_ptr, row, cols, mask, n_out,
-                                 part_stride, eps, NORM_PARTS)
-
-
-@triton.jit
-def add_rms_norm_row(x_ptr, res_ptr, w, out_ptr, res_out_ptr, row, cols, mask, n_cols, part_stride, eps,
-                     PARTS: tl.constexpr):
-    """One row of add_rms_norm_kernel (same operations, so the same numbers), reading x from L2 (.cg)."""
-    at = row * n_cols + cols
-    x = tl.load(x_ptr + at, mask=mask, other=0.0, cache_modifier=".cg")
-    for p in tl.static_range(1, PARTS):
-        x += tl.load(x_ptr + p * part_stride + at, mask=mask, other=0.0, cache_modifier=".cg")
-    x = x.to(out_ptr.dtype.element_ty).to(tl.float32)
-    r = tl.load(res_ptr + at, mask=mask, other=0.0)
-    x = (x + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)  # PARITY: bf16 add
-    tl.store(res_out_ptr + at, x, mask=mask)
-    xf = x.to(tl.float32)
-    inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-    normed = (xf * inv).to(out_ptr.dtype.element_ty).to(tl.float32)  # PARITY: cast before the weight
-    tl.store(out_ptr + at, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+                                 part_stride, eps, NORM_PARTS, True, ".cg")
