@@ -1,10 +1,10 @@
 """A/B of the LM decode step's launch options on one machine: programmatic dependent launch
 (cosystream.kernels.PDL), RoPE with the cache write inside the attention kernel
-(kernels.decode.ROPE_IN_ATTENTION: one kernel a layer fewer), the loads of what the kernel before does not
+(kernels.decode.ROPE_IN_ATTENTION: one kernel a layer fewer) and the loads of what the kernel before does not
 write made before the wait for it (kernels.EARLY_LOADS: the attention's cached keys, the norms' weights, the
-sampler's row state), and the reductions run in the last program of the kernel before them
-(kernels.decode.FUSED_REDUCTIONS: the attention's combine, and the norms for up to 4 rows). (Commit 53b2f5d
-also A/B'd the linears' weights loaded before their wait, with one-K-step tiles: slower, removed.)
+sampler's row state). (Commit 53b2f5d also A/B'd the linears' weights
+loaded before their wait, with one-K-step tiles, and 76ebd11 the reductions run in the last program of the
+kernel before them: both slower, removed.)
 
     python benchmarks/decode_launch.py --model-dir /tmp/m05 --batches 1,16
 
@@ -30,14 +30,13 @@ from cosystream.engine.lm_runner import LMRunner, RowSampling
 from cosystream.engine.loader import load_llm
 from cosystream.kernels import decode
 
-# name -> (PDL, ROPE_IN_ATTENTION, EARLY_LOADS, FUSED_REDUCTIONS)
-VARIANTS = {"plain": (False, False, False, False), "pdl": (True, False, False, False),
-            "pdl_rope": (True, True, False, False), "early": (True, True, True, False),
-            "fused_reductions": (True, True, True, True)}
+# name -> (PDL, ROPE_IN_ATTENTION, EARLY_LOADS)
+VARIANTS = {"plain": (False, False, False), "pdl": (True, False, False), "pdl_rope": (True, True, False),
+            "early": (True, True, True)}
 
 
-def make_runner(lm, batches: list[int], options: tuple[bool, bool, bool, bool]) -> LMRunner:
-    kernels.PDL, decode.ROPE_IN_ATTENTION, kernels.EARLY_LOADS, decode.FUSED_REDUCTIONS = options
+def make_runner(lm, batches: list[int], options: tuple[bool, bool, bool]) -> LMRunner:
+    kernels.PDL, decode.ROPE_IN_ATTENTION, kernels.EARLY_LOADS = options
     return _captured_runner(lm, batches)
 
 

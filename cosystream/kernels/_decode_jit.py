@@ -21,26 +21,16 @@ def add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, par
         follow_previous()
     if not EARLY:
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    add_rms_norm_row(x_ptr, res_ptr, w, out_ptr, res_out_ptr, row, cols, mask, n_cols, part_stride, eps, PARTS,
-                     HAS_RES, "")
-
-
-@triton.jit
-def add_rms_norm_row(x_ptr, res_ptr, w, out_ptr, res_out_ptr, row, cols, mask, n_cols, part_stride, eps,
-                     PARTS: tl.constexpr, HAS_RES: tl.constexpr, CACHE: tl.constexpr):
-    """One row of add_rms_norm: x (a linear's output, or its split-K partials [PARTS, rows, n], summed) plus
-    the residual, stored as the new residual, RMS-normalised and scaled by w [BLOCK] (float32). CACHE: the
-    cache modifier of x's loads (".cg": from L2, for x other programs of the same kernel just stored)."""
-    at = row * n_cols + cols
-    x = sum_parts(x_ptr, at, mask, part_stride, PARTS, out_ptr.dtype.element_ty, CACHE)
+    # x may be a linear's split-K partial sums [PARTS, rows, n]: their sum is its output
+    x = sum_parts(x_ptr, row * n_cols + cols, mask, part_stride, PARTS, out_ptr.dtype.element_ty)
     if HAS_RES:
-        r = tl.load(res_ptr + at, mask=mask, other=0.0)
+        r = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)  # PARITY: bf16 add
-        tl.store(res_out_ptr + at, x, mask=mask)
+        tl.store(res_out_ptr + row * n_cols + cols, x, mask=mask)
     xf = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
     normed = (xf * inv).to(out_ptr.dtype.element_ty).to(tl.float32)  # PARITY: cast before the weight
-    tl.store(out_ptr + at, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * n_cols + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -67,7 +57,7 @@ def rope_write_kv_kernel(qkv_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, q_out_ptr
         cache_off = slot * slot_stride + kv * head_stride + pos * HEAD_DIM
         tl.store(k_ptr + cache_off + offs_d, out)
         # the value head sits NUM_KV heads after its key head
-        v = sum_parts(qkv_ptr, base + NUM_KV * HEAD_DIM + offs_d, all_d, part_stride, PARTS, dtype, "")
+        v = sum_parts(qkv_ptr, base + NUM_KV * HEAD_DIM + offs_d, all_d, part_stride, PARTS, dtype)
         tl.store(v_ptr + cache_off + offs_d, v.to(v_ptr.dtype.element_ty))
 
 
@@ -76,11 +66,7 @@ def attention_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, o_par
                            head_stride, part_stride, keys_per_split, num_splits, scale, GROUPS: tl.constexpr,
                            NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, ROPE: tl.constexpr, PARTS: tl.constexpr,
-                           PRECISION: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr, out_ptr,
-                           counter_ptr, COMBINE: tl.constexpr, SPLITS: tl.constexpr):
-    # COMBINE: the last of a (row, kv head)'s split programs to finish combines their partials into the
-    # attention output of its GROUPS query heads (counter_ptr: one int32 per (row, kv head), zero between
-    # uses), instead of a combine kernel after this one.
+                           PRECISION: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
     # ROPE: q_ptr is the q/k/v projection ([B, (H + 2·KV)·D], or float32 split-K partials [PARTS, B, ...]):
     # this program rotates its queries itself, and the program whose keys hold the row's position also
     # rotates the new key, stores it and the new value in the cache and attends to them from registers.
@@ -132,7 +118,7 @@ def attention_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, o_par
         k_at = row * width + (NUM_KV * GROUPS + kv) * HEAD_DIM
         all_d = offs_d < HEAD_DIM
         k_new = rotate(q_ptr, k_at + offs_d, k_at + partner, all_d, cos, sin, sign, part_stride, PARTS, dtype)
-        v_new = sum_parts(q_ptr, k_at + NUM_KV * HEAD_DIM + offs_d, all_d, part_stride, PARTS, dtype, "").to(dtype)
+        v_new = sum_parts(q_ptr, k_at + NUM_KV * HEAD_DIM + offs_d, all_d, part_stride, PARTS, dtype).to(dtype)
         at = cache + pos * HEAD_DIM + offs_d
         tl.store(k_ptr + at, k_new, mask=mine_d)
         tl.store(v_ptr + at, v_new, mask=mine_d)
@@ -150,11 +136,6 @@ def attention_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, o_par
     tl.store(o_part_ptr + (part + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], acc)
     tl.store(ml_part_ptr + (part + offs_m) * 2, m_i)
     tl.store(ml_part_ptr + (part + offs_m) * 2 + 1, l_i)
-    if COMBINE:  # noqa: SIM102 - a constexpr test: Triton compiles the count only where it is asked for
-        if last_to_arrive(counter_ptr + row * NUM_KV + kv, num_splits):
-            for g in tl.static_range(GROUPS):
-                combine_head(o_part_ptr, ml_part_ptr, out_ptr, row, kv, g, num_splits, GROUPS, NUM_KV, HEAD_DIM,
-                             BLOCK_M, SPLITS)
 
 
 @triton.jit
@@ -200,20 +181,20 @@ def rope_terms(cos_ptr, sin_ptr, pos, HEAD_DIM: tl.constexpr):
 def rotate(ptr, offs, partner, mask, c, s, sign, part_stride, PARTS: tl.constexpr, dtype: tl.constexpr):
     """Rotate-half RoPE of a linear's output at offs: x·cos + rotate_half(x)·sin, rounded to dtype, where
     rotate_half(x) = sign · x[partner] (see rope_terms)."""
-    x = sum_parts(ptr, offs, mask, part_stride, PARTS, dtype, "")
-    xr = sum_parts(ptr, partner, mask, part_stride, PARTS, dtype, "")
+    x = sum_parts(ptr, offs, mask, part_stride, PARTS, dtype)
+    xr = sum_parts(ptr, partner, mask, part_stride, PARTS, dtype)
     return (x * c + sign * xr * s).to(dtype)
 
 
 @triton.jit
-def sum_parts(ptr, offs, mask, part_stride, PARTS: tl.constexpr, dtype: tl.constexpr, CACHE: tl.constexpr):
+def sum_parts(ptr, offs, mask, part_stride, PARTS: tl.constexpr, dtype: tl.constexpr):
     """A linear's output at offs as float32: one tensor (PARTS = 0), or the sum of its float32 split-K
-    partials, rounded once to the linear's dtype (PARITY). CACHE: the loads' cache modifier."""
+    partials, rounded once to the linear's dtype (PARITY)."""
     if PARTS == 0:
-        return tl.load(ptr + offs, mask=mask, other=0.0, cache_modifier=CACHE).to(tl.float32)
-    acc = tl.load(ptr + offs, mask=mask, other=0.0, cache_modifier=CACHE)
+        return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    acc = tl.load(ptr + offs, mask=mask, other=0.0)
     for p in tl.static_range(1, PARTS):
-        acc += tl.load(ptr + p * part_stride + offs, mask=mask, other=0.0, cache_modifier=CACHE)
+        acc += tl.load(ptr + p * part_stride + offs, mask=mask, other=0.0)
     return acc.to(dtype).to(tl.float32)
 
 
@@ -225,42 +206,19 @@ def attention_combine_kernel(o_part_ptr, ml_part_ptr, out_ptr, num_splits, GROUP
         follow_previous()
     row = tl.program_id(0)
     head = tl.program_id(1)
-    combine_head(o_part_ptr, ml_part_ptr, out_ptr, row, head // GROUPS, head % GROUPS, num_splits, GROUPS, NUM_KV,
-                 HEAD_DIM, BLOCK_M, SPLITS)
-
-
-@triton.jit
-def combine_head(o_part_ptr, ml_part_ptr, out_ptr, row, kv, g, num_splits, GROUPS: tl.constexpr,
-                 NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr):
-    """Query head g of kv head `kv` in `row`: its splits' partial softmaxes into the attention output. The
-    partials are read from L2 (.cg): in a fused combine other programs wrote them moments ago."""
+    kv = head // GROUPS
+    g = head % GROUPS
     offs_s = tl.arange(0, SPLITS)
     offs_d = tl.arange(0, HEAD_DIM)
     live = offs_s < num_splits
     part = ((row * NUM_KV + kv) * num_splits + offs_s) * BLOCK_M + g
-    m = tl.load(ml_part_ptr + part * 2, mask=live, other=float("-inf"), cache_modifier=".cg")
-    l_part = tl.load(ml_part_ptr + part * 2 + 1, mask=live, other=0.0, cache_modifier=".cg")
+    m = tl.load(ml_part_ptr + part * 2, mask=live, other=float("-inf"))
+    l_part = tl.load(ml_part_ptr + part * 2 + 1, mask=live, other=0.0)
     m_max = tl.max(m, axis=0)
     w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)
-    o = tl.load(o_part_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=live[:, None], other=0.0,
-                cache_modifier=".cg")
+    o = tl.load(o_part_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=live[:, None], other=0.0)
     out = tl.sum(o * w[:, None], axis=0) / tl.sum(l_part * w, axis=0)
-    head = kv * GROUPS + g
     tl.store(out_ptr + (row * NUM_KV * GROUPS + head) * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty))
-
-
-@triton.jit
-def last_to_arrive(counter_ptr, expected):
-    """Whether this program is the last of `expected` to reach this point (and so may read what all of them
-    stored before it). The barrier orders the program's own stores before its release of the count; the
-    acquire orders the last one's reads after everyone's. The last resets the counter for the next use
-    (a later kernel: PDL kernels reach their count only after the kernel before them has finished)."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    last = arrived == expected - 1
-    if last:
-        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
-    return last
 
 
 @triton.jit
@@ -278,14 +236,9 @@ def silu_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
 def linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, rows, n_out, n_in, x_stride, k_per_split, part_stride,
                   SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
                   PARTIAL: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr, res_ptr, norm_w_ptr,
-                  norm_out_ptr, res_out_ptr, counter_ptr, eps, NORM: tl.constexpr, NORM_BLOCK: tl.constexpr,
-                  NORM_PARTS: tl.constexpr):
+                  BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
     # Weight-streaming GEMM for a few rows: out^T [BLOCK_N, rows] = W tile @ x^T, so the weight's
     # output features fill the MMA's wide side and the rows (padded to 16) its narrow one.
-    # NORM: the output feeds add_rms_norm (residual res_ptr, weight norm_w_ptr): the last program to finish
-    # (counter_ptr: an int32, zero between uses) computes it into norm_out_ptr / res_out_ptr, instead of a
-    # kernel after this one. NORM_PARTS: the output's split-K partial count (0: a whole output).
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     if PDL:
@@ -320,11 +273,3 @@ def linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, rows, n_out, n_in, x_stride, k_p
         tl.store(out_ptr + split * part_stride + out_offs, acc, mask=out_mask)
     else:
         tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-    if NORM:  # noqa: SIM102 - the last program to finish does add_rms_norm_kernel's work on the whole output
-        if last_to_arrive(counter_ptr, tl.num_programs(0) * tl.num_programs(1)):
-            cols = tl.arange(0, NORM_BLOCK)
-            mask = cols < n_out
-            w_norm = tl.load(norm_w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            for row in range(rows):
-                add_rms_norm_row(out_ptr, res_ptr, w_norm, norm_out_ptr, res_out_ptr, row, cols, mask, n_out,
-                                 part_stride, eps, NORM_PARTS, True, ".cg")

@@ -23,16 +23,12 @@ from cosystream.kernels import pdl_launch
 # cache-write kernel first (the A/B of benchmarks/decode_launch.py; read when a step is traced, so set it
 # before graphs are captured). Measured on the H100 at adc8964: batch-1 step 0.819 -> 0.799 ms, batch 16
 # 0.903 -> 0.880. (Combining the attention's splits inside the output projection instead of in a kernel
-# of their own was slower there: 0.903 -> 0.941 ms at batch 16; removed after that commit.)
+# of their own was slower there: 0.903 -> 0.941 ms at batch 16; removed after that commit. Running that
+# combine, and the norms after the output/down projections, in the last program of the kernel before them
+# (atomic arrival counts) was slower still at 76ebd11: batch 1 / 4 / 16 0.708 / 0.726 / 0.794 ->
+# 0.787 / 1.034 / 0.893 ms, the last program's serial reduction costing more than the kernel it saved;
+# removed after that commit.)
 ROPE_IN_ATTENTION = True
-# Opt-in, not yet measured on a GPU: the reductions that follow a split kernel run in its last program to
-# finish (an atomic count per kernel or per (row, kv head)) instead of in a kernel of their own: the attention's
-# split combine, and the RMSNorm after the output and down projections for up to FUSED_NORM_MAX_ROWS rows (the
-# last program normalises the rows one after another). 3 of the step's 8 kernels a layer go. Read when a step
-# is traced (benchmarks/decode_launch.py A/Bs it).
-FUSED_REDUCTIONS = False
-FUSED_NORM_MAX_ROWS = 4
-_MAX_COUNTERS = 256  # (row, kv head) pairs a fused combine may count, plus one for the norms
 _KEYS_PER_BLOCK = 64  # keys loaded per inner step of the attention kernel
 _MAX_SPLITS = 16  # attention programs per (row, kv head); their partial softmaxes are combined after
 
@@ -55,21 +51,6 @@ def _precision(x: torch.Tensor) -> str:
 def _parts(x: torch.Tensor) -> int:
     """Split-K partial count of a linear's output: 0 for a plain [rows, n] tensor."""
     return x.shape[0] if x.dim() == 3 else 0
-
-
-_COUNTERS: dict[str, torch.Tensor] = {}
-
-
-def _counters(device: torch.device) -> torch.Tensor:
-    """int32 arrival counters of the fused reductions on `device` ([0]: norms, [1:]: combines), zero between
-    uses: the last program of a kernel resets its counter before the kernel ends, and the next kernel that
-    counts on it does so only after that (stream order, or its PDL wait); so fused reductions on one device
-    must run on one stream at a time (the LM's). Made on first use, which the runners' warm-up step reaches
-    before any graph capture."""
-    key = str(device)
-    if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(1 + _MAX_COUNTERS, dtype=torch.int32, device=device)
-    return _COUNTERS[key]
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -116,13 +97,10 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
 
 def rope_attention_linear(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                           cache_k: torch.Tensor, cache_v: torch.Tensor, num_heads: int, num_kv_heads: int,
-                          attn_len: int, weight: torch.Tensor, tile: LinearTile | None = None,
-                          norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
-                          ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                          attn_len: int, weight: torch.Tensor, tile: LinearTile | None = None) -> torch.Tensor:
     """The decode step's attention block: linear(decode_attention(rope_write_kv(...)), weight) for rows
     [0, B) of the cache. PERF: the attention programs rotate their queries and the new key themselves
-    and store the new key/value: no RoPE kernel. qkv as `rope_write_kv`'s; output as `linear`'s, or with
-    norm = (residual, norm weight, eps) `linear_add_rms_norm`'s (normed, new residual)."""
+    and store the new key/value: no RoPE kernel. qkv as `rope_write_kv`'s; output as `linear`'s."""
     if (num_heads + 2 * num_kv_heads) * cache_k.shape[-1] != qkv.shape[-1] or cache_k.shape[1] != num_kv_heads:
         raise ValueError(f"rope_attention_linear: qkv of width {qkv.shape[-1]} does not hold {num_heads} query "
                          f"and 2 × {num_kv_heads} key/value heads of {cache_k.shape[-1]}")
@@ -131,8 +109,6 @@ def rope_attention_linear(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
     else:
         q = rope_write_kv(qkv, positions, cos, sin, cache_k, cache_v, num_heads, num_kv_heads)
         attn = _attention(q, None, cache_k, cache_v, positions, attn_len)
-    if norm is not None:
-        return linear_add_rms_norm(attn, weight, *norm, tile=tile)
     return linear(attn, weight, tile=tile)
 
 
@@ -153,18 +129,15 @@ def _attention(q: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, 
     ml_part = torch.empty(batch, kv_heads, splits, block_m, 2, device=q.device, dtype=torch.float32)
     parts = _parts(q) if rope is not None else 0
     cos, sin = rope if rope is not None else (positions, positions)  # unused without RoPE
-    out = torch.empty(batch, num_heads * head_dim, device=q.device, dtype=cache_k.dtype)
-    combine = FUSED_REDUCTIONS and batch * kv_heads <= _MAX_COUNTERS
     k.attention_split_kernel[(batch, kv_heads, splits)](
         q, cache_k, cache_v, positions, cos, sin, o_part, ml_part, cache_k.stride(0), cache_k.stride(1),
         q[0].numel() if parts else 0, keys_per_split, splits, head_dim ** -0.5, GROUPS=groups, NUM_KV=kv_heads,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=_KEYS_PER_BLOCK, ROPE=rope is not None, PARTS=parts,
-        PRECISION=_precision(cache_k), out_ptr=out, counter_ptr=_counters(q.device)[1:] if combine else out,
-        COMBINE=combine, SPLITS=k.next_power_of_2(splits), **pdl_launch(q, early=rope is not None))
-    if not combine:
-        k.attention_combine_kernel[(batch, num_heads)](
-            o_part, ml_part, out, splits, GROUPS=groups, NUM_KV=kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m,
-            SPLITS=k.next_power_of_2(splits), **pdl_launch(q))
+        PRECISION=_precision(cache_k), **pdl_launch(q, early=rope is not None))
+    out = torch.empty(batch, num_heads * head_dim, device=q.device, dtype=cache_k.dtype)
+    k.attention_combine_kernel[(batch, num_heads)](
+        o_part, ml_part, out, splits, GROUPS=groups, NUM_KV=kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m,
+        SPLITS=k.next_power_of_2(splits), **pdl_launch(q))
     return out
 
 
@@ -246,22 +219,8 @@ def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, tile: LinearTile | 
     return _linear(gate_up, weight, None, silu=True, tile=tile, partials=True)
 
 
-def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                        eps: float, *, silu: bool = False, tile: LinearTile | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """add_rms_norm(linear(x, weight), residual, norm_weight, eps) (silu: of silu_linear(x, weight)): the
-    normed output and the new residual. With FUSED_REDUCTIONS, for up to FUSED_NORM_MAX_ROWS rows, the
-    norm runs in the linear's last program (same operations, same numbers); else as two kernels."""
-    rows = x.shape[0]
-    if not (FUSED_REDUCTIONS and rows <= min(FUSED_NORM_MAX_ROWS, MAX_LINEAR_ROWS)):
-        y = silu_linear(x, weight, tile=tile) if silu else linear(x, weight, tile=tile)
-        return add_rms_norm(y, residual, norm_weight, eps)
-    return _linear(x, weight, None, silu=silu, tile=tile, partials=True, norm=(residual, norm_weight, eps))
-
-
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool,
-            tile: LinearTile | None, partials: bool,
-            norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+            tile: LinearTile | None, partials: bool) -> torch.Tensor:
     if x.dim() != 2:
         raise ValueError("linear: the input must be a whole [rows, n_in] tensor, not partial sums")
     if x.stride(1) != 1 or not weight.is_contiguous():
@@ -277,17 +236,10 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
     shape = (splits, rows, n_out) if splits > 1 else (rows, n_out)
     out = torch.empty(shape, device=x.device, dtype=torch.float32 if splits > 1 else weight.dtype)
     grid = (-(-n_out // tile.block_n), splits)
-    residual, norm_weight, eps = norm if norm is not None else (out, weight, 0.0)
-    normed = torch.empty(rows, n_out, device=x.device, dtype=weight.dtype) if norm is not None else out
-    res_out = torch.empty_like(residual) if norm is not None else out
     k.linear_kernel[grid](x, weight, weight if bias is None else bias, out, rows, n_out, n_in, x.stride(0),
                           k_per_split, rows * n_out, SILU=silu,
                           HAS_BIAS=bias is not None, PARTIAL=splits > 1,
                           PRECISION=_precision(weight), BLOCK_N=tile.block_n,
                           BLOCK_K=tile.block_k, BLOCK_M=max(16, k.next_power_of_2(rows)),
-                          res_ptr=residual, norm_w_ptr=norm_weight, norm_out_ptr=normed, res_out_ptr=res_out,
-                          counter_ptr=_counters(x.device) if norm is not None else out, eps=eps,
-                          NORM=norm is not None, NORM_BLOCK=k.next_power_of_2(n_out),
-                          NORM_PARTS=splits if splits > 1 else 0,
                           num_warps=tile.warps, num_stages=tile.stages, **pdl_launch(x))
-    return (normed, res_out) if norm is not None else out
+    return out

@@ -56,14 +56,11 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
 
 def rope_attention_linear(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                           cache_k: torch.Tensor, cache_v: torch.Tensor, num_heads: int, num_kv_heads: int,
-                          attn_len: int, weight: torch.Tensor,
-                          norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
-                          ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                          attn_len: int, weight: torch.Tensor) -> torch.Tensor:
     """The decode step's attention block for rows [0, B): RoPE and the cache write, attention, and the
-    output projection (no bias); with norm = (residual, norm weight, eps), `linear_add_rms_norm` of it."""
+    output projection (no bias)."""
     q = rope_write_kv(qkv, positions, cos, sin, cache_k, cache_v, num_heads, num_kv_heads)
-    attn = decode_attention(q, cache_k, cache_v, positions, attn_len)
-    return linear(attn, weight) if norm is None else linear_add_rms_norm(attn, weight, *norm)
+    return linear(decode_attention(q, cache_k, cache_v, positions, attn_len), weight)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -82,12 +79,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """linear(silu(gate) · up, weight) for gate_up = [gate | up] (the MLP's down projection)."""
     return F.linear(silu_mul(gate_up), weight)
-
-
-def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                        eps: float, *, silu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """add_rms_norm(linear(x, weight), residual, norm_weight, eps) (silu: of silu_linear): (normed, residual)."""
-    return add_rms_norm(silu_linear(x, weight) if silu else linear(x, weight), residual, norm_weight, eps)
 
 
 def pooled_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, rows: torch.Tensor,

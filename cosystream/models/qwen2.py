@@ -172,16 +172,16 @@ class SpeechLM(nn.Module):
 
         embeds [B, d]; positions [B] (where each row's token goes). `ops` is `cosystream.kernels.decode`
         (Triton, CUDA) or `cosystream.kernels.reference` (torch); both compute `forward`'s numbers.
-        PERF: 8 kernels a layer (5 with `kernels.decode.FUSED_REDUCTIONS`). The residual add rides in the
-        next norm's kernel; the attention kernel rotates q and the new key and writes the cache;
-        `ops.linear` may hand its output on as split-K partial sums that the next kernel adds.
+        PERF: 8 kernels a layer. The residual add rides in the next norm's kernel; the attention kernel
+        rotates q and the new key and writes the cache; `ops.linear` may hand its output on as split-K
+        partial sums that the next kernel adds.
         """
         d = self.dims
         cos, sin = self.rope_table(cache.max_len, embeds.device)
 
-        def attention(i: int, qkv: torch.Tensor, norm: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        def attention(i: int, qkv: torch.Tensor) -> torch.Tensor:
             return ops.rope_attention_linear(qkv, positions, cos, sin, cache.k[i], cache.v[i], d.num_heads,
-                                             d.num_kv_heads, attn_len, self.layers[i].o_proj.weight, norm=norm)
+                                             d.num_kv_heads, attn_len, self.layers[i].o_proj.weight)
 
         return self._fused_stack(embeds, cache, ops, attention)
 
@@ -198,34 +198,30 @@ class SpeechLM(nn.Module):
         rows = slots.repeat_interleave(n)
         cos, sin = self.rope_table(cache.max_len, embeds.device)
 
-        def attention(i: int, qkv: torch.Tensor, norm: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        def attention(i: int, qkv: torch.Tensor) -> torch.Tensor:
             q = ops.rope_write_kv(qkv, positions, cos, sin, cache.k[i], cache.v[i], d.num_heads, d.num_kv_heads,
                                   slots=rows)
             q = q.view(batch, n, d.num_heads, d.head_dim).transpose(1, 2)
             keys, values = cache.k[i][slots, :, :n], cache.v[i][slots, :, :n]  # the prompt's rotated keys
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
-            return ops.linear_add_rms_norm(out.transpose(1, 2).reshape(batch * n, width),
-                                           self.layers[i].o_proj.weight, *norm)
+            return ops.linear(out.transpose(1, 2).reshape(batch * n, width), self.layers[i].o_proj.weight)
 
         return self._fused_stack(embeds.reshape(batch * n, width), cache, ops, attention).view(batch, n, width)
 
     def _fused_stack(self, h: torch.Tensor, cache: KVCache, ops: ModuleType,
-                     attention: Callable[[int, torch.Tensor, tuple], tuple[torch.Tensor, torch.Tensor]]
-                     ) -> torch.Tensor:
+                     attention: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """The fused-op layers over token rows h [R, d], shared by `decode` and `prefill`, which differ only
-        in `attention(layer index, q/k/v projection, norm) -> (normed, residual)`: RoPE, the K/V cache
-        write, attention, o_proj and the post-attention norm given as norm = (residual, weight, eps).
-        Each projection hands its output to the norm after it (`ops.linear_add_rms_norm`, which may run
-        the norm inside the projection). Returns the final-norm hidden states [R, d]."""
-        eps = self.dims.rms_norm_eps
-        a, residual = ops.add_rms_norm(h, None, self.layers[0].input_layernorm.weight, eps)
+        in `attention(layer index, q/k/v projection) -> output projection`: RoPE, the K/V cache write,
+        attention and o_proj. Returns the final-norm hidden states [R, d]."""
+        d = self.dims
+        residual = None
         for i, layer in enumerate(self.layers):
-            qkv = ops.linear(a, layer.qkv_proj.weight, layer.qkv_proj.bias)
-            m, residual = attention(i, qkv, (residual, layer.post_attention_layernorm.weight, eps))
-            after = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            a, residual = ops.linear_add_rms_norm(ops.linear(m, layer.gate_up_proj.weight, partials=False),
-                                                  layer.down_proj.weight, residual, after.weight, eps, silu=True)
-        return a
+            a, residual = ops.add_rms_norm(h, residual, layer.input_layernorm.weight, d.rms_norm_eps)
+            attn = attention(i, ops.linear(a, layer.qkv_proj.weight, layer.qkv_proj.bias))
+            m, residual = ops.add_rms_norm(attn, residual, layer.post_attention_layernorm.weight, d.rms_norm_eps)
+            h = ops.silu_linear(ops.linear(m, layer.gate_up_proj.weight, partials=False), layer.down_proj.weight)
+        out, _ = ops.add_rms_norm(h, residual, self.norm.weight, d.rms_norm_eps)
+        return out
 
     def rope_table(self, max_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [max_len, head_dim / 2] float32 for every position (the same values `rope_tables` makes)."""

@@ -85,24 +85,6 @@ def test_pdl_decode_steps_equal_plain_launches_at_full_size(batch: int, early: b
 
 
 
-@pytest.mark.parametrize("batch", [1, 4, 16])  # 16 rows: combines fused, norms in kernels of their own
-def test_fused_reductions_give_the_steps_bits(batch: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """kernels.decode.FUSED_REDUCTIONS (the combine and the norms in the last program of the kernel before
-    them, counted with atomics) changes no number; a missing release/acquire would show as a race here."""
-    lm = _lm_05b()
-    with torch.inference_mode():
-        monkeypatch.setattr(decode, "FUSED_REDUCTIONS", False)
-        want, want_cache = _graphed_steps(lm, batch, 12, pdl=kernels.PDL, monkeypatch=monkeypatch)
-        monkeypatch.setattr(decode, "FUSED_REDUCTIONS", True)
-        got, got_cache = _graphed_steps(lm, batch, 12, pdl=kernels.PDL, monkeypatch=monkeypatch)
-    assert all(torch.isfinite(h).all() for h in got)
-    for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-    torch.testing.assert_close(got_cache.k, want_cache.k, rtol=0, atol=0)
-    torch.testing.assert_close(got_cache.v, want_cache.v, rtol=0, atol=0)
-    assert not decode._counters(torch.device("cuda")).any()
-
-
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 

@@ -203,17 +203,15 @@ def test_norm_and_rope_add_up_partials(device: str, dtype: torch.dtype) -> None:
     assert _rel(q, want_q) < _tol(dtype) and _rel(k1, k2) < _tol(dtype) and _rel(v1, v2) < _tol(dtype)
 
 
-@pytest.mark.parametrize(("split_all", "fused_reductions"), [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("split_all", [False, True])
 def test_triton_decode_step_matches_fixture_logp(checkpoint, load_fixture, device: str, split_all: bool,
-                                                 fused_reductions: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole fused decode step on the Triton kernels (on the CPU in the interpreter, float32)
     reproduces the official teacher-forced log-probs of the fixture; split_all: every linear of the
-    step hands float32 partials to its consumer (the tiny model's own tiles split only the down one);
-    fused_reductions: the combines and norms run in the last program of the kernel before them."""
+    step hands float32 partials to its consumer (the tiny model's own tiles split only the down one)."""
     from cosystream.engine.loader import load_llm
     from cosystream.models.qwen2 import KVCache
 
-    monkeypatch.setattr(decode, "FUSED_REDUCTIONS", fused_reductions)
     if split_all:
         monkeypatch.setattr(decode, "_default_tile", lambda n_out, n_in: decode.LinearTile(32, 32, 2, 4, 2))
 
@@ -247,43 +245,3 @@ def test_triton_prefill_computes_forwards_numbers(checkpoint, device: str, n: in
     torch.testing.assert_close(fused, plain, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(caches[0].k, caches[1].k, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(caches[0].v, caches[1].v, atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.parametrize(("batch", "parts"), [(1, 4), (3, 0), (4, 3), (6, 3)])  # 6 rows: past FUSED_NORM_MAX_ROWS
-def test_fused_reductions_compute_the_unfused_numbers(device: str, dtype: torch.dtype, batch: int, parts: int,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """The attention block with its norm, and the MLP's down projection with the next norm, give the same
-    bits with the combine and the norms in the last program of the kernel before them as with kernels of
-    their own, match their torch statements, and leave every arrival counter at zero."""
-    g = torch.Generator().manual_seed(20 + batch)
-    attn_len = 300
-    x, w, b = _linear_case(device, dtype, batch, (H + 2 * KV) * D, 256, seed=21)
-    qkv = decode.linear(x, w, b, tile=decode.LinearTile(64, 64, parts, 4, 2)) if parts else reference.linear(x, w, b)
-    positions = torch.tensor([0, 63, 64, 299, 17, 150])[:batch].to(device)
-    cos, sin = _rope_tables(attn_len + 8, device)
-    o_w = (torch.randn(H * D, H * D, generator=g) * (H * D) ** -0.5).to(device, dtype)
-    residual = torch.randn(batch, H * D, generator=g).to(device, dtype)
-    norm_w = (1 + 0.1 * torch.randn(H * D, generator=g)).to(device, dtype)
-    gate_up = torch.randn(batch, 2 * 96, generator=g).to(device, dtype)
-    down_w = (torch.randn(H * D, 96, generator=g) * 96 ** -0.5).to(device, dtype)
-    o_tile = decode.LinearTile(64, 64, 4 if parts else 1, 4, 2)  # the norm adds up 4 partials, or reads one output
-
-    def run(fused: bool):
-        monkeypatch.setattr(decode, "FUSED_REDUCTIONS", fused)
-        k, v = _cache(device, dtype, slots=batch, max_len=attn_len + 8, seed=batch)
-        m, res = decode.rope_attention_linear(qkv, positions, cos, sin, k, v, H, KV, attn_len, o_w, tile=o_tile,
-                                              norm=(residual, norm_w, 1e-6))
-        a, res2 = decode.linear_add_rms_norm(gate_up, down_w, res, norm_w, 1e-6, silu=True,
-                                             tile=decode.LinearTile(64, 32, 3, 4, 2))
-        return m, res, a, res2, k, v
-
-    fused, plain = run(True), run(False)
-    for got, want in zip(fused, plain, strict=True):
-        assert torch.equal(got, want)
-    k, v = _cache(device, dtype, slots=batch, max_len=attn_len + 8, seed=batch)
-    want_m, want_res = reference.rope_attention_linear(reference.linear(x, w, b), positions, cos, sin, k, v, H, KV,
-                                                       attn_len, o_w, norm=(residual, norm_w, 1e-6))
-    want_a, _ = reference.linear_add_rms_norm(gate_up, down_w, want_res, norm_w, 1e-6, silu=True)
-    assert _rel(fused[0], want_m) < _tol(dtype) and _rel(fused[1], want_res) < _tol(dtype)
-    assert _rel(fused[2], want_a) < _tol(dtype)
-    assert not decode._counters(torch.device(device)).any()
