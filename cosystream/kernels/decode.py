@@ -266,39 +266,14 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
     grid = (-(-n_out // tile.block_n), splits)
     residual, norm_weight, eps = norm_in if norm_in is not None else (None, weight, 0.0)
     in_parts = _parts(x) if norm_in is not None else 0
-    args = dict(x_ptr=x, w_ptr=weight, b_ptr=weight if bias is None else bias, out_ptr=out, rows=rows, n_out=n_out,
-                n_in=n_in, x_stride=n_in if in_parts else x.stride(0), k_per_split=k_per_split,
-                part_stride=rows * n_out, SILU=silu, HAS_BIAS=bias is not None, PARTIAL=splits > 1,
-                PRECISION=_precision(weight), BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-                BLOCK_M=max(16, k.next_power_of_2(rows)), res_ptr=x if residual is None else residual,
-                norm_w_ptr=norm_weight, res_out_ptr=x if res_out is None else res_out, in_part_stride=rows * n_in,
-                eps=eps, NORM_IN=norm_in is not None, IN_PARTS=in_parts, HAS_RES=residual is not None,
-                NORM_BLOCK=k.next_power_of_2(n_in), num_warps=tile.warps, **pdl_launch(x))
-    if norm_in is None:
-        k.linear_kernel[grid](**args, num_stages=tile.stages)
-    else:
-        _launch_norm_in(grid, (tile, _rows_bucket(rows), in_parts), args)
+    k.linear_kernel[grid](x, weight, weight if bias is None else bias, out, rows, n_out, n_in,
+                          n_in if in_parts else x.stride(0), k_per_split, rows * n_out, SILU=silu,
+                          HAS_BIAS=bias is not None, PARTIAL=splits > 1,
+                          PRECISION=_precision(weight), BLOCK_N=tile.block_n,
+                          BLOCK_K=tile.block_k, BLOCK_M=max(16, k.next_power_of_2(rows)),
+                          res_ptr=x if residual is None else residual, norm_w_ptr=norm_weight,
+                          res_out_ptr=x if res_out is None else res_out, in_part_stride=rows * n_in, eps=eps,
+                          NORM_IN=norm_in is not None, IN_PARTS=in_parts, HAS_RES=residual is not None,
+                          NORM_BLOCK=k.next_power_of_2(n_in),
+                          num_warps=tile.warps, num_stages=tile.stages, **pdl_launch(x))
     return out
-
-
-_NORM_IN_STAGES: dict[tuple, int] = {}
-
-
-def _launch_norm_in(grid: tuple, key: tuple[LinearTile, int, int], args: dict) -> None:
-    """linear_kernel with NORM_IN at the tile's pipeline depth, or the deepest below it that fits the
-    device's shared memory, where the input's partials streamed beside the weight leave too little of it
-    (Triton checks at launch, before anything runs: a refused depth costs only a compile; the depth found
-    is kept per (tile, rows bucket, input partials))."""
-    from triton.runtime.errors import OutOfResources
-
-    stages = _NORM_IN_STAGES.get(key, key[0].stages)
-    while True:  # noqa: RET503 - returns or raises
-        try:
-            _kernels().linear_kernel[grid](**args, num_stages=stages)
-        except OutOfResources:
-            if stages == 1:
-                raise
-            stages -= 1
-            _NORM_IN_STAGES[key] = stages
-            continue
-        return

@@ -281,27 +281,3 @@ def test_triton_prefill_computes_forwards_numbers(checkpoint, device: str, n: in
     torch.testing.assert_close(fused, plain, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(caches[0].k, caches[1].k, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(caches[0].v, caches[1].v, atol=1e-4, rtol=1e-4)
-
-
-def test_norm_in_launch_lowers_the_pipeline_until_it_fits(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A NORM_IN linear whose pipeline does not fit shared memory retries shallower and remembers the depth."""
-    from types import SimpleNamespace
-
-    from triton.runtime.errors import OutOfResources
-
-    tried = []
-
-    class FakeKernel:
-        def __getitem__(self, grid):
-            def launch(**kwargs):
-                tried.append(kwargs["num_stages"])
-                if kwargs["num_stages"] > 2:
-                    raise OutOfResources(300_000, 232_448, "shared memory")
-            return launch
-
-    monkeypatch.setattr(decode, "_kernels", lambda: SimpleNamespace(linear_kernel=FakeKernel()))
-    monkeypatch.setattr(decode, "_NORM_IN_STAGES", {})
-    key = (decode.LinearTile(128, 128, 1, 4, 4), 1, 8)
-    decode._launch_norm_in((76, 1), key, {})
-    decode._launch_norm_in((76, 1), key, {})
-    assert tried == [4, 3, 2, 2] and decode._NORM_IN_STAGES[key] == 2
