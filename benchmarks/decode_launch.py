@@ -2,8 +2,7 @@
 (cosystream.kernels.PDL), RoPE with the cache write inside the attention kernel
 (kernels.decode.ROPE_IN_ATTENTION: one kernel a layer fewer) and the loads of what the kernel before does not
 write made before the wait for it (kernels.EARLY_LOADS: the attention's cached keys, the norms' weights, the
-sampler's row state), and the norms run inside the q/k/v and gate/up linears (kernels.decode.NORM_IN_LINEAR,
-up to 4 or 16 rows). (Commit 53b2f5d also A/B'd the linears' weights
+sampler's row state). (Commit 53b2f5d also A/B'd the linears' weights
 loaded before their wait, with one-K-step tiles, and 76ebd11 the reductions run in the last program of the
 kernel before them: both slower, removed.)
 
@@ -31,14 +30,13 @@ from cosystream.engine.lm_runner import LMRunner, RowSampling
 from cosystream.engine.loader import load_llm
 from cosystream.kernels import decode
 
-# name -> (PDL, ROPE_IN_ATTENTION, EARLY_LOADS, NORM_IN_LINEAR up to this many rows: 0 = off)
-VARIANTS = {"plain": (False, False, False, 0), "pdl": (True, False, False, 0), "pdl_rope": (True, True, False, 0),
-            "early": (True, True, True, 0), "norm_in": (True, True, True, 4), "norm_in16": (True, True, True, 16)}
+# name -> (PDL, ROPE_IN_ATTENTION, EARLY_LOADS)
+VARIANTS = {"plain": (False, False, False), "pdl": (True, False, False), "pdl_rope": (True, True, False),
+            "early": (True, True, True)}
 
 
-def make_runner(lm, batches: list[int], options: tuple[bool, bool, bool, int]) -> LMRunner:
-    kernels.PDL, decode.ROPE_IN_ATTENTION, kernels.EARLY_LOADS, norm_in_rows = options
-    decode.NORM_IN_LINEAR, decode.NORM_IN_MAX_ROWS = norm_in_rows > 0, norm_in_rows
+def make_runner(lm, batches: list[int], options: tuple[bool, bool, bool]) -> LMRunner:
+    kernels.PDL, decode.ROPE_IN_ATTENTION, kernels.EARLY_LOADS = options
     return _captured_runner(lm, batches)
 
 

@@ -22,10 +22,12 @@ def add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, par
     if not EARLY:
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     # x may be a linear's split-K partial sums [PARTS, rows, n]: their sum is its output
-    xf = residual_sum(x_ptr, res_ptr, row * n_cols + cols, mask, part_stride, PARTS, HAS_RES,
-                      out_ptr.dtype.element_ty)
+    x = sum_parts(x_ptr, row * n_cols + cols, mask, part_stride, PARTS, out_ptr.dtype.element_ty)
     if HAS_RES:
-        tl.store(res_out_ptr + row * n_cols + cols, xf.to(res_out_ptr.dtype.element_ty), mask=mask)
+        r = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)  # PARITY: bf16 add
+        tl.store(res_out_ptr + row * n_cols + cols, x, mask=mask)
+    xf = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
     normed = (xf * inv).to(out_ptr.dtype.element_ty).to(tl.float32)  # PARITY: cast before the weight
     tl.store(out_ptr + row * n_cols + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
@@ -197,18 +199,6 @@ def sum_parts(ptr, offs, mask, part_stride, PARTS: tl.constexpr, dtype: tl.const
 
 
 @triton.jit
-def residual_sum(x_ptr, res_ptr, offs, mask, part_stride, PARTS: tl.constexpr, HAS_RES: tl.constexpr,
-                 dtype: tl.constexpr):
-    """add_rms_norm's input at offs as float32: x (or the sum of its partials) plus the residual, rounded to
-    dtype as the residual stream is (PARITY)."""
-    x = sum_parts(x_ptr, offs, mask, part_stride, PARTS, dtype)
-    if HAS_RES:
-        r = tl.load(res_ptr + offs, mask=mask, other=0.0)
-        x = (x + r.to(tl.float32)).to(dtype).to(tl.float32)
-    return x
-
-
-@triton.jit
 def attention_combine_kernel(o_part_ptr, ml_part_ptr, out_ptr, num_splits, GROUPS: tl.constexpr,
                              NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                              SPLITS: tl.constexpr, PDL: tl.constexpr):
@@ -246,15 +236,9 @@ def silu_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
 def linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, rows, n_out, n_in, x_stride, k_per_split, part_stride,
                   SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
                   PARTIAL: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr, res_ptr, norm_w_ptr,
-                  res_out_ptr, in_part_stride, eps, NORM_IN: tl.constexpr, IN_PARTS: tl.constexpr,
-                  HAS_RES: tl.constexpr, NORM_BLOCK: tl.constexpr):
+                  BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
     # Weight-streaming GEMM for a few rows: out^T [BLOCK_N, rows] = W tile @ x^T, so the weight's
     # output features fill the MMA's wide side and the rows (padded to 16) its narrow one.
-    # NORM_IN: the input is add_rms_norm's (x, or its split-K partials [IN_PARTS, rows, n_in], plus the
-    # residual res_ptr; norm weight norm_w_ptr): every program computes the rows' RMS itself from the whole
-    # rows (a few KB from L2) and normalises its slices as it reads them, and program (0, 0) stores the new
-    # residual, so no norm kernel runs before this one.
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     if PDL:
@@ -264,17 +248,6 @@ def linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, rows, n_out, n_in, x_stride, k_p
     n_ok = offs_n < n_out
     m_ok = offs_m < rows
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    if NORM_IN:
-        dtype = res_out_ptr.dtype.element_ty
-        cols = tl.arange(0, NORM_BLOCK)
-        cols_ok = cols < n_in
-        keep = tl.where(pid_n + split == 0, n_in, 0)  # program (0, 0) stores the new residual
-        inv = tl.zeros((BLOCK_M,), tl.float32)
-        for r in range(rows):  # one row at a time: the same reduction as add_rms_norm_kernel's
-            xr = residual_sum(x_ptr, res_ptr, r * n_in + cols, cols_ok, in_part_stride, IN_PARTS, HAS_RES, dtype)
-            if HAS_RES:
-                tl.store(res_out_ptr + r * n_in + cols, xr.to(dtype), mask=cols < keep)
-            inv = tl.where(offs_m == r, tl.rsqrt(tl.sum(xr * xr, axis=0) / n_in + eps), inv)
     k_start = split * k_per_split
     for kk in range(0, k_per_split, BLOCK_K):
         offs_k = k_start + kk + tl.arange(0, BLOCK_K)
@@ -288,11 +261,6 @@ def linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, rows, n_out, n_in, x_stride, k_p
             up = tl.load(x_ptr + n_in + x_offs, mask=x_mask, other=0.0).to(tl.float32)
             act = (gate / (1.0 + tl.exp(-gate))).to(w.dtype).to(tl.float32)
             xt = (act * up).to(w.dtype)
-        elif NORM_IN:  # rounded where add_rms_norm_kernel rounds
-            xs = residual_sum(x_ptr, res_ptr, x_offs, x_mask, in_part_stride, IN_PARTS, HAS_RES, dtype)
-            norm_w = tl.load(norm_w_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            normed = (xs * inv[None, :]).to(dtype).to(tl.float32)
-            xt = (normed * norm_w[:, None]).to(dtype)
         else:
             xt = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
         acc = tl.dot(w, xt, acc, input_precision=PRECISION)

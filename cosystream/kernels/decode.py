@@ -29,11 +29,6 @@ from cosystream.kernels import pdl_launch
 # 0.787 / 1.034 / 0.893 ms, the last program's serial reduction costing more than the kernel it saved;
 # removed after that commit.)
 ROPE_IN_ATTENTION = True
-# add_rms_norm_linear for up to NORM_IN_MAX_ROWS rows: the norm runs in the linear's programs (each computes
-# the rows' RMS itself) instead of a kernel of its own: 2 of the step's 8 kernels a layer go. Read when a
-# step is traced (benchmarks/decode_launch.py A/Bs it).
-NORM_IN_LINEAR = False
-NORM_IN_MAX_ROWS = 4
 _KEYS_PER_BLOCK = 64  # keys loaded per inner step of the attention kernel
 _MAX_SPLITS = 16  # attention programs per (row, kv head); their partial softmaxes are combined after
 
@@ -217,25 +212,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _linear(x, weight, bias, silu=False, tile=tile, partials=partials)
 
 
-def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                        weight: torch.Tensor, bias: torch.Tensor | None = None, *, partials: bool = True,
-                        tile: LinearTile | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(linear(normed, weight, bias), new residual) for (normed, new residual) = add_rms_norm(x, residual,
-    norm_weight, eps); x as add_rms_norm's. With NORM_IN_LINEAR, for up to NORM_IN_MAX_ROWS rows, one
-    kernel (the linear's programs normalise their input slices themselves); else the two kernels."""
-    rows = x.shape[-2]
-    if not (NORM_IN_LINEAR and rows <= min(NORM_IN_MAX_ROWS, MAX_LINEAR_ROWS)):
-        a, res = add_rms_norm(x, residual, norm_weight, eps)
-        return linear(a, weight, bias, partials=partials, tile=tile), res
-    if residual is None and _parts(x):
-        raise ValueError("add_rms_norm_linear: partial sums need a residual stream to land in")
-    dtype = norm_weight.dtype if _parts(x) else x.dtype  # add_rms_norm's output dtype
-    res_out = x if residual is None else torch.empty(rows, x.shape[-1], device=x.device, dtype=dtype)
-    out = _linear(x, weight, bias, silu=False, tile=tile, partials=partials, norm_in=(residual, norm_weight, eps),
-                  res_out=res_out)
-    return out, res_out
-
-
 def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, tile: LinearTile | None = None) -> torch.Tensor:
     """linear(silu(gate) · up, weight) for gate_up = [gate | up] ([rows, 2·n_in], whole: the gate/up
     linear runs with partials=False): the activation is computed while the weight streams (no kernel of
@@ -244,16 +220,12 @@ def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, tile: LinearTile | 
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool,
-            tile: LinearTile | None, partials: bool,
-            norm_in: tuple[torch.Tensor | None, torch.Tensor, float] | None = None,
-            res_out: torch.Tensor | None = None) -> torch.Tensor:
-    """norm_in = (residual, norm weight, eps): x is add_rms_norm's input (see add_rms_norm_linear), and
-    the new residual goes to res_out."""
-    if x.dim() != 2 and norm_in is None:
+            tile: LinearTile | None, partials: bool) -> torch.Tensor:
+    if x.dim() != 2:
         raise ValueError("linear: the input must be a whole [rows, n_in] tensor, not partial sums")
-    if x.stride(-1) != 1 or not weight.is_contiguous():
+    if x.stride(1) != 1 or not weight.is_contiguous():
         raise ValueError("linear: the input's rows and the weight must be contiguous")
-    rows = x.shape[-2]
+    rows = x.shape[0]
     n_out, n_in = weight.shape
     if rows > MAX_LINEAR_ROWS:
         return torch.nn.functional.linear(silu_mul(x) if silu else x, weight, bias)
@@ -264,16 +236,10 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
     shape = (splits, rows, n_out) if splits > 1 else (rows, n_out)
     out = torch.empty(shape, device=x.device, dtype=torch.float32 if splits > 1 else weight.dtype)
     grid = (-(-n_out // tile.block_n), splits)
-    residual, norm_weight, eps = norm_in if norm_in is not None else (None, weight, 0.0)
-    in_parts = _parts(x) if norm_in is not None else 0
-    k.linear_kernel[grid](x, weight, weight if bias is None else bias, out, rows, n_out, n_in,
-                          n_in if in_parts else x.stride(0), k_per_split, rows * n_out, SILU=silu,
+    k.linear_kernel[grid](x, weight, weight if bias is None else bias, out, rows, n_out, n_in, x.stride(0),
+                          k_per_split, rows * n_out, SILU=silu,
                           HAS_BIAS=bias is not None, PARTIAL=splits > 1,
                           PRECISION=_precision(weight), BLOCK_N=tile.block_n,
                           BLOCK_K=tile.block_k, BLOCK_M=max(16, k.next_power_of_2(rows)),
-                          res_ptr=x if residual is None else residual, norm_w_ptr=norm_weight,
-                          res_out_ptr=x if res_out is None else res_out, in_part_stride=rows * n_in, eps=eps,
-                          NORM_IN=norm_in is not None, IN_PARTS=in_parts, HAS_RES=residual is not None,
-                          NORM_BLOCK=k.next_power_of_2(n_in),
                           num_warps=tile.warps, num_stages=tile.stages, **pdl_launch(x))
     return out

@@ -76,13 +76,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                        weight: torch.Tensor, bias: torch.Tensor | None = None, *, partials: bool = True
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    a, res = add_rms_norm(x, residual, norm_weight, eps)
-    return linear(a, weight, bias, partials=partials), res
-
-
 def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """linear(silu(gate) · up, weight) for gate_up = [gate | up] (the MLP's down projection)."""
     return F.linear(silu_mul(gate_up), weight)

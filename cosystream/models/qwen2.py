@@ -213,16 +213,14 @@ class SpeechLM(nn.Module):
         """The fused-op layers over token rows h [R, d], shared by `decode` and `prefill`, which differ only
         in `attention(layer index, q/k/v projection) -> output projection`: RoPE, the K/V cache write,
         attention and o_proj. Returns the final-norm hidden states [R, d]."""
-        eps = self.dims.rms_norm_eps
+        d = self.dims
         residual = None
         for i, layer in enumerate(self.layers):
-            qkv, residual = ops.add_rms_norm_linear(h, residual, layer.input_layernorm.weight, eps,
-                                                    layer.qkv_proj.weight, layer.qkv_proj.bias)
-            gate_up, residual = ops.add_rms_norm_linear(attention(i, qkv), residual,
-                                                        layer.post_attention_layernorm.weight, eps,
-                                                        layer.gate_up_proj.weight, partials=False)
-            h = ops.silu_linear(gate_up, layer.down_proj.weight)
-        out, _ = ops.add_rms_norm(h, residual, self.norm.weight, eps)
+            a, residual = ops.add_rms_norm(h, residual, layer.input_layernorm.weight, d.rms_norm_eps)
+            attn = attention(i, ops.linear(a, layer.qkv_proj.weight, layer.qkv_proj.bias))
+            m, residual = ops.add_rms_norm(attn, residual, layer.post_attention_layernorm.weight, d.rms_norm_eps)
+            h = ops.silu_linear(ops.linear(m, layer.gate_up_proj.weight, partials=False), layer.down_proj.weight)
+        out, _ = ops.add_rms_norm(h, residual, self.norm.weight, d.rms_norm_eps)
         return out
 
     def rope_table(self, max_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,8 +3,7 @@
 a missing wait in a PDL kernel would show here as a race (a kernel reading its predecessor's output before that
 one has finished), as would an early load (kernels.EARLY_LOADS: made before the wait) of something the
 kernel before writes. RoPE and the cache write inside the attention kernel
-(kernels.decode.ROPE_IN_ATTENTION) compute what the RoPE kernel did, up to float32 rounding, and so do the
-norms inside the linears (kernels.decode.NORM_IN_LINEAR) what the norm kernels did."""
+(kernels.decode.ROPE_IN_ATTENTION) compute what the RoPE kernel did, up to float32 rounding."""
 
 from __future__ import annotations
 
@@ -106,24 +105,6 @@ def test_rope_in_attention_computes_the_unfused_steps(batch: int, monkeypatch: p
         new_want = want_kv[:, rows, :, written]
         assert _rel(new_got, new_want) < 4e-3
         torch.testing.assert_close(got_kv[..., :100, :], want_kv[..., :100, :], rtol=0, atol=0)  # untouched
-
-
-@pytest.mark.parametrize("batch", [1, 4])
-def test_norm_in_linear_computes_the_two_kernel_steps(batch: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The norms inside the q/k/v and gate/up linears (kernels.decode.NORM_IN_LINEAR) compute the separate
-    norm kernels' numbers: each program sums the row's squares itself (same roundings; the float32 sum may
-    be taken in another order on the GPU)."""
-    lm = _lm_05b()
-    with torch.inference_mode():
-        monkeypatch.setattr(decode, "NORM_IN_LINEAR", False)
-        want, want_cache = _graphed_steps(lm, batch, 12, pdl=kernels.PDL, monkeypatch=monkeypatch)
-        monkeypatch.setattr(decode, "NORM_IN_LINEAR", True)
-        monkeypatch.setattr(decode, "NORM_IN_MAX_ROWS", 4)
-        got, got_cache = _graphed_steps(lm, batch, 12, pdl=kernels.PDL, monkeypatch=monkeypatch)
-    assert all(torch.isfinite(h).all() for h in got)
-    for a, b in zip(got, want, strict=True):
-        assert _rel(a, b) < 1e-2
-    assert _rel(got_cache.k, want_cache.k) < 4e-3 and _rel(got_cache.v, want_cache.v) < 4e-3
 
 
 def _runner_tokens(lm: SpeechLM, batch: int, steps: int, pdl: bool, monkeypatch: pytest.MonkeyPatch

@@ -203,50 +203,14 @@ def test_norm_and_rope_add_up_partials(device: str, dtype: torch.dtype) -> None:
     assert _rel(q, want_q) < _tol(dtype) and _rel(k1, k2) < _tol(dtype) and _rel(v1, v2) < _tol(dtype)
 
 
-@pytest.mark.parametrize("source", ["partials", "whole", "first_layer"])
-@pytest.mark.parametrize("rows", [1, 3])
-def test_norm_in_linear_equals_the_two_kernels(device: str, dtype: torch.dtype, source: str, rows: int,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """add_rms_norm_linear with the norm inside the linear's programs: the two kernels' numbers (bit for bit:
-    the same roundings in the same places) and the new residual, for a split linear's partials with a
-    residual, a whole input with one, and the first layer's embeddings (no residual yet)."""
-    g = torch.Generator().manual_seed(21)
-    x, w0, _ = _linear_case(device, dtype, rows, 896, 256, seed=22)
-    h = {"partials": decode.linear(x, w0, tile=decode.LinearTile(64, 64, 4, 4, 2)),
-         "whole": decode.linear(x, w0, partials=False), "first_layer": x[:, :256].contiguous()}[source]
-    width = h.shape[-1]
-    r = None if source == "first_layer" else torch.randn(rows, width, generator=g).to(device, dtype)
-    nw = (1 + 0.1 * torch.randn(width, generator=g)).to(device, dtype)
-    w = (torch.randn(200, width, generator=g) * width ** -0.5).to(device, dtype)
-    b = (0.1 * torch.randn(200, generator=g)).to(device, dtype)
-    for tile in (decode.LinearTile(64, 64, 2, 4, 2), decode.LinearTile(32, 128, 1, 4, 2)):
-        monkeypatch.setattr(decode, "NORM_IN_LINEAR", False)
-        want, want_res = decode.add_rms_norm_linear(h, r, nw, 1e-6, w, b, tile=tile)
-        monkeypatch.setattr(decode, "NORM_IN_LINEAR", True)
-        got, got_res = decode.add_rms_norm_linear(h, r, nw, 1e-6, w, b, tile=tile)
-        assert got.shape == want.shape and torch.equal(got, want)
-        assert torch.equal(got_res, want_res)
-        ref, ref_res = reference.add_rms_norm_linear(_whole(h).to(dtype) if source == "partials" else h, r, nw,
-                                                     1e-6, w, b)
-        assert _rel(_whole(got), ref) < _tol(dtype) and _rel(got_res, ref_res) < _tol(dtype)
-    monkeypatch.setattr(decode, "NORM_IN_LINEAR", True)
-    with pytest.raises(ValueError, match="residual"):
-        decode.add_rms_norm_linear(decode.linear(x, w0, tile=decode.LinearTile(64, 64, 4, 4, 2)), None, nw, 1e-6,
-                                   (torch.randn(200, 896, generator=g)).to(device, dtype))
-
-
-@pytest.mark.parametrize("norm_in", [False, True])
 @pytest.mark.parametrize("split_all", [False, True])
 def test_triton_decode_step_matches_fixture_logp(checkpoint, load_fixture, device: str, split_all: bool,
-                                                 norm_in: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole fused decode step on the Triton kernels (on the CPU in the interpreter, float32)
     reproduces the official teacher-forced log-probs of the fixture; split_all: every linear of the
-    step hands float32 partials to its consumer (the tiny model's own tiles split only the down one);
-    norm_in: the norms run inside the q/k/v and gate/up linears."""
+    step hands float32 partials to its consumer (the tiny model's own tiles split only the down one)."""
     from cosystream.engine.loader import load_llm
     from cosystream.models.qwen2 import KVCache
-
-    monkeypatch.setattr(decode, "NORM_IN_LINEAR", norm_in)
 
     if split_all:
         monkeypatch.setattr(decode, "_default_tile", lambda n_out, n_in: decode.LinearTile(32, 32, 2, 4, 2))
