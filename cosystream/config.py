@@ -85,6 +85,10 @@ class EngineConfig:
     # p95 from 442 to 356 ms and from 543-661 to 412 ms (two seeds, docs/benchmarks.md, sixteenth session);
     # phases of 4 cost too much batching (c=16: 207x -> 157x). 0: all the passes of a batch in one phase.
     final_phase_streams: int = 16
+    # While a new request's first chunk is on the token-to-wave worker, decode steps pause unless another
+    # request still waits for its first audio (they share the GPU and the engine's interpreter with the
+    # chunk). False: decoding goes on beside the chunk (a lone stream's later tokens come sooner).
+    pause_decode_for_first_chunks: bool = True
     # CUDA: official final passes (the token-to-wave worker's largest job) run on at most this many SMs (a
     # CUDA green context), so the LM's decode steps beside them find SMs free. 0: the whole GPU. Opt-in: on
     # the H100 at 100 of 132 SMs a decode step beside 16 passes took 1.6 ms instead of 3.6, but the passes

@@ -63,7 +63,8 @@ class AsyncEngine:
                                pause_final_passes=config.pause_final_passes,
                                final_slack_s=config.final_slack_s, rider_streams=config.rider_streams,
                                open_ahead=config.open_ahead, later_chunk_hold_s=config.later_chunk_hold_s,
-                               final_phase_streams=config.final_phase_streams)
+                               final_phase_streams=config.final_phase_streams,
+                               pause_decode_for_first_chunks=config.pause_decode_for_first_chunks)
         self.pool = ThreadPoolExecutor(max_workers=config.frontend_threads, thread_name_prefix="frontend")
         self._voice_prompts: dict[str, VoicePrompt] = {}
         # prompt recordings sent with requests (zero-shot without a registered voice), by content: a client

@@ -98,7 +98,8 @@ class EngineCore:
                  overlap: bool = True, chunk_slack_s: float = 0.0, first_chunk_wait_s: float = 0.0,
                  preempt: bool = True, rider_streams: int = 16, open_ahead: bool = True,
                  pause_final_passes: bool = False, final_slack_s: float = 0.0,
-                 later_chunk_hold_s: float = 0.0, final_phase_streams: int = 0) -> None:
+                 later_chunk_hold_s: float = 0.0, final_phase_streams: int = 0,
+                 pause_decode_for_first_chunks: bool = True) -> None:
         self.lm_runner = lm_runner
         self.t2w = token2wav
         self.lm = lm
@@ -112,6 +113,7 @@ class EngineCore:
         self.final_slack_s = final_slack_s if self.pause_final_passes else 0.0
         self.rider_streams = rider_streams
         self.open_ahead = open_ahead
+        self.pause_decode_for_first_chunks = pause_decode_for_first_chunks
         self._step_s: float | None = None  # decode step period (moving average), for first-chunk waits
         # decode step periods (seconds, steps) by the worker's phase meanwhile (_ChunkWorker.running)
         self.step_beside: dict[str, tuple[float, int]] = {}
@@ -340,8 +342,9 @@ class EngineCore:
 
     def _decode_paused(self) -> bool:
         """PERF: while a new request's first chunk is on the worker, decode steps only slow it down (they
-        share the GPU and the GIL) unless another request still waits for its first audio: pause them."""
-        if not self._first_in_flight:
+        share the GPU and the GIL) unless another request still waits for its first audio: pause them
+        (`EngineConfig.pause_decode_for_first_chunks`)."""
+        if not self._first_in_flight or not self.pause_decode_for_first_chunks:
             return False
         return not any(r.is_first_chunk and id(r) not in self._first_in_flight for r in self.slot_owner.values()
                        if r.lm_segment is not None and r.lm_segment.lm_status == LMStatus.decoding)

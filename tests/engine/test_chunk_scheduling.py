@@ -144,6 +144,15 @@ def test_decoding_pauses_while_a_first_chunk_is_voiced_unless_another_request_wa
     assert not core._decode_paused() and core._busy()  # its first audio needs tokens now
 
 
+def test_decoding_goes_on_beside_a_first_chunk_when_pausing_is_off():
+    core = _core()
+    core.pause_decode_for_first_chunks = False
+    first = _request(core, "first", buffered_s=None, lm=LMStatus.decoding, slot=0)
+    core._in_flight = [_Job(first, first.audio_segment, plan=None)]
+    core._first_in_flight = {id(first)}
+    assert not core._decode_paused() and core._busy()
+
+
 def test_a_batch_with_a_first_chunk_leaves_out_official_finals_that_can_wait():
     core = _core(free_slots=2)
     core.t2w.final_attention = "full"
