@@ -35,9 +35,24 @@ VARIANTS = {"plain": (False, False, False), "pdl": (True, False, False), "pdl_ro
             "early": (True, True, True)}
 
 
-def make_runner(lm, batches: list[int], options: tuple[bool, bool, bool]) -> LMRunner:
+def make_runner(lm, batches: list[int], options: tuple[bool, bool, bool],
+                tiles: dict[tuple[int, int, int], decode.LinearTile] | None = None) -> LMRunner:
+    """A runner whose graphs are captured with these options (and these linear tiles in place of the table's)."""
     kernels.PDL, decode.ROPE_IN_ATTENTION, kernels.EARLY_LOADS = options
-    return _captured_runner(lm, batches)
+    saved = dict(decode._LINEAR_TILES)
+    decode._LINEAR_TILES.update(tiles or {})
+    try:
+        return _captured_runner(lm, batches)
+    finally:
+        decode._LINEAR_TILES.clear()
+        decode._LINEAR_TILES.update(saved)
+
+
+def read_tiles(path: str) -> dict[tuple[int, int, int], decode.LinearTile]:
+    """linear_tiles.py --tiles-json output: {"n_out,n_in,rows bucket": {block_n, block_k, splits, warps, stages}}."""
+    with open(path) as f:
+        raw = json.load(f)
+    return {tuple(int(v) for v in key.split(",")): decode.LinearTile(**tile) for key, tile in raw.items()}
 
 
 def _captured_runner(lm, batches: list[int]) -> LMRunner:
@@ -80,12 +95,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--json", default=None)
+    ap.add_argument("--tiles", default=None, help="linear_tiles.py --tiles-json file: adds the variant "
+                    "'early_tiles' (the default step with those linear tiles)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     names = args.variants.split(",")
     with torch.inference_mode():
         lm = load_llm(load_checkpoint(args.model_dir), torch.device("cuda"), torch.bfloat16)
         runners = {name: make_runner(lm, batches, VARIANTS[name]) for name in names}
+        if args.tiles:
+            runners["early_tiles"] = make_runner(lm, batches, VARIANTS["early"], read_tiles(args.tiles))
         results: dict[str, dict[str, list[float]]] = {}
         for _ in range(args.rounds):
             for name, runner in runners.items():

@@ -1,6 +1,7 @@
 """Pick the launch tiles of the LM decode step's weight-streaming linear (kernels/decode.py _LINEAR_TILES).
 
     python benchmarks/linear_tiles.py [--rows 1,16,32] [--json linear_tiles.json] [--budget-s 420]
+    python benchmarks/linear_tiles.py --rows 1 --shapes down,gate_up --wide --tiles-json tiles.json
 
 Shapes are CosyVoice2-0.5B's decode step (Qwen2, hidden 896, MLP 4864, 14 + 2·2 heads of 64, speech head
 6564 classes). Each candidate runs as the step runs it: one call per layer, each on its own weight (24
@@ -35,11 +36,19 @@ SHAPES = {
 }
 
 
-def candidates(n_in: int) -> list[LinearTile]:
+def candidates(n_in: int, name: str = "", wide: bool = False) -> list[LinearTile]:
+    """The sweep's tiles; `wide`: narrower output blocks (more programs than SMs) and more splits, for the two
+    large projections only (gate/up runs whole in the step: one split)."""
+    if wide:
+        grid = {"down": ((32, 64), (64, 128, 256), (8, 16), (4, 8), (3, 4)),
+                "gate_up": ((32, 64, 128), (64, 128, 256), (1,), (4, 8), (3, 4))}.get(name)
+        if grid is None:
+            return []
+    else:
+        grid = ((64, 128), (64, 128, 256), (1, 2, 4, 8), (4, 8), (3, 4))
     out = []
-    for bn, bk, splits, warps, stages in itertools.product((64, 128), (64, 128, 256), (1, 2, 4, 8), (4, 8),
-                                                           (3, 4)):
-        if n_in // splits >= bk:
+    for bn, bk, splits, warps, stages in itertools.product(*grid):
+        if n_in // splits >= bk and not (name == "gate_up" and splits > 1):
             out.append(LinearTile(bn, bk, splits, warps, stages))
     return out
 
@@ -61,7 +70,7 @@ def sweep_shape(name: str, rows: int, tiles: list[LinearTile], deadline: float) 
     def ours(w: torch.Tensor, tile: LinearTile) -> torch.Tensor:
         if silu:
             return decode.silu_linear(x, w, tile=tile)
-        return decode.linear(x, w, bias, tile=tile, partials=name != "head")
+        return decode.linear(x, w, bias, tile=tile, partials=name not in ("head", "gate_up"))  # as in the step
 
     base = graph_us([lambda w=w: F.linear(reference.silu_mul(x) if silu else x, w, bias) for w in weights])
     results = []
@@ -91,6 +100,9 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--json", default=None)
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop trying candidates after this long")
+    ap.add_argument("--wide", action="store_true", help="the wider grid for down and gate/up (see candidates)")
+    ap.add_argument("--tiles-json", default=None,
+                    help="write the winners as decode_launch.py --tiles reads them: {'n_out,n_in,rows bucket': tile}")
     args = ap.parse_args()
     deadline = time.monotonic() + args.budget_s
     rows_list = [int(r) for r in args.rows.split(",")]
@@ -102,7 +114,9 @@ def main() -> None:
         for name in args.shapes.split(","):
             n_in = SHAPES[name][1]
             # past the first rows count, only the previous winners are tried (each new BLOCK_M compiles anew)
-            tiles = tops.get(name) if rows > 16 and name in tops else candidates(n_in)
+            tiles = tops.get(name) if rows > 16 and name in tops else candidates(n_in, name, args.wide)
+            if not tiles:
+                continue
             r = sweep_shape(name, rows, tiles, deadline)
             report.append(r)
             if r["best"] is None:
@@ -125,6 +139,11 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(dict(meta=dict(device=torch.cuda.get_device_name(), torch=torch.__version__), results=report),
                       f, indent=1)
+    if args.tiles_json:
+        winners = {f"{r['n_out']},{r['n_in']},{decode._rows_bucket(r['rows'])}": r["best"]["tile"]
+                   for r in report if r["best"] is not None}
+        with open(args.tiles_json, "w") as f:
+            json.dump(winners, f, indent=1)
 
 
 if __name__ == "__main__":
