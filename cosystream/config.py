@@ -86,8 +86,10 @@ class EngineConfig:
     # phases of 4 cost too much batching (c=16: 207x -> 157x). 0: all the passes of a batch in one phase.
     final_phase_streams: int = 16
     # While a new request's first chunk is on the token-to-wave worker, decode steps pause unless another
-    # request still waits for its first audio (they share the GPU and the engine's interpreter with the
-    # chunk). False: decoding goes on beside the chunk (a lone stream's later tokens come sooner).
+    # request still waits for its first audio: beside decode steps that chunk took ≈ 10 ms longer on the H100
+    # (GPU contention; the GIL switch interval made no difference). False: decoding goes on beside it, so a
+    # lone stream's whole utterance comes ≈ 9% sooner (RTF 0.0256 -> 0.0233) but its first audio 11 ms later
+    # (51 -> 62 ms; c=16 p90 118 -> 147 ms; docs/benchmarks.md, nineteenth session).
     pause_decode_for_first_chunks: bool = True
     # CUDA: official final passes (the token-to-wave worker's largest job) run on at most this many SMs (a
     # CUDA green context), so the LM's decode steps beside them find SMs free. 0: the whole GPU. Opt-in: on
