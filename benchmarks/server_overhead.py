@@ -1,0 +1,136 @@
+"""The HTTP server's own cost per request, with a fake engine (no model, no GPU): CPU time and admission delay.
+
+    python benchmarks/server_overhead.py [--streams 16] [--waves 150] [--http h11|httptools] [--loop asyncio|uvloop]
+
+Starts `cosystream.server.app.build_app` around the server tests' fake engine (tests/server/fake_engine.py) in a
+child process under uvicorn with the given HTTP parser and event loop, then sends waves of `--streams`
+concurrent `/v1/tts` requests (closed loop, one keep-alive connection each, as `cosystream bench`). The fake
+engine holds each wave until its last request has arrived, then streams two 1 s chunks to every request.
+Prints, over the waves after the first, how long after a wave's first send its last request reached the engine
+(the admission a burst's last request waits for: parsing, validation, routing, one after another on the
+server's loop) and the server process's CPU time per request. What the server costs under load on the GPU
+machine's slower host CPU is a multiple of this.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def serve(args: argparse.Namespace) -> None:
+    """The child: uvicorn around a fake engine that logs (arrival time, own CPU seconds) per request."""
+    sys.path.insert(0, str(REPO / "tests" / "server"))
+    from dataclasses import replace
+
+    import numpy as np
+    import uvicorn
+    from fake_engine import FakeEngine
+
+    from cosystream.outputs import AudioChunk
+    from cosystream.server.app import build_app
+    from cosystream.server.state import ServerSettings
+
+    log = open(args.log, "w", buffering=1)  # noqa: SIM115 - open for the child's life
+
+    class WaveEngine(FakeEngine):
+        arrived = 0
+        wave: asyncio.Event | None = None
+
+        async def synthesize(self, params):  # type: ignore[override]
+            t = os.times()
+            log.write(f"{time.monotonic()} {t.user + t.system}\n")
+            if self.arrived % args.streams == 0:
+                self.wave = asyncio.Event()
+            wave = self.wave
+            self.arrived += 1
+            if self.arrived % args.streams == 0:
+                wave.set()
+            await wave.wait()
+            for index in range(2):
+                yield AudioChunk(pcm=np.zeros(24000, np.float32), index=index, is_final=index == 1,
+                                 times=self.times if index == 1 else None, request_id=params.request_id or "")
+
+    app = build_app(WaveEngine(max_streams=4 * args.streams), replace(ServerSettings(), warmup=False,
+                                                                      close_engine=False))
+    config = uvicorn.Config(app, host="127.0.0.1", port=args.port, log_level="warning", http=args.http,
+                            loop=args.loop)
+    server = uvicorn.Server(config)
+    original_startup = server.startup
+
+    async def startup(sockets=None):
+        await original_startup(sockets)
+        print("ready", flush=True)
+
+    server.startup = startup  # type: ignore[method-assign]
+    server.run()
+
+
+async def send_waves(port: int, streams: int, waves: int) -> list[float]:
+    import httpx
+
+    body = {"text": "Hello there, how are you today?", "voice": "alice", "response_format": "pcm"}
+    clients = [httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) for _ in range(streams)]
+
+    async def one(client: httpx.AsyncClient, sends: list[float]) -> None:
+        sends.append(time.monotonic())
+        async with client.stream("POST", "/v1/tts", json=body) as response:
+            async for _ in response.aiter_bytes():
+                pass
+
+    first_sends = []
+    for _ in range(waves):
+        sends: list[float] = []
+        await asyncio.gather(*(one(c, sends) for c in clients))
+        first_sends.append(min(sends))
+    for c in clients:
+        await c.aclose()
+    return first_sends
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--waves", type=int, default=150)
+    ap.add_argument("--http", default="httptools", choices=["h11", "httptools"])
+    ap.add_argument("--loop", default="uvloop", choices=["asyncio", "uvloop"])
+    ap.add_argument("--port", type=int, default=8771)
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--log", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve:
+        serve(args)
+        return
+    log = Path(f"/tmp/server_overhead_{os.getpid()}.log")
+    child = subprocess.Popen([sys.executable, __file__, "--serve", "--log", str(log), "--port", str(args.port),
+                              "--streams", str(args.streams), "--http", args.http, "--loop", args.loop],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        if child.stdout is None or child.stdout.readline().strip() != "ready":
+            raise SystemExit("server_overhead: the server did not start")
+        first_sends = asyncio.run(send_waves(args.port, args.streams, args.waves))
+    finally:
+        child.terminate()
+        child.wait()
+    rows = [tuple(map(float, line.split())) for line in log.read_text().splitlines()]
+    log.unlink()
+    n = args.streams
+    waves = [rows[i * n:(i + 1) * n] for i in range(args.waves)]
+    admission = [(max(t for t, _ in wave) - sent) * 1e3 for wave, sent in zip(waves[1:], first_sends[1:], strict=True)]
+    cpu_ms = (waves[-1][0][1] - waves[1][0][1]) * 1e3 / (n * (args.waves - 2))
+    admission.sort()
+    print(f"http={args.http} loop={args.loop} streams={n} waves={args.waves}: last request at the engine "
+          f"p50 {statistics.median(admission):.1f} / p90 {admission[int(0.9 * len(admission))]:.1f} ms after the "
+          f"wave's first send; server CPU {cpu_ms:.3f} ms per request")
+
+
+if __name__ == "__main__":
+    main()
