@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import tempfile
 import time
@@ -22,6 +21,7 @@ from typing import Any
 
 import workload  # beside this file
 
+from cosystream.config import config_overrides
 from cosystream.params import Mode, SamplingParams, SynthesisParams
 
 
@@ -61,9 +61,7 @@ async def amain(args: argparse.Namespace) -> None:
     tmp = Path(tempfile.mkdtemp())
     wav = workload.write_workload_wav(tmp / "voice.wav")
     config: dict[str, Any] = dict(device=args.device, dtype=args.dtype, voices_db=str(tmp / "voices.db"))
-    for item in args.config:
-        key, value = item.split("=", 1)
-        config[key] = json.loads(value)
+    config.update(config_overrides(args.config))
     engine = AsyncEngine.from_pretrained(args.model_dir, **config)
     try:
         await asyncio.to_thread(engine.warmup)
@@ -98,7 +96,7 @@ def main() -> None:
     ap.add_argument("--first-hop", type=int, default=None)
     ap.add_argument("--token-marks", default="1,28,78,178,250",
                     help="token counts to show (the official schedule's chunks need 28, 78, 178, 250)")
-    ap.add_argument("--config", action="append", default=[], help="EngineConfig field=JSON value (repeatable)")
+    ap.add_argument("--config", action="append", default=[], help="EngineConfig FIELD=VALUE (repeatable)")
     asyncio.run(amain(ap.parse_args()))
 
 

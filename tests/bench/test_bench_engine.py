@@ -3,28 +3,21 @@
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from benchmark_scripts import import_benchmark
 
 from cosystream.errors import Overloaded, UnknownVoice
 from cosystream.outputs import AudioChunk, StageTimes
 from cosystream.params import SynthesisParams
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
 
 @pytest.fixture(scope="module")
 def bench_engine():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import bench_engine as module
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    return module
+    return import_benchmark("bench_engine")
 
 
 class FakeEngine:

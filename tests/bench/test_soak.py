@@ -4,24 +4,16 @@ from __future__ import annotations
 
 import io
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import soundfile as sf
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+from benchmark_scripts import import_benchmark
 
 
 @pytest.fixture(scope="module")
 def soak():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import soak as module
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    return module
+    return import_benchmark("soak")
 
 
 def _sample(soak, t_s: float, rss_mb: float, fds: int = 20, threads: int = 10, **engine: float):

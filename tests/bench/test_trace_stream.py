@@ -6,22 +6,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import re
-import sys
 from pathlib import Path
 
 import pytest
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+from benchmark_scripts import import_benchmark
 
 
 @pytest.fixture(scope="module")
 def trace_stream():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import trace_stream as module
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    return module
+    return import_benchmark("trace_stream")
 
 
 def _events(text: str) -> list[tuple[float, str, str]]:

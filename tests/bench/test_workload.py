@@ -4,24 +4,17 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 import wave
 from pathlib import Path
 
 import numpy as np
 import pytest
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+from benchmark_scripts import import_benchmark
 
 
 @pytest.fixture(scope="module")
 def workload():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import workload as module
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    return module
+    return import_benchmark("workload")
 
 
 @pytest.mark.parametrize("sample_rate", [24000, 16000])
