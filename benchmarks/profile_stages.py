@@ -28,6 +28,31 @@ from cosystream.kernels import decode as decode_ops
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def share_weights(modules: list[torch.nn.Module]) -> None:
+    """Make every module of `modules` read the first one's parameters (and fused q/k/v weight).
+
+    For `--shared-weights`: the stage then reads one layer's weights over and over, which stay in L2, so
+    the difference to the normal run is what fetching each layer's weights from HBM costs the stage (an
+    upper bound on what prefetching them into L2 ahead of use could save). Outputs are meaningless."""
+    first = modules[0]
+    for module in modules[1:]:
+        for name, sub in module.named_modules():
+            src = first.get_submodule(name)
+            for pname, _ in list(sub.named_parameters(recurse=False)):
+                setattr(sub, pname, getattr(src, pname))
+            if getattr(sub, "qkv_weight", None) is not None:
+                sub.qkv_weight = src.qkv_weight
+
+
+def share_flow_weights(flow) -> None:
+    """share_weights over the estimator's 56 transformer blocks and its 12 mid ResNets."""
+    from cosystream.models.estimator import TransformerBlock
+
+    est = flow.decoder.estimator
+    share_weights([m for m in est.modules() if isinstance(m, TransformerBlock)])
+    share_weights([blocks[0] for blocks in est.mid_blocks])
+
+
 def timed(fn, device: torch.device, iters: int, warmup: int = 3) -> float:
     """Median milliseconds of fn()."""
     for _ in range(warmup):
@@ -75,8 +100,11 @@ def count_kernels(fn, device: torch.device, show: int = 0) -> int:
     return sum(names.values())
 
 
-def bench_lm(ckpt, device, dtype, batches, iters, graphs: bool, compile: bool = False, fused: bool = True) -> dict:
+def bench_lm(ckpt, device, dtype, batches, iters, graphs: bool, compile: bool = False, fused: bool = True,
+             shared: bool = False) -> dict:
     lm = load_llm(ckpt, device, dtype)
+    if shared:
+        share_weights(list(lm.layers))
     t0 = time.perf_counter()
     runner = LMRunner(lm, max_slots=max(batches), max_len=1024, use_graphs=graphs, compile=compile,
                       fused_kernels=fused)
@@ -118,8 +146,11 @@ def random_voice(prompt_tokens: int, target_tokens: int = 300) -> tuple[ModelInp
     return inputs, torch.randint(0, 6561, (target_tokens,), generator=g).tolist()
 
 
-def bench_token2wav(ckpt, device, dtype, batches, iters, prompt_tokens: int = 150, fused: bool = True) -> dict:
+def bench_token2wav(ckpt, device, dtype, batches, iters, prompt_tokens: int = 150, fused: bool = True,
+                    shared: bool = False) -> dict:
     flow, hift = load_flow(ckpt, device, dtype), load_hift(ckpt, device, dtype)
+    if shared:
+        share_flow_weights(flow)
     runner = Token2WavRunner(flow, hift, EngineConfig(device=str(device), fused_kernels=fused,
                                                       flow_slots=max(batches) + 2, flow_frames=832))
     inputs, tokens = random_voice(prompt_tokens)
@@ -194,6 +225,9 @@ def main() -> None:
                     help="the decode step's linears on cuBLAS, not the weight-streaming kernel (A/B)")
     ap.add_argument("--pdl", type=int, choices=(0, 1), default=None,
                     help="programmatic dependent launch of the decode kernels (A/B; default: cosystream.kernels.PDL)")
+    ap.add_argument("--shared-weights", action="store_true",
+                    help="every LM layer / estimator block reads the first one's weights (L2-resident): an upper "
+                    "bound on what fetching weights from HBM costs (timings only; outputs meaningless)")
     ap.add_argument("--only", default="lm,t2w")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -209,9 +243,10 @@ def main() -> None:
     with torch.inference_mode():
         if "lm" in args.only:
             _report(results, bench_lm(ckpt, device, dtype, batches, args.iters, not args.no_graphs,
-                                      args.compile, fused=not args.no_fused))
+                                      args.compile, fused=not args.no_fused, shared=args.shared_weights))
         if "t2w" in args.only:
-            _report(results, bench_token2wav(ckpt, device, dtype, batches, args.iters, fused=not args.no_fused))
+            _report(results, bench_token2wav(ckpt, device, dtype, batches, args.iters, fused=not args.no_fused,
+                                             shared=args.shared_weights))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
