@@ -28,7 +28,7 @@ from cosystream import kernels
 from cosystream.checkpoint import load_checkpoint
 from cosystream.engine.lm_runner import LMRunner, RowSampling
 from cosystream.engine.loader import load_llm
-from cosystream.kernels import decode
+from cosystream.kernels import decode, prefetch
 
 # name -> (PDL, ROPE_IN_ATTENTION, EARLY_LOADS)
 VARIANTS = {"plain": (False, False, False), "pdl": (True, False, False), "pdl_rope": (True, True, False),
@@ -36,16 +36,21 @@ VARIANTS = {"plain": (False, False, False), "pdl": (True, False, False), "pdl_ro
 
 
 def make_runner(lm, batches: list[int], options: tuple[bool, bool, bool],
-                tiles: dict[tuple[int, int, int], decode.LinearTile] | None = None) -> LMRunner:
-    """A runner whose graphs are captured with these options (and these linear tiles in place of the table's)."""
+                tiles: dict[tuple[int, int, int], decode.LinearTile] | None = None,
+                prefetch_mb: float | None = None) -> LMRunner:
+    """A runner whose graphs are captured with these options (and these linear tiles in place of the table's,
+    and this L2 prefetch window in MB, `cosystream.kernels.prefetch`; None: the module's)."""
     kernels.PDL, decode.ROPE_IN_ATTENTION, kernels.EARLY_LOADS = options
-    saved = dict(decode._LINEAR_TILES)
+    saved, saved_window = dict(decode._LINEAR_TILES), prefetch.WINDOW_MB
     decode._LINEAR_TILES.update(tiles or {})
+    if prefetch_mb is not None:
+        prefetch.WINDOW_MB = prefetch_mb
     try:
         return _captured_runner(lm, batches)
     finally:
         decode._LINEAR_TILES.clear()
         decode._LINEAR_TILES.update(saved)
+        prefetch.WINDOW_MB = saved_window
 
 
 def read_tiles(path: str) -> dict[tuple[int, int, int], decode.LinearTile]:
@@ -97,14 +102,26 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--tiles", default=None, help="linear_tiles.py --tiles-json file: adds the variant "
                     "'early_tiles' (the default step with those linear tiles)")
+    ap.add_argument("--prefetch-mb", default="", help="comma-separated L2 prefetch windows in MB: adds the "
+                    "variants 'early_pfN' (the default step with that window, cosystream.kernels.prefetch)")
+    ap.add_argument("--shared-weights", action="store_true", help="every layer reads the first one's weights "
+                    "(L2-resident; profile_stages.share_weights): what HBM fetches cost the step")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     names = args.variants.split(",")
     with torch.inference_mode():
         lm = load_llm(load_checkpoint(args.model_dir), torch.device("cuda"), torch.bfloat16)
-        runners = {name: make_runner(lm, batches, VARIANTS[name]) for name in names}
+        runners = {name: make_runner(lm, batches, VARIANTS[name], prefetch_mb=0.0) for name in names}
         if args.tiles:
-            runners["early_tiles"] = make_runner(lm, batches, VARIANTS["early"], read_tiles(args.tiles))
+            runners["early_tiles"] = make_runner(lm, batches, VARIANTS["early"], read_tiles(args.tiles), 0.0)
+        for mb in filter(None, args.prefetch_mb.split(",")):
+            runners[f"early_pf{mb}"] = make_runner(lm, batches, VARIANTS["early"], prefetch_mb=float(mb))
+        if args.shared_weights:
+            from profile_stages import share_weights
+
+            shared = load_llm(load_checkpoint(args.model_dir), torch.device("cuda"), torch.bfloat16)
+            share_weights(list(shared.layers))
+            runners["early_shared"] = make_runner(shared, batches, VARIANTS["early"], prefetch_mb=0.0)
         results: dict[str, dict[str, list[float]]] = {}
         for _ in range(args.rounds):
             for name, runner in runners.items():

@@ -101,13 +101,13 @@ def count_kernels(fn, device: torch.device, show: int = 0) -> int:
 
 
 def bench_lm(ckpt, device, dtype, batches, iters, graphs: bool, compile: bool = False, fused: bool = True,
-             shared: bool = False) -> dict:
+             shared: bool = False, prefetch_mb: float | None = None) -> dict:
     lm = load_llm(ckpt, device, dtype)
     if shared:
         share_weights(list(lm.layers))
     t0 = time.perf_counter()
     runner = LMRunner(lm, max_slots=max(batches), max_len=1024, use_graphs=graphs, compile=compile,
-                      fused_kernels=fused)
+                      fused_kernels=fused, l2_prefetch_mb=prefetch_mb)
     d = lm.dims
     sampling = RowSampling(seed=0, top_p=d.top_p, top_k=d.top_k, win_size=d.win_size, tau_r=d.tau_r,
                            min_len=10_000, ban_special=True)
@@ -147,10 +147,11 @@ def random_voice(prompt_tokens: int, target_tokens: int = 300) -> tuple[ModelInp
 
 
 def bench_token2wav(ckpt, device, dtype, batches, iters, prompt_tokens: int = 150, fused: bool = True,
-                    shared: bool = False) -> dict:
+                    shared: bool = False, prefetch_mb: float = 0.0) -> dict:
     flow, hift = load_flow(ckpt, device, dtype), load_hift(ckpt, device, dtype)
     if shared:
         share_flow_weights(flow)
+    flow.decoder.estimator.l2_prefetch_mb = prefetch_mb
     runner = Token2WavRunner(flow, hift, EngineConfig(device=str(device), fused_kernels=fused,
                                                       flow_slots=max(batches) + 2, flow_frames=832))
     inputs, tokens = random_voice(prompt_tokens)
@@ -228,6 +229,10 @@ def main() -> None:
     ap.add_argument("--shared-weights", action="store_true",
                     help="every LM layer / estimator block reads the first one's weights (L2-resident): an upper "
                     "bound on what fetching weights from HBM costs (timings only; outputs meaningless)")
+    ap.add_argument("--lm-prefetch-mb", type=float, default=None,
+                    help="the decode step's L2 prefetch window (cosystream.kernels.prefetch; default: its WINDOW_MB)")
+    ap.add_argument("--flow-prefetch-mb", type=float, default=0.0,
+                    help="the flow estimator's L2 prefetch window (Estimator.l2_prefetch_mb; 0: off)")
     ap.add_argument("--only", default="lm,t2w")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -243,10 +248,11 @@ def main() -> None:
     with torch.inference_mode():
         if "lm" in args.only:
             _report(results, bench_lm(ckpt, device, dtype, batches, args.iters, not args.no_graphs,
-                                      args.compile, fused=not args.no_fused, shared=args.shared_weights))
+                                      args.compile, fused=not args.no_fused, shared=args.shared_weights,
+                                      prefetch_mb=args.lm_prefetch_mb))
         if "t2w" in args.only:
             _report(results, bench_token2wav(ckpt, device, dtype, batches, args.iters, fused=not args.no_fused,
-                                             shared=args.shared_weights))
+                                             shared=args.shared_weights, prefetch_mb=args.flow_prefetch_mb))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -107,6 +107,9 @@ class EngineConfig:
     # batch. False: streams open with their first chunk.
     open_ahead: bool = True
     fused_kernels: bool = True  # CUDA: Triton kernels for the LM decode step (False: the unfused torch step)
+    # CUDA (Hopper or newer): the decode step pulls the weights of its next linears into L2 on a side stream,
+    # up to this many MB ahead (cosystream.kernels.prefetch). None: that module's default; 0: off.
+    l2_prefetch_mb: float | None = None
     compile: bool = False  # torch.compile the hot steps (fewer, fused kernels; minutes of compile at start)
     schedule: ChunkSchedule = ChunkSchedule()
     final_attention: str = "full"  # "full": official final chunk; "chunk": incremental, cheaper
@@ -166,6 +169,8 @@ class EngineConfig:
             raise ValueError(f"flow_overflow_streams: must be >= 0, got {self.flow_overflow_streams}")
         if self.rider_streams < 0:
             raise ValueError(f"rider_streams: must be >= 0, got {self.rider_streams}")
+        if self.l2_prefetch_mb is not None and self.l2_prefetch_mb < 0:
+            raise ValueError(f"l2_prefetch_mb: must be >= 0 (0: off), got {self.l2_prefetch_mb}")
         if self.final_pass_sms < 0:
             raise ValueError(f"final_pass_sms: must be >= 0 (0: the whole GPU), got {self.final_pass_sms}")
         if self.final_slack_s < 0:

@@ -54,7 +54,8 @@ class AsyncEngine:
         self.voices = VoiceStore(config.voices_db or default_db_path())
         self.lm = load_llm(ckpt, device, dtype)
         lm_runner = LMRunner(self.lm, config.max_streams, config.max_len, use_graphs=config.cuda_graphs,
-                             compile=config.compile, fused_kernels=config.fused_kernels)
+                             compile=config.compile, fused_kernels=config.fused_kernels,
+                             l2_prefetch_mb=config.l2_prefetch_mb)
         t2w = Token2WavRunner(load_flow(ckpt, device, dtype), load_hift(ckpt, device, dtype), config)
         self.token2wav = t2w
         self.core = EngineCore(lm_runner, t2w, self.lm, overlap=config.overlap,

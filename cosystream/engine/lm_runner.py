@@ -53,7 +53,7 @@ class RowSampling:
 
 class LMRunner:
     def __init__(self, lm: SpeechLM, max_slots: int, max_len: int, use_graphs: bool = True,
-                 compile: bool = False, fused_kernels: bool = True) -> None:
+                 compile: bool = False, fused_kernels: bool = True, l2_prefetch_mb: float | None = None) -> None:
         param = next(lm.parameters())
         self.lm, self.device, self.dtype = lm, param.device, param.dtype
         self.dims = lm.dims
@@ -68,6 +68,7 @@ class LMRunner:
         # The decode step goes through the fused-op path: Triton kernels on CUDA, their torch statements
         # elsewhere (the same structure runs in CI); fused_kernels=False keeps the unfused forward.
         self.fused = fused_kernels and not compile
+        self.l2_prefetch_mb = l2_prefetch_mb  # the decode step's L2 prefetch window (None: the kernels' default)
         self.ops = decode_ops if triton_usable(self.device) else reference_ops
         # PERF: on CUDA everything after the head (sampling, the non-finite check, the row-state update)
         # is one Triton kernel instead of ~190 small ones (cosystream.kernels.sample)
@@ -241,7 +242,7 @@ class LMRunner:
     def _step(self, b: int, attn_len: int) -> None:
         emb = self.lm.speech_embedding(self.tokens[:b])
         if self.fused:
-            h = self.lm.decode(emb, self.positions[:b], self.cache, attn_len, self.ops)
+            h = self.lm.decode(emb, self.positions[:b], self.cache, attn_len, self.ops, self.l2_prefetch_mb)
         else:
             h = self._forward(emb.unsqueeze(1), self.positions[:b], self.cache, attn_len=attn_len)[:, -1]
         if self.fused_sampler:

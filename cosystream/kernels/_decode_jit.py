@@ -273,3 +273,26 @@ def linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, rows, n_out, n_in, x_stride, k_p
         tl.store(out_ptr + split * part_stride + out_offs, acc, mask=out_mask)
     else:
         tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def prefetch_share(ptr, nbytes, LANES: tl.constexpr):
+    # This program's share of the bytes [ptr, ptr + nbytes) into L2: one bulk prefetch per lane, nothing
+    # held and nothing to wait for (the copy engine finishes it after the program exits).
+    lane = tl.arange(0, LANES)
+    programs = tl.num_programs(0)
+    chunk = tl.cdiv(tl.cdiv(nbytes, programs * LANES), 16) * 16  # bulk prefetches move 16-byte multiples
+    start = (tl.program_id(0) * LANES + lane).to(tl.int64) * chunk
+    size = tl.minimum(tl.maximum(nbytes - start, 0), chunk).to(tl.int32)
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [ptr.to(tl.int64) + start, size], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_l2_kernel(p0, n0, p1, n1, p2, n2, p3, n3, LANES: tl.constexpr):
+    # up to four tensors (cosystream.kernels.prefetch); an unused slot has 0 bytes
+    prefetch_share(p0, n0, LANES)
+    prefetch_share(p1, n1, LANES)
+    prefetch_share(p2, n2, LANES)
+    prefetch_share(p3, n3, LANES)

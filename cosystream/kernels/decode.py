@@ -17,7 +17,8 @@ from types import SimpleNamespace
 
 import torch
 
-from cosystream.kernels import pdl_launch
+from cosystream.kernels import pdl_launch, prefetch
+from cosystream.kernels.prefetch import prefetching  # noqa: F401  (the decode ops' interface)
 
 # rope_attention_linear: the attention kernel rotates q and the new key and writes the cache; False: a RoPE +
 # cache-write kernel first (the A/B of benchmarks/decode_launch.py; read when a step is traced, so set it
@@ -230,6 +231,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, si
     if rows > MAX_LINEAR_ROWS:
         return torch.nn.functional.linear(silu_mul(x) if silu else x, weight, bias)
     k = _kernels()
+    prefetch.before(weight)
     tile = tile or linear_tile(rows, n_out, n_in)
     k_per_split = -(-n_in // ((tile.splits if partials else 1) * tile.block_k)) * tile.block_k
     splits = -(-n_in // k_per_split)

@@ -9,6 +9,9 @@ fused step computes the same numbers as `SpeechLM.forward` up to summation order
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -61,6 +64,12 @@ def rope_attention_linear(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
     output projection (no bias)."""
     q = rope_write_kv(qkv, positions, cos, sin, cache_k, cache_v, num_heads, num_kv_heads)
     return linear(decode_attention(q, cache_k, cache_v, positions, attn_len), weight)
+
+
+def prefetching(weights: Sequence[torch.Tensor], window_mb: float | None = None) -> contextlib.AbstractContextManager:
+    """L2 prefetch of the step's weights (`cosystream.kernels.prefetch`): a hint with no numbers of its
+    own, so here nothing."""
+    return contextlib.nullcontext()
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cosystream.checkpoint.hparams import EstimatorDims
+from cosystream.kernels import prefetch
 
 CONV_CONTEXT = 2  # left frames a kernel-3 causal conv needs (spec/flow.md §5.3)
 # PERF: up to this many rows (CFG rows × new frames) the Triton GEMMs with the LayerNorm in their prologue
@@ -162,6 +163,7 @@ class ResNet(nn.Module):
             h = self.block1(x, conv_state, add=self.mlp(t_emb) if time is None else time)
             h = self.block2(h, conv_state)
             return h + self.res_conv(x)
+        prefetch.before(self.block1.block[0].weight)
         h = self.block1(x, conv_state, add=self.mlp(t_emb) if time is None else time, tail_out=tail_out)
         return self.block2(h, conv_state, res=self._residual(x), tail_out=tail_out)
 
@@ -339,6 +341,9 @@ class Estimator(nn.Module):
         self.time_weight: torch.Tensor | None = None
         self.time_bias: torch.Tensor | None = None
         self._step_times: dict[tuple, StepTimes] = {}
+        # L2 prefetch window of a step's weights on CUDA (cosystream.kernels.prefetch; 0: off): the next
+        # ResNets' and transformer blocks' weights pulled into L2 on a side stream while the step runs.
+        self.l2_prefetch_mb = 0.0
 
     def resnets(self) -> list[ResNet]:
         """The ResNets in the order `step` runs them."""
@@ -393,6 +398,30 @@ class Estimator(nn.Module):
         hidden state [R, C_hidden, C] the final 1x1 projection turns into v (a caller that fuses it).
         No host syncs and no data-dependent Python control flow (CUDA-graph friendly).
         """
+        with prefetch.prefetching(self.step_weights() if self.l2_prefetch_mb > 0 else [], self.l2_prefetch_mb):
+            return self._step(x, mu, spks, cond, t, kv, conv_state, write_idx, attn_bias, times, project)
+
+    def step_weights(self) -> list[torch.Tensor]:
+        """The big weights of a step in the order the fused path reads them (ResNet convs and res conv, each
+        transformer block's q/k/v, output and feed-forward weights, the sampling convs, the final block)."""
+        def resnet(r: ResNet) -> list[torch.Tensor]:
+            return [r.block1.block[0].weight, r.block2.block[0].weight, r.res_conv.weight]
+
+        def transformers(blocks: nn.ModuleList) -> list[torch.Tensor]:
+            return [w for b in blocks for w in (b.attn1.qkv_weight if b.attn1.qkv_weight is not None
+                                                else b.attn1.to_q.weight, b.attn1.to_out[0].weight,
+                                                b.ff.net[0].proj.weight, b.ff.net[2].weight)]
+
+        (down, down_blocks, down_conv), (up, up_blocks, up_conv) = self.down_blocks[0], self.up_blocks[0]
+        weights = [*resnet(down), *transformers(down_blocks), down_conv.weight]
+        for r, blocks in self.mid_blocks:
+            weights += [*resnet(r), *transformers(blocks)]
+        weights += [*resnet(up), *transformers(up_blocks), up_conv.weight, self.final_block.block[0].weight]
+        return weights
+
+    def _step(self, x: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor, t: torch.Tensor,
+              kv: Sequence[torch.Tensor], conv_state: torch.Tensor, write_idx: torch.Tensor,
+              attn_bias: Sequence[torch.Tensor], times: StepTimes | None, project: bool) -> torch.Tensor:
         dtype = self.final_proj.weight.dtype
         if times is None:
             t_emb, resnet_times = self._time_terms(t)
@@ -484,6 +513,7 @@ class Estimator(nn.Module):
         for block in blocks:
             attn, n1, n3 = block.attn1, block.norm1, block.norm3
             pool_k, pool_v = pooled.pool[block.cache_index, 0], pooled.pool[block.cache_index, 1]
+            prefetch.before(attn.qkv_weight)
             q, res = ops.norm_qkv_pool_write(x, res, (n1.weight, n1.bias, n1.eps), attn.qkv_weight, pool_k, pool_v,
                                              pooled.rows, pooled.write_pos)
             o = pooled.ops.pooled_attention(q, pool_k, pool_v, pooled.rows, pooled.write_pos, pooled.key_limit,

@@ -167,14 +167,15 @@ class SpeechLM(nn.Module):
         return self.norm(h)
 
     def decode(self, embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache, attn_len: int,
-               ops: ModuleType) -> torch.Tensor:
+               ops: ModuleType, prefetch_mb: float | None = None) -> torch.Tensor:
         """One new token for each of rows [0, B) (cache rows [0, B)), through fused ops: -> hidden [B, d].
 
         embeds [B, d]; positions [B] (where each row's token goes). `ops` is `cosystream.kernels.decode`
         (Triton, CUDA) or `cosystream.kernels.reference` (torch); both compute `forward`'s numbers.
         PERF: 8 kernels a layer. The residual add rides in the next norm's kernel; the attention kernel
         rotates q and the new key and writes the cache; `ops.linear` may hand its output on as split-K
-        partial sums that the next kernel adds.
+        partial sums that the next kernel adds. prefetch_mb: the L2 prefetch window of `ops.prefetching`
+        (the next weights pulled into L2 on a side stream; None: the ops' default).
         """
         d = self.dims
         cos, sin = self.rope_table(cache.max_len, embeds.device)
@@ -183,7 +184,14 @@ class SpeechLM(nn.Module):
             return ops.rope_attention_linear(qkv, positions, cos, sin, cache.k[i], cache.v[i], d.num_heads,
                                              d.num_kv_heads, attn_len, self.layers[i].o_proj.weight)
 
-        return self._fused_stack(embeds, cache, ops, attention)
+        with ops.prefetching(self.decode_weights(), prefetch_mb):
+            return self._fused_stack(embeds, cache, ops, attention)
+
+    def decode_weights(self) -> list[torch.Tensor]:
+        """The weights a decode step streams, in the order it reads them (the speech head last)."""
+        weights = [w for layer in self.layers for w in (layer.qkv_proj.weight, layer.o_proj.weight,
+                                                         layer.gate_up_proj.weight, layer.down_proj.weight)]
+        return [*weights, self.llm_decoder.weight]
 
     def prefill(self, embeds: torch.Tensor, slots: torch.Tensor, cache: KVCache, ops: ModuleType) -> torch.Tensor:
         """Fresh prompts from position 0 into cache rows `slots` [B]: embeds [B, n, d] -> final-norm hidden

@@ -210,3 +210,37 @@ def _cpu_and_graphed_runners(checkpoint, f, cfm_noise, num_slots: int, max_frame
                                                               f["embedding"].to(device))
         runners[device] = FlowRunner(flow, num_slots=num_slots, max_frames=max_frames, use_graphs=device == "cuda")
     return runners, prompts
+
+
+def _graphed_pooled_chunks(checkpoint, f, window_mb: float) -> list[torch.Tensor]:
+    """Two graphed pooled chunks of one stream, with the estimator's L2 prefetch window `window_mb`."""
+    gpu_flow = load_flow(checkpoint, "cuda")
+    gpu_flow.decoder.estimator.l2_prefetch_mb = window_mb
+    gpu_stream = FlowStream(gpu_flow, final_attention="chunk")
+    gpu_prompt = gpu_stream.build_prompt_cache(f["prompt_token"].cuda(), f["prompt_feat"].cuda(),
+                                               f["embedding"].cuda())
+    runner = FlowRunner(gpu_flow, num_slots=2, max_frames=512, use_graphs=True)
+    planner = ChunkPlanner(ChunkSchedule(), f["prompt_token"].shape[1])
+    pooled = [runner.open(gpu_prompt)]
+    outs = []
+    for _ in range(2):
+        plan = planner.next_plan(100, done=True)
+        ids = f["token"][0][: plan.token_end].unsqueeze(0).cuda()
+        outs.append(runner.advance(pooled, [gpu_stream._window(pooled[0], ids, finalize=False)])[0].clone())
+    return outs
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9),
+                    reason="the bulk L2 prefetch needs a Hopper (sm_90) or newer GPU")
+def test_the_estimators_l2_prefetch_changes_no_number(checkpoint, load_fixture, monkeypatch):
+    from cosystream.kernels import prefetch
+
+    f = load_fixture("stream")
+    want = _graphed_pooled_chunks(checkpoint, f, 0.0)
+    launched = []
+    real = prefetch._prefetch
+    monkeypatch.setattr(prefetch, "_prefetch", lambda ws: (launched.append(len(ws)), real(ws)))
+    got = _graphed_pooled_chunks(checkpoint, f, 1.0)
+    assert launched  # the prefetch branch was traced into the graphs
+    for w, g in zip(want, got, strict=True):
+        assert torch.equal(w, g)

@@ -3,7 +3,8 @@
 a missing wait in a PDL kernel would show here as a race (a kernel reading its predecessor's output before that
 one has finished), as would an early load (kernels.EARLY_LOADS: made before the wait) of something the
 kernel before writes. RoPE and the cache write inside the attention kernel
-(kernels.decode.ROPE_IN_ATTENTION) compute what the RoPE kernel did, up to float32 rounding."""
+(kernels.decode.ROPE_IN_ATTENTION) compute what the RoPE kernel did, up to float32 rounding. The L2 prefetch
+branch (cosystream.kernels.prefetch) changes no number either, and is really there."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from cosystream import kernels
 from cosystream.checkpoint.hparams import LLMDims
 from cosystream.engine.lm_runner import LMRunner, RowSampling
-from cosystream.kernels import decode
+from cosystream.kernels import decode, prefetch
 from cosystream.models.qwen2 import KVCache, SpeechLM
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -136,3 +137,47 @@ def test_pdl_sampler_draws_the_plain_launches_tokens(batch: int, monkeypatch: py
     assert len({t for step in want[0] for t in step}) > 1  # really sampling
     assert got[0] == want[0]
     assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+
+
+needs_bulk_prefetch = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9),
+    reason="the bulk L2 prefetch needs a Hopper (sm_90) or newer GPU")
+
+
+@needs_bulk_prefetch
+@pytest.mark.parametrize("batch", [1, 16])
+@pytest.mark.parametrize("window_mb", [8.0, 24.0])
+def test_prefetching_decode_steps_equal_plain_ones(batch: int, window_mb: float,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    lm = _lm_05b()
+    with torch.inference_mode():
+        monkeypatch.setattr(prefetch, "WINDOW_MB", 0.0)
+        want, want_cache = _graphed_steps(lm, batch, 12, pdl=True, monkeypatch=monkeypatch)
+        monkeypatch.setattr(prefetch, "WINDOW_MB", window_mb)
+        got, got_cache = _graphed_steps(lm, batch, 12, pdl=True, monkeypatch=monkeypatch)
+    assert all(torch.isfinite(h).all() for h in want)
+    for w, g in zip(want, got, strict=True):
+        assert torch.equal(w, g)
+    assert torch.equal(want_cache.k, got_cache.k) and torch.equal(want_cache.v, got_cache.v)
+
+
+@needs_bulk_prefetch
+def test_every_decode_weight_is_prefetched_once_on_a_side_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    lm = _lm_05b()
+    launched: list[int] = []
+    streams: set[int] = set()
+    real = prefetch._prefetch
+
+    def spy(weights: list[torch.Tensor]) -> None:
+        launched.extend(w.data_ptr() for w in weights)
+        streams.add(torch.cuda.current_stream().stream_id)
+        real(weights)
+
+    monkeypatch.setattr(prefetch, "WINDOW_MB", 16.0)
+    monkeypatch.setattr(prefetch, "_prefetch", spy)
+    with torch.inference_mode():
+        _graphed_steps(lm, 1, 1, pdl=True, monkeypatch=monkeypatch)
+    weights = [w.data_ptr() for w in lm.decode_weights()]
+    # two traces (the warm-up and the capture), each asking for every weight once, in reading order
+    assert launched == weights + weights
+    assert torch.cuda.current_stream().stream_id not in streams
