@@ -37,20 +37,22 @@ VARIANTS = {"plain": (False, False, False), "pdl": (True, False, False), "pdl_ro
 
 def make_runner(lm, batches: list[int], options: tuple[bool, bool, bool],
                 tiles: dict[tuple[int, int, int], decode.LinearTile] | None = None,
-                prefetch_mb: float | None = None) -> LMRunner:
+                prefetch_mb: float | None = None, prefetch_programs: int | None = None) -> LMRunner:
     """A runner whose graphs are captured with these options (and these linear tiles in place of the table's,
     and this L2 prefetch window in MB, `cosystream.kernels.prefetch`; None: the module's)."""
     kernels.PDL, decode.ROPE_IN_ATTENTION, kernels.EARLY_LOADS = options
-    saved, saved_window = dict(decode._LINEAR_TILES), prefetch.WINDOW_MB
+    saved, saved_window, saved_programs = dict(decode._LINEAR_TILES), prefetch.WINDOW_MB, prefetch.PROGRAMS
     decode._LINEAR_TILES.update(tiles or {})
     if prefetch_mb is not None:
         prefetch.WINDOW_MB = prefetch_mb
+    if prefetch_programs is not None:
+        prefetch.PROGRAMS = prefetch_programs
     try:
         return _captured_runner(lm, batches)
     finally:
         decode._LINEAR_TILES.clear()
         decode._LINEAR_TILES.update(saved)
-        prefetch.WINDOW_MB = saved_window
+        prefetch.WINDOW_MB, prefetch.PROGRAMS = saved_window, saved_programs
 
 
 def read_tiles(path: str) -> dict[tuple[int, int, int], decode.LinearTile]:
@@ -104,6 +106,8 @@ def main() -> None:
                     "'early_tiles' (the default step with those linear tiles)")
     ap.add_argument("--prefetch-mb", default="", help="comma-separated L2 prefetch windows in MB: adds the "
                     "variants 'early_pfN' (the default step with that window, cosystream.kernels.prefetch)")
+    ap.add_argument("--prefetch-programs", default="", help="comma-separated program counts of the prefetch "
+                    "kernel: each --prefetch-mb window runs with each ('early_pfN_pP'); default: the module's")
     ap.add_argument("--shared-weights", action="store_true", help="every layer reads the first one's weights "
                     "(L2-resident; profile_stages.share_weights): what HBM fetches cost the step")
     args = ap.parse_args()
@@ -115,7 +119,10 @@ def main() -> None:
         if args.tiles:
             runners["early_tiles"] = make_runner(lm, batches, VARIANTS["early"], read_tiles(args.tiles), 0.0)
         for mb in filter(None, args.prefetch_mb.split(",")):
-            runners[f"early_pf{mb}"] = make_runner(lm, batches, VARIANTS["early"], prefetch_mb=float(mb))
+            for p in args.prefetch_programs.split(","):
+                name = f"early_pf{mb}" + (f"_p{p}" if p else "")
+                runners[name] = make_runner(lm, batches, VARIANTS["early"], prefetch_mb=float(mb),
+                                            prefetch_programs=int(p) if p else None)
         if args.shared_weights:
             from profile_stages import share_weights
 

@@ -108,8 +108,12 @@ class EngineConfig:
     open_ahead: bool = True
     fused_kernels: bool = True  # CUDA: Triton kernels for the LM decode step (False: the unfused torch step)
     # CUDA (Hopper or newer): the decode step pulls the weights of its next linears into L2 on a side stream,
-    # up to this many MB ahead (cosystream.kernels.prefetch). None: that module's default; 0: off.
+    # up to this many MB ahead (cosystream.kernels.prefetch). None: that module's default (8 MB: on the H100
+    # a batch-1 step 0.705 -> 0.645 ms, batch 16 0.807 -> 0.765; docs/benchmarks.md); 0: off.
     l2_prefetch_mb: float | None = None
+    # The same for the flow estimator's steps (its next ResNets' and transformer blocks' weights). On the
+    # H100 at 4 MB a first chunk's ODE 21.07 -> 20.41 ms (docs/benchmarks.md). 0: off.
+    flow_l2_prefetch_mb: float = 4.0
     compile: bool = False  # torch.compile the hot steps (fewer, fused kernels; minutes of compile at start)
     schedule: ChunkSchedule = ChunkSchedule()
     final_attention: str = "full"  # "full": official final chunk; "chunk": incremental, cheaper
@@ -171,6 +175,8 @@ class EngineConfig:
             raise ValueError(f"rider_streams: must be >= 0, got {self.rider_streams}")
         if self.l2_prefetch_mb is not None and self.l2_prefetch_mb < 0:
             raise ValueError(f"l2_prefetch_mb: must be >= 0 (0: off), got {self.l2_prefetch_mb}")
+        if self.flow_l2_prefetch_mb < 0:
+            raise ValueError(f"flow_l2_prefetch_mb: must be >= 0 (0: off), got {self.flow_l2_prefetch_mb}")
         if self.final_pass_sms < 0:
             raise ValueError(f"final_pass_sms: must be >= 0 (0: the whole GPU), got {self.final_pass_sms}")
         if self.final_slack_s < 0:

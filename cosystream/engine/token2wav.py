@@ -65,6 +65,7 @@ class Token2WavRunner:
         graph_stream = capture_stream(self.device)
         self.watch = Stopwatch(self.device)  # stage times of the batches the engine runs
         slots = _pool_slots(flow, config) if self.device.type == "cuda" else 0
+        flow.decoder.estimator.l2_prefetch_mb = config.flow_l2_prefetch_mb
         self.pool = (FlowRunner(flow, slots, config.flow_frames, config.cuda_graphs, config.compile,
                                 config.fused_kernels, capture_stream=graph_stream, watch=self.watch,
                                 final_pass_sms=config.final_pass_sms)
