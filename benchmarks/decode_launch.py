@@ -42,6 +42,8 @@ def make_runner(lm, batches: list[int], options: tuple[bool, bool, bool],
     and this L2 prefetch window in MB, `cosystream.kernels.prefetch`; None: the module's)."""
     kernels.PDL, decode.ROPE_IN_ATTENTION, kernels.EARLY_LOADS = options
     saved, saved_window, saved_programs = dict(decode._LINEAR_TILES), prefetch.WINDOW_MB, prefetch.PROGRAMS
+    saved_rows = prefetch.MAX_ROWS
+    prefetch.MAX_ROWS = 1 << 20  # every batch prefetches (the A/B of the window itself; the engine stops at MAX_ROWS)
     decode._LINEAR_TILES.update(tiles or {})
     if prefetch_mb is not None:
         prefetch.WINDOW_MB = prefetch_mb
@@ -52,7 +54,7 @@ def make_runner(lm, batches: list[int], options: tuple[bool, bool, bool],
     finally:
         decode._LINEAR_TILES.clear()
         decode._LINEAR_TILES.update(saved)
-        prefetch.WINDOW_MB, prefetch.PROGRAMS = saved_window, saved_programs
+        prefetch.WINDOW_MB, prefetch.PROGRAMS, prefetch.MAX_ROWS = saved_window, saved_programs, saved_rows
 
 
 def read_tiles(path: str) -> dict[tuple[int, int, int], decode.LinearTile]:

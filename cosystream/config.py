@@ -108,8 +108,9 @@ class EngineConfig:
     open_ahead: bool = True
     fused_kernels: bool = True  # CUDA: Triton kernels for the LM decode step (False: the unfused torch step)
     # CUDA (Hopper or newer): the decode step pulls the weights of its next linears into L2 on a side stream,
-    # up to this many MB ahead (cosystream.kernels.prefetch). None: that module's default (8 MB: on the H100
-    # a batch-1 step 0.705 -> 0.645 ms, batch 16 0.807 -> 0.765; docs/benchmarks.md); 0: off.
+    # up to this many MB ahead (cosystream.kernels.prefetch), in steps of up to prefetch.MAX_ROWS (8) rows.
+    # None: that module's default (8 MB: on the H100 a batch-1 step 0.705 -> 0.645 ms, c=1 first audio
+    # 51-52 -> 49-50 ms, RTF 0.026 -> 0.025; docs/benchmarks.md); 0: off.
     l2_prefetch_mb: float | None = None
     # The same for the flow estimator's steps (its next ResNets' and transformer blocks' weights). On the
     # H100 at 4 MB a first chunk's ODE 21.07 -> 20.41 ms (docs/benchmarks.md). 0: off.

@@ -16,8 +16,8 @@ import torch
 from cosystream.engine.faults import NON_FINITE_TOKEN, mark_non_finite
 from cosystream.engine.graphs import CAPTURE_LOCK, GraphCache, capture_stream, maybe_compile
 from cosystream.kernels import decode as decode_ops
+from cosystream.kernels import prefetch, triton_usable
 from cosystream.kernels import reference as reference_ops
-from cosystream.kernels import triton_usable
 from cosystream.models.qwen2 import KVCache, SpeechLM
 from cosystream.models.sampling import MAX_TOP_K, SamplingBatch, sample_tokens
 
@@ -242,7 +242,8 @@ class LMRunner:
     def _step(self, b: int, attn_len: int) -> None:
         emb = self.lm.speech_embedding(self.tokens[:b])
         if self.fused:
-            h = self.lm.decode(emb, self.positions[:b], self.cache, attn_len, self.ops, self.l2_prefetch_mb)
+            window = self.l2_prefetch_mb if b <= prefetch.MAX_ROWS else 0.0
+            h = self.lm.decode(emb, self.positions[:b], self.cache, attn_len, self.ops, window)
         else:
             h = self._forward(emb.unsqueeze(1), self.positions[:b], self.cache, attn_len=attn_len)[:, -1]
         if self.fused_sampler:

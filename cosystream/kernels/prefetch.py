@@ -27,6 +27,11 @@ import torch
 # 0.649 / 0.670 / 0.765; 24 MB 0.662 / 0.708 / 0.849 (the L2 holds too much not yet read); every layer on
 # one layer's L2-resident weights 0.573 / 0.625 / 0.734.
 WINDOW_MB = 8.0
+# Decode steps of more rows than this run without it (LMRunner): at batch 16 the step gains less in
+# isolation (0.807 -> 0.765 ms), and in the engine at 16 streams, beside the token-to-wave worker, the
+# aggregate went 221.4 / 221.9x -> 216.1 / 219.3x and over HTTP the first-audio p90 rose (149-157 ms off,
+# 162-180 on; 6b07c6b, docs/benchmarks.md), while at one stream it is what takes c=1 from 51-52 to 49-50 ms.
+MAX_ROWS = 8
 PROGRAMS = 8  # programs of one prefetch kernel: each issues its share of the bulk prefetches
 LANES = 128  # bulk prefetches per program and tensor
 

@@ -76,3 +76,22 @@ def test_idle_rows_keep_their_state(lm):
         runner.decode(2, 40)
     assert runner.positions[1].item() == before[0] and runner.sampling.steps[1].item() == before[1]
     assert torch.equal(runner.sampling.history[1], before[2])
+
+
+def test_decode_steps_of_more_rows_than_the_prefetch_limit_run_without_it(lm, monkeypatch):
+    from cosystream.kernels import prefetch
+
+    monkeypatch.setattr(prefetch, "MAX_ROWS", 2)
+    windows = []
+    real = lm.decode
+    monkeypatch.setattr(lm, "decode", lambda *a: (windows.append(a[-1]), real(*a))[1])
+    runner = LMRunner(lm, max_slots=4, max_len=512, use_graphs=False, l2_prefetch_mb=6.0)
+    prompt = torch.randn(20, lm.dims.hidden_size, generator=torch.Generator().manual_seed(3)) * 0.5
+    for slot in range(4):
+        runner.set_row_sampling(slot, _sampling(slot))
+        runner.prefill(slot, prompt)
+        runner.set_active(slot, True)
+    runner.decode(1, 200)  # bucket 1
+    runner.decode(2, 200)  # bucket 2
+    runner.decode(3, 200)  # bucket 4 > MAX_ROWS
+    assert windows == [6.0, 6.0, 0.0]
