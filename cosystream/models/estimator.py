@@ -398,7 +398,8 @@ class Estimator(nn.Module):
         hidden state [R, C_hidden, C] the final 1x1 projection turns into v (a caller that fuses it).
         No host syncs and no data-dependent Python control flow (CUDA-graph friendly).
         """
-        with prefetch.prefetching(self.step_weights() if self.l2_prefetch_mb > 0 else [], self.l2_prefetch_mb):
+        wanted = self.l2_prefetch_mb > 0 and self.final_proj.weight.is_cuda
+        with prefetch.prefetching(self.step_weights() if wanted else [], self.l2_prefetch_mb):
             return self._step(x, mu, spks, cond, t, kv, conv_state, write_idx, attn_bias, times, project)
 
     def step_weights(self) -> list[torch.Tensor]:
