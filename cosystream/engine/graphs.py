@@ -21,6 +21,8 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
+from cosystream.kernels import prefetch
+
 log = logging.getLogger("cosystream.engine")
 
 CAPTURE_LOCK = threading.RLock()  # one graph capture at a time in the process (engine thread or worker)
@@ -81,7 +83,7 @@ class SMLimitedStream:
         """fn() on this stream, ordered after and before the caller's stream's work."""
         here = torch.cuda.current_stream(self.stream.device)
         self.stream.wait_stream(here)
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.stream(self.stream), prefetch.disabled():
             out = fn()
         here.wait_stream(self.stream)
         return out

@@ -16,7 +16,6 @@ run (0: off). Read when a step is traced, so set it before graphs are captured.
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 
@@ -82,9 +81,16 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-@functools.cache
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device)
+    """This thread's side stream on `device`. One per thread: the engine thread (LM graphs) and the
+    token-to-wave worker (flow) must not share one, or one thread's eager prefetch could land on a stream
+    the other is capturing into a graph, and either's join would wait for the other's work."""
+    streams = getattr(_active, "streams", None)
+    if streams is None:
+        streams = _active.streams = {}
+    if device not in streams:
+        streams[device] = torch.cuda.Stream(device)
+    return streams[device]
 
 
 def usable(weights: Sequence[torch.Tensor], window_mb: float | None = None) -> bool:
@@ -104,7 +110,8 @@ def prefetching(weights: Sequence[torch.Tensor], window_mb: float | None = None)
     forks a prefetch of the ones after it; the branch joins the current stream at the end. window_mb:
     how far ahead (None: WINDOW_MB; 0: off)."""
     window_mb = WINDOW_MB if window_mb is None else window_mb
-    if not usable(weights, window_mb) or getattr(_active, "plan", None) is not None:
+    if (not usable(weights, window_mb) or getattr(_active, "plan", None) is not None
+            or getattr(_active, "off", False)):
         yield
         return
     plan = _Plan(weights, window_mb * 2**20)
@@ -115,6 +122,18 @@ def prefetching(weights: Sequence[torch.Tensor], window_mb: float | None = None)
     finally:
         _active.plan = None
         plan.join()
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """No prefetching in this thread within the block: for work on a stream of a CUDA green context (the
+    side stream belongs to the whole GPU's context, and a graph's branch there was never tested)."""
+    was = getattr(_active, "off", False)
+    _active.off = True
+    try:
+        yield
+    finally:
+        _active.off = was
 
 
 def before(weight: torch.Tensor) -> None:
