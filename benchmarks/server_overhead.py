@@ -52,6 +52,7 @@ def serve(args: argparse.Namespace) -> None:
             wave = self.wave
             self.arrived += 1
             if self.arrived % args.streams == 0:
+                log.write(f"release {time.monotonic()}\n")
                 wave.set()
             await wave.wait()
             for index in range(2):
@@ -73,26 +74,30 @@ def serve(args: argparse.Namespace) -> None:
     server.run()
 
 
-async def send_waves(port: int, streams: int, waves: int) -> list[float]:
+async def send_waves(port: int, streams: int, waves: int) -> tuple[list[float], list[list[float]]]:
     import httpx
 
     body = {"text": "Hello there, how are you today?", "voice": "alice", "response_format": "pcm"}
     clients = [httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) for _ in range(streams)]
 
-    async def one(client: httpx.AsyncClient, sends: list[float]) -> None:
+    async def one(client: httpx.AsyncClient, sends: list[float], firsts: list[float]) -> None:
         sends.append(time.monotonic())
         async with client.stream("POST", "/v1/tts", json=body) as response:
             async for _ in response.aiter_bytes():
-                pass
+                if len(firsts) < len(sends) and not getattr(response, "_seen", False):
+                    response._seen = True  # type: ignore[attr-defined]
+                    firsts.append(time.monotonic())
 
-    first_sends = []
+    first_sends, first_audio = [], []
     for _ in range(waves):
         sends: list[float] = []
-        await asyncio.gather(*(one(c, sends) for c in clients))
+        firsts: list[float] = []
+        await asyncio.gather(*(one(c, sends, firsts) for c in clients))
         first_sends.append(min(sends))
+        first_audio.append(firsts)
     for c in clients:
         await c.aclose()
-    return first_sends
+    return first_sends, first_audio
 
 
 def main() -> None:
@@ -115,20 +120,27 @@ def main() -> None:
     try:
         if child.stdout is None or child.stdout.readline().strip() != "ready":
             raise SystemExit("server_overhead: the server did not start")
-        first_sends = asyncio.run(send_waves(args.port, args.streams, args.waves))
+        first_sends, first_audio = asyncio.run(send_waves(args.port, args.streams, args.waves))
     finally:
         child.terminate()
         child.wait()
-    rows = [tuple(map(float, line.split())) for line in log.read_text().splitlines()]
+    lines = log.read_text().splitlines()
     log.unlink()
+    releases = [float(line.split()[1]) for line in lines if line.startswith("release")]
+    rows = [tuple(map(float, line.split())) for line in lines if not line.startswith("release")]
     n = args.streams
     waves = [rows[i * n:(i + 1) * n] for i in range(args.waves)]
     admission = [(max(t for t, _ in wave) - sent) * 1e3 for wave, sent in zip(waves[1:], first_sends[1:], strict=True)]
     cpu_ms = (waves[-1][0][1] - waves[1][0][1]) * 1e3 / (n * (args.waves - 2))
     admission.sort()
+    # delivery: from the fake engine's release of a wave's chunks to the client's first bytes of each request
+    first = sorted((min(f) - r) * 1e3 for f, r in zip(first_audio[1:], releases[1:], strict=True))
+    last = sorted((max(f) - r) * 1e3 for f, r in zip(first_audio[1:], releases[1:], strict=True))
     print(f"http={args.http} loop={args.loop} streams={n} waves={args.waves}: last request at the engine "
           f"p50 {statistics.median(admission):.1f} / p90 {admission[int(0.9 * len(admission))]:.1f} ms after the "
-          f"wave's first send; server CPU {cpu_ms:.3f} ms per request")
+          f"wave's first send; server CPU {cpu_ms:.3f} ms per request; first audio at the client after the "
+          f"engine's release: first request p50 {statistics.median(first):.1f}, last request p50 "
+          f"{statistics.median(last):.1f} / p90 {last[int(0.9 * len(last))]:.1f} ms")
 
 
 if __name__ == "__main__":

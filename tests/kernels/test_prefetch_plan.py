@@ -76,9 +76,8 @@ def test_prefetching_stays_off_inside_disabled(monkeypatch) -> None:
     plans = []
     monkeypatch.setattr(prefetch._Plan, "ahead_of", lambda self, position: plans.append(position))
     monkeypatch.setattr(prefetch._Plan, "join", lambda self: None)
-    with prefetch.disabled():
-        with prefetch.prefetching(weights):
-            prefetch.before(weights[0])
+    with prefetch.disabled(), prefetch.prefetching(weights):
+        prefetch.before(weights[0])
     assert plans == []
     with prefetch.prefetching(weights):  # and on again after the block
         prefetch.before(weights[0])
