@@ -74,14 +74,60 @@ def serve(args: argparse.Namespace) -> None:
     server.run()
 
 
-async def send_waves(port: int, streams: int, waves: int) -> tuple[list[float], list[list[float]]]:
+class RawConnection:
+    """A bare HTTP/1.1 keep-alive POST over asyncio streams (chunked responses only): the client side's cost
+    without httpx, to tell the load generator's own delay from the server's."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def post(self, path: str, body: bytes, on_data) -> None:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
+        head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode()
+        self.writer.write(head + body)
+        reader = self.reader
+        assert reader is not None
+        headers = await reader.readuntil(b"\r\n\r\n")
+        if b"chunked" not in headers.lower():
+            raise RuntimeError(f"expected a chunked response: {headers[:200]!r}")
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+            data = await reader.readexactly(size + 2)
+            if size == 0:
+                return
+            on_data(data[:-2])
+
+    async def aclose(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+async def send_waves(port: int, streams: int, waves: int, raw: bool = False
+                     ) -> tuple[list[float], list[list[float]]]:
+    import json
+
     import httpx
 
     body = {"text": "Hello there, how are you today?", "voice": "alice", "response_format": "pcm"}
-    clients = [httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) for _ in range(streams)]
+    clients = [RawConnection(port) if raw else httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30)
+               for _ in range(streams)]
 
-    async def one(client: httpx.AsyncClient, sends: list[float], firsts: list[float]) -> None:
+    async def one(client, sends: list[float], firsts: list[float]) -> None:
         sends.append(time.monotonic())
+        if raw:
+            seen = []
+
+            def on_data(data: bytes) -> None:
+                if not seen:
+                    seen.append(True)
+                    firsts.append(time.monotonic())
+
+            await client.post("/v1/tts", json.dumps(body).encode(), on_data)
+            return
         async with client.stream("POST", "/v1/tts", json=body) as response:
             async for _ in response.aiter_bytes():
                 if len(firsts) < len(sends) and not getattr(response, "_seen", False):
@@ -107,6 +153,8 @@ def main() -> None:
     ap.add_argument("--http", default="httptools", choices=["h11", "httptools"])
     ap.add_argument("--loop", default="uvloop", choices=["asyncio", "uvloop"])
     ap.add_argument("--port", type=int, default=8771)
+    ap.add_argument("--client", default="httpx", choices=["httpx", "raw"],
+                    help="the load's client: httpx (as cosystream bench) or bare asyncio streams")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--log", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -120,7 +168,7 @@ def main() -> None:
     try:
         if child.stdout is None or child.stdout.readline().strip() != "ready":
             raise SystemExit("server_overhead: the server did not start")
-        first_sends, first_audio = asyncio.run(send_waves(args.port, args.streams, args.waves))
+        first_sends, first_audio = asyncio.run(send_waves(args.port, args.streams, args.waves, args.client == "raw"))
     finally:
         child.terminate()
         child.wait()
@@ -136,7 +184,8 @@ def main() -> None:
     # delivery: from the fake engine's release of a wave's chunks to the client's first bytes of each request
     first = sorted((min(f) - r) * 1e3 for f, r in zip(first_audio[1:], releases[1:], strict=True))
     last = sorted((max(f) - r) * 1e3 for f, r in zip(first_audio[1:], releases[1:], strict=True))
-    print(f"http={args.http} loop={args.loop} streams={n} waves={args.waves}: last request at the engine "
+    print(f"http={args.http} loop={args.loop} client={args.client} streams={n} waves={args.waves}: "
+          f"last request at the engine "
           f"p50 {statistics.median(admission):.1f} / p90 {admission[int(0.9 * len(admission))]:.1f} ms after the "
           f"wave's first send; server CPU {cpu_ms:.3f} ms per request; first audio at the client after the "
           f"engine's release: first request p50 {statistics.median(first):.1f}, last request p50 "

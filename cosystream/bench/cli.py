@@ -25,7 +25,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from cosystream.bench.clients import TARGETS, HttpClient, RequestSpec, WsClient, endpoint_url, register_voice
+from cosystream.bench.clients import HTTP_CLIENTS, TARGETS, RequestSpec, endpoint_url, make_client, register_voice
 from cosystream.bench.loadgen import LevelPlan, build_plans, run_benchmark, run_event_loop
 from cosystream.bench.procs import ClientJob, run_level_in_processes
 from cosystream.bench.report import (
@@ -78,6 +78,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--procs", type=int, default=1,
                    help="client processes a level's streams (or arrivals) are split over, so the client's own "
                         "CPU is not part of what it measures at high concurrency (warm-up: in this process)")
+    p.add_argument("--http-client", choices=HTTP_CLIENTS, default="httpx",
+                   help="the HTTP targets' client: httpx, or HTTP/1.1 on bare asyncio streams ('raw': less of the "
+                        "load generator's own CPU in what it measures at high concurrency)")
     p.add_argument("--tag", action="append", default=[], metavar="KEY=VALUE",
                    help="a fact about the run kept in the JSON's meta.tags, e.g. commit=abc1234 or gpu=H100; "
                         "repeatable")
@@ -214,20 +217,16 @@ async def _run(args: argparse.Namespace, spec: RequestSpec, upload: VoiceUpload 
         if upload is not None:
             await _register(args.url, upload, args.timeout)
         origin_s = time.perf_counter()
-        if args.target == "ws":
-            client: HttpClient | WsClient = WsClient(args.url, spec, args.timeout, origin_s)
-        else:
-            client = HttpClient(args.url, args.target, spec, args.timeout, origin_s)
+        client = make_client(args.url, args.target, spec, args.timeout, origin_s, args.http_client)
         def in_processes(plan: LevelPlan, seed: int) -> Any:
-            job = ClientJob(args.url, args.target, spec, args.timeout, origin_s, plan, seed)
+            job = ClientJob(args.url, args.target, spec, args.timeout, origin_s, plan, seed, args.http_client)
             return run_level_in_processes(job, args.procs, stop)
 
         try:
             records, summaries = await run_benchmark(client.send, plans, stop, args.warmup_requests, args.seed or 0,
                                                       _log, level_fn=in_processes if args.procs > 1 else None)
         finally:
-            if isinstance(client, HttpClient):
-                await client.aclose()
+            await client.aclose()
     finally:
         remove_handlers()
     return records, summaries, stop.is_set()
@@ -287,6 +286,7 @@ def _meta(args: argparse.Namespace, spec: RequestSpec, plans: list[LevelPlan], s
         "client_loop": "uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
         "request": asdict(spec), "levels": [asdict(p) for p in plans], "warmup_requests": args.warmup_requests,
         "timeout_s": args.timeout, "seed": args.seed, "client_procs": args.procs,
+        "http_client": args.http_client if args.target != "ws" else None,
     }
 
 

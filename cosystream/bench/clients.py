@@ -11,6 +11,9 @@ import asyncio
 import contextlib
 import inspect
 import json
+import ssl
+import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +27,7 @@ from cosystream.bench.report import RequestRecord, Timeline
 from cosystream.outputs import SAMPLE_RATE
 
 TARGETS = ("tts", "ws", "openai")
+HTTP_CLIENTS = ("httpx", "raw")  # the HTTP targets' client: httpx, or HTTP/1.1 on bare asyncio streams
 PATHS = {"tts": "/v1/tts", "ws": "/v1/tts/stream", "openai": "/v1/audio/speech"}
 REFUSAL_STATUSES = (503, 429)  # admission control: overloaded / rate limited
 SAMPLES_PER_TOKEN = 960  # 24 kHz samples per speech token (25 Hz)
@@ -225,6 +229,149 @@ class HttpClient:
         self._idle.clear()
 
 
+def multipart_body(fields: dict[str, str], file_field: str, filename: str, data: bytes, content_type: str
+                   ) -> tuple[bytes, str]:
+    """(multipart/form-data body, its Content-Type header) of text fields and one file."""
+    boundary = uuid.uuid4().hex
+    parts = [f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode()
+             for k, v in fields.items()]
+    parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{file_field}"; filename="{filename}"'
+                 f'\r\nContent-Type: {content_type}\r\n\r\n'.encode() + data + b"\r\n")
+    parts.append(f"--{boundary}--\r\n".encode())
+    return b"".join(parts), f"multipart/form-data; boundary={boundary}"
+
+
+class _Http1:
+    """One keep-alive HTTP/1.1 connection on asyncio streams: a request, its status and headers, its body."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    async def request(self, head: bytes, body: bytes) -> tuple[int, dict[str, str]]:
+        self.writer.write(head + body)
+        lines = (await self.reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+        version, status, *_ = lines[0].split(" ", 2) + [""]
+        if not version.startswith("HTTP/1.") or not status.isdigit():
+            raise ConnectionError(f"not an HTTP/1.x response: {lines[0][:80]!r}")
+        headers = {}
+        for line in lines[1:]:
+            if ":" in line:
+                key, value = line.split(":", 1)
+                headers[key.strip().lower()] = value.strip()
+        return int(status), headers
+
+    async def body(self, headers: dict[str, str]) -> AsyncIterator[bytes]:
+        """The body's bytes as they arrive (chunked, Content-Length, or up to the connection's end)."""
+        if "chunked" in headers.get("transfer-encoding", "").lower():
+            while True:
+                size = int((await self.reader.readuntil(b"\r\n")).split(b";")[0].strip(), 16)
+                if size == 0:
+                    while await self.reader.readuntil(b"\r\n") != b"\r\n":  # trailers
+                        pass
+                    return
+                data = await self.reader.readexactly(size + 2)
+                yield data[:-2]
+        elif "content-length" in headers:
+            left = int(headers["content-length"])
+            while left > 0:
+                data = await self.reader.read(min(left, 1 << 16))
+                if not data:
+                    raise ConnectionError("connection closed inside the response body")
+                left -= len(data)
+                yield data
+        else:
+            while data := await self.reader.read(1 << 16):
+                yield data
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class RawHttpClient:
+    """HttpClient's requests (`--http-client raw`) over HTTP/1.1 written here on asyncio streams, no httpx.
+
+    PERF: the load generator's own CPU is part of what it measures at high concurrency (a closed-loop wave of
+    16 requests leaves one Python process one after another). With the server's fake engine
+    (benchmarks/server_overhead.py --client raw|httpx, a 2-core workstation) a wave of 16 reached the engine
+    2.7-2.8 ms after its first send instead of 4.7-4.8, and the last of its first chunks arrived 4.1-4.2 ms
+    after the engine released them instead of 5.1-5.2. Same records and connection reuse as HttpClient.
+    """
+
+    def __init__(self, url: str, target: str, spec: RequestSpec, timeout_s: float, origin_s: float) -> None:
+        self.url, self.target, self.spec = endpoint_url(url, target), target, spec
+        self.timeout_s, self.origin_s = timeout_s, origin_s
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"--url: expected http(s)://host[:port][/path], got {url!r}")
+        self.tls = ssl.create_default_context() if parts.scheme == "https" else None
+        self.host = parts.hostname
+        self.port = parts.port or (443 if self.tls else 80)
+        self.authority = parts.netloc.rsplit("@", 1)[-1]
+        self.path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        self._idle: list[_Http1] = []
+        self._prompt = Path(spec.prompt_wav).read_bytes() if spec.prompt_wav else None
+
+    def _payload(self, index: int) -> tuple[bytes, str]:
+        body = build_body(self.target, self.spec, index)
+        if self._prompt is None:
+            return json.dumps(body).encode(), "application/json"
+        return multipart_body(form_fields(body), "prompt_wav", "prompt.wav", self._prompt, "audio/wav")
+
+    async def _connection(self) -> _Http1:
+        if self._idle:
+            return self._idle.pop()
+        reader, writer = await asyncio.open_connection(self.host, self.port, ssl=self.tls)
+        return _Http1(reader, writer)
+
+    async def send(self, level: str, index: int) -> RequestRecord:
+        timeline = Timeline(level, index, self.origin_s, self.spec.sample_rate, self.spec.expected_audio_s)
+        body, content_type = self._payload(index)
+        head = (f"POST {self.path} HTTP/1.1\r\nHost: {self.authority}\r\nAccept: */*\r\n"
+                f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+
+        async def stream() -> None:
+            conn = await self._connection()
+            reusable = False
+            try:
+                status, headers = await conn.request(head, body)
+                timeline.record.status = status
+                if status != 200:
+                    text = b"".join([data async for data in conn.body(headers)]).decode(errors="replace")
+                    if status in REFUSAL_STATUSES and _error_code(text) != "engine_dead":
+                        timeline.refuse(status, _retry_after(headers.get("retry-after")))
+                    else:
+                        timeline.fail(f"HTTP {status}: {text[:MAX_ERROR_BODY]}", status)
+                else:
+                    pcm = PcmCounter()
+                    async for data in conn.body(headers):
+                        timeline.audio(pcm.add(data))
+                reusable = headers.get("connection", "").lower() != "close" and (
+                    "content-length" in headers or "chunked" in headers.get("transfer-encoding", "").lower())
+            finally:
+                if reusable:
+                    self._idle.append(conn)
+                else:  # a request cut short (time limit, error) leaves its connection mid-response
+                    conn.close()
+
+        return await run_timed(stream, timeline, self.timeout_s)
+
+    async def aclose(self) -> None:
+        for conn in self._idle:
+            conn.close()
+        self._idle.clear()
+
+
+def make_client(url: str, target: str, spec: RequestSpec, timeout_s: float, origin_s: float,
+                http_client: str = "httpx") -> HttpClient | RawHttpClient | WsClient:
+    """The client of a target: WebSocket sessions for "ws", else HTTP through httpx or `RawHttpClient`."""
+    if target == "ws":
+        return WsClient(url, spec, timeout_s, origin_s)
+    if http_client not in HTTP_CLIENTS:
+        raise ValueError(f"--http-client: one of {HTTP_CLIENTS}, got {http_client!r}")
+    kind = RawHttpClient if http_client == "raw" else HttpClient
+    return kind(url, target, spec, timeout_s, origin_s)
+
+
 def _handshake_status(exc: Exception) -> int | None:
     """The HTTP status of a refused WebSocket handshake (websockets >= 14 and the legacy API)."""
     response = getattr(exc, "response", None)
@@ -266,6 +413,9 @@ class WsClient:
                     raise
 
         return await run_timed(stream, timeline, self.timeout_s)
+
+    async def aclose(self) -> None:
+        """Nothing to close: each session has its own connection, closed when it ends."""
 
     async def _session(self, ws: Any, timeline: Timeline, index: int) -> None:
         # send concurrently with reading: a server may answer `start` with an error and close early

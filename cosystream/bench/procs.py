@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from cosystream.bench.clients import HttpClient, RequestSpec, WsClient
+from cosystream.bench.clients import RequestSpec, make_client
 from cosystream.bench.loadgen import LevelPlan, run_event_loop, run_level
 from cosystream.bench.report import RequestRecord
 
@@ -39,6 +39,7 @@ class ClientJob:
     origin_s: float
     plan: LevelPlan
     seed: int
+    http_client: str = "httpx"
 
 
 def split_plan(plan: LevelPlan, procs: int) -> list[LevelPlan]:
@@ -150,12 +151,10 @@ async def _run_share(job: ClientJob, barrier: Any, conn: Connection) -> tuple[li
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_reader(conn.fileno(), stop.set)  # the parent's "stop" (or its end of file) ends the share
-    client = (WsClient(job.url, job.spec, job.timeout_s, job.origin_s) if job.target == "ws"
-              else HttpClient(job.url, job.target, job.spec, job.timeout_s, job.origin_s))
+    client = make_client(job.url, job.target, job.spec, job.timeout_s, job.origin_s, job.http_client)
     try:
         await loop.run_in_executor(None, barrier.wait, START_TIMEOUT_S)
         return await run_level(client.send, job.plan, stop, job.seed)
     finally:
         loop.remove_reader(conn.fileno())
-        if isinstance(client, HttpClient):
-            await client.aclose()
+        await client.aclose()
