@@ -291,10 +291,11 @@ class RawHttpClient:
     """HttpClient's requests (`--http-client raw`) over HTTP/1.1 written here on asyncio streams, no httpx.
 
     PERF: the load generator's own CPU is part of what it measures at high concurrency (a closed-loop wave of
-    16 requests leaves one Python process one after another). With the server's fake engine
-    (benchmarks/server_overhead.py --client raw|httpx, a 2-core workstation) a wave of 16 reached the engine
-    2.7-2.8 ms after its first send instead of 4.7-4.8, and the last of its first chunks arrived 4.1-4.2 ms
-    after the engine released them instead of 5.1-5.2. Same records and connection reuse as HttpClient.
+    16 requests leaves one Python process one after another). Against the real app around a fake engine that
+    answers each wave of 16 at once (benchmarks/server_overhead.py, a 2-core workstation; docs/benchmarks.md):
+    c=16 first audio p90 6.0-7.7 ms against 8.1-8.8 with httpx, p95 6.2-8.7 against 11.7-30.4, and the client
+    keeps up with 1.2-1.8x the audio per second. Same records and connection reuse as HttpClient. Not yet the
+    default: it has not run against the GPU server.
     """
 
     def __init__(self, url: str, target: str, spec: RequestSpec, timeout_s: float, origin_s: float) -> None:
