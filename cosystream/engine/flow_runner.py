@@ -15,7 +15,7 @@ slot when its first chunk fits; its chunks past the slot recompute every frame a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +25,7 @@ from cosystream.engine.stopwatch import Stopwatch
 from cosystream.kernels import flow as flow_kernels
 from cosystream.kernels import reference as reference_kernels
 from cosystream.kernels import triton_usable
-from cosystream.models.estimator import PooledKV
+from cosystream.models.estimator import PooledKV, StepTimes
 from cosystream.models.flow import LOOKAHEAD_CONTEXT, UP_CONTEXT, UPSAMPLE, EncoderState, Flow
 from cosystream.models.flow_stream import FlowStream, PromptCache
 
@@ -126,10 +126,19 @@ class FlowRunner:
         # Each Euler step's time terms made once (Estimator.step_times) where graphs replay them as constants
         # (CUDA): there they save ~15 launches a step. On the CPU every path embeds t row by row, so that the
         # pooled, eager and final passes keep computing the same float sums (a one-row GEMM sums differently).
-        self.constant_times = self.device.type == "cuda"
-        if self.constant_times:
-            for t in self.cfm.t_steps:  # made before any graph capture
-                est.step_times(t)
+        self.step_index = torch.arange(steps, device=self.device)  # a final pass's Euler step, as a graph input
+        self.constant_times = False
+        self.final_times: tuple[torch.Tensor, torch.Tensor] | None = None  # (t_emb [S, 4C], ResNet terms [S, 14C])
+        if self.device.type == "cuda":
+            self.use_constant_step_times()
+
+    def use_constant_step_times(self) -> None:
+        """Make each Euler step's time terms once (`Estimator.step_times`, before any graph capture) and use
+        them in every pass from now on; the final pass's one step graph serves every Euler step, so it
+        gathers its step's terms from tables by the step index (two launches instead of ~13)."""
+        made = [self.cfm.estimator.step_times(t) for t in self.cfm.t_steps]
+        self.final_times = (torch.cat([m.t_emb for m in made]), torch.cat([torch.cat(m.resnet, dim=1) for m in made]))
+        self.constant_times = True
 
     # ------------------------------------------------------------------ slots
     def holds(self, prompt: PromptCache) -> bool:
@@ -426,7 +435,7 @@ class FlowRunner:
         """One Euler step of a final pass (one graph replay)."""
         (x,) = self._final_replay(self.final_step_graphs, final.key,
                                   [final.x, final.mu, final.spks, final.cond, final.frames,
-                                   self.t_steps[final.step], self.dt_steps[final.step]])
+                                   self.step_index[final.step:final.step + 1]])
         final.x.copy_(x)
         final.step += 1
 
@@ -449,12 +458,28 @@ class FlowRunner:
         """The official final call's finalizing encoder, and its inputs as the estimator's CFG rows."""
         return self.cfm.cfg_inputs(self.flow.encode_padded(ids, valid), spks, cond)
 
-    def _final_step_core(self, x, mu, spks, cond, frames, t, dt) -> tuple[torch.Tensor]:
-        """One Euler step of the official final call: full attention over each row's first `frames`
-        frames (padding frames come after them: the causal convs never carry them backwards)."""
-        velocity = self._whole_pass_velocity(frames, x.shape[-1], chunk=0)
-        v = velocity(0, self.cfm.cfg_rows(x), mu, spks, cond, t.expand(2 * x.shape[0]))
-        return (self.cfm.euler_step(x, v, dt),)
+    def _final_step_core(self, x, mu, spks, cond, frames, step) -> tuple[torch.Tensor]:
+        """Euler step `step` ([1] int64) of the official final call: full attention over each row's first
+        `frames` frames (padding frames come after them: the causal convs never carry them backwards).
+        With the fused ODE tail the estimator's final projection, the CFG mix and the update are one op."""
+        fused = self.solver_ops
+        velocity = self._whole_pass_velocity(frames, x.shape[-1], chunk=0, project=fused is None,
+                                             times=lambda _: self._final_step_times(step))
+        t = self.t_steps.index_select(0, step).expand(2 * x.shape[0]) if self.final_times is None else None
+        out = velocity(0, self.cfm.cfg_rows(x), mu, spks, cond, t)
+        dt = self.dt_steps.index_select(0, step)
+        if fused is None:
+            return (self.cfm.euler_step(x, out, dt[0]),)
+        proj = self.cfm.estimator.final_proj
+        return (fused.project_cfg_euler(out, proj.weight, proj.bias, x, dt, self.cfm.cfg_rate)[0],)
+
+    def _final_step_times(self, step: torch.Tensor) -> StepTimes | None:
+        """The StepTimes of Euler step `step` ([1] int64, on the device) from `final_times` (None without
+        constant step times: the estimator then embeds t row by row)."""
+        if self.final_times is None:
+            return None
+        t_emb, resnet = (table.index_select(0, step) for table in self.final_times)
+        return StepTimes(t_emb, tuple(resnet.split(self.cfm.estimator.dims.channels, dim=1)))
 
     def _by_padded_length(self, indices: Sequence[int], frames: Sequence[int]) -> list[tuple[int, list[int]]]:
         """Whole-utterance passes grouped by the length they are padded to, at most REPLAY_ROWS streams
@@ -532,26 +557,28 @@ class FlowRunner:
         (tokens past a row's positions up to valid are its look-ahead), then chunk-masked attention to its
         own keys (padding frames come after a row's frames)."""
         mu = self.flow.encode_padded(ids, valid, streaming=True, positions=positions)[:, :, :z.shape[-1]]
-        velocity = self._whole_pass_velocity(UPSAMPLE * positions, z.shape[-1], self.chunk, in_solver=True)
+        est = self.cfm.estimator
+        velocity = self._whole_pass_velocity(
+            UPSAMPLE * positions, z.shape[-1], self.chunk, project=self.solver_ops is None,
+            times=lambda k: est.step_times(self.cfm.t_steps[k]) if self.constant_times else None)
         return (self.cfm.solve(z, mu, spks, cond, velocity, fused=self.solver_ops),)
 
-    def _whole_pass_velocity(self, frames: torch.Tensor, num_frames: int, chunk: int, in_solver: bool = False):
+    def _whole_pass_velocity(self, frames: torch.Tensor, num_frames: int, chunk: int, project: bool,
+                             times: Callable[[int], StepTimes | None]):
         """The estimator's velocity for a whole-utterance pass from frame 0 of rows [B] each `frames` long
         (graph body): attention over its own keys (chunk masks when chunk > 0), causal-conv tails from zero
-        at every Euler step (the official left padding). It touches no pool slot. in_solver: called by
-        `cfm.solve` with `fused=self.solver_ops` (the step index is the Euler step's: its StepTimes are used)."""
+        at every Euler step (the official left padding). It touches no pool slot. project=False: it returns
+        the hidden state for a fused ODE tail; times(k): Euler step k's StepTimes (None: from t)."""
         est = self.cfm.estimator
         rows = 2 * frames.shape[0]
         write_pos = torch.arange(num_frames, device=frames.device).repeat(rows, 1)
         limits = frames.repeat_interleave(2)
-        own = torch.arange(rows, device=frames.device)
-        project = not in_solver or self.solver_ops is None
+        own = torch.arange(rows, device=frames.device)  # row r attends to its own keys (PooledKV.own_keys)
 
         def velocity(k: int, x, mu_in, spks_in, cond_in, t):
             conv = torch.zeros(rows, est.conv_state_channels, 2, device=x.device, dtype=self.dtype)
             keys = PooledKV(self.kv[0], own, write_pos, limits, chunk, num_frames, self.attention_ops, own_keys=True)
-            times = est.step_times(self.cfm.t_steps[k]) if in_solver and self.constant_times else None
-            return self._step(x, mu_in, spks_in, cond_in, t, [keys], conv, write_pos, [], times=times,
+            return self._step(x, mu_in, spks_in, cond_in, t, [keys], conv, write_pos, [], times=times(k),
                               project=project)
 
         return velocity

@@ -284,11 +284,15 @@ def _kernels() -> SimpleNamespace:
 
 
     @triton.jit
-    def project_cfg_euler_kernel(h_ptr, w_ptr, b_ptr, x_ptr, x_out_ptr, rows_out_ptr, n_in, num_t, dt, cfg_c,
-                                 cfg_u, sh_r, sh_c, sh_t, N_OUT: tl.constexpr, BLOCK_O: tl.constexpr,
-                                 BLOCK_CI: tl.constexpr, BLOCK_T: tl.constexpr, PRECISION: tl.constexpr):
-        # One program: BLOCK_T frames of one request's CFG pair (rows 2p, 2p + 1 of h).
+    def project_cfg_euler_kernel(h_ptr, w_ptr, b_ptr, x_ptr, x_out_ptr, rows_out_ptr, n_in, num_t, dt, dt_ptr,
+                                 cfg_c, cfg_u, sh_r, sh_c, sh_t, N_OUT: tl.constexpr, BLOCK_O: tl.constexpr,
+                                 BLOCK_CI: tl.constexpr, BLOCK_T: tl.constexpr, PRECISION: tl.constexpr,
+                                 DT_FROM_PTR: tl.constexpr):
+        # One program: BLOCK_T frames of one request's CFG pair (rows 2p, 2p + 1 of h). DT_FROM_PTR: the
+        # step size is read from the device (a graph that serves every Euler step), else it is `dt`.
         pair = tl.program_id(0)
+        if DT_FROM_PTR:
+            dt = tl.load(dt_ptr)
         offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
         offs_o = tl.arange(0, BLOCK_O)
         offs_i = tl.arange(0, BLOCK_CI)
@@ -553,11 +557,12 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, offset: int, weight: 
     return out
 
 
-def project_cfg_euler(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, x: torch.Tensor, dt: float,
-                      cfg_rate: float) -> tuple[torch.Tensor, torch.Tensor]:
+def project_cfg_euler(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, x: torch.Tensor,
+                      dt: float | torch.Tensor, cfg_rate: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `reference.project_cfg_euler`; h [2B, Cin, T] any strides, x [B, Cout, T] float32
-    contiguous. PERF: one launch for the final 1x1 conv, the CFG mix, the Euler update and the next step's
-    input rows (a cuDNN conv with its two layout transforms and ~8 element-wise kernels before)."""
+    contiguous, dt a float or a one-element float32 tensor on x's device (read when the kernel runs).
+    PERF: one launch for the final 1x1 conv, the CFG mix, the Euler update and the next step's input rows
+    (a cuDNN conv with its two layout transforms and ~8 element-wise kernels before)."""
     kern = _kernels()
     rows, n_in, num_t = h.shape
     n_out = weight.shape[0]
@@ -567,8 +572,11 @@ def project_cfg_euler(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     x_new = torch.empty_like(x)
     next_rows = torch.empty(rows, n_out, num_t, device=h.device, dtype=h.dtype)
     block_t = 16
+    on_device = isinstance(dt, torch.Tensor)
+    assert not on_device or (dt.numel() == 1 and dt.dtype == torch.float32 and dt.device == x.device)
     kern.project_cfg_euler_kernel[(x.shape[0], -(-num_t // block_t))](
-        h, w, bias, x, x_new, next_rows, n_in, num_t, float(dt), 1.0 + cfg_rate, float(cfg_rate), h.stride(0),
-        h.stride(1), h.stride(2), N_OUT=n_out, BLOCK_O=kern.next_power_of_2(n_out), BLOCK_CI=64, BLOCK_T=block_t,
-        PRECISION=_precision(h), num_warps=4)
+        h, w, bias, x, x_new, next_rows, n_in, num_t, 0.0 if on_device else float(dt), dt if on_device else x,
+        1.0 + cfg_rate, float(cfg_rate), h.stride(0), h.stride(1), h.stride(2), N_OUT=n_out,
+        BLOCK_O=kern.next_power_of_2(n_out), BLOCK_CI=64, BLOCK_T=block_t, PRECISION=_precision(h),
+        DT_FROM_PTR=on_device, num_warps=4)
     return x_new, next_rows

@@ -187,13 +187,13 @@ def norm_qkv_pool_write(x: torch.Tensor, residual: torch.Tensor | None, norm: tu
     return q.contiguous(), total
 
 
-def project_cfg_euler(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, x: torch.Tensor, dt: float,
-                      cfg_rate: float) -> tuple[torch.Tensor, torch.Tensor]:
+def project_cfg_euler(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, x: torch.Tensor,
+                      dt: float | torch.Tensor, cfg_rate: float) -> tuple[torch.Tensor, torch.Tensor]:
     """One Euler step of the CFM from the estimator's hidden state: v = 1x1 conv (weight [Cout, Cin, 1],
     bias) of h [2B, Cin, T] (rows: each request's conditional, then unconditional), the CFG mix
-    (1 + λ)·v_c − λ·v_u and x + dt · that in float32 (x [B, Cout, T] float32). Returns (the new x, its
-    rows for the next estimator call: each request's x twice, in h's dtype) — the statements of
-    `CausalConditionalCFM.euler_step` and `cfg_rows`."""
+    (1 + λ)·v_c − λ·v_u and x + dt · that in float32 (x [B, Cout, T] float32; dt a float or a one-element
+    float32 tensor). Returns (the new x, its rows for the next estimator call: each request's x twice, in
+    h's dtype) — the statements of `CausalConditionalCFM.euler_step` and `cfg_rows`."""
     v = F.conv1d(h, weight, bias).float()
     x_new = x + dt * ((1.0 + cfg_rate) * v[0::2] - cfg_rate * v[1::2])
     return x_new, x_new.repeat_interleave(2, dim=0).to(h.dtype)

@@ -70,6 +70,7 @@ class PooledKV:
     # write_pos = 0, 1, ..., attn_len - 1): attention reads them where the q/k/v projection put them and
     # the pool is neither written nor read (nothing reads it later: each Euler step recomputes every
     # frame), so such a pass needs no slot and may outlive the stream's hold on one (FlowRunner.FinalPass).
+    # `rows` is then 0, 1, ..., R - 1: row r's keys are row r of the projection.
     # The fused ops' path writes q/k/v into the pool: these calls never take it.
     own_keys: bool = False
 
@@ -229,8 +230,8 @@ class Attention(nn.Module):
             # PERF: no pool write (2 × rows × frames × inner): the k/v views of the projection are the
             # "pool", row r its own. (torch SDPA on the same views, cuDNN's flash kernel with a key-length
             # bias, measured slower on the H100: 123 vs 109 ms of attention in a final pass of 16 streams.)
-            own_rows = torch.arange(q.shape[0], device=q.device)
-            return p.ops.pooled_attention(q, k, v, own_rows, p.write_pos, p.key_limit, p.chunk, p.attn_len,
+            # The pass's `rows` (0 .. R-1, made once a step) serve every block: no launch of its own here.
+            return p.ops.pooled_attention(q, k, v, p.rows, p.write_pos, p.key_limit, p.chunk, p.attn_len,
                                           self.num_heads)
         pool_k, pool_v = p.pool[view.block, 0], p.pool[view.block, 1]
         if self.kernels is not None:

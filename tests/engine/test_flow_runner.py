@@ -98,6 +98,36 @@ def test_pooled_full_pass_equals_the_official_final_call(checkpoint, load_fixtur
                                atol=1e-4, rtol=0)
 
 
+def test_final_passes_built_as_on_cuda_give_the_official_final_mel(checkpoint, load_fixture, cfm_noise, manifest):
+    """What CUDA runs for the official final call, here on the CPU: the fused estimator ops, each Euler step's
+    time terms gathered from tables by the step index, and the projection, CFG mix and update as one op with
+    the step size read from the device. Paused between steps, with another pass between them, it still
+    gives the official final chunk's mel and the CPU path's passes."""
+    f, flow, prompt, runner = _official_noise_runner(checkpoint, load_fixture, cfm_noise, num_slots=1,
+                                                     max_frames=512)
+    tokens = f["token"][0]
+    items = [(prompt, tokens), (prompt, tokens[:-5])]
+    want = runner.full_passes(items)
+    est = flow.decoder.estimator
+    est.set_kernels(reference)
+    runner.attention_ops = runner.solver_ops = reference
+    runner.use_constant_step_times()
+    try:
+        (a, row_a), (b, row_b) = runner.begin_finals(items)
+        (other, _), = runner.begin_finals([((prompt, (tokens * 3 + 1) % 6561))])
+        while not a.done:
+            runner.final_step(a)
+            runner.final_step(other)
+    finally:
+        est.set_kernels(None)
+    assert a is b and other.done
+    for got, w in zip((a.mel(row_a), a.mel(row_b)), want, strict=True):
+        torch.testing.assert_close(got, w, atol=1e-4, rtol=0)
+    final = len(manifest["stream"]["schedule"]) - 1
+    torch.testing.assert_close(a.mel(row_a)[:, 2 * f["prompt_token"].shape[1]:], f[f"call{final}_flow_mel_full"][0],
+                               atol=1e-4, rtol=0)
+
+
 def test_final_pass_sms_on_the_cpu_runs_the_pass_on_the_caller_s_device_unchanged(checkpoint, load_fixture,
                                                                                   cfm_noise, manifest):
     """EngineConfig.final_pass_sms needs CUDA green contexts: elsewhere the passes run as before, no error."""

@@ -291,3 +291,23 @@ def test_project_cfg_euler(device: str, dtype: torch.dtype, num_t: int) -> None:
     tol = 2e-3 if dtype == torch.bfloat16 else 1e-6
     assert _rel(x_new - x, want_x - x) < tol  # the update itself, not only the state it is added to
     assert _rel(rows.float(), want_rows.float()) < tol
+
+
+def test_project_cfg_euler_reads_its_step_from_the_device(device: str) -> None:
+    """A final pass's one step graph serves every Euler step, so its step size comes from a device tensor
+    (read when the kernel runs): the same numbers as that step size given as a float, and a changed tensor
+    is a changed step."""
+    g = torch.Generator().manual_seed(43)
+    h = torch.randn(4, 256, 21, generator=g).to(device, torch.bfloat16)
+    w = (torch.randn(80, 256, 1, generator=g) / 16).to(device, torch.bfloat16)
+    b = torch.randn(80, generator=g).to(device, torch.bfloat16)
+    x = torch.randn(2, 80, 21, generator=g).to(device)
+    dt = torch.tensor([0.0731], device=device)
+    for ops in (flow, reference):
+        got_x, got_rows = ops.project_cfg_euler(h, w, b, x, dt, 0.7)
+        want_x, want_rows = ops.project_cfg_euler(h, w, b, x, 0.0731, 0.7)
+        assert torch.equal(got_x, want_x) and torch.equal(got_rows, want_rows)
+        dt.fill_(0.25)
+        stepped = ops.project_cfg_euler(h, w, b, x, dt, 0.7)[0]
+        assert torch.equal(stepped, ops.project_cfg_euler(h, w, b, x, 0.25, 0.7)[0])
+        dt.fill_(0.0731)
