@@ -30,7 +30,7 @@ import cosystream
 from cosystream.checkpoint import load_checkpoint
 from cosystream.engine.flow_runner import FlowRunner
 from cosystream.engine.lm_runner import LMRunner
-from cosystream.engine.loader import load_flow, load_llm
+from cosystream.engine.loader import load_flow, load_hift, load_llm
 from cosystream.kernels import reference
 
 PACKAGE = str(Path(cosystream.__file__).resolve().parent)
@@ -141,16 +141,71 @@ def chunk_ode_launches(model_dir: str, prompt_frames: int, new_frames: int) -> C
     return census
 
 
-def prefill_launches(model_dir: str, positions: int) -> Census:
-    """One prompt's batched LM prefill of `positions` positions (its graph body), with the decode ops counted."""
-    census = Census()
-    lm = load_llm(load_checkpoint(model_dir))
-    runner = LMRunner(lm, max_slots=2, max_len=positions + 64, use_graphs=False)
+@contextlib.contextmanager
+def counted_sampler(census: Census) -> Iterator[None]:
+    """`cosystream.kernels.sample` (Triton, CUDA only) as one counted launch that samples nothing."""
+    sys.modules["cosystream.kernels.sample"] = SimpleNamespace(  # type: ignore[assignment]
+        sample_and_record=census.fused("sample_and_record", lambda *args, **kwargs: None))
+    try:
+        yield
+    finally:
+        del sys.modules["cosystream.kernels.sample"]
+
+
+def lm_runner_as_on_cuda(model_dir: str, census: Census, max_slots: int, max_len: int) -> LMRunner:
+    """An LMRunner on the CPU set up the way the CUDA one is: the decode ops (counted) and the fused sampler."""
+    runner = LMRunner(load_llm(load_checkpoint(model_dir)), max_slots=max_slots, max_len=max_len, use_graphs=False)
     runner.ops = counting_ops(census, reference)
-    runner.fused = True
-    x = torch.randn(1, positions, lm.dims.hidden_size)
+    runner.fused = runner.fused_sampler = True
+    return runner
+
+
+def prefill_launches(model_dir: str, positions: int) -> Census:
+    """One prompt's batched LM prefill of `positions` positions (its graph body)."""
+    census = Census()
+    runner = lm_runner_as_on_cuda(model_dir, census, max_slots=2, max_len=positions + 64)
+    x = torch.randn(1, positions, runner.dims.hidden_size)
+    with counted_sampler(census), census_of(census):
+        runner._prefill_core(x, torch.tensor([0]), torch.tensor([positions - 1]), torch.tensor([0]))
+    return census
+
+
+def decode_step_launches(model_dir: str, rows: int) -> Census:
+    """One LM decode step of `rows` rows with the fused sampler (its graph body)."""
+    census = Census()
+    runner = lm_runner_as_on_cuda(model_dir, census, max_slots=rows, max_len=320)
+    runner.positions[:rows] = 230
+    with counted_sampler(census), census_of(census):
+        runner._step(rows, 256)
+    return census
+
+
+def encoder_launches(model_dir: str, prompt_tokens: int, new_tokens: int) -> Census:
+    """The flow encoder's streaming step for one stream's chunk of `new_tokens` (its graph body)."""
+    census = Census()
+    runner = flow_runner_as_on_cuda(model_dir, census, max_frames=2 * (prompt_tokens + new_tokens) + 64)
+    flow = runner.flow
+    look = flow.dims.pre_lookahead_len
+    ids = torch.randint(0, 6561, (1, new_tokens))
+    ctx = torch.randint(0, 6561, (1, look))
+    la_tail = torch.zeros(1, *runner.enc_la_tail_shape) if hasattr(runner, "enc_la_tail_shape") else None
+    width = flow.encoder.output_size if hasattr(flow.encoder, "output_size") else flow.dims.encoder.output_size
+    la_tail = torch.zeros(1, 2, flow.dims.input_size) if la_tail is None else la_tail
+    up_tail = torch.zeros(1, 4, width)
     with census_of(census):
-        runner._prefill_core(x, torch.tensor([0]), torch.tensor([positions - 1]))
+        runner._encode_core(ids, ctx, la_tail, up_tail, torch.tensor([0]), torch.empty(prompt_tokens), torch.empty(1))
+    return census
+
+
+def vocoder_launches(model_dir: str, frames: int) -> Census:
+    """HiFT over a first chunk's `frames` mel frames, Snake as its one fused kernel (the graph body)."""
+    census = Census()
+    hift = load_hift(load_checkpoint(model_dir))
+    hift.set_kernels(counting_ops(census, reference))
+    mel = torch.randn(1, 80, frames)
+    noise = torch.randn(1, frames * hift.upsample_scale, hift.m_source.num_harmonics)
+    with census_of(census):
+        hift.inference(mel, None, noise=noise)
     return census
 
 
@@ -165,7 +220,7 @@ def report(title: str, census: Census, per: int, top: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-dir", required=True)
-    ap.add_argument("--paths", default="final,chunk,prefill")
+    ap.add_argument("--paths", default="final,chunk,encoder,vocoder,prefill,decode")
     ap.add_argument("--final-frames", type=int, default=800, help="a 6 s prompt and 10 s of speech: 300 + 500")
     ap.add_argument("--prompt-frames", type=int, default=300)
     ap.add_argument("--new-frames", type=int, default=50, help="a first chunk of 25 tokens")
@@ -181,6 +236,14 @@ def main() -> None:
         census = chunk_ode_launches(args.model_dir, args.prompt_frames, args.new_frames)
         report(f"chunk ODE, one stream, {args.new_frames} new frames after {args.prompt_frames}",
                census, 10, args.top)
+    if "decode" in paths:
+        report("LM decode step, one row", decode_step_launches(args.model_dir, 1), 1, args.top)
+    if "encoder" in paths:
+        report(f"flow encoder, one stream's chunk of {args.new_frames // 2} tokens",
+               encoder_launches(args.model_dir, args.prompt_frames // 2, args.new_frames // 2), 1, args.top)
+    if "vocoder" in paths:
+        report(f"HiFT, one stream's first chunk of {args.new_frames} mel frames",
+               vocoder_launches(args.model_dir, args.new_frames), 1, args.top)
     if "prefill" in paths:
         census = prefill_launches(args.model_dir, args.positions)
         report(f"LM prefill, one prompt of {args.positions} positions", census, 1, args.top)

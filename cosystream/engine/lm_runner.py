@@ -92,6 +92,7 @@ class LMRunner:
         self.positions = torch.zeros(n, dtype=torch.int64, **z)  # where the next input is written
         self.out = torch.zeros(n, dtype=torch.int64, **z)
         self.active = torch.zeros(n, dtype=torch.bool, **z)  # rows whose state a decode step advances
+        self.all_rows = torch.ones(n, dtype=torch.bool, **z)  # a prefill records the first token of its rows
         self.sampling = SamplingBatch(
             seeds=torch.zeros(n, dtype=torch.int64, **z), steps=torch.zeros(n, dtype=torch.int64, **z),
             min_len=torch.zeros(n, dtype=torch.int64, **z), top_p=torch.ones(n, **z),
@@ -179,22 +180,31 @@ class LMRunner:
         x = torch.zeros(rows, padded, items[0][1].shape[1], device=self.device, dtype=self.dtype)
         for r, (_, embeds) in enumerate(items):
             x[r, :embeds.shape[0]] = embeds.to(self.device, self.dtype)
-        slot_t = torch.tensor([slot for slot, _ in items], device=self.device)
-        last_t = torch.tensor([embeds.shape[0] - 1 for _, embeds in items], device=self.device)
+        slots = [slot for slot, _ in items]
+        # the rows that sample: each slot once (padding rows repeat the last prompt), -1 for the others
+        sampling = [slot if slot not in slots[:r] else -1 for r, slot in enumerate(slots)]
+        slot_t, last_t, sample_t = torch.tensor(
+            [slots, [embeds.shape[0] - 1 for _, embeds in items], sampling], device=self.device)
         key = (rows, padded)
         if key not in self.prefill_graphs.graphs:
             # capturing also runs the step (warm-up + replay): undo what that did to the rows' state
             saved = [t.clone() for t in self._state_tensors()]
-            self.prefill_graphs.run(key, [x, slot_t, last_t])
+            self.prefill_graphs.run(key, [x, slot_t, last_t, sample_t])
             for t, old in zip(self._state_tensors(), saved, strict=True):
                 t.copy_(old)
-        (token,) = self.prefill_graphs.run(key, [x, slot_t, last_t])
+        (token,) = self.prefill_graphs.run(key, [x, slot_t, last_t, sample_t])
         return token.tolist()[:count]
 
-    def _prefill_core(self, x: torch.Tensor, slot: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor]:
+    def _prefill_core(self, x: torch.Tensor, slot: torch.Tensor, last: torch.Tensor, sample_rows: torch.Tensor
+                      ) -> tuple[torch.Tensor]:
+        """Graph body: prompts x [B, n, d] into cache rows `slot` [B], each row's first token drawn from its
+        last position `last` [B] into the state of rows `sample_rows` (the slots, -1 where a row repeats
+        one: padding). Returns each row's token (NON_FINITE_TOKEN for non-finite logits)."""
         rows, _, width = x.shape
         h = self._fresh(x, slot)
         h = h.gather(1, last.view(rows, 1, 1).expand(rows, 1, width)).squeeze(1)  # each row's last position
+        if self.fused_sampler:
+            return (self._first_tokens_fused(h, slot, last, sample_rows),)
         s = self.sampling
         picked = SamplingBatch(*(getattr(s, f).index_select(0, slot) for f in SamplingBatch.__dataclass_fields__))
         logp = self.lm.logp(h)
@@ -205,6 +215,23 @@ class LMRunner:
         s.history.index_copy_(0, slot, torch.cat([picked.history[:, 1:], token.unsqueeze(1)], dim=1))
         self.positions.index_copy_(0, slot, last + 1)
         return (mark_non_finite(logp, token),)
+
+    def _first_tokens_fused(self, h: torch.Tensor, slot: torch.Tensor, last: torch.Tensor,
+                            sample_rows: torch.Tensor) -> torch.Tensor:
+        """The prefill's tail as the decode step's: the head, then one kernel that samples each new row and
+        records it (next input, step count, history, position = prompt length). PERF: the torch sampler
+        and the row updates are ~150 small kernels in the prefill graph."""
+        from cosystream.kernels import sample  # Triton is imported only where it runs
+
+        head = self.lm.llm_decoder
+        logits = self.ops.linear(h, head.weight, head.bias, partials=False)
+        self.positions.index_copy_(0, slot, last)  # the kernel writes position + 1: the prompt's length
+        s = self.sampling
+        sample.sample_and_record(
+            logits, s.seeds, s.steps, s.min_len, s.top_p, s.top_k, s.repeat_threshold, s.window, s.history,
+            s.forced, s.greedy, s.ban_special, self.all_rows, self.tokens, self.positions, self.out, eos=self.eos,
+            max_top_k=MAX_TOP_K, max_position=self.max_len - 1, non_finite_token=NON_FINITE_TOKEN, rows=sample_rows)
+        return self.out.index_select(0, slot)
 
     def _fresh(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Hidden states of new prompts x [B, n, d] written from position 0 into cache rows `slots`."""

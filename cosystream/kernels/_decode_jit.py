@@ -37,7 +37,8 @@ def add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, par
 def rope_write_kv_kernel(qkv_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, q_out_ptr, k_ptr, v_ptr,
                          slot_stride, head_stride, part_stride, NUM_HEADS: tl.constexpr,
                          NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr, PARTS: tl.constexpr,
-                         HAS_SLOTS: tl.constexpr, PDL: tl.constexpr):
+                         HAS_SLOTS: tl.constexpr, ALL_HEADS: tl.constexpr, PDL: tl.constexpr):
+    # ALL_HEADS: q_out holds every head of the row (q and k rotated, v as is), not the queries alone
     if PDL:
         follow_previous()
     row = tl.program_id(0)
@@ -49,8 +50,9 @@ def rope_write_kv_kernel(qkv_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, q_out_ptr
     base = row * (NUM_HEADS + 2 * NUM_KV) * HEAD_DIM + head * HEAD_DIM
     dtype = q_out_ptr.dtype.element_ty
     out = rotate(qkv_ptr, base + offs_d, base + partner, all_d, cos, sin, sign, part_stride, PARTS, dtype)
+    out_heads = NUM_HEADS + 2 * NUM_KV if ALL_HEADS else NUM_HEADS
     if head < NUM_HEADS:
-        tl.store(q_out_ptr + (row * NUM_HEADS + head) * HEAD_DIM + offs_d, out)
+        tl.store(q_out_ptr + (row * out_heads + head) * HEAD_DIM + offs_d, out)
     else:
         kv = head - NUM_HEADS
         slot = tl.load(slot_ptr + row).to(tl.int64) if HAS_SLOTS else row  # its cache row
@@ -59,6 +61,9 @@ def rope_write_kv_kernel(qkv_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, q_out_ptr
         # the value head sits NUM_KV heads after its key head
         v = sum_parts(qkv_ptr, base + NUM_KV * HEAD_DIM + offs_d, all_d, part_stride, PARTS, dtype)
         tl.store(v_ptr + cache_off + offs_d, v.to(v_ptr.dtype.element_ty))
+        if ALL_HEADS:
+            tl.store(q_out_ptr + (row * out_heads + head) * HEAD_DIM + offs_d, out)
+            tl.store(q_out_ptr + (row * out_heads + head + NUM_KV) * HEAD_DIM + offs_d, v)
 
 
 @triton.jit

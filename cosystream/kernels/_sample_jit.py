@@ -36,12 +36,23 @@ def gumbel(row_key, cols):
 @triton.jit
 def sample_record_kernel(logits_ptr, logits_stride, seeds_ptr, steps_ptr, min_len_ptr, top_p_ptr, top_k_ptr,
                          threshold_ptr, window_ptr, history_ptr, forced_ptr, greedy_ptr, ban_ptr, active_ptr,
-                         tokens_ptr, positions_ptr, out_ptr, vocab, eos, max_position, non_finite_token,
+                         tokens_ptr, positions_ptr, out_ptr, rows_ptr, vocab, eos, max_position, non_finite_token,
                          stream1, stream2, HIST: tl.constexpr, MAX_K: tl.constexpr,
-                         BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, HAS_ROWS: tl.constexpr,
+                         EARLY: tl.constexpr, PDL: tl.constexpr):
     # The row's state is written only by this kernel (of an earlier step) or before the step: with EARLY
     # it is loaded before the wait for the head (PDL), so those loads overlap the head's GEMM.
-    row = tl.program_id(0)
+    # HAS_ROWS: program b samples logits row b into state row rows[b] (< 0: a padding row, nothing written).
+    prog = tl.program_id(0)
+    if HAS_ROWS:
+        if PDL and EARLY:
+            follow_previous()  # rows and the state they point to may come from the kernels just before
+        row = tl.load(rows_ptr + prog)
+        live = row >= 0
+        row = tl.maximum(row, 0)
+    else:
+        row = prog
+        live = prog >= 0
     cols = tl.arange(0, BLOCK_V)
     valid = cols < vocab
     if PDL and not EARLY:
@@ -58,11 +69,11 @@ def sample_record_kernel(logits_ptr, logits_stride, seeds_ptr, steps_ptr, min_le
     threshold = tl.load(threshold_ptr + row)
     greedy = tl.load(greedy_ptr + row) != 0
     forced = tl.load(forced_ptr + row)
-    active = tl.load(active_ptr + row) != 0
+    active = (tl.load(active_ptr + row) != 0) & live
     pos = tl.load(positions_ptr + row)
-    if PDL and EARLY:
+    if PDL and EARLY and not HAS_ROWS:
         follow_previous()
-    x = tl.load(logits_ptr + row * logits_stride + cols, mask=valid, other=0.0).to(tl.float32)
+    x = tl.load(logits_ptr + prog * logits_stride + cols, mask=valid, other=0.0).to(tl.float32)
     finite = (x == x) & (tl.abs(x) < float("inf"))
     bad = tl.sum(tl.where(valid & ~finite, 1, 0), axis=0) > 0
     # a row with NaN/inf is reported through `out` and fails its request; sampling it from the finite
@@ -109,7 +120,7 @@ def sample_record_kernel(logits_ptr, logits_stride, seeds_ptr, steps_ptr, min_le
     if forced >= 0:
         token = forced
 
-    tl.store(out_ptr + row, tl.where(bad, non_finite_token, token))
+    tl.store(out_ptr + row, tl.where(bad, non_finite_token, token), mask=live)
     if active:
         tl.store(tokens_ptr + row, token)
         tl.store(steps_ptr + row, step + 1)

@@ -73,18 +73,19 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   cache_k: torch.Tensor, cache_v: torch.Tensor, num_heads: int, num_kv_heads: int,
-                  slots: torch.Tensor | None = None) -> torch.Tensor:
+                  slots: torch.Tensor | None = None, all_heads: bool = False) -> torch.Tensor:
     """qkv: [B, (H + 2·KV)·D], or a `linear` output given as float32 partials [S, B, ...] (summed here);
-    row b's k/v go to cache row slots[b] (b without slots)."""
+    row b's k/v go to cache row slots[b] (b without slots). Contract as `reference.rope_write_kv`."""
     k = _kernels()
     parts = _parts(qkv)
     batch = qkv.shape[-2]
     head_dim = cache_k.shape[-1]
-    q = torch.empty(batch, num_heads, head_dim, device=qkv.device, dtype=cache_k.dtype)
+    out_heads = num_heads + 2 * num_kv_heads if all_heads else num_heads
+    q = torch.empty(batch, out_heads, head_dim, device=qkv.device, dtype=cache_k.dtype)
     k.rope_write_kv_kernel[(batch, num_heads + num_kv_heads)](
         qkv, positions, positions if slots is None else slots, cos, sin, q, cache_k, cache_v, cache_k.stride(0),
         cache_k.stride(1), qkv[0].numel() if parts else 0, NUM_HEADS=num_heads, NUM_KV=num_kv_heads,
-        HEAD_DIM=head_dim, PARTS=parts, HAS_SLOTS=slots is not None, **pdl_launch(qkv))
+        HEAD_DIM=head_dim, PARTS=parts, HAS_SLOTS=slots is not None, ALL_HEADS=all_heads, **pdl_launch(qkv))
     return q
 
 

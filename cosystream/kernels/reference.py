@@ -26,9 +26,11 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   cache_k: torch.Tensor, cache_v: torch.Tensor, num_heads: int, num_kv_heads: int,
-                  slots: torch.Tensor | None = None) -> torch.Tensor:
+                  slots: torch.Tensor | None = None, all_heads: bool = False) -> torch.Tensor:
     """Rotate q and k (rotate-half RoPE at each row's position), store k and v in cache rows slots[b]
-    (rows [0, B) without slots) at `positions`, and return the rotated queries [B, H, D]."""
+    (rows [0, B) without slots) at `positions`, and return the rotated queries [B, H, D]; all_heads: every
+    head as stored, [B, H + 2·KV, D] (q and k rotated, then v: a prefill attends to them without
+    reading the cache back)."""
     batch = qkv.shape[0]
     head_dim = cache_k.shape[-1]
     heads = qkv.view(batch, num_heads + 2 * num_kv_heads, head_dim)
@@ -41,6 +43,8 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     rows = torch.arange(batch, device=qkv.device) if slots is None else slots
     cache_k[rows, :, positions] = qk[:, num_heads:]
     cache_v[rows, :, positions] = heads[:, num_heads + num_kv_heads:]
+    if all_heads:
+        return torch.cat([qk, heads[:, num_heads + num_kv_heads:].to(qk.dtype)], dim=1)
     return qk[:, :num_heads].contiguous()
 
 

@@ -39,7 +39,8 @@ def sample_and_record(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Te
                       top_p: torch.Tensor, top_k: torch.Tensor, repeat_threshold: torch.Tensor, window: torch.Tensor,
                       history: torch.Tensor, forced: torch.Tensor, greedy: torch.Tensor, ban_special: torch.Tensor,
                       active: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, out: torch.Tensor, *,
-                      eos: int, max_top_k: int, max_position: int, non_finite_token: int) -> None:
+                      eos: int, max_top_k: int, max_position: int, non_finite_token: int,
+                      rows: torch.Tensor | None = None) -> None:
     """Rows [0, B) of a decode step, from the head's logits [B, V] (any float dtype, unit last stride).
 
     Per row: draw a token as `models.sampling.sample_tokens` does (log-softmax in float32, stop classes
@@ -48,14 +49,19 @@ def sample_and_record(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Te
     tokens[b] = token, steps[b] += 1, history[b] rolled left with the token appended, and
     positions[b] = min(positions[b] + 1, max_position). The per-row tensors are 1-D of length >= B,
     history [>= B, W] contiguous.
+
+    rows [B] (int64): logits row b goes to state row rows[b] instead (new prompts of a prefill in any cache
+    rows); rows[b] < 0 marks a padding row, which writes nothing. The rows must be distinct, and the state
+    may have been written by the kernels just before (it is read after the wait for them).
     """
     k = _kernels()
     batch, vocab = logits.shape
     hist_width = history.shape[1]
     assert logits.stride(1) == 1 and history.is_contiguous()
+    assert rows is None or (rows.shape == (batch,) and rows.dtype == torch.int64)
     k.sample_record_kernel[(batch,)](
         logits, logits.stride(0), seeds, steps, min_len, top_p, top_k, repeat_threshold, window, history, forced,
-        greedy, ban_special, active, tokens, positions, out, vocab, eos, max_position, non_finite_token,
-        STREAM_KEYS[0], STREAM_KEYS[1], HIST=hist_width, MAX_K=min(max_top_k, vocab),
+        greedy, ban_special, active, tokens, positions, out, out if rows is None else rows, vocab, eos, max_position,
+        non_finite_token, STREAM_KEYS[0], STREAM_KEYS[1], HIST=hist_width, MAX_K=min(max_top_k, vocab),
         BLOCK_V=k.next_power_of_2(vocab), BLOCK_H=max(k.next_power_of_2(hist_width + 1), 16),
-        num_warps=8, **pdl_launch(logits, early=True))
+        HAS_ROWS=rows is not None, num_warps=8, **pdl_launch(logits, early=True))

@@ -197,20 +197,22 @@ class SpeechLM(nn.Module):
         """Fresh prompts from position 0 into cache rows `slots` [B]: embeds [B, n, d] -> final-norm hidden
         [B, n, d], the numbers of `forward(embeds, zeros, cache, attn_len=n, slots=slots)`.
 
-        PERF: ~14 kernels a layer instead of ~43: the decode step's fused ops on the B·n rows, and causal
-        attention over the prompt's own keys (no mask tensor; GQA inside SDPA, no repeated K/V).
+        PERF: ~8 kernels a layer instead of ~43: the decode step's fused ops on the B·n rows, and causal
+        attention over the prompt's own keys (no mask tensor; GQA inside SDPA, no repeated K/V), taken from
+        the RoPE kernel's output as it writes them to the cache (no gather of them back out of it).
         """
         d = self.dims
         batch, n, width = embeds.shape
         positions = torch.arange(n, device=embeds.device).repeat(batch)
         rows = slots.repeat_interleave(n)
         cos, sin = self.rope_table(cache.max_len, embeds.device)
+        kv_start, kv_end = d.num_heads, d.num_heads + d.num_kv_heads
 
         def attention(i: int, qkv: torch.Tensor) -> torch.Tensor:
-            q = ops.rope_write_kv(qkv, positions, cos, sin, cache.k[i], cache.v[i], d.num_heads, d.num_kv_heads,
-                                  slots=rows)
-            q = q.view(batch, n, d.num_heads, d.head_dim).transpose(1, 2)
-            keys, values = cache.k[i][slots, :, :n], cache.v[i][slots, :, :n]  # the prompt's rotated keys
+            heads = ops.rope_write_kv(qkv, positions, cos, sin, cache.k[i], cache.v[i], d.num_heads, d.num_kv_heads,
+                                      slots=rows, all_heads=True)
+            heads = heads.view(batch, n, kv_end + d.num_kv_heads, d.head_dim).transpose(1, 2)
+            q, keys, values = heads[:, :kv_start], heads[:, kv_start:kv_end], heads[:, kv_end:]
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
             return ops.linear(out.transpose(1, 2).reshape(batch * n, width), self.layers[i].o_proj.weight)
 

@@ -70,6 +70,25 @@ def test_rope_write_kv(device: str, dtype: torch.dtype) -> None:
     assert _rel(k1[rows, :, positions], k2[rows, :, positions]) < _tol(dtype)
 
 
+def test_rope_write_kv_hands_back_every_head_as_written(device: str, dtype: torch.dtype) -> None:
+    """all_heads (the prefill's attention reads its own keys from it): q and k rotated and v, exactly what
+    the queries alone are and what went into the cache rows, and the same cache writes."""
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(4, (H + 2 * KV) * D, generator=g).to(device, dtype)
+    positions = torch.tensor([0, 1, 2, 3], device=device)
+    slots = torch.tensor([2, 2, 2, 2], device=device)
+    cos, sin = _rope_tables(16, device)
+    for ops in (decode, reference):
+        k1, v1 = _cache(device, dtype, max_len=16)
+        k2, v2 = k1.clone(), v1.clone()
+        heads = ops.rope_write_kv(qkv, positions, cos, sin, k1, v1, H, KV, slots=slots, all_heads=True)
+        q = ops.rope_write_kv(qkv, positions, cos, sin, k2, v2, H, KV, slots=slots)
+        assert heads.shape == (4, H + 2 * KV, D)
+        assert torch.equal(heads[:, :H], q) and torch.equal(k1, k2) and torch.equal(v1, v2)
+        assert torch.equal(heads[:, H:H + KV], k1[2, :, :4].transpose(0, 1))
+        assert torch.equal(heads[:, H + KV:], v1[2, :, :4].transpose(0, 1))
+
+
 @pytest.mark.parametrize("attn_len", [64, 256, 1024])
 def test_decode_attention(device: str, dtype: torch.dtype, attn_len: int) -> None:
     g = torch.Generator().manual_seed(attn_len)

@@ -158,3 +158,71 @@ def test_runner_decode_with_the_fused_sampler_gives_the_torch_paths_tokens(check
         assert torch.equal(getattr(fused, name), getattr(plain, name)), name
     assert torch.equal(fused.sampling.history, plain.sampling.history)
     assert torch.equal(fused.sampling.steps, plain.sampling.steps)
+
+
+def test_kernel_with_row_indices_records_into_those_rows_only(device: str) -> None:
+    """`rows`: logits row b is drawn and recorded into state row rows[b] (a prefill's new prompts sit in any
+    cache rows); rows[b] = -1 is padding and writes nothing; every other row keeps its state."""
+    batch, logits = _batch(48, device, 1)
+    state = _state(48, device)
+    targets = torch.tensor([30, 2, -1, 17, 41, -1], device=device)
+    live = targets >= 0
+    kernel_batch, kernel_state = _clone(batch, state)
+    kernel_state["active"].fill_(True)
+    sample.sample_and_record(logits[:6], kernel_batch.seeds, kernel_batch.steps, kernel_batch.min_len,
+                             kernel_batch.top_p, kernel_batch.top_k, kernel_batch.repeat_threshold,
+                             kernel_batch.window, kernel_batch.history, kernel_batch.forced, kernel_batch.greedy,
+                             kernel_batch.ban_special, kernel_state["active"], kernel_state["tokens"],
+                             kernel_state["positions"], kernel_state["out"], eos=EOS, max_top_k=MAX_TOP_K,
+                             max_position=MAX_POS, non_finite_token=NON_FINITE, rows=targets)
+    # the reference: the rows gathered, drawn and recorded as a batch of their own, then put back
+    picked = targets[live]
+    ref_batch = SamplingBatch(*(getattr(batch, f)[picked].clone() for f in SamplingBatch.__dataclass_fields__))
+    ref_state = {k: v[picked].clone() for k, v in state.items()}
+    ref_state["active"].fill_(True)
+    _run_reference(logits[:6][live], ref_batch, ref_state)
+    want_batch, want_state = _clone(batch, state)
+    for f in SamplingBatch.__dataclass_fields__:
+        getattr(want_batch, f)[picked] = getattr(ref_batch, f)
+    for k in ("tokens", "positions", "out"):
+        want_state[k][picked] = ref_state[k]
+    for f in SamplingBatch.__dataclass_fields__:
+        assert torch.equal(getattr(kernel_batch, f), getattr(want_batch, f)), f
+    for k in ("tokens", "positions", "out"):
+        assert torch.equal(kernel_state[k], want_state[k]), k
+    assert not torch.equal(want_state["out"], state["out"])  # the drawn rows did change
+
+
+def test_runner_prefill_with_the_fused_sampler_gives_the_torch_paths_first_tokens(checkpoint, device: str) -> None:
+    """LMRunner's batched prefill (the graph body on CUDA) ends in the sample kernel with row indices: three
+    prompts in three cache rows and a padding row draw the torch sampler's first tokens and leave the
+    same row state, and the decode steps after them agree too."""
+    from cosystream.engine.lm_runner import LMRunner, RowSampling
+    from cosystream.engine.loader import load_llm
+
+    lm = load_llm(checkpoint, device)
+    g = torch.Generator().manual_seed(1)
+    prompts = [(3, torch.randn(21, lm.dims.hidden_size, generator=g)),
+               (0, torch.randn(30, lm.dims.hidden_size, generator=g)),
+               (2, torch.randn(25, lm.dims.hidden_size, generator=g))]
+
+    def run(fused: bool) -> tuple[list[int], list[list[int]], LMRunner]:
+        runner = LMRunner(lm, max_slots=4, max_len=128, use_graphs=False)
+        runner.fused_sampler = fused
+        for slot, _ in prompts:
+            runner.set_row_sampling(slot, RowSampling(seed=slot + 7, top_p=0.8, top_k=25, win_size=10, tau_r=0.1,
+                                                      min_len=1000, ban_special=True))
+        first = runner._prefill_padded([(slot, p.to(device)) for slot, p in prompts])  # one bucket of 4 rows
+        for slot, _ in prompts:
+            runner.set_active(slot, True)
+        return first, [runner.decode(4, 60) for _ in range(4)], runner
+
+    fused_first, fused_steps, fused = run(True)
+    torch_first, torch_steps, plain = run(False)
+    assert fused_first == torch_first and fused_steps == torch_steps
+    assert len(set(fused_first)) > 1
+    for name in ("tokens", "positions"):
+        assert torch.equal(getattr(fused, name), getattr(plain, name)), name
+    assert torch.equal(fused.sampling.history, plain.sampling.history)
+    assert torch.equal(fused.sampling.steps, plain.sampling.steps)
+    assert fused.positions[[3, 0, 2]].tolist() == [21 + 4, 30 + 4, 25 + 4]
