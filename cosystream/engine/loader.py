@@ -28,6 +28,7 @@ def load_flow(ckpt: Checkpoint, device: torch.device | str = "cpu", dtype: torch
     # PARITY: the ODE noise stays float32 whatever the compute dtype (spec/flow.md §4).
     model.decoder.rand_noise = noise.to(device)
     model.decoder.estimator.fuse_projections()
+    model.encoder.fuse_projections()
     return model
 
 

@@ -101,15 +101,27 @@ class RelPositionAttention(nn.Module):
         self.linear_pos = nn.Linear(dim, dim, bias=False)
         self.pos_bias_u = nn.Parameter(torch.zeros(num_heads, self.d_k))
         self.pos_bias_v = nn.Parameter(torch.zeros(num_heads, self.d_k))
+        self.qkv: tuple[torch.Tensor, torch.Tensor] | None = None  # fuse_projections (not state-dict keys)
+
+    def fuse_projections(self) -> None:
+        """PERF: one q/k/v GEMM and one cache write instead of three GEMMs and two writes (call after the
+        weights are loaded and cast)."""
+        self.qkv = (torch.cat([self.linear_q.weight, self.linear_k.weight, self.linear_v.weight]),
+                    torch.cat([self.linear_q.bias, self.linear_k.bias, self.linear_v.bias]))
 
     def forward(self, x: torch.Tensor, kv: torch.Tensor, start: int, rel_table: torch.Tensor,
                 bias: torch.Tensor) -> torch.Tensor:
         """x [B, n, D] at positions [start, start+n) of every row; kv [B, 2, cap, D] (written at those
         positions); rel_table [start+2n-1, D] for distances start+n-1 … -(n-1); bias [B or 1, n, start+n]."""
         b, n, end = x.shape[0], x.shape[1], start + x.shape[1]
-        kv[:, 0, start:end] = self.linear_k(x)
-        kv[:, 1, start:end] = self.linear_v(x)
-        q = self.linear_q(x).view(b, n, self.h, self.d_k)
+        if self.qkv is None:
+            kv[:, 0, start:end] = self.linear_k(x)
+            kv[:, 1, start:end] = self.linear_v(x)
+            q = self.linear_q(x).view(b, n, self.h, self.d_k)
+        else:
+            qkv = F.linear(x, *self.qkv).view(b, n, 3, self.h * self.d_k)
+            kv[:, :, start:end] = qkv[:, :, 1:].transpose(1, 2)
+            q = qkv[:, :, 0].view(b, n, self.h, self.d_k)
         k = kv[:, 0, :end].view(b, end, self.h, self.d_k).transpose(1, 2)  # [B, H, end, d_k]
         v = kv[:, 1, :end].view(b, end, self.h, self.d_k).transpose(1, 2)
         p = self.linear_pos(rel_table).view(-1, self.h, self.d_k).transpose(0, 1)  # [H, R, d_k]
@@ -190,6 +202,29 @@ class UpsampleConformerEncoder(nn.Module):
         self.up_embed = LinearInput(d, d)
         self.up_encoders = nn.ModuleList([ConformerLayer(dims) for _ in range(dims.num_up_blocks)])
         self.after_norm = nn.LayerNorm(d, eps=1e-5)
+        self._rel_tables: dict[tuple, tuple[int, torch.Tensor]] = {}  # (device, dtype) -> (max distance, table)
+
+    def fuse_projections(self) -> None:
+        """Fuse every conformer layer's q/k/v projections (RelPositionAttention.fuse_projections)."""
+        for layer in [*self.encoders, *self.up_encoders]:
+            layer.self_attn.fuse_projections()
+
+    def rel_table(self, start: int, n: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """rel_position_table rows for distances start+n-1 … -(n-1) in `dtype` [start+2n-1, D]: a slice of one
+        table of every distance up to the largest asked for so far. PERF: no launches a call (a graph
+        replays ~9 for it otherwise, twice an encoder step); the same numbers, row by row."""
+        key = (str(device), dtype)
+        largest = start + n - 1
+        made = self._rel_tables.get(key)
+        if made is None or made[0] < largest:
+            top = max(largest, 2 * made[0] if made else 4096)
+            distances = torch.arange(top, -top - 1, -1, device=device, dtype=torch.float32)
+            made = (top, rel_position_table(distances, self.dims.output_size).to(dtype))
+            # one made inside a CUDA-graph capture belongs to the graph's memory: used, not kept
+            if not (made[1].is_cuda and torch.cuda.is_current_stream_capturing()):
+                self._rel_tables[key] = made
+        top, table = made
+        return table[top - largest: top + n]
 
     def new_state(self, capacity_tokens: int) -> EncoderState:
         w = self.after_norm.weight
@@ -245,12 +280,10 @@ class UpsampleConformerEncoder(nn.Module):
                          None if keys is None else UPSAMPLE * keys)
         return self.after_norm(z), lookahead_tail, up_tail
 
-    @staticmethod
-    def _layers(layers: nn.ModuleList, x: torch.Tensor, kv: torch.Tensor, start: int, chunk: int,
+    def _layers(self, layers: nn.ModuleList, x: torch.Tensor, kv: torch.Tensor, start: int, chunk: int,
                 streaming: bool, valid: torch.Tensor | None) -> torch.Tensor:
         n = x.shape[1]
-        distances = torch.arange(start + n - 1, -n, -1, device=x.device, dtype=torch.float32)
-        rel_table = rel_position_table(distances, x.shape[2]).to(x.dtype)
+        rel_table = self.rel_table(start, n, x.device, x.dtype)
         q_pos = torch.arange(start, start + n, device=x.device)
         bias = chunk_attention_bias(q_pos, start + n, chunk if streaming else 0, x.dtype)[None]
         if valid is not None:  # keys beyond each row's valid length are padding

@@ -253,3 +253,36 @@ def test_step_times_follow_the_weights(checkpoint, cfm_noise):
         _close(after.resnet[0], before.resnet[0], 0)
         est.double()
         assert est.step_times(t).t_emb.dtype == torch.float64
+
+
+def test_the_encoders_shared_rel_position_table_gives_each_calls_rows(checkpoint):
+    """UpsampleConformerEncoder.rel_table: slices of one table of every distance (grown on demand) hold the
+    very numbers rel_position_table makes for each call's distances."""
+    from cosystream.engine.loader import load_flow
+    from cosystream.models.flow import rel_position_table
+
+    enc = load_flow(checkpoint).encoder
+    for start, n in [(0, 25), (150, 28), (10, 3), (4500, 200), (300, 50)]:  # the fourth grows the table
+        distances = torch.arange(start + n - 1, -n, -1, dtype=torch.float32)
+        want = rel_position_table(distances, enc.dims.output_size)
+        assert torch.equal(enc.rel_table(start, n, torch.device("cpu"), torch.float32), want), (start, n)
+    assert len(enc._rel_tables) == 1 and enc._rel_tables[("cpu", torch.float32)][0] >= 4699
+
+
+def test_the_encoders_fused_qkv_projection_changes_no_number(checkpoint):
+    """The loader fuses each conformer layer's q/k/v weights (one GEMM and one cache write); the encoder
+    computes what the three separate projections compute."""
+    from cosystream.engine.loader import load_flow
+
+    enc = load_flow(checkpoint).encoder
+    assert all(layer.self_attn.qkv is not None for layer in [*enc.encoders, *enc.up_encoders])
+    emb = torch.randn(2, 20, enc.embed.out[0].in_features, generator=torch.Generator().manual_seed(0))
+
+    def encode() -> torch.Tensor:
+        state = enc.new_state(40).batch_rows(2)
+        return enc.step_batch(emb, None, *state, 0, streaming=True)[0]
+
+    fused = encode()
+    for layer in [*enc.encoders, *enc.up_encoders]:
+        layer.self_attn.qkv = None
+    torch.testing.assert_close(fused, encode(), atol=1e-6, rtol=0)
