@@ -203,6 +203,7 @@ class UpsampleConformerEncoder(nn.Module):
         self.up_encoders = nn.ModuleList([ConformerLayer(dims) for _ in range(dims.num_up_blocks)])
         self.after_norm = nn.LayerNorm(d, eps=1e-5)
         self._rel_tables: dict[tuple, tuple[int, torch.Tensor]] = {}  # (device, dtype) -> (max distance, table)
+        self._outgrown: list[torch.Tensor] = []  # tables replaced by larger ones: graphs captured earlier read them
 
     def fuse_projections(self) -> None:
         """Fuse every conformer layer's q/k/v projections (RelPositionAttention.fuse_projections)."""
@@ -222,6 +223,8 @@ class UpsampleConformerEncoder(nn.Module):
             made = (top, rel_position_table(distances, self.dims.output_size).to(dtype))
             # one made inside a CUDA-graph capture belongs to the graph's memory: used, not kept
             if not (made[1].is_cuda and torch.cuda.is_current_stream_capturing()):
+                if key in self._rel_tables:
+                    self._outgrown.append(self._rel_tables[key][1])  # never freed under a graph that reads it
                 self._rel_tables[key] = made
         top, table = made
         return table[top - largest: top + n]
