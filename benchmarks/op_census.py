@@ -32,6 +32,7 @@ from cosystream.engine.flow_runner import FlowRunner
 from cosystream.engine.lm_runner import LMRunner
 from cosystream.engine.loader import load_flow, load_hift, load_llm
 from cosystream.kernels import reference
+from cosystream.models.flow import LOOKAHEAD_CONTEXT, UP_CONTEXT
 
 PACKAGE = str(Path(cosystream.__file__).resolve().parent)
 # Fused ops that launch more than one kernel on CUDA (the rest launch one): the causal conv of a small batch
@@ -184,16 +185,16 @@ def encoder_launches(model_dir: str, prompt_tokens: int, new_tokens: int) -> Cen
     """The flow encoder's streaming step for one stream's chunk of `new_tokens` (its graph body)."""
     census = Census()
     runner = flow_runner_as_on_cuda(model_dir, census, max_frames=2 * (prompt_tokens + new_tokens) + 64)
-    flow = runner.flow
-    look = flow.dims.pre_lookahead_len
-    ids = torch.randint(0, 6561, (1, new_tokens))
-    ctx = torch.randint(0, 6561, (1, look))
-    la_tail = torch.zeros(1, *runner.enc_la_tail_shape) if hasattr(runner, "enc_la_tail_shape") else None
-    width = flow.encoder.output_size if hasattr(flow.encoder, "output_size") else flow.dims.encoder.output_size
-    la_tail = torch.zeros(1, 2, flow.dims.input_size) if la_tail is None else la_tail
-    up_tail = torch.zeros(1, 4, width)
+    dims = runner.flow.dims
+    ids = torch.randint(0, dims.vocab_size, (1, new_tokens))
+    ctx = torch.randint(0, dims.vocab_size, (1, dims.pre_lookahead_len))
+    width = dims.encoder.output_size
+    tails = (torch.zeros(1, LOOKAHEAD_CONTEXT, width), torch.zeros(1, UP_CONTEXT, width))
+    args = (ids, ctx, *tails, torch.tensor([0]), torch.empty(prompt_tokens), torch.empty(1))
+    with torch.inference_mode():
+        runner._encode_core(*args)  # the warm-up call before a capture (it makes what later calls reuse)
     with census_of(census):
-        runner._encode_core(ids, ctx, la_tail, up_tail, torch.tensor([0]), torch.empty(prompt_tokens), torch.empty(1))
+        runner._encode_core(*args)
     return census
 
 

@@ -478,8 +478,9 @@ class FlowRunner:
         constant step times: the estimator then embeds t row by row)."""
         if self.final_times is None:
             return None
-        t_emb, resnet = (table.index_select(0, step) for table in self.final_times)
-        return StepTimes(t_emb, tuple(resnet.split(self.cfm.estimator.dims.channels, dim=1)))
+        t_emb, resnet = self.final_times
+        resnet_step = resnet.index_select(0, step)
+        return StepTimes(t_emb.index_select(0, step), tuple(resnet_step.split(self.cfm.estimator.dims.channels, dim=1)))
 
     def _by_padded_length(self, indices: Sequence[int], frames: Sequence[int]) -> list[tuple[int, list[int]]]:
         """Whole-utterance passes grouped by the length they are padded to, at most REPLAY_ROWS streams
