@@ -144,13 +144,27 @@ def chunk_ode_launches(model_dir: str, prompt_frames: int, new_frames: int) -> C
 
 @contextlib.contextmanager
 def counted_sampler(census: Census) -> Iterator[None]:
-    """`cosystream.kernels.sample` (Triton, CUDA only) as one counted launch that samples nothing."""
-    sys.modules["cosystream.kernels.sample"] = SimpleNamespace(  # type: ignore[assignment]
-        sample_and_record=census.fused("sample_and_record", lambda *args, **kwargs: None))
+    """`cosystream.kernels.sample` (Triton, CUDA only) as one counted launch that samples nothing: in place
+    of the module and of the package's attribute (`from cosystream.kernels import sample` reads the latter
+    once the module has been imported)."""
+    import cosystream.kernels as package
+
+    name = "cosystream.kernels.sample"
+    counted = SimpleNamespace(sample_and_record=census.fused("sample_and_record", lambda *args, **kwargs: None))
+    saved_module, saved_attr = sys.modules.get(name), getattr(package, "sample", None)
+    sys.modules[name] = counted  # type: ignore[assignment]
+    package.sample = counted  # type: ignore[attr-defined]
     try:
         yield
     finally:
-        del sys.modules["cosystream.kernels.sample"]
+        if saved_module is None:
+            del sys.modules[name]
+        else:
+            sys.modules[name] = saved_module
+        if saved_attr is None:
+            del package.sample
+        else:
+            package.sample = saved_attr
 
 
 def lm_runner_as_on_cuda(model_dir: str, census: Census, max_slots: int, max_len: int) -> LMRunner:
