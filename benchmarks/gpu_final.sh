@@ -5,6 +5,8 @@
 #   bash benchmarks/gpu_final.sh more     # first hop 15, open loop, offline batch RTF, HTTP
 #   bash benchmarks/gpu_final.sh stages   # GPU tests, stage times, levels 1/16/28 with token-to-wave stage lines
 #   bash benchmarks/gpu_final.sh http     # only the HTTP levels (HTTP_LEVELS, HTTP_N)
+#   bash benchmarks/gpu_final.sh check    # after CPU-only work: GPU tests (tests/gpu, tests/kernels compiled),
+#                                         # the stage times and the launch counts they should follow
 # JSON/PNG go under $OUT.
 source benchmarks/gpu_prep.sh || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -20,7 +22,17 @@ http_bench() {  # cosystream serve + cosystream bench over HTTP; HTTP_LEVELS (1,
   kill $SERVER
 }
 
-if [ "${1:-engine}" = stages ]; then
+if [ "${1:-engine}" = check ]; then
+  if [ -d .fixtures ]; then
+    COSYSTREAM_FIXTURES=$PWD/.fixtures/cosyvoice2-tiny python3 -m pytest -q -p no:cacheprovider tests/gpu tests/kernels \
+      2>&1 | tail -3
+  fi
+  python3 benchmarks/op_census.py --model-dir /tmp/m05 --top 0 2>&1 | grep "^##"
+  for only in lm t2w; do
+    python3 benchmarks/profile_stages.py --model-dir /tmp/m05 --only $only --batches 1,16 --iters 20 \
+      --json "$OUT/stages_$only.json" 2>&1 | grep "^|"
+  done
+elif [ "${1:-engine}" = stages ]; then
   # where the time goes: GPU tests, token-to-wave stage times, engine levels with per-level busy/stage lines
   if [ -d .fixtures ]; then
     COSYSTREAM_FIXTURES=$PWD/.fixtures/cosyvoice2-tiny python3 -m pytest -q -p no:cacheprovider tests/gpu tests/kernels \
