@@ -121,7 +121,7 @@ def bench_lm(ckpt, device, dtype, batches, iters, graphs: bool, compile: bool = 
     padded = torch.zeros(1, 224, d.hidden_size, device=device, dtype=dtype)
     padded[0, :212] = prompt
     one = torch.zeros(1, dtype=torch.long, device=device)
-    out["prefill_kernels"] = count_kernels(lambda: runner._prefill_core(padded, one, one + 211), device, show=12)
+    out["prefill_kernels"] = count_kernels(lambda: runner._prefill_core(padded, one, one + 211, one), device, show=12)
     for slot in range(max(batches)):
         runner.prefill(slot, prompt)
         runner.set_active(slot, True)
