@@ -7,6 +7,8 @@
 #   bash benchmarks/gpu_final.sh http     # only the HTTP levels (HTTP_LEVELS, HTTP_N)
 #   bash benchmarks/gpu_final.sh check    # after CPU-only work: GPU tests (tests/gpu, tests/kernels compiled),
 #                                         # the stage times and the launch counts they should follow
+#   bash benchmarks/gpu_final.sh refresh  # no tests: LM stage times, first hop 15, c=4, c=64/128, open loop,
+#                                         # offline (the levels besides c=1/16 and HTTP, one call)
 # JSON/PNG go under $OUT.
 source benchmarks/gpu_prep.sh || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -32,6 +34,14 @@ if [ "${1:-engine}" = check ]; then
     python3 benchmarks/profile_stages.py --model-dir /tmp/m05 --only $only --batches 1,16 --iters 20 \
       --json "$OUT/stages_$only.json" 2>&1 | grep "^|"
   done
+elif [ "${1:-engine}" = refresh ]; then
+  python3 benchmarks/profile_stages.py --model-dir /tmp/m05 --only lm --batches 1,16 --iters 20 \
+    --json "$OUT/stages_lm.json" 2>&1 | grep "^|"
+  $B --first-hop 15 --concurrency 1 --requests-per-level 16 --out "$OUT/hop15.json" 2>&1 | grep -E "^\| c|Error"
+  $B --concurrency 4 --requests-per-level 32 --out "$OUT/engine_c4.json" 2>&1 | grep -E "^\| c|busy|Error"
+  $B --concurrency 64,128 --requests-per-level 128 --out "$OUT/engine_high.json" 2>&1 | grep -E "^\| c|busy|Error"
+  $B --rate ${RATES:-8,15} --duration 15 --out "$OUT/open.json" 2>&1 | grep -E "^\| r|busy|Error"
+  $B --offline --concurrency 64 --requests-per-level 128 --out "$OUT/offline.json" 2>&1 | grep -E "^\| c|busy|Error"
 elif [ "${1:-engine}" = stages ]; then
   # where the time goes: GPU tests, token-to-wave stage times, engine levels with per-level busy/stage lines
   if [ -d .fixtures ]; then
