@@ -25,7 +25,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from cosystream.bench.clients import HTTP_CLIENTS, TARGETS, RequestSpec, endpoint_url, make_client, register_voice
+from cosystream.bench.clients import (
+    HTTP_CLIENTS,
+    TARGETS,
+    RequestSpec,
+    endpoint_url,
+    fetch_server_times,
+    make_client,
+    register_voice,
+)
 from cosystream.bench.loadgen import LevelPlan, build_plans, run_benchmark, run_event_loop
 from cosystream.bench.procs import ClientJob, run_level_in_processes
 from cosystream.bench.report import (
@@ -222,9 +230,13 @@ async def _run(args: argparse.Namespace, spec: RequestSpec, upload: VoiceUpload 
             job = ClientJob(args.url, args.target, spec, args.timeout, origin_s, plan, seed, args.http_client)
             return run_level_in_processes(job, args.procs, stop)
 
+        async def server_times(records: list[RequestRecord]) -> None:
+            await fetch_server_times(args.url, records, args.timeout)
+
         try:
             records, summaries = await run_benchmark(client.send, plans, stop, args.warmup_requests, args.seed or 0,
-                                                      _log, level_fn=in_processes if args.procs > 1 else None)
+                                                      _log, level_fn=in_processes if args.procs > 1 else None,
+                                                      after_level=server_times)
         finally:
             await client.aclose()
     finally:

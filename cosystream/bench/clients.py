@@ -216,6 +216,7 @@ class HttpClient:
                     else:
                         timeline.fail(f"HTTP {response.status_code}: {text[:MAX_ERROR_BODY]}", response.status_code)
                 else:
+                    _keep_request_id(timeline, response.headers.get("x-request-id"))
                     pcm = PcmCounter()
                     async for data in response.aiter_bytes():
                         timeline.audio(pcm.add(data))
@@ -294,8 +295,9 @@ class RawHttpClient:
     16 requests leaves one Python process one after another). Against the real app around a fake engine that
     answers each wave of 16 at once (benchmarks/server_overhead.py, a 2-core workstation; docs/benchmarks.md):
     c=16 first audio p90 6.0-7.7 ms against 8.1-8.8 with httpx, p95 6.2-8.7 against 11.7-30.4, and the client
-    keeps up with 1.2-1.8x the audio per second. Same records and connection reuse as HttpClient. Not yet the
-    default: it has not run against the GPU server.
+    keeps up with 1.2-1.8x the audio per second. Same records and connection reuse as HttpClient. Against the GPU
+    server (H100, docs/benchmarks.md, twenty-second session) it took 1-2 ms off c=1's first audio and left c=16's
+    p90 where httpx had it (145 and 150 ms against 151 and 147), so httpx stays the default.
     """
 
     def __init__(self, url: str, target: str, spec: RequestSpec, timeout_s: float, origin_s: float) -> None:
@@ -343,6 +345,7 @@ class RawHttpClient:
                     else:
                         timeline.fail(f"HTTP {status}: {text[:MAX_ERROR_BODY]}", status)
                 else:
+                    _keep_request_id(timeline, headers.get("x-request-id"))
                     pcm = PcmCounter()
                     async for data in conn.body(headers):
                         timeline.audio(pcm.add(data))
@@ -360,6 +363,50 @@ class RawHttpClient:
         for conn in self._idle:
             conn.close()
         self._idle.clear()
+
+
+def _keep_request_id(timeline: Timeline, request_id: str | None) -> None:
+    """The server's id of a request (X-Request-Id), for reading its stage times after the level."""
+    if request_id:
+        timeline.record.server = {"request_id": request_id}
+
+
+def server_view(report: dict[str, Any]) -> dict[str, Any]:
+    """A server's account of one request (our `done` event or GET /v1/requests/{id}) as a record's `server`:
+    the engine's stage times flat (what the first-audio breakdown reads) beside the server's own fields."""
+    flat = {k: v for k, v in report.items() if k not in ("type", "times")}
+    return {**flat, **(report.get("times") or {})}
+
+
+async def fetch_server_times(url: str, records: list[RequestRecord], timeout_s: float = 10.0,
+                             parallel: int = 8) -> int:
+    """Fill each record that holds only the server's request id with GET /v1/requests/{id}, after its level
+    (nothing here is timed). Returns how many were filled; a server without the endpoint (not ours, or
+    older) is left alone after the first answer that is not ours."""
+    pending = [r for r in records if set(r.server) == {"request_id"}]
+    if not pending:
+        return 0
+    root, gate, filled = server_root(url), asyncio.Semaphore(parallel), 0
+    unsupported = asyncio.Event()
+
+    async def fill(client: httpx.AsyncClient, record: RequestRecord) -> None:
+        nonlocal filled
+        async with gate:
+            if unsupported.is_set():
+                return
+            try:
+                response = await client.get(f"{root}/v1/requests/{record.server['request_id']}")
+                if response.status_code == 200:
+                    record.server = server_view(response.json())
+                    filled += 1
+                elif _error_code(response.text) != "request_not_found":  # no such endpoint: stop asking
+                    unsupported.set()
+            except (httpx.HTTPError, ValueError, AttributeError):  # gone, or not our JSON: the times stay unknown
+                unsupported.set()
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), trust_env=False) as client:
+        await asyncio.gather(*(fill(client, r) for r in pending))
+    return filled
 
 
 def make_client(url: str, target: str, spec: RequestSpec, timeout_s: float, origin_s: float,
@@ -442,7 +489,7 @@ class WsClient:
         """Handle one JSON event; True when the session is over."""
         kind = event.get("type")
         if kind == "done":
-            timeline.record.server = {k: v for k, v in event.items() if k != "type"}
+            timeline.record.server = server_view(event)
             return True
         if kind == "error":
             # ours: {"type": "error", "error": {"code", "message", "field"}}; others: flat fields

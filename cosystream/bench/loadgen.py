@@ -125,13 +125,16 @@ async def run_level(send: SendFn, plan: LevelPlan, stop: asyncio.Event,
 
 
 LevelFn = Callable[[LevelPlan, int], Awaitable[tuple[list[RequestRecord], bool]]]  # (plan, seed) -> records
+AfterLevelFn = Callable[[list[RequestRecord]], Awaitable[object]]
 
 
 async def run_benchmark(send: SendFn, plans: Sequence[LevelPlan], stop: asyncio.Event, warmup_requests: int = 0,
                         seed: int = 0, log: Callable[[str], None] = print, level_fn: LevelFn | None = None,
-                        ) -> tuple[list[RequestRecord], list[LevelSummary]]:
+                        after_level: AfterLevelFn | None = None) -> tuple[list[RequestRecord], list[LevelSummary]]:
     """Warm up, then run the levels in order; returns every record (warm-up included) and one summary per level.
-    `level_fn` runs a level instead of `send` on this loop (bench/procs.py: in client processes)."""
+    `level_fn` runs a level instead of `send` on this loop (bench/procs.py: in client processes); `after_level`
+    gets each level's records once the level is over, before the next starts (e.g. to read the server's
+    stage times: nothing it does is timed)."""
     records = await run_warmup(send, warmup_requests, stop)
     if records:
         failed = [r for r in records if not r.ok]
@@ -145,6 +148,8 @@ async def run_benchmark(send: SendFn, plans: Sequence[LevelPlan], stop: asyncio.
             level_records, interrupted = await level_fn(plan, seed + level_idx)
         else:
             level_records, interrupted = await run_level(send, plan, stop, seed + level_idx)
+        if after_level is not None:
+            await after_level(level_records)
         summary = summarize(level_records, plan.label, plan.kind, plan.value, interrupted)
         records += level_records
         summaries.append(summary)

@@ -55,6 +55,8 @@ def _add_limit_flags(serve: argparse.ArgumentParser) -> None:
                         help="longest synthesis request, arrival to last byte (504 / close 4504); 0: none")
     limits.add_argument("--ws-max-message-kb", type=float, default=_DEFAULTS.ws_max_message_bytes / 1024,
                         help="largest WebSocket client message, KiB (close 4413 above)")
+    limits.add_argument("--requests-kept", type=int, default=_DEFAULTS.requests_kept,
+                        help="finished requests whose stage times GET /v1/requests/{id} answers (oldest dropped)")
     limits.add_argument("--ws-max-messages-per-s", type=float, default=_DEFAULTS.ws_max_messages_per_s,
                         help="sustained WebSocket client message rate (close 4429 above)")
 
@@ -87,7 +89,7 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | os._E
         request_timeout_s=args.request_timeout_s or None, ws_max_message_bytes=int(args.ws_max_message_kb * 1024),
         ws_max_messages_per_s=args.ws_max_messages_per_s, api_keys=api_keys_from(args, environ),
         auth_exempt_paths=tuple(args.auth_exempt) if args.auth_exempt is not None else _DEFAULTS.auth_exempt_paths,
-        cors_origins=tuple(args.cors_origin), warmup=not args.no_warmup)
+        cors_origins=tuple(args.cors_origin), warmup=not args.no_warmup, requests_kept=args.requests_kept)
 
 
 def run_serve(args: argparse.Namespace) -> int:

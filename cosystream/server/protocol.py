@@ -157,6 +157,22 @@ class DoneEvent(BaseModel):
     server_first_audio_s: float | None = Field(None, description="request arrival → first audio bytes sent")
 
 
+class RequestRecord(BaseModel):
+    """A finished synthesis request as the server saw it (GET /v1/requests/{request_id})."""
+
+    request_id: str
+    endpoint: str = Field(description="tts | openai | ws")
+    outcome: str = Field(description="ok, cancelled, or the error code that ended it")
+    num_chunks: int
+    audio_s: float
+    to_engine_s: float | None = Field(None, description="request arrival → handed to the engine (parsing, checks, "
+                                      "admission)")
+    server_first_audio_s: float | None = Field(None, description="request arrival → first audio bytes sent")
+    server_total_s: float = Field(description="request arrival → the request closed")
+    times: StageTimes | None = Field(None, description="the engine's stages, from its submission (requests that "
+                                     "finished with audio)")
+
+
 class ErrorEvent(ErrorResponse):
     type: Literal["error"] = "error"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,8 @@ class ServerSettings:
     warmup: bool = True  # run engine.warmup() in the background at startup; /ready answers 503 until done
     close_engine: bool = True  # the lifespan closes the engine at shutdown
     not_ready_retry_s: float = 5.0  # Retry-After while warming up
+    # observability
+    requests_kept: int = 4096  # finished requests whose stage times GET /v1/requests/{id} still answers
 
     def __post_init__(self) -> None:
         positive = {"max_upload_bytes": self.max_upload_bytes, "max_audio_s": self.max_audio_s,
@@ -50,12 +53,33 @@ class ServerSettings:
                     "ws_max_messages_per_s": self.ws_max_messages_per_s, "ws_message_burst": self.ws_message_burst,
                     "max_text_chars": self.max_text_chars, "first_audio_budget_s": self.first_audio_budget_s,
                     "max_streams_per_client": self.max_streams_per_client,
-                    "request_timeout_s": self.request_timeout_s}
+                    "request_timeout_s": self.request_timeout_s, "requests_kept": self.requests_kept}
         for name, value in positive.items():
             if value is not None and not value > 0:  # `not >` also catches NaN
                 raise ValueError(f"{name}: must be positive, got {value}")
         if any(not key.strip() for key in self.api_keys):
             raise ValueError("api_keys: an API key must not be empty")
+
+
+class FinishedRequests:
+    """The last `capacity` finished requests by id, oldest dropped first. Written and read on the event loop
+    only (sessions close there), so no lock."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._records: OrderedDict[str, Any] = OrderedDict()
+
+    def add(self, request_id: str, record: Any) -> None:
+        self._records[request_id] = record
+        self._records.move_to_end(request_id)
+        while len(self._records) > self.capacity:
+            self._records.popitem(last=False)
+
+    def get(self, request_id: str) -> Any | None:
+        return self._records.get(request_id)
+
+    def __len__(self) -> int:
+        return len(self._records)
 
 
 class ServerState:
@@ -68,6 +92,7 @@ class ServerState:
         self.admission = Admission(settings.first_audio_budget_s, settings.max_streams_per_client,
                                    capacity=getattr(config, "max_streams", None))
         self.metrics = ServerMetrics(engine, self.admission)
+        self.finished = FinishedRequests(settings.requests_kept)
         self.ready_event = threading.Event()  # set once warm-up finished (embedders and tests wait on it)
         self.warmup_error: BaseException | None = None
         config_limit = getattr(config, "max_text_chars", None)

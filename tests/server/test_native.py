@@ -145,3 +145,28 @@ def test_request_log_line_has_the_engine_stage_breakdown(client, caplog):
     # the server counts first audio from the request's arrival, the engine from its submission
     assert float(fields["first_audio_s"]) >= float(fields["engine_first_audio_s"]) > 0
     assert 0 <= float(fields["to_engine_s"]) <= float(fields["first_audio_s"]) - float(fields["engine_first_audio_s"])
+
+
+def test_a_finished_request_s_stage_times_are_read_back_by_its_id(client):
+    response = client.post("/v1/tts", json={"text": TEXT, "voice": VOICE, "force_tokens": 6, "response_format": "pcm"})
+    assert response.status_code == 200
+    rid = response.headers["x-request-id"]
+    record = client.get(f"/v1/requests/{rid}")
+    assert record.status_code == 200, record.text
+    got = record.json()
+    assert got["request_id"] == rid and got["endpoint"] == "tts" and got["outcome"] == "ok"
+    assert got["audio_s"] == pytest.approx(6 * SAMPLES_PER_TOKEN / 24000)
+    assert got["num_chunks"] >= 1 and got["times"]["num_tokens"] == 6
+    assert all(got["times"][stage] >= 0 for stage in STAGES)
+    # the server's own share: arrival -> engine, then the engine's first audio, then sending it
+    assert got["server_first_audio_s"] >= got["times"]["first_audio_s"] > 0
+    assert 0 <= got["to_engine_s"] <= got["server_first_audio_s"] - got["times"]["first_audio_s"]
+    assert got["server_total_s"] >= got["server_first_audio_s"]
+
+
+def test_an_unknown_request_id_is_a_404_naming_it(client):
+    response = client.get("/v1/requests/req_0000000000000000")
+    assert response.status_code == 404
+    error = response.json()["error"]
+    assert error["code"] == "request_not_found" and error["field"] == "request_id"
+    assert "req_0000000000000000" in error["message"]
