@@ -121,7 +121,9 @@ def run_bench(args: argparse.Namespace) -> int:
     path = write_json(args.out, build_results(meta, summaries, records))
     print(format_table(summaries))
     if breakdown := format_first_audio_breakdown(records, [s.level for s in summaries]):  # warm-up left out
-        print("\nwhere first audio goes (means, ms; the first five from submission):\n" + breakdown)
+        print("\nwhere first audio goes (means, ms; the engine's stages from its submission, flow and vocoder the "
+              "first chunk's durations, the server's from the request's arrival, the client's from its send):\n"
+              + breakdown)
     _log(f"wrote {path}")
     if args.plot and summaries:
         _log(f"wrote {write_plot(args.plot, summaries, title=f'{args.target} {endpoint_url(args.url, args.target)}')}")

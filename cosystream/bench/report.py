@@ -265,7 +265,10 @@ def format_table(summaries: Sequence[LevelSummary]) -> str:
 FIRST_AUDIO_STAGES = (("queue_s", "queue"), ("first_token_s", "first token"),
                       ("first_chunk_ready_s", "tokens ready"), ("first_chunk_start_s", "to the worker"),
                       ("first_chunk_flow_s", "flow"), ("first_chunk_vocoder_s", "vocoder"),
-                      ("first_audio_s", "server first audio"))
+                      ("first_audio_s", "engine first audio"))
+# what an HTTP server adds (GET /v1/requests/{id}), counted from the request's arrival at the server: its own
+# work before the engine has the request, and when the first audio bytes went out
+SERVER_STAGES = (("to_engine_s", "arrival to engine"), ("server_first_audio_s", "sent, from arrival"))
 
 
 def first_audio_breakdown(records: Sequence[RequestRecord], levels: Sequence[str] | None = None,
@@ -273,7 +276,8 @@ def first_audio_breakdown(records: Sequence[RequestRecord], levels: Sequence[str
     """Where first audio goes, per level (`levels`: these, in this order; None: every level of the records):
     (level, group, requests, mean seconds by stage) for all successful requests that carry the server's
     stage times and for the `slowest` share of them by the client's first audio (the tail a percentile
-    target is about)."""
+    target is about). The HTTP server's own stages (SERVER_STAGES) are in when every such request of the
+    level has them."""
     out: list[tuple[str, str, int, dict[str, float]]] = []
     for level in levels if levels is not None else list(dict.fromkeys(r.level for r in records)):
         timed = sorted((r for r in records if r.level == level and r.ok and r.first_audio_s is not None
@@ -282,8 +286,11 @@ def first_audio_breakdown(records: Sequence[RequestRecord], levels: Sequence[str
         if not timed:
             continue
         tail = timed[min(int(len(timed) * (1 - slowest)), len(timed) - 1):]
+        keys = [k for k, _ in FIRST_AUDIO_STAGES]
+        if all(isinstance(r.server.get(k), (int, float)) for r in timed for k, _ in SERVER_STAGES):
+            keys += [k for k, _ in SERVER_STAGES]
         for group, rs in (("all", timed), (f"slowest {slowest:.0%}", tail)):
-            means = {k: sum(r.server[k] for r in rs) / len(rs) for k, _ in FIRST_AUDIO_STAGES}
+            means = {k: sum(r.server[k] for r in rs) / len(rs) for k in keys}
             means["client first audio"] = sum(r.first_audio_s for r in rs) / len(rs)
             out.append((level, group, len(rs), means))
     return out
@@ -294,11 +301,12 @@ def format_first_audio_breakdown(records: Sequence[RequestRecord], levels: Seque
     rows = first_audio_breakdown(records, levels)
     if not rows:
         return ""
-    names = [name for _, name in FIRST_AUDIO_STAGES] + ["client first audio"]  # ms
+    stages = [*FIRST_AUDIO_STAGES, *(st for st in SERVER_STAGES if all(st[0] in row[3] for row in rows))]
+    names = [name for _, name in stages] + ["client first audio"]  # ms
     head = "| level | requests | " + " | ".join(names) + " |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for level, group, n, means in rows:
-        keys = [k for k, _ in FIRST_AUDIO_STAGES] + ["client first audio"]
+        keys = [k for k, _ in stages] + ["client first audio"]
         cells = [f"{1000 * means[k]:.0f}" for k in keys]
         lines.append(f"| {level}, {group} | {n} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -189,3 +189,14 @@ def test_first_audio_breakdown_means_all_and_the_slowest_tenth_per_level() -> No
     assert table[3] == "| rate=15, slowest 10% | 2 | 1 | 10 | 195 | 205 | 20 | 3 | 1948 | 1950 |"
     assert format_first_audio_breakdown([RequestRecord(level="c=1", index=0, start_s=0.0, first_audio_s=0.1)]) == ""
     assert [row[:2] for row in first_audio_breakdown(records, ["c=1"])] == [("c=1", "all"), ("c=1", "slowest 10%")]
+
+
+def test_the_breakdown_shows_the_http_server_s_own_stages_when_every_request_has_them() -> None:
+    served = [_timed("c=2", i, first_audio_s=0.06, ready_s=0.02) for i in range(2)]
+    for record, to_engine in zip(served, (0.002, 0.004), strict=True):
+        record.server.update(to_engine_s=to_engine, server_first_audio_s=0.055)
+    table = format_first_audio_breakdown(served).splitlines()
+    assert table[0].endswith("| engine first audio | arrival to engine | sent, from arrival | client first audio |")
+    assert table[2] == "| c=2, all | 2 | 1 | 10 | 20 | 30 | 20 | 3 | 58 | 3 | 55 | 60 |"
+    partly = served + [_timed("c=2", 2, first_audio_s=0.06, ready_s=0.02)]  # one without the server's stages
+    assert "arrival to engine" not in format_first_audio_breakdown(partly)

@@ -43,7 +43,7 @@ def test_every_request_gets_the_server_s_stage_times(tmp_path: Path, capsys, tar
         assert got["first_chunk_flow_s"] == TIMES.first_chunk_flow_s and got["first_audio_s"] == TIMES.first_audio_s
         assert got["server_first_audio_s"] > 0 and got["to_engine_s"] >= 0
     assert len({r["server"]["request_id"] for r in records}) == 4
-    assert "where first audio goes" in printed
+    assert "where first audio goes" in printed and "| sent, from arrival |" in printed  # the server's own share
     row = next(line for line in printed.splitlines() if line.startswith("| c=2, all |"))
     assert row.split("|")[7].strip() == "15"  # the flow column: the engine's 15 ms, as the server reported it
 
