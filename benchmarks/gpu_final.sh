@@ -20,7 +20,7 @@ http_bench() {  # cosystream serve + cosystream bench over HTTP; HTTP_LEVELS (1,
   python3 -m cosystream.cli bench --url http://127.0.0.1:8000 --target tts --workload /tmp/wl/workload.json \
     --concurrency ${HTTP_LEVELS:-1,16} --requests-per-level ${HTTP_N:-32} --warmup-requests 3 --out "$OUT/http.json" \
     --plot "$OUT/http.png" --tag "commit=${COSYSTREAM_COMMIT:-unknown}" \
-    --tag gpu="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" 2>&1 | tail -4
+    --tag gpu="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" 2>&1 | grep -E "^\| c|^\| level \| requests|Error"
   kill $SERVER
 }
 

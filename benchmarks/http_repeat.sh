@@ -23,11 +23,11 @@ for cfg in ${CONFIGS:-defaults}; do
       suffix=""; [ "${#clients[@]}" -gt 1 ] && suffix="_$client"
       echo "== $cfg run $r, client $client"
       $BENCH --http-client "$client" --concurrency 1,16 --requests-per-level 80 --tag "config=$cfg" \
-        --tag "client=$client" --out "$OUT/http_${name}${suffix}_r$r.json" 2>&1 | grep -E "^\| c|Error|Traceback"
+        --tag "client=$client" --out "$OUT/http_${name}${suffix}_r$r.json" 2>&1 | grep -E "^\| c|^\| level \| requests|Error|Traceback"
     done
   done
   echo "== $cfg first hop 15"
   $BENCH --http-client "${clients[0]}" --first-hop 15 --concurrency 1 --requests-per-level 32 --tag "config=$cfg" --out "$OUT/http_${name}_hop15.json" \
-    2>&1 | grep -E "^\| c|Error|Traceback"
+    2>&1 | grep -E "^\| c|^\| level \| requests|Error|Traceback"
   kill "$server"; wait "$server" 2>/dev/null
 done
