@@ -28,7 +28,7 @@ from cosystream.server.inputs import (
     media_type,
 )
 from cosystream.server.openai_speech import AUDIO_RESPONSES
-from cosystream.server.protocol import ErrorResponse, RequestRecord, SynthesisOptions, TTSRequest, Voice, VoiceList
+from cosystream.server.protocol import ErrorResponse, FinishedRequest, SynthesisOptions, TTSRequest, Voice, VoiceList
 from cosystream.server.session import (
     NDJSON_MEDIA_TYPE,
     SSE_MEDIA_TYPE,
@@ -145,12 +145,12 @@ async def tts(request: Request,
     return events_response(session, sse=events_mode == "sse")
 
 
-@router.get("/v1/requests/{request_id}", tags=["native"], response_model=RequestRecord,
+@router.get("/v1/requests/{request_id}", tags=["native"], response_model=FinishedRequest,
             responses={404: {"model": ErrorResponse, "description": "unknown, still running, or no longer kept"},
                        401: {"model": ErrorResponse, "description": "API keys are configured and the bearer "
                              "token is missing or wrong"}},
             summary="A finished request's stage times (its X-Request-Id)")
-async def get_request(request: Request, request_id: str = Path(..., min_length=1, max_length=64)) -> RequestRecord:
+async def get_request(request: Request, request_id: str = Path(..., min_length=1, max_length=64)) -> FinishedRequest:
     """Where a finished request's time went: the server's own share (arrival to the engine, to the first audio
     bytes) and the engine's stages. Raw audio responses have no place for them; this is where a client
     (`cosystream bench`) reads them afterwards, outside what it times."""

@@ -157,7 +157,7 @@ class DoneEvent(BaseModel):
     server_first_audio_s: float | None = Field(None, description="request arrival → first audio bytes sent")
 
 
-class RequestRecord(BaseModel):
+class FinishedRequest(BaseModel):
     """A finished synthesis request as the server saw it (GET /v1/requests/{request_id})."""
 
     request_id: str

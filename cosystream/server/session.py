@@ -27,7 +27,7 @@ from cosystream.outputs import SAMPLE_RATE, AudioChunk
 from cosystream.params import SynthesisParams
 from cosystream.server.encode import MEDIA_TYPES, AudioFormat, build_encoder
 from cosystream.server.errors import ApiError, to_api_error
-from cosystream.server.protocol import AudioEvent, DoneEvent, ErrorEvent, RequestRecord, StageTimes
+from cosystream.server.protocol import AudioEvent, DoneEvent, ErrorEvent, FinishedRequest, StageTimes
 from cosystream.server.state import ServerState
 
 log = logging.getLogger("cosystream.server")
@@ -195,7 +195,7 @@ class SynthesisSession:
             m.observe_done(self.endpoint, self.times, self.server_first_audio_s)
             if self.times is not None:
                 self.state.admission.observe(self.times)
-        self.state.finished.add(self.request_id, self.record())
+        self.state.finished.add(self.request_id, self.finished())
         log_event("request_done", request_id=self.request_id, endpoint=self.endpoint, outcome=self.outcome,
                   format=self.fmt.value, chunks=self.num_chunks, audio_s=self.num_samples / SAMPLE_RATE,
                   first_audio_s=self.server_first_audio_s if self.server_first_audio_s is not None else "",
@@ -214,10 +214,10 @@ class SynthesisSession:
         stages = self.times.as_dict()
         return {f"engine_{k}": float(stages[k]) for k in keep if k in stages}
 
-    def record(self) -> RequestRecord:
+    def finished(self) -> FinishedRequest:
         """What GET /v1/requests/{id} answers once the request closed."""
         times = StageTimes(**self.times.as_dict()) if hasattr(self.times, "as_dict") else None
-        return RequestRecord(request_id=self.request_id, endpoint=self.endpoint, outcome=self.outcome,
+        return FinishedRequest(request_id=self.request_id, endpoint=self.endpoint, outcome=self.outcome,
                              num_chunks=self.num_chunks, audio_s=self.num_samples / SAMPLE_RATE,
                              to_engine_s=self.to_engine_s, server_first_audio_s=self.server_first_audio_s,
                              server_total_s=self.elapsed_s, times=times)
