@@ -214,18 +214,20 @@ class SynthesisSession:
         stages = self.times.as_dict()
         return {f"engine_{k}": float(stages[k]) for k in keep if k in stages}
 
+    def _stage_times(self) -> StageTimes | None:
+        """The engine's stage times of a request that finished with audio (None otherwise)."""
+        return StageTimes(**self.times.as_dict()) if hasattr(self.times, "as_dict") else None
+
     def finished(self) -> FinishedRequest:
         """What GET /v1/requests/{id} answers once the request closed."""
-        times = StageTimes(**self.times.as_dict()) if hasattr(self.times, "as_dict") else None
         return FinishedRequest(request_id=self.request_id, endpoint=self.endpoint, outcome=self.outcome,
-                             num_chunks=self.num_chunks, audio_s=self.num_samples / SAMPLE_RATE,
-                             to_engine_s=self.to_engine_s, server_first_audio_s=self.server_first_audio_s,
-                             server_total_s=self.elapsed_s, times=times)
+                               num_chunks=self.num_chunks, audio_s=self.num_samples / SAMPLE_RATE,
+                               to_engine_s=self.to_engine_s, server_first_audio_s=self.server_first_audio_s,
+                               server_total_s=self.elapsed_s, times=self._stage_times())
 
     def done_event(self) -> DoneEvent:
-        times = self.times.as_dict() if hasattr(self.times, "as_dict") else {}
         return DoneEvent(request_id=self.request_id, num_chunks=self.num_chunks, num_samples=self.num_samples,
-                         audio_s=self.num_samples / SAMPLE_RATE, times=StageTimes(**times),
+                         audio_s=self.num_samples / SAMPLE_RATE, times=self._stage_times() or StageTimes(),
                          server_first_audio_s=self.server_first_audio_s)
 
 
