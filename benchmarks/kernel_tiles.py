@@ -4,7 +4,8 @@
 
 Each candidate runs as the engine runs it: 20 calls back to back inside one CUDA graph, replayed; the
 time per call therefore includes the graph's per-kernel launch cost. The baseline is what the fused
-kernel replaces: cuBLAS (F.linear) followed by the separate epilogue kernel(s).
+kernel replaces: cuBLAS (F.linear) followed by the separate epilogue kernel(s). The Triton kernels launch
+with PDL on Hopper (cosystream.kernels.flow.PDL), so back-to-back calls overlap as in the estimator's chain.
 Shapes are the CosyVoice2-0.5B estimator's (dim 256, attention 512, feed-forward 1024); rows = CFG rows ×
 new frames (200: one stream's first chunk, 1600/3200: 16 streams, 26624: the official final pass of 16
 streams, 2 × 832 frames each).
@@ -82,7 +83,17 @@ def cases(m: int, dev: str, dt: torch.dtype) -> dict:
         state.copy_(xx[:, :, -2:])
         return flow.channel_norm_mish(F.conv1d(xx, conv_w, conv_b), ln[0], ln[1], 1e-5, time_add)
 
+    o, f = t(2, frames, INNER), t(2, frames, FF)
+    w_o, b_o = t(DIM, INNER, scale=INNER ** -0.5), t(DIM)
+    w_2, b_2 = t(DIM, FF, scale=FF ** -0.5), t(DIM)
+    w_r, b_r = t(DIM, DIM, scale=DIM ** -0.5), t(DIM)
     return {
+        "out proj": ("linear", lambda: F.linear(o, w_o, b_o),
+                     lambda tile: flow.linear_residual(o, w_o, b_o, tile=tile)),
+        "ff2+res": ("linear", lambda: F.linear(f, w_2, b_2) + res,
+                    lambda tile: flow.linear_residual(f, w_2, b_2, res, tile=tile)),
+        "res conv": ("linear", lambda: F.linear(conv_x.transpose(1, 2), w_r, b_r),
+                     lambda tile: flow.linear_residual(conv_x.transpose(1, 2), w_r, b_r, tile=tile)),
         "conv+LN+Mish+add": ("conv", conv_unfused,
                              lambda tile: flow.causal_conv(conv_x, state, 0, conv_w, conv_b, ln[0], ln[1], 1e-5,
                                                            mish=True, add=time_add, tail_out=tail_buf, tile=tile)),
@@ -104,6 +115,8 @@ def candidates(kind: str, m: int) -> list[Tile]:
                                                                              (2, 3))]
         return [Tile(bt, bc, w, s, co) for bt, bc, w, s, co in itertools.product((16, 32), (32, 64), (4, 8), (2, 3),
                                                                                  (1, 2, 4, 8))]
+    if kind == "linear":  # linear_residual: block_m rows, block_n outputs a program (K in steps of 64)
+        return [Tile(bm, bn, w, s) for bm, bn, w, s in itertools.product((16, 32, 64), (32, 64, 128), (4, 8), (2, 3))]
     if large:  # the whole K (256) is one tile: stages do not matter
         return [Tile(bm, bn, w, 2) for bm, bn, w in itertools.product((64, 128), (64, 128, 256), (4, 8))]
     return [Tile(bm, bn, w, s) for bm, bn, w, s in itertools.product((16, 32, 64), (64, 128), (4, 8), (2, 3))]

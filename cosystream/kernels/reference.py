@@ -191,6 +191,14 @@ def norm_qkv_pool_write(x: torch.Tensor, residual: torch.Tensor | None, norm: tu
     return q.contiguous(), total
 
 
+def linear_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    residual: torch.Tensor | None = None) -> torch.Tensor:
+    """linear(x) [R, T, N] for x [R, T, K] (any strides), then + residual [R, T, N] when given: the linear
+    rounded, the sum rounded again, as the two torch statements round them."""
+    y = F.linear(x, weight, bias)
+    return y if residual is None else y + residual
+
+
 def project_cfg_euler(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, x: torch.Tensor,
                       dt: float | torch.Tensor, cfg_rate: float) -> tuple[torch.Tensor, torch.Tensor]:
     """One Euler step of the CFM from the estimator's hidden state: v = 1x1 conv (weight [Cout, Cin, 1],

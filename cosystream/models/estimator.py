@@ -173,6 +173,11 @@ class ResNet(nn.Module):
         PERF: a channel-contiguous x (the transformers' [R, T, C] output, transposed) goes through the 1×1
         conv as one GEMM in that layout; the conv would first copy it to [R, C, T] (strided copy kernels of
         ≈ 35 µs each at a final pass of 16 streams)."""
+        ops = self.block1.kernels
+        if ops is not None and x.shape[0] * x.shape[2] <= PROLOGUE_GEMM_MAX_ROWS:
+            # the chunk path: a Triton GEMM that reads either layout (its launch overlaps the conv before)
+            return ops.linear_residual(x.transpose(1, 2), self.res_conv.weight[:, :, 0],
+                                       self.res_conv.bias).transpose(1, 2)
         if not x.transpose(1, 2).is_contiguous():
             return self.res_conv(x)
         return F.linear(x.transpose(1, 2), self.res_conv.weight[:, :, 0], self.res_conv.bias).transpose(1, 2)
@@ -509,10 +514,11 @@ class Estimator(nn.Module):
         """The engine's path: 5 kernels per block instead of 9. The residual add and LayerNorm ride in the
         prologue of the GEMM that consumes them (their row of 256 fits one tile), the q/k/v GEMM writes k/v
         straight into the pool and GELU rides in the first feed-forward GEMM; the output and second
-        feed-forward projections stay cuBLAS GEMMs (measured faster than Triton ones carrying a whole-row
-        LayerNorm epilogue). Every intermediate is rounded where the module path rounds it."""
+        feed-forward projections are plain GEMMs (Triton ones carrying a whole-row LayerNorm epilogue
+        measured slower), the last block's with the group's final residual add in its epilogue. Every
+        intermediate is rounded where the module path rounds it."""
         x, res = h.transpose(1, 2), None
-        for block in blocks:
+        for i, block in enumerate(blocks):
             attn, n1, n3 = block.attn1, block.norm1, block.norm3
             pool_k, pool_v = pooled.pool[block.cache_index, 0], pooled.pool[block.cache_index, 1]
             prefetch.before(attn.qkv_weight)
@@ -520,11 +526,11 @@ class Estimator(nn.Module):
                                              pooled.rows, pooled.write_pos)
             o = pooled.ops.pooled_attention(q, pool_k, pool_v, pooled.rows, pooled.write_pos, pooled.key_limit,
                                             pooled.chunk, pooled.attn_len, attn.num_heads)
-            ff1 = block.ff.net[0].proj
-            f, res = ops.norm_linear(attn.to_out[0](o), res, (n3.weight, n3.bias, n3.eps), ff1.weight, ff1.bias,
-                                     gelu=True)
-            x = block.ff.net[2](f)
-        return (x + res).transpose(1, 2)
+            ff1, ff2, out = block.ff.net[0].proj, block.ff.net[2], attn.to_out[0]
+            f, res = ops.norm_linear(ops.linear_residual(o, out.weight, out.bias), res,
+                                     (n3.weight, n3.bias, n3.eps), ff1.weight, ff1.bias, gelu=True)
+            x = ops.linear_residual(f, ff2.weight, ff2.bias, res if i == len(blocks) - 1 else None)
+        return x.transpose(1, 2)
 
     def forward(self, x: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
                 t: torch.Tensor, streaming: bool) -> torch.Tensor:

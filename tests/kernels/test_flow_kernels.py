@@ -311,3 +311,43 @@ def test_project_cfg_euler_reads_its_step_from_the_device(device: str) -> None:
         stepped = ops.project_cfg_euler(h, w, b, x, dt, 0.7)[0]
         assert torch.equal(stepped, ops.project_cfg_euler(h, w, b, x, 0.25, 0.7)[0])
         dt.fill_(0.0731)
+
+
+@pytest.mark.parametrize(("layout", "k_in", "with_bias", "with_residual"), [
+    ("frames", 512, True, False),  # the attention's output projection
+    ("frames", 1024, True, True),  # the last feed-forward projection of a group, with the group's residual add
+    ("channels", 320, True, False),  # a ResNet's 1x1 residual conv over [R, C, T] (the first ResNet's input)
+    ("channels", 100, False, True),  # inputs not a multiple of the kernel's K step
+])
+def test_linear_residual(device: str, dtype: torch.dtype, layout: str, k_in: int, with_bias: bool,
+                         with_residual: bool) -> None:
+    g = torch.Generator().manual_seed(k_in)
+    rows, num_t, n_out = 3, 45, 256  # 135 rows: not a multiple of any tile
+    if layout == "frames":
+        x = torch.randn(rows, num_t, k_in, generator=g).to(device, dtype)
+    else:  # a transposed view: the frames' inputs are strided
+        x = torch.randn(rows, k_in, num_t, generator=g).to(device, dtype).transpose(1, 2)
+    w = (torch.randn(n_out, k_in, generator=g) / k_in ** 0.5).to(device, dtype)
+    b = torch.randn(n_out, generator=g).to(device, dtype) if with_bias else None
+    res = torch.randn(rows, num_t, n_out, generator=g).to(device, dtype) if with_residual else None
+    out = flow.linear_residual(x, w, b, res)
+    assert out.shape == (rows, num_t, n_out) and out.is_contiguous()
+    exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+    if res is not None:
+        exact = exact + res.double()
+    assert _rel(out, exact) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+    want = reference.linear_residual(x, w, b, res)
+    assert _rel(out, want) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("tile", [Tile(16, 16, 2, 2), Tile(64, 128, 8, 3)])
+def test_linear_residual_with_other_launch_tiles(device: str, dtype: torch.dtype, tile: Tile) -> None:
+    """Row and column tiles that straddle the ends (135 rows, 200 outputs)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(5, 27, 192, generator=g).to(device, dtype)
+    w = (torch.randn(200, 192, generator=g) / 14).to(device, dtype)
+    b = torch.randn(200, generator=g).to(device, dtype)
+    res = torch.randn(5, 27, 200, generator=g).to(device, dtype)
+    out = flow.linear_residual(x, w, b, res, tile=tile)
+    want = F.linear(x.double(), w.double(), b.double()) + res.double()
+    assert _rel(out, want) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
