@@ -134,9 +134,10 @@ TILES: dict[tuple[str, int], Tile] = {
     # conv: block_m frames, block_n input channels a step, output channels in co_blocks launches.
     # 26,624 rows (class 2): 56.1 µs (16×64: 109, cuDNN + epilogue 102.7)
     ("conv", 0): Tile(16, 32, 8, 2, 4), ("conv", 1): Tile(16, 64, 8, 2), ("conv", 2): Tile(64, 32, 4, 2),
-    # linear_residual (the estimator runs it at row class 0 only; not yet measured: a first guess that keeps
-    # 16+ programs at one stream's chunk)
-    ("linear", 0): Tile(32, 32, 4, 3), ("linear", 1): Tile(64, 64, 4, 3), ("linear", 2): Tile(128, 64, 8, 3),
+    # linear_residual (the estimator runs it at row class 0 only). 120 / 200 rows, µs (cuBLAS, + add): output
+    # projection 2.9 / 3.0 (3.2 / 3.3), second feed-forward + residual 4.2 / 4.4 (4.9 / 5.2), the 1x1 residual
+    # conv 3.2 / 3.1 (7.4 / 7.5, a strided input); classes 1 and 2 unmeasured
+    ("linear", 0): Tile(16, 32, 4, 3), ("linear", 1): Tile(64, 32, 8, 3), ("linear", 2): Tile(128, 64, 8, 3),
 }
 LINEAR_BLOCK_K = 64  # inputs per inner step of linear_residual
 
@@ -205,7 +206,8 @@ def norm_qkv_pool_write(x: torch.Tensor, residual: torch.Tensor | None, norm: tu
 
 
 def linear_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                    residual: torch.Tensor | None = None, tile: Tile | None = None) -> torch.Tensor:
+                    residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                    tile: Tile | None = None) -> torch.Tensor:
     """Same contract as `reference.linear_residual`: x [R, T, K] any strides, weight [N, K] contiguous,
     residual [R, T, N] contiguous; returns [R, T, N] contiguous. PERF: on the chunk path it keeps the
     step's chain of kernels all Triton, so that each launch overlaps the kernel before it (`PDL`); the
@@ -215,7 +217,9 @@ def linear_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     n_out = weight.shape[0]
     assert weight.shape == (n_out, k_in) and weight.is_contiguous()
     assert residual is None or (residual.shape == (rows, num_t, n_out) and residual.is_contiguous())
-    out = torch.empty(rows, num_t, n_out, device=x.device, dtype=x.dtype)
+    if out is None:
+        out = torch.empty(rows, num_t, n_out, device=x.device, dtype=x.dtype)
+    assert out.shape == (rows, num_t, n_out) and out.is_contiguous() and out.dtype == x.dtype
     m = rows * num_t
     t = tile if tile is not None else TILES[("linear", row_class(m))]
     kern.linear_residual_kernel[(-(-m // t.block_m), -(-n_out // t.block_n))](

@@ -81,16 +81,29 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """This thread's side stream on `device`. One per thread: the engine thread (LM graphs) and the
-    token-to-wave worker (flow) must not share one, or one thread's eager prefetch could land on a stream
-    the other is capturing into a graph, and either's join would wait for the other's work."""
+def _side_stream(device: torch.device, purpose: str = "prefetch") -> torch.cuda.Stream:
+    """This thread's side stream on `device` for `purpose`. One per thread: the engine thread (LM graphs)
+    and the token-to-wave worker (flow) must not share one, or one thread's eager prefetch could land on a
+    stream the other is capturing into a graph, and either's join would wait for the other's work."""
     streams = getattr(_active, "streams", None)
     if streams is None:
         streams = _active.streams = {}
-    if device not in streams:
-        streams[device] = torch.cuda.Stream(device)
-    return streams[device]
+    if (device, purpose) not in streams:
+        streams[(device, purpose)] = torch.cuda.Stream(device)
+    return streams[(device, purpose)]
+
+
+def branch(device: torch.device) -> torch.cuda.Stream | None:
+    """A stream for work beside the chain that the chain reads only later (not a prefetch: its own stream,
+    so it never queues behind them), ordered after everything the current stream has queued; None off CUDA
+    and where side streams are off (`disabled`). Launch the work under `torch.cuda.stream(branch)` into
+    memory allocated before, and make the current stream wait for the branch (`wait_stream`) before the
+    kernel that reads it. In a CUDA graph the branch is a parallel node, off the critical path."""
+    if device.type != "cuda" or getattr(_active, "off", False):
+        return None
+    side = _side_stream(device, "branch")
+    side.wait_stream(torch.cuda.current_stream(device))
+    return side
 
 
 def usable(weights: Sequence[torch.Tensor], window_mb: float | None = None) -> bool:
@@ -126,8 +139,9 @@ def prefetching(weights: Sequence[torch.Tensor], window_mb: float | None = None)
 
 @contextlib.contextmanager
 def disabled() -> Iterator[None]:
-    """No prefetching in this thread within the block: for work on a stream of a CUDA green context (the
-    side stream belongs to the whole GPU's context, and a graph's branch there was never tested)."""
+    """No prefetching and no `branch` in this thread within the block: for work on a stream of a CUDA green
+    context (the side streams belong to the whole GPU's context, and a graph's branch there was never
+    tested)."""
     was = getattr(_active, "off", False)
     _active.off = True
     try:

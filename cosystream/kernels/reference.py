@@ -192,11 +192,13 @@ def norm_qkv_pool_write(x: torch.Tensor, residual: torch.Tensor | None, norm: tu
 
 
 def linear_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                    residual: torch.Tensor | None = None) -> torch.Tensor:
+                    residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """linear(x) [R, T, N] for x [R, T, K] (any strides), then + residual [R, T, N] when given: the linear
-    rounded, the sum rounded again, as the two torch statements round them."""
+    rounded, the sum rounded again, as the two torch statements round them. out: where it goes (a
+    contiguous [R, T, N] tensor), else a new tensor."""
     y = F.linear(x, weight, bias)
-    return y if residual is None else y + residual
+    y = y if residual is None else y + residual
+    return y if out is None else out.copy_(y)
 
 
 def project_cfg_euler(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, x: torch.Tensor,

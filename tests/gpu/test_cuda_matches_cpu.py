@@ -244,3 +244,20 @@ def test_the_estimators_l2_prefetch_changes_no_number(checkpoint, load_fixture, 
     assert launched  # the prefetch branch was traced into the graphs
     for w, g in zip(want, got, strict=True):
         assert torch.equal(w, g)
+
+
+def test_the_residual_branch_changes_no_number(checkpoint, load_fixture, monkeypatch):
+    """The ResNets' residual projections on a branch stream (a parallel node of the chunk ODE's graph) give
+    the numbers of the same kernels run in the chain."""
+    from cosystream.kernels import prefetch
+
+    f = load_fixture("stream")
+    branches = []
+    real = prefetch.branch
+    monkeypatch.setattr(prefetch, "branch", lambda device: branches.append(real(device)) or branches[-1])
+    got = _graphed_pooled_chunks(checkpoint, f, 0.0)
+    assert any(b is not None for b in branches)  # the branch was traced into the graphs
+    monkeypatch.setattr(prefetch, "branch", lambda device: None)
+    want = _graphed_pooled_chunks(checkpoint, f, 0.0)
+    for w, g in zip(want, got, strict=True):
+        assert torch.equal(w, g)

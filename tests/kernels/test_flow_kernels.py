@@ -351,3 +351,14 @@ def test_linear_residual_with_other_launch_tiles(device: str, dtype: torch.dtype
     out = flow.linear_residual(x, w, b, res, tile=tile)
     want = F.linear(x.double(), w.double(), b.double()) + res.double()
     assert _rel(out, want) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_linear_residual_into_a_given_tensor(device: str, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 256, 9, generator=g).to(device, dtype).transpose(1, 2)
+    w = (torch.randn(256, 256, generator=g) / 16).to(device, dtype)
+    b = torch.randn(256, generator=g).to(device, dtype)
+    for ops in (flow, reference):
+        out = torch.full((2, 9, 256), float("nan"), device=device, dtype=dtype)
+        assert ops.linear_residual(x, w, b, out=out) is out
+        assert _rel(out, F.linear(x.double(), w.double(), b.double())) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
