@@ -19,6 +19,20 @@ def pooled_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, rows_ptr, qpos_ptr, limi
     offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     live = offs_m < num_q
+    q = tl.load(q_ptr + r * q_row_stride + offs_m[:, None] * q_frame_stride + head * HEAD_DIM + offs_d[None, :],
+                mask=live[:, None], other=0.0)
+    out = _attend(q, k_ptr, v_ptr, rows_ptr, qpos_ptr, limit_ptr, r, head, offs_m, live, num_q, pool_row_stride,
+                  pool_frame_stride, scale, CHUNK, HEAD_DIM, BLOCK_M, BLOCK_N)
+    dst = o_ptr + (r * num_q + offs_m[:, None]) * INNER + head * HEAD_DIM + offs_d[None, :]
+    tl.store(dst, out.to(o_ptr.dtype.element_ty), mask=live[:, None])
+
+
+@triton.jit
+def _attend(q, k_ptr, v_ptr, rows_ptr, qpos_ptr, limit_ptr, r, head, offs_m, live, num_q, pool_row_stride,
+            pool_frame_stride, scale, CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr):
+    # softmax(q k^T) v over row r's pool keys for one head, float32 [BLOCK_M, HEAD_DIM]
+    offs_d = tl.arange(0, HEAD_DIM)
     pool_row = tl.load(rows_ptr + r)
     limit = tl.load(limit_ptr + r)
     qpos = tl.load(qpos_ptr + r * num_q + offs_m, mask=live, other=0)
@@ -26,8 +40,6 @@ def pooled_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, rows_ptr, qpos_ptr, limi
         q_end = tl.minimum((qpos // CHUNK + 1) * CHUNK, limit)
     else:
         q_end = tl.zeros_like(qpos) + limit
-    q = tl.load(q_ptr + r * q_row_stride + offs_m[:, None] * q_frame_stride + head * HEAD_DIM + offs_d[None, :],
-                mask=live[:, None], other=0.0)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
@@ -64,8 +76,76 @@ def pooled_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, rows_ptr, qpos_ptr, limi
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
-    out = acc / l_i[:, None]
-    dst = o_ptr + (r * num_q + offs_m[:, None]) * INNER + head * HEAD_DIM + offs_d[None, :]
+    return acc / l_i[:, None]
+
+
+@triton.jit
+def _add_norm_rows(x_ptr, sx_r, sx_t, sx_c, res_ptr, lnw_ptr, lnb_ptr, eps, r, offs_t, t_ok, num_t,
+                   DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RES: tl.constexpr):
+    # (LayerNorm(s), s) of frames offs_t of row r, s = x + res rounded (x alone without res); both [T, BLOCK_D]
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < DIM
+    ok = t_ok[:, None] & d_ok[None, :]
+    x = tl.load(x_ptr + r.to(tl.int64) * sx_r + offs_t[:, None] * sx_t + offs_d[None, :] * sx_c, mask=ok, other=0.0)
+    dt = x.dtype
+    if HAS_RES:
+        res = tl.load(res_ptr + (r * num_t + offs_t)[:, None] * DIM + offs_d[None, :], mask=ok, other=0.0)
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(dt)  # PARITY: the residual add is rounded
+    xf = x.to(tl.float32)
+    mean = tl.sum(xf, axis=1) / DIM
+    diff = tl.where(ok, xf - mean[:, None], 0.0)
+    inv = tl.rsqrt(tl.sum(diff * diff, axis=1) / DIM + eps)
+    lw = tl.load(lnw_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    lb = tl.load(lnb_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    return (diff * inv[:, None] * lw[None, :] + lb[None, :]).to(dt), x  # PARITY: the norm's output is rounded
+
+
+@triton.jit
+def norm_qkv_attention_kernel(x_ptr, sx_r, sx_t, sx_c, res_ptr, lnw_ptr, lnb_ptr, eps, w_ptr, sum_ptr, k_ptr, v_ptr,
+                              o_ptr, rows_ptr, qpos_ptr, limit_ptr, num_q, pool_row_stride, pool_frame_stride, scale,
+                              HAS_RES: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
+                              HEAD_DIM: tl.constexpr, INNER: tl.constexpr, PRECISION: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr,
+                              PDL: tl.constexpr):
+    # One program: BLOCK_M new frames of row r, one head. It projects this head's keys and values of *every*
+    # new frame of the row (each program of the row and head computes the same ones; none waits for another)
+    # into the pool, its own frames' queries, then attends over the pool as pooled_attention_kernel.
+    if PDL:
+        follow_previous()
+    r = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_h = tl.arange(0, HEAD_DIM)
+    w_cols = offs_d[:, None] < DIM
+    # this head's rows of the fused [3·INNER, DIM] q/k/v weight, as [DIM, HEAD_DIM] tiles
+    w_head = w_ptr + (head * HEAD_DIM + offs_h)[None, :] * DIM + offs_d[:, None]
+    pool_row = tl.load(rows_ptr + r).to(tl.int64)
+    base = pool_row * pool_row_stride + head * HEAD_DIM
+    for f0 in range(0, num_q, BLOCK_F):
+        offs_f = f0 + tl.arange(0, BLOCK_F)
+        f_ok = offs_f < num_q
+        a, _ = _add_norm_rows(x_ptr, sx_r, sx_t, sx_c, res_ptr, lnw_ptr, lnb_ptr, eps, r, offs_f, f_ok, num_q, DIM,
+                              BLOCK_D, HAS_RES)
+        frame = tl.load(qpos_ptr + r * num_q + offs_f, mask=f_ok, other=0)
+        dst = base + frame[:, None] * pool_frame_stride + offs_h[None, :]
+        wk = tl.load(w_head + INNER * DIM, mask=w_cols, other=0.0)
+        tl.store(k_ptr + dst, tl.dot(a, wk, input_precision=PRECISION).to(a.dtype), mask=f_ok[:, None])
+        wv = tl.load(w_head + 2 * INNER * DIM, mask=w_cols, other=0.0)
+        tl.store(v_ptr + dst, tl.dot(a, wv, input_precision=PRECISION).to(a.dtype), mask=f_ok[:, None])
+    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    live = offs_m < num_q
+    a, total = _add_norm_rows(x_ptr, sx_r, sx_t, sx_c, res_ptr, lnw_ptr, lnb_ptr, eps, r, offs_m, live, num_q, DIM,
+                              BLOCK_D, HAS_RES)
+    if head == 0:  # the residual stream, once per frame
+        tl.store(sum_ptr + (r * num_q + offs_m)[:, None] * DIM + offs_d[None, :], total,
+                 mask=live[:, None] & (offs_d[None, :] < DIM))
+    q = tl.dot(a, tl.load(w_head, mask=w_cols, other=0.0), input_precision=PRECISION).to(a.dtype)
+    # this program's own pool writes above are visible to all its threads past the barrier (the other
+    # programs of the row and head write the same values)
+    tl.debug_barrier()
+    out = _attend(q, k_ptr, v_ptr, rows_ptr, qpos_ptr, limit_ptr, r, head, offs_m, live, num_q, pool_row_stride,
+                  pool_frame_stride, scale, CHUNK, HEAD_DIM, BLOCK_M, BLOCK_N)
+    dst = o_ptr + (r * num_q + offs_m[:, None]) * INNER + head * HEAD_DIM + offs_h[None, :]
     tl.store(dst, out.to(o_ptr.dtype.element_ty), mask=live[:, None])
 
 

@@ -362,3 +362,52 @@ def test_linear_residual_into_a_given_tensor(device: str, dtype: torch.dtype) ->
         out = torch.full((2, 9, 256), float("nan"), device=device, dtype=dtype)
         assert ops.linear_residual(x, w, b, out=out) is out
         assert _rel(out, F.linear(x.double(), w.double(), b.double())) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize(("chunk", "num_t", "with_residual", "tile"), [
+    (50, 37, True, None),  # a first chunk: one program per row and head
+    (50, 70, False, None),  # two query tiles, each projecting every new frame itself
+    (0, 45, True, Tile(16, 32, 4, 2)),  # no chunk mask; three query tiles
+])
+def test_norm_qkv_attention(device: str, dtype: torch.dtype, chunk: int, num_t: int, with_residual: bool,
+                            tile: Tile | None) -> None:
+    """The fused projection + attention computes what the two ops do in turn: the same pool (new frames' keys
+    and values, nothing else touched), residual stream and attention output."""
+    g, x, res, norm = _norm_inputs(device, dtype, 40 + num_t, num_t=num_t)
+    w = (torch.randn(3 * INNER, 256, generator=g) / 16).to(device, dtype)
+    pool = torch.randn(2, 5, 400, INNER, generator=g).to(device, dtype)
+    want_pool = pool.clone()
+    rows = torch.tensor([4, 0, 2], device=device)
+    # row 1 overwrites frames it already has keys for (a first chunk re-encodes the prompt's last frames)
+    starts = torch.tensor([0, 100, 290], device=device)
+    write_pos = starts.unsqueeze(1) + torch.arange(num_t, device=device)
+    limit = write_pos[:, -1] + 1 if chunk else torch.tensor([num_t, 150, 300 + num_t], device=device)
+    r = res if with_residual else None
+    o, total = flow.norm_qkv_attention(x, r, norm, w, pool[0], pool[1], rows, write_pos, limit, chunk, 400, HEADS,
+                                       tile=tile)
+    want_o, want_total = reference.norm_qkv_attention(x, r, norm, w, want_pool[0], want_pool[1], rows, write_pos,
+                                                      limit, chunk, 400, HEADS)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert torch.equal(total, want_total)
+    assert _rel(o, want_o) < tol
+    written = torch.zeros(5, 400, dtype=torch.bool, device=device)
+    written[rows.unsqueeze(1), write_pos] = True
+    assert _rel(pool[:, written], want_pool[:, written]) < tol
+    assert torch.equal(pool[:, ~written], want_pool[:, ~written])
+
+
+def test_norm_qkv_attention_unfused_for_the_ab(device: str, dtype: torch.dtype, monkeypatch) -> None:
+    g, x, res, norm = _norm_inputs(device, dtype, 50, num_t=20)
+    w = (torch.randn(3 * INNER, 256, generator=g) / 16).to(device, dtype)
+    pools = [torch.randn(2, 3, 100, INNER, generator=torch.Generator().manual_seed(51)).to(device, dtype)
+             for _ in range(2)]
+    rows, write_pos = torch.tensor([2, 0, 1], device=device), torch.arange(20, device=device).repeat(3, 1) + 30
+    limit = write_pos[:, -1] + 1
+    outs = []
+    for fused, pool in zip((True, False), pools, strict=True):
+        monkeypatch.setattr(flow, "FUSED_QKV_ATTENTION", fused)
+        outs.append(flow.norm_qkv_attention(x, res, norm, w, pool[0], pool[1], rows, write_pos, limit, 50, 100,
+                                            HEADS))
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert _rel(outs[0][0], outs[1][0]) < tol and torch.equal(outs[0][1], outs[1][1])
+    assert _rel(pools[0], pools[1]) < tol
