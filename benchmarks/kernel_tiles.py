@@ -61,7 +61,7 @@ def cases(m: int, dev: str, dt: torch.dtype) -> dict:
 
     ln = (t(DIM) + 1, t(DIM), 1e-5)
     frames = m // 2
-    pool = torch.zeros(2, 4, max(1024, 300 + frames), INNER, device=dev, dtype=dt)
+    pool = torch.zeros(2, 4, max(1024, frames), INNER, device=dev, dtype=dt)
     rows = torch.tensor([0, 1], device=dev)
     write_pos = torch.arange(frames, device=dev).repeat(2, 1)
     x, res = t(2, frames, DIM), t(2, frames, DIM)
@@ -87,18 +87,7 @@ def cases(m: int, dev: str, dt: torch.dtype) -> dict:
     w_o, b_o = t(DIM, INNER, scale=INNER ** -0.5), t(DIM)
     w_2, b_2 = t(DIM, FF, scale=FF ** -0.5), t(DIM)
     w_r, b_r = t(DIM, DIM, scale=DIM ** -0.5), t(DIM)
-    # a first chunk's attention: the new frames after 300 prompt frames, 50-frame chunk mask
-    att_pos = 300 + torch.arange(frames, device=dev).repeat(2, 1)
-    att_limit = att_pos[:, -1] + 1
-
-    def qkv_attention_unfused():
-        q, _ = flow.norm_qkv_pool_write(x, res, ln, w_q, pool[0], pool[1], rows, att_pos)
-        return flow.pooled_attention(q, pool[0], pool[1], rows, att_pos, att_limit, 50, 0, 8)
-
     return {
-        "qkv+attention": ("attention", qkv_attention_unfused,
-                          lambda tile: flow.norm_qkv_attention(x, res, ln, w_q, pool[0], pool[1], rows, att_pos,
-                                                               att_limit, 50, 0, 8, tile=tile)),
         "out proj": ("linear", lambda: F.linear(o, w_o, b_o),
                      lambda tile: flow.linear_residual(o, w_o, b_o, tile=tile)),
         "ff2+res": ("linear", lambda: F.linear(f, w_2, b_2) + res,
@@ -126,8 +115,6 @@ def candidates(kind: str, m: int) -> list[Tile]:
                                                                              (2, 3))]
         return [Tile(bt, bc, w, s, co) for bt, bc, w, s, co in itertools.product((16, 32), (32, 64), (4, 8), (2, 3),
                                                                                  (1, 2, 4, 8))]
-    if kind == "attention":  # norm_qkv_attention: block_m queries, block_n keys a step
-        return [Tile(bm, bn, w, s) for bm, bn, w, s in itertools.product((16, 32, 64), (32, 64), (4, 8), (2, 3))]
     if kind == "linear":  # linear_residual: block_m rows, block_n outputs a program (K in steps of 64)
         return [Tile(bm, bn, w, s) for bm, bn, w, s in itertools.product((16, 32, 64), (32, 64, 128), (4, 8), (2, 3))]
     if large:  # the whole K (256) is one tile: stages do not matter

@@ -24,7 +24,6 @@ from cosystream.engine.loader import load_flow, load_hift, load_llm
 from cosystream.engine.token2wav import Token2WavRunner
 from cosystream.frontend import ModelInputs
 from cosystream.kernels import decode as decode_ops
-from cosystream.kernels import flow as flow_ops
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -228,9 +227,6 @@ def main() -> None:
     ap.add_argument("--pdl", type=int, choices=(0, 1), default=None,
                     help="programmatic dependent launch of the decode and flow kernels (A/B; default: "
                     "cosystream.kernels.PDL)")
-    ap.add_argument("--unfused-qkv-attention", action="store_true",
-                    help="the flow chunk path's q/k/v projection and attention as two kernels (A/B; "
-                    "cosystream.kernels.flow.FUSED_QKV_ATTENTION)")
     ap.add_argument("--shared-weights", action="store_true",
                     help="every LM layer / estimator block reads the first one's weights (L2-resident): an upper "
                     "bound on what fetching weights from HBM costs (timings only; outputs meaningless)")
@@ -246,8 +242,6 @@ def main() -> None:
         decode_ops.MAX_LINEAR_ROWS = 0
     if args.pdl is not None:
         kernels.PDL = bool(args.pdl)
-    if args.unfused_qkv_attention:
-        flow_ops.FUSED_QKV_ATTENTION = False
     batches = [int(b) for b in args.batches.split(",")]
     ckpt = load_checkpoint(args.model_dir)
     results = {}

@@ -141,13 +141,6 @@ TILES: dict[tuple[str, int], Tile] = {
 }
 LINEAR_BLOCK_K = 64  # inputs per inner step of linear_residual
 
-# norm_qkv_attention (the chunk path: at most SMALL_ROWS rows): queries per program, keys per step; new frames
-# projected per step. Not yet swept: 64 queries keep a first chunk's frames in one program per row and head
-# (each program projects all of them), and 64×64 was as fast as 16×64 for the attention alone (6.8 / 6.9 µs).
-QKV_ATTENTION_TILE = Tile(64, 64, 4, 3)
-QKV_ATTENTION_FRAMES = 32
-# False: norm_qkv_attention launches norm_qkv_pool_write and pooled_attention instead (the A/B)
-FUSED_QKV_ATTENTION = True
 
 # The channel split was measured at 256 output channels (four blocks of 64); narrower blocks were not, so
 # the default tiles never split below this width (explicit tiles do, for tests and sweeps).
@@ -236,38 +229,6 @@ def linear_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         HAS_RES=residual is not None, PRECISION=_precision(x), BLOCK_M=t.block_m, BLOCK_N=t.block_n,
         BLOCK_K=LINEAR_BLOCK_K, num_warps=t.warps, num_stages=t.stages, **_pdl(x))
     return out
-
-
-def norm_qkv_attention(x: torch.Tensor, residual: torch.Tensor | None, norm: tuple[torch.Tensor, torch.Tensor, float],
-                       qkv_weight: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, rows: torch.Tensor,
-                       write_pos: torch.Tensor, key_limit: torch.Tensor, chunk: int, attn_len: int, num_heads: int,
-                       tile: Tile | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `reference.norm_qkv_attention`; x [R, T, dim] any strides, residual contiguous; every
-    batch row writes a pool row of its own (rows sharing one may race: the engine's padding rows only).
-    PERF: one launch instead of `norm_qkv_pool_write` + `pooled_attention` (each program projects its head's
-    keys/values of all the row's new frames itself, so no program waits for another); with
-    FUSED_QKV_ATTENTION False (the A/B) it is those two."""
-    if not FUSED_QKV_ATTENTION:
-        q, total = norm_qkv_pool_write(x, residual, norm, qkv_weight, pool_k, pool_v, rows, write_pos)
-        return pooled_attention(q, pool_k, pool_v, rows, write_pos, key_limit, chunk, attn_len, num_heads), total
-    kern = _kernels()
-    batch, num_t, dim = x.shape
-    inner = qkv_weight.shape[0] // 3
-    head_dim = inner // num_heads
-    assert qkv_weight.shape == (3 * inner, dim) and qkv_weight.is_contiguous()
-    assert residual is None or residual.is_contiguous()
-    assert pool_k.stride() == pool_v.stride() and pool_k.stride(2) == 1
-    t = tile if tile is not None else QKV_ATTENTION_TILE
-    o = torch.empty(batch, num_t, inner, device=x.device, dtype=x.dtype)
-    total = torch.empty(batch, num_t, dim, device=x.device, dtype=x.dtype)
-    kern.norm_qkv_attention_kernel[(batch, num_heads, -(-num_t // t.block_m))](
-        x, x.stride(0), x.stride(1), x.stride(2), residual if residual is not None else x, norm[0], norm[1], norm[2],
-        qkv_weight, total, pool_k, pool_v, o, rows, write_pos.contiguous(), key_limit, num_t, pool_k.stride(0),
-        pool_k.stride(1), head_dim ** -0.5, HAS_RES=residual is not None, DIM=dim,
-        BLOCK_D=kern.next_power_of_2(dim), CHUNK=chunk, HEAD_DIM=head_dim, INNER=inner, PRECISION=_precision(x),
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_F=QKV_ATTENTION_FRAMES, num_warps=t.warps, num_stages=t.stages,
-        **_pdl(x))
-    return o, total
 
 
 def _taps_first(weight: torch.Tensor) -> torch.Tensor:

@@ -191,16 +191,6 @@ def norm_qkv_pool_write(x: torch.Tensor, residual: torch.Tensor | None, norm: tu
     return q.contiguous(), total
 
 
-def norm_qkv_attention(x: torch.Tensor, residual: torch.Tensor | None, norm: tuple[torch.Tensor, torch.Tensor, float],
-                       qkv_weight: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, rows: torch.Tensor,
-                       write_pos: torch.Tensor, key_limit: torch.Tensor, chunk: int, attn_len: int,
-                       num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, s): `norm_qkv_pool_write` (the new frames' keys and values into the pool at write_pos) and then
-    `pooled_attention` of its queries, at positions write_pos, over the pool."""
-    q, total = norm_qkv_pool_write(x, residual, norm, qkv_weight, pool_k, pool_v, rows, write_pos)
-    return pooled_attention(q, pool_k, pool_v, rows, write_pos, key_limit, chunk, attn_len, num_heads), total
-
-
 def linear_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """linear(x) [R, T, N] for x [R, T, K] (any strides), then + residual [R, T, N] when given: the linear

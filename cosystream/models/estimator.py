@@ -529,27 +529,24 @@ class Estimator(nn.Module):
     @staticmethod
     def _pooled_transformers(blocks: nn.ModuleList, h: torch.Tensor, pooled: PooledKV, ops: ModuleType
                              ) -> torch.Tensor:
-        """The engine's path: 4 kernels per block instead of 9. The residual add and LayerNorm ride in the
-        prologue of the projection that consumes them (their row of 256 fits one tile); the attention's kernel
-        projects the q/k/v itself, writing k/v into the pool; GELU rides in the first feed-forward GEMM; the
-        output and second feed-forward projections are plain GEMMs (Triton ones carrying a whole-row
-        LayerNorm epilogue measured slower), the last block's with the group's final residual add in its
-        epilogue. Every intermediate is rounded where the module path rounds it."""
+        """The engine's path: 5 kernels per block instead of 9. The residual add and LayerNorm ride in the
+        prologue of the GEMM that consumes them (their row of 256 fits one tile), the q/k/v GEMM writes k/v
+        straight into the pool and GELU rides in the first feed-forward GEMM; the output and second
+        feed-forward projections are plain GEMMs (Triton ones carrying a whole-row LayerNorm epilogue
+        measured slower), the last block's with the group's final residual add in its epilogue. Every
+        intermediate is rounded where the module path rounds it."""
         x, res = h.transpose(1, 2), None
         for i, block in enumerate(blocks):
             attn, n1, n3 = block.attn1, block.norm1, block.norm3
             pool_k, pool_v = pooled.pool[block.cache_index, 0], pooled.pool[block.cache_index, 1]
             prefetch.before(attn.qkv_weight)
-            norm1 = (n1.weight, n1.bias, n1.eps)
-            if pooled.ops is ops:
-                o, res = ops.norm_qkv_attention(x, res, norm1, attn.qkv_weight, pool_k, pool_v, pooled.rows,
-                                                pooled.write_pos, pooled.key_limit, pooled.chunk, pooled.attn_len,
-                                                attn.num_heads)
-            else:
-                q, res = ops.norm_qkv_pool_write(x, res, norm1, attn.qkv_weight, pool_k, pool_v, pooled.rows,
-                                                 pooled.write_pos)
-                o = pooled.ops.pooled_attention(q, pool_k, pool_v, pooled.rows, pooled.write_pos, pooled.key_limit,
-                                                pooled.chunk, pooled.attn_len, attn.num_heads)
+            # (One kernel for the projection and the attention, each program projecting its head's keys and
+            # values of the row's new frames itself, measured slower on the H100 at 2be48f4: 14.8 against 10.4
+            # µs for a first chunk's 72 rows, its ODE 28.3 against 19.8 ms; removed after that commit.)
+            q, res = ops.norm_qkv_pool_write(x, res, (n1.weight, n1.bias, n1.eps), attn.qkv_weight, pool_k, pool_v,
+                                             pooled.rows, pooled.write_pos)
+            o = pooled.ops.pooled_attention(q, pool_k, pool_v, pooled.rows, pooled.write_pos, pooled.key_limit,
+                                            pooled.chunk, pooled.attn_len, attn.num_heads)
             ff1, ff2, out = block.ff.net[0].proj, block.ff.net[2], attn.to_out[0]
             f, res = ops.norm_linear(ops.linear_residual(o, out.weight, out.bias), res,
                                      (n3.weight, n3.bias, n3.eps), ff1.weight, ff1.bias, gelu=True)
