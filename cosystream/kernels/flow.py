@@ -18,16 +18,20 @@ import torch
 
 from cosystream.kernels import pdl_launch
 
-# PERF: launch the estimator's kernels with programmatic dependent launch (see `_launch_jit`): each kernel's
-# launch and start-up overlap the kernel before it. On the engine's chunk path (at most PROLOGUE_GEMM_MAX_ROWS
-# rows) every GEMM is one of these kernels (`linear_residual` for the output, second feed-forward and ResNet
-# residual projections), so the step is an unbroken PDL chain but for a few copies. Read at launch (so at
-# CUDA-graph capture); benchmarks set it False for the A/B.
+# PERF: launch the estimator's kernels on the chunk path of one or two streams (at most SMALL_ROWS rows, row
+# class 0) with programmatic dependent launch (see `_launch_jit`): each kernel's launch and start-up overlap
+# the kernel before it. There every GEMM is one of these kernels (`linear_residual` for the output, second
+# feed-forward and ResNet residual projections), so the step is an unbroken PDL chain but for a few copies.
+# Measured on the H100 (profile_stages.py --only t2w, dc84481): a first chunk's ODE 20.46 -> 19.95 ms. Bigger
+# batches and the final passes launch plainly: they run beside LM decode steps at high concurrency, where
+# programs launched early and waiting for their predecessor would hold SM slots the decode kernels need
+# (not measured apart; their timings stay those of the earlier sessions). Read at launch (so at CUDA-graph
+# capture); benchmarks set it False for the A/B.
 PDL = True
 
 
-def _pdl(x: torch.Tensor) -> dict:
-    return pdl_launch(x) if PDL else {"PDL": False}
+def _pdl(x: torch.Tensor, rows: int) -> dict:
+    return pdl_launch(x) if PDL and rows <= SMALL_ROWS else {"PDL": False}
 
 
 @functools.cache
@@ -55,7 +59,7 @@ def pooled_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor
     _kernels().pooled_attention_kernel[grid](
         q, pool_k, pool_v, out, rows, q_pos.contiguous(), key_limit, num_q, q.stride(0), q.stride(1),
         pool_k.stride(0), pool_k.stride(1), head_dim ** -0.5, CHUNK=chunk, HEAD_DIM=head_dim, INNER=inner,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.warps, num_stages=t.stages, **_pdl(q))
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.warps, num_stages=t.stages, **_pdl(q, batch * num_q))
     return out
 
 
@@ -70,7 +74,7 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
     k.add_layer_norm_kernel[(rows, -(-num_t // block_t))](
         x, out if residual is None else residual, weight, bias, out, total, num_t, x.stride(0), x.stride(1),
         x.stride(2), n_cols, eps, HAS_RES=residual is not None, BLOCK=k.next_power_of_2(n_cols), BLOCK_T=block_t,
-        **_pdl(x))
+        **_pdl(x, rows * num_t))
     return out, total
 
 
@@ -85,7 +89,7 @@ def channel_norm_mish(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     block_t = 16
     k.channel_norm_mish_kernel[(rows, -(-num_t // block_t))](
         x, weight, bias, out if add is None else add.contiguous(), out, n_ch, num_t, eps, HAS_ADD=add is not None,
-        BLOCK_C=k.next_power_of_2(n_ch), BLOCK_T=block_t, **_pdl(x))
+        BLOCK_C=k.next_power_of_2(n_ch), BLOCK_T=block_t, **_pdl(x, rows * num_t))
     return out
 
 
@@ -97,7 +101,7 @@ def pool_write(k: torch.Tensor, v: torch.Tensor, pool_k: torch.Tensor, pool_v: t
     assert k.stride() == v.stride() and k.stride(2) == 1 and pool_k.stride() == pool_v.stride()
     kern.pool_write_kernel[(batch, num_c)](k, v, pool_k, pool_v, rows, write_pos.contiguous(), num_c, k.stride(0),
                                            k.stride(1), pool_k.stride(0), pool_k.stride(1), INNER=inner,
-                                           **_pdl(k))
+                                           **_pdl(k, batch * num_c))
 
 
 def _precision(x: torch.Tensor) -> str:
@@ -180,7 +184,7 @@ def _launch_norm_gemm(x: torch.Tensor, residual: torch.Tensor | None, norm: tupl
         pk.stride(0) if pool is not None else 0, pk.stride(1) if pool is not None else 0, m, n, num_t, DIM=dim,
         BLOCK_D=kern.next_power_of_2(dim), HAS_RES=residual is not None, HAS_BIAS=bias is not None, GELU=gelu,
         QKV=pool is not None, INNER=inner, PRECISION=_precision(x), BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-        num_warps=t.warps, num_stages=t.stages, **_pdl(x))
+        num_warps=t.warps, num_stages=t.stages, **_pdl(x, m))
     return total
 
 
@@ -227,7 +231,7 @@ def linear_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         x, x.stride(0), x.stride(1), x.stride(2), weight, bias if bias is not None else weight,
         residual if residual is not None else out, out, m, n_out, k_in, num_t, HAS_BIAS=bias is not None,
         HAS_RES=residual is not None, PRECISION=_precision(x), BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-        BLOCK_K=LINEAR_BLOCK_K, num_warps=t.warps, num_stages=t.stages, **_pdl(x))
+        BLOCK_K=LINEAR_BLOCK_K, num_warps=t.warps, num_stages=t.stages, **_pdl(x, m))
     return out
 
 
@@ -284,7 +288,7 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, offset: int, weight: 
             n_in, n_out, num_t, eps, *x_in.stride(), *state.stride(), a.stride(0), a.stride(1),
             rs.stride(0), rs.stride(1), rs.stride(-1), *tail.stride(), **flags, PRECISION=_precision(x),
             BLOCK_CO=kern.next_power_of_2(n_out // blocks), BLOCK_CI=block_ci, BLOCK_T=block_t, PHASE=phase,
-            num_warps=warps, num_stages=stages, **_pdl(x))
+            num_warps=warps, num_stages=stages, **_pdl(x, rows * num_t))
 
     if not split:
         launch(0, x, out, 1, epilogue)
@@ -318,5 +322,5 @@ def project_cfg_euler(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
         h, w, bias, x, x_new, next_rows, n_in, num_t, 0.0 if on_device else float(dt), dt if on_device else x,
         1.0 + cfg_rate, float(cfg_rate), h.stride(0), h.stride(1), h.stride(2), N_OUT=n_out,
         BLOCK_O=kern.next_power_of_2(n_out), BLOCK_CI=64, BLOCK_T=block_t, PRECISION=_precision(h),
-        DT_FROM_PTR=on_device, num_warps=4, **_pdl(h))
+        DT_FROM_PTR=on_device, num_warps=4, **_pdl(h, rows * num_t))
     return x_new, next_rows
