@@ -26,12 +26,13 @@ from cosystream.kernels import pdl_launch
 # batches and the final passes launch plainly: they run beside LM decode steps at high concurrency, where
 # programs launched early and waiting for their predecessor would hold SM slots the decode kernels need
 # (not measured apart; their timings stay those of the earlier sessions). Read at launch (so at CUDA-graph
-# capture); benchmarks set it False for the A/B.
+# capture); benchmarks set it False, or PDL_MAX_ROWS higher, for the A/B (benchmarks/flow_pdl_ab.sh).
 PDL = True
+PDL_MAX_ROWS = 512  # SMALL_ROWS: row class 0
 
 
 def _pdl(x: torch.Tensor, rows: int) -> dict:
-    return pdl_launch(x) if PDL and rows <= SMALL_ROWS else {"PDL": False}
+    return pdl_launch(x) if PDL and rows <= PDL_MAX_ROWS else {"PDL": False}
 
 
 @functools.cache

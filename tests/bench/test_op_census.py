@@ -38,7 +38,10 @@ def test_a_final_pass_step_gathers_its_time_terms_and_ends_in_the_fused_tail(cen
 
 def test_a_chunk_ode_step_launches_five_kernels_a_transformer_block(census, model_dir: Path) -> None:
     counts = census.chunk_ode_launches(str(model_dir), prompt_frames=50, new_frames=50).counts
-    assert sum(_ops(counts, "_pooled_transformers").values()) == STEPS * (5 * BLOCKS + GROUPS)
+    blocks = _ops(counts, "_pooled_transformers")
+    assert sum(blocks.values()) == STEPS * 5 * BLOCKS  # each group's residual add rides in its last GEMM
+    assert blocks["fused:linear_residual"] == STEPS * 2 * BLOCKS  # output and second feed-forward projections
+    assert _ops(counts, "_residual") == {"fused:linear_residual": STEPS * GROUPS}  # every ResNet's 1x1 conv
     assert _ops(counts)["fused:project_cfg_euler"] == STEPS
 
 
