@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A/B of the flow kernels' programmatic dependent launch in the engine, in-process, on one machine: off, on the
-# chunk path of one or two streams only (the default: kernels.flow.PDL_MAX_ROWS = 512), and on every row class.
+# chunk path of one or two streams only (the default: kernels.flow.PDL_MAX_ROWS = SMALL_ROWS = 512), and on every row class.
 # Each variant runs bench_engine.py with the module setting changed before the engine starts (its kernels are
 # compiled for it first: give each run its warm-up). LEVELS (default 16), N requests a level (default 48).
 #   bash benchmarks/flow_pdl_ab.sh

@@ -19,20 +19,6 @@ def pooled_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, rows_ptr, qpos_ptr, limi
     offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     live = offs_m < num_q
-    q = tl.load(q_ptr + r * q_row_stride + offs_m[:, None] * q_frame_stride + head * HEAD_DIM + offs_d[None, :],
-                mask=live[:, None], other=0.0)
-    out = _attend(q, k_ptr, v_ptr, rows_ptr, qpos_ptr, limit_ptr, r, head, offs_m, live, num_q, pool_row_stride,
-                  pool_frame_stride, scale, CHUNK, HEAD_DIM, BLOCK_M, BLOCK_N)
-    dst = o_ptr + (r * num_q + offs_m[:, None]) * INNER + head * HEAD_DIM + offs_d[None, :]
-    tl.store(dst, out.to(o_ptr.dtype.element_ty), mask=live[:, None])
-
-
-@triton.jit
-def _attend(q, k_ptr, v_ptr, rows_ptr, qpos_ptr, limit_ptr, r, head, offs_m, live, num_q, pool_row_stride,
-            pool_frame_stride, scale, CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr):
-    # softmax(q k^T) v over row r's pool keys for one head, float32 [BLOCK_M, HEAD_DIM]
-    offs_d = tl.arange(0, HEAD_DIM)
     pool_row = tl.load(rows_ptr + r)
     limit = tl.load(limit_ptr + r)
     qpos = tl.load(qpos_ptr + r * num_q + offs_m, mask=live, other=0)
@@ -40,6 +26,8 @@ def _attend(q, k_ptr, v_ptr, rows_ptr, qpos_ptr, limit_ptr, r, head, offs_m, liv
         q_end = tl.minimum((qpos // CHUNK + 1) * CHUNK, limit)
     else:
         q_end = tl.zeros_like(qpos) + limit
+    q = tl.load(q_ptr + r * q_row_stride + offs_m[:, None] * q_frame_stride + head * HEAD_DIM + offs_d[None, :],
+                mask=live[:, None], other=0.0)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
@@ -76,7 +64,9 @@ def _attend(q, k_ptr, v_ptr, rows_ptr, qpos_ptr, limit_ptr, r, head, offs_m, liv
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
-    return acc / l_i[:, None]
+    out = acc / l_i[:, None]
+    dst = o_ptr + (r * num_q + offs_m[:, None]) * INNER + head * HEAD_DIM + offs_d[None, :]
+    tl.store(dst, out.to(o_ptr.dtype.element_ty), mask=live[:, None])
 
 
 @triton.jit

@@ -28,7 +28,6 @@ from cosystream.kernels import pdl_launch
 # (not measured apart; their timings stay those of the earlier sessions). Read at launch (so at CUDA-graph
 # capture); benchmarks set it False, or PDL_MAX_ROWS higher, for the A/B (benchmarks/flow_pdl_ab.sh).
 PDL = True
-PDL_MAX_ROWS = 512  # SMALL_ROWS: row class 0
 
 
 def _pdl(x: torch.Tensor, rows: int) -> dict:
@@ -122,6 +121,7 @@ class Tile:
 
 
 SMALL_ROWS, LARGE_ROWS = 512, 8192  # row-count classes of the tile tables: 0 up to SMALL, 1 up to LARGE, 2 above
+PDL_MAX_ROWS = SMALL_ROWS  # the launches with PDL (see PDL): row class 0
 
 
 def row_class(rows: int) -> int:

@@ -175,30 +175,32 @@ class ResNet(nn.Module):
         """(res_conv(x), the branch computing it or None). PERF: on the chunk path (a Triton GEMM) on a
         branch stream while the first conv runs: it needs only x, and only the second conv's epilogue reads
         it, so it leaves the step's critical path (14 of its ≈ 365 kernels)."""
-        ops = self.block1.kernels
-        rows, _, frames = x.shape
-        small = ops is not None and rows * frames <= PROLOGUE_GEMM_MAX_ROWS
-        branch = prefetch.branch(x.device) if small else None
+        branch = prefetch.branch(x.device) if self._residual_is_triton(x) else None
         if branch is None:
             return self._residual(x), None
-        out = torch.empty(rows, frames, self.res_conv.out_channels, device=x.device, dtype=x.dtype)
+        out = torch.empty(x.shape[0], x.shape[2], self.res_conv.out_channels, device=x.device, dtype=x.dtype)
         with torch.cuda.stream(branch):
-            ops.linear_residual(x.transpose(1, 2), self.res_conv.weight[:, :, 0], self.res_conv.bias, out=out)
+            self._residual(x, out=out)
         return out.transpose(1, 2), branch
 
-    def _residual(self, x: torch.Tensor) -> torch.Tensor:
-        """res_conv(x) [R, C, T], possibly as a strided view (the fused conv reads any strides).
+    def _residual_is_triton(self, x: torch.Tensor) -> bool:
+        return self.block1.kernels is not None and x.shape[0] * x.shape[2] <= PROLOGUE_GEMM_MAX_ROWS
+
+    def _residual(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """res_conv(x) [R, C, T], possibly as a strided view (the fused conv reads any strides); out [R, T, C]
+        (the chunk path only): where it goes.
         PERF: a channel-contiguous x (the transformers' [R, T, C] output, transposed) goes through the 1×1
         conv as one GEMM in that layout; the conv would first copy it to [R, C, T] (strided copy kernels of
         ≈ 35 µs each at a final pass of 16 streams)."""
-        ops = self.block1.kernels
-        if ops is not None and x.shape[0] * x.shape[2] <= PROLOGUE_GEMM_MAX_ROWS:
+        weight = self.res_conv.weight[:, :, 0]
+        if self._residual_is_triton(x):
             # the chunk path: a Triton GEMM that reads either layout (its launch overlaps the conv before)
-            return ops.linear_residual(x.transpose(1, 2), self.res_conv.weight[:, :, 0],
-                                       self.res_conv.bias).transpose(1, 2)
+            return self.block1.kernels.linear_residual(x.transpose(1, 2), weight, self.res_conv.bias,
+                                                       out=out).transpose(1, 2)
+        assert out is None, "out: the chunk path's GEMM only"
         if not x.transpose(1, 2).is_contiguous():
             return self.res_conv(x)
-        return F.linear(x.transpose(1, 2), self.res_conv.weight[:, :, 0], self.res_conv.bias).transpose(1, 2)
+        return F.linear(x.transpose(1, 2), weight, self.res_conv.bias).transpose(1, 2)
 
 
 class Attention(nn.Module):
