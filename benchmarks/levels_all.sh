@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Every level of issue 6's tables for one commit on one machine, in three device calls of under ten minutes
+# each (at most 8 files under $OUT per call: the device tool's limit). Timestamps between steps say what each
+# step cost, so a later session can plan its calls.
+#   COSYSTREAM_COMMIT=<hash> bash benchmarks/levels_all.sh check    # GPU tests, floor, stage times, c=1..128 in-process
+#   COSYSTREAM_COMMIT=<hash> bash benchmarks/levels_all.sh more     # first hop 15, open loop (seeds 0-2), offline
+#   COSYSTREAM_COMMIT=<hash> bash benchmarks/levels_all.sh http     # over HTTP: c=1 and c=16 (httpx, raw), first hop 15
+source benchmarks/gpu_prep.sh || exit 1
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+C=${COSYSTREAM_COMMIT:-unknown}
+B="python3 benchmarks/bench_engine.py --model-dir /tmp/m05 --device cuda --dtype bfloat16 --warmup-requests 3 \
+  --timeout 150 --config flow_slots=28 --config flow_frames=832"
+stamp() { echo "== $(date +%T) $*"; }
+rows() { grep -E "^\| [cro]|^\| level|busy|Error|Traceback"; }
+
+case "${1:-check}" in
+check)
+  stamp tests
+  if [ -d .fixtures ]; then
+    COSYSTREAM_FIXTURES=$PWD/.fixtures/cosyvoice2-tiny timeout 300 python3 -m pytest -q -p no:cacheprovider \
+      tests/gpu tests/kernels > "$OUT/tests.log" 2>&1
+    tail -3 "$OUT/tests.log"
+  fi
+  stamp floor
+  timeout 60 python3 benchmarks/floor.py 2>&1 | tee "$OUT/floor.txt"
+  stamp stages
+  timeout 150 python3 benchmarks/profile_stages.py --model-dir /tmp/m05 --batches 1,16 --iters 10 \
+    --json "$OUT/stages.json" 2>&1 | grep "^|"
+  stamp "closed loop c=1,4,16 (64 a level)"
+  timeout 200 $B --concurrency 1,4,16 --requests-per-level 64 --out "$OUT/engine_low.json" 2>&1 | rows
+  stamp "closed loop c=64,128 (128 a level)"
+  timeout 200 $B --concurrency 64,128 --requests-per-level 128 --out "$OUT/engine_high.json" 2>&1 | rows
+  stamp done
+  ;;
+more)
+  stamp "first hop 15"
+  timeout 120 $B --first-hop 15 --concurrency 1 --requests-per-level 32 --out "$OUT/hop15.json" 2>&1 | rows
+  for seed in 0 1 2; do
+    stamp "open loop 15 req/s seed $seed"
+    timeout 120 $B --rate 15 --duration 15 --seed "$seed" --out "$OUT/open_s$seed.json" 2>&1 | rows
+  done
+  stamp "offline c=64"
+  timeout 120 $B --offline --concurrency 64 --requests-per-level 128 --out "$OUT/offline.json" 2>&1 | rows
+  stamp done
+  ;;
+http)
+  stamp "server start"
+  SERVE_LOG_LEVEL=warning source benchmarks/serve_bg.sh || exit 1
+  BENCH="python3 -m cosystream.cli bench --url http://127.0.0.1:8000 --target tts --workload /tmp/wl/workload.json \
+    --warmup-requests 3 --tag commit=$C"
+  for run in 1 2; do
+    for client in httpx raw; do
+      stamp "c=1,16 over HTTP, $client, run $run"
+      timeout 100 $BENCH --http-client "$client" --concurrency 1,16 --requests-per-level 80 --tag "client=$client" \
+        --out "$OUT/http_${client}_r$run.json" 2>&1 | rows
+    done
+  done
+  stamp "first hop 15 over HTTP"
+  timeout 60 $BENCH --first-hop 15 --concurrency 1 --requests-per-level 32 --out "$OUT/http_hop15.json" 2>&1 | rows
+  kill "$SERVER"; wait "$SERVER" 2>/dev/null
+  stamp done
+  ;;
+*)
+  echo "levels_all.sh: unknown part '$1' (check, more or http)" >&2; exit 2
+  ;;
+esac
