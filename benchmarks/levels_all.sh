@@ -5,6 +5,7 @@
 #   COSYSTREAM_COMMIT=<hash> bash benchmarks/levels_all.sh check    # GPU tests, floor, stage times, c=1..128 in-process
 #   COSYSTREAM_COMMIT=<hash> bash benchmarks/levels_all.sh more     # first hop 15, open loop (seeds 0-2), offline
 #   COSYSTREAM_COMMIT=<hash> bash benchmarks/levels_all.sh http     # over HTTP: c=1 and c=16 (httpx, raw), first hop 15
+#   COSYSTREAM_COMMIT=<hash> bash benchmarks/levels_all.sh http_open  # over HTTP: the open loop at 15 req/s, SEEDS (0 1)
 source benchmarks/gpu_prep.sh || exit 1
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -61,7 +62,18 @@ http)
   kill "$SERVER"; wait "$SERVER" 2>/dev/null
   stamp done
   ;;
+http_open)
+  stamp "server start"
+  SERVE_LOG_LEVEL=warning source benchmarks/serve_bg.sh || exit 1
+  for seed in ${SEEDS:-0 1}; do
+    stamp "open loop 15 req/s over HTTP, seed $seed"
+    timeout 100 python3 -m cosystream.cli bench --url http://127.0.0.1:8000 --target tts --workload /tmp/wl/workload.json \
+      --warmup-requests 3 --tag commit=$C --rate 15 --duration 15 --seed "$seed" --out "$OUT/http_open_s$seed.json" 2>&1 | rows
+  done
+  kill "$SERVER"; wait "$SERVER" 2>/dev/null
+  stamp done
+  ;;
 *)
-  echo "levels_all.sh: unknown part '$1' (check, more or http)" >&2; exit 2
+  echo "levels_all.sh: unknown part '$1' (check, more, http or http_open)" >&2; exit 2
   ;;
 esac
