@@ -23,10 +23,11 @@ from cosystream.kernels import pdl_launch
 # the kernel before it. There every GEMM is one of these kernels (`linear_residual` for the output, second
 # feed-forward and ResNet residual projections), so the step is an unbroken PDL chain but for a few copies.
 # Measured on the H100 (profile_stages.py --only t2w, dc84481): a first chunk's ODE 20.46 -> 19.95 ms. Bigger
-# batches and the final passes launch plainly: they run beside LM decode steps at high concurrency, where
-# programs launched early and waiting for their predecessor would hold SM slots the decode kernels need
-# (not measured apart; their timings stay those of the earlier sessions). Read at launch (so at CUDA-graph
-# capture); benchmarks set it False, or PDL_MAX_ROWS higher, for the A/B (benchmarks/flow_pdl_ab.sh).
+# batches and the final passes launch plainly, as measured in the sessions before; PDL on every row class
+# changed c=16 by no more than two runs of identical kernels differ (benchmarks/flow_pdl_ab.sh, twice on one
+# H100 at 028fdc4: first audio p50 / p90 110 / 117 and 112 / 123 ms against 115 / 136 and 113 / 119), so it
+# stays where its gain was measured. Read at launch (so at CUDA-graph capture); benchmarks set it False, or
+# PDL_MAX_ROWS higher, for the A/B.
 PDL = True
 
 
