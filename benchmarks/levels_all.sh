@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Every level of issue 6's tables for one commit on one machine, in three device calls of under ten minutes
-# each (at most 8 files under $OUT per call: the device tool's limit). Timestamps between steps say what each
-# step cost, so a later session can plan its calls.
-#   COSYSTREAM_COMMIT=<hash> bash benchmarks/levels_all.sh check    # GPU tests, floor, stage times, c=1..128 in-process
-#   COSYSTREAM_COMMIT=<hash> bash benchmarks/levels_all.sh more     # first hop 15, open loop (seeds 0-2), offline
-#   COSYSTREAM_COMMIT=<hash> bash benchmarks/levels_all.sh http     # over HTTP: c=1 and c=16 (httpx, raw), first hop 15
+# Every table of docs/benchmarks.md for one commit on one GPU machine, in parts that each fit a ten-minute
+# device call and write at most 8 files under $OUT. Timestamps between steps show what each step cost.
+#   COSYSTREAM_COMMIT=<hash> bash benchmarks/levels_all.sh check      # GPU tests, floor, stage times, c=1..128 in-process
+#   COSYSTREAM_COMMIT=<hash> bash benchmarks/levels_all.sh more       # first hop 15, open loop (seeds 0-2), offline
+#   COSYSTREAM_COMMIT=<hash> bash benchmarks/levels_all.sh http       # over HTTP: c=1 and c=16 (httpx, raw), first hop 15
 #   COSYSTREAM_COMMIT=<hash> bash benchmarks/levels_all.sh http_open  # over HTTP: the open loop at 15 req/s, SEEDS (0 1)
+#   COSYSTREAM_COMMIT=<hash> bash benchmarks/levels_all.sh overload   # open loop below and above 15 req/s (8, 16, 17)
+#   COSYSTREAM_COMMIT=<hash> bash benchmarks/levels_all.sh voices     # zero-shot (same / new recording), 16 s
+#                                                                     # utterances, a 20 s prompt
 source benchmarks/gpu_prep.sh || exit 1
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -73,7 +75,27 @@ http_open)
   kill "$SERVER"; wait "$SERVER" 2>/dev/null
   stamp done
   ;;
+overload)
+  stamp "open loop 8, 16, 17 req/s, seed 0"
+  timeout 300 $B --rate 8,16,17 --duration 15 --seed 0 --out "$OUT/open_overload.json" 2>&1 | rows
+  stamp done
+  ;;
+voices)
+  stamp "zero-shot: the same recording in every request"
+  timeout 120 $B --prompt-per-request --concurrency 1,4,16 --requests-per-level 32 \
+    --out "$OUT/zeroshot_same.json" 2>&1 | rows
+  stamp "zero-shot: a new recording in every request"
+  timeout 120 $B --prompt-per-request --distinct-prompts --concurrency 1,4,16 --requests-per-level 32 \
+    --out "$OUT/zeroshot_distinct.json" 2>&1 | rows
+  stamp "16 s utterances (400 tokens, past a flow slot)"
+  timeout 120 $B --force-tokens 400 --concurrency 1,4,16 --requests-per-level 16 --out "$OUT/long400.json" 2>&1 | rows
+  stamp "a 20 s prompt (longer than a flow slot)"
+  python3 benchmarks/workload.py /tmp/wl20 --prompt-seconds 20 > /dev/null
+  timeout 180 $B --prompt-wav /tmp/wl20/voice.wav --concurrency 1,4,16 --requests-per-level 16 \
+    --out "$OUT/prompt20s.json" 2>&1 | rows
+  stamp done
+  ;;
 *)
-  echo "levels_all.sh: unknown part '$1' (check, more, http or http_open)" >&2; exit 2
+  echo "levels_all.sh: unknown part '$1' (check, more, http, http_open, overload or voices)" >&2; exit 2
   ;;
 esac
