@@ -104,8 +104,8 @@ def flow_runner_as_on_cuda(model_dir: str, census: Census, max_frames: int) -> F
     flow = load_flow(load_checkpoint(model_dir))
     runner = FlowRunner(flow, num_slots=1, max_frames=max_frames, use_graphs=False)
     ops = counting_ops(census, reference)
-    flow.decoder.estimator.set_kernels(ops)  # load_flow has fused its projections already
-    runner.attention_ops = runner.solver_ops = ops
+    runner.use_fused_ops(ops)  # load_flow has fused its projections already
+    runner.attention_ops = ops
     runner.use_constant_step_times()
     return runner
 

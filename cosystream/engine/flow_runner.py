@@ -17,10 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
-from cosystream.engine.graphs import REPLAY_ROWS, GraphCache, SMLimitedStream, bucket, maybe_compile
+from cosystream.engine import flow_fast
+from cosystream.engine.graphs import REPLAY_ROWS, GraphCache, bucket, maybe_compile
 from cosystream.engine.stopwatch import Stopwatch
 from cosystream.kernels import flow as flow_kernels
 from cosystream.kernels import reference as reference_kernels
@@ -41,10 +43,7 @@ class PooledStream:
     prompt: PromptCache
     encoder: EncoderState
     is_finished: bool = False
-    # False: a stream beyond the pool (FlowRunner.open_overflow): `slot` is the scratch slot (it reads
-    # nothing there: every chunk is a whole pass)
-    in_slot: bool = True
-    closed: bool = False  # its slot (or room beyond the pool) was given back
+    closed: bool = False  # its slot was given back
 
     @property
     def num_tokens(self) -> int:
@@ -81,10 +80,12 @@ class FinalPass:
 
 
 class FlowRunner:
+    overflow = 0  # streams beyond the pool: none (engine/core.py's stats read it until the scheduler rewrite)
+
     def __init__(self, flow: Flow, num_slots: int, max_frames: int, use_graphs: bool = True,
                  compile: bool = False, fused_kernels: bool = True,
                  capture_stream: torch.cuda.Stream | None = None, watch: Stopwatch | None = None,
-                 final_pass_sms: int = 0) -> None:
+                 l2_prefetch_mb: float = 0.0) -> None:
         self.flow = flow
         self.cfm = flow.decoder
         est = flow.decoder.estimator
@@ -102,35 +103,44 @@ class FlowRunner:
         self.max_frames = max_frames
         self.free = list(range(num_slots))
         self.scratch = num_slots
-        self.overflow = 0  # open streams beyond the pool (open_overflow)
         self.chunk = est.dims.static_chunk_size
         self.graphs = GraphCache(self._ode, self.device, use_graphs, stream=capture_stream)
         self.encoder_graphs = GraphCache(self._encode_core, self.device, use_graphs, stream=capture_stream)
-        # official final passes may run on part of the GPU (EngineConfig.final_pass_sms): their graphs are
-        # captured where they replay
-        self.final_sms = SMLimitedStream.create(self.device, final_pass_sms) if self.graphs.enabled else None
-        final_capture = self.final_sms.stream if self.final_sms is not None else capture_stream
-        self.final_encoder_graphs = GraphCache(self._final_encode_core, self.device, use_graphs, stream=final_capture)
-        self.final_step_graphs = GraphCache(self._final_step_core, self.device, use_graphs, stream=final_capture)
+        self.final_encoder_graphs = GraphCache(self._final_encode_core, self.device, use_graphs, stream=capture_stream)
+        self.final_step_graphs = GraphCache(self._final_step_core, self.device, use_graphs, stream=capture_stream)
         # each Euler step's t and dt on the device, read by the one graph every step of a final pass replays
         self.t_steps = torch.tensor(self.cfm.t_steps, device=self.device, dtype=torch.float32)
         self.dt_steps = torch.tensor(self.cfm.dt_steps, device=self.device, dtype=torch.float32)
         self.recompute_graphs = GraphCache(self._recompute_core, self.device, use_graphs, stream=capture_stream)
-        self._step = maybe_compile(est.step, compile)
+        self._step = maybe_compile(self._estimator_step, compile)
         self.watch = watch or Stopwatch(self.device)
         self.attention_ops = flow_kernels if fused_kernels and triton_usable(self.device) else reference_kernels
         # the ODE's final projection, CFG mix and Euler update as one kernel (None: the module statements)
-        self.solver_ops = flow_kernels if self.attention_ops is flow_kernels else None
+        self.solver_ops: ModuleType | None = None
         if self.attention_ops is flow_kernels:
-            est.set_kernels(flow_kernels)  # fused norms, residual adds and pool writes in the estimator
+            self.use_fused_ops(flow_kernels, l2_prefetch_mb)
         # Each Euler step's time terms made once (Estimator.step_times) where graphs replay them as constants
         # (CUDA): there they save ~15 launches a step. On the CPU every path embeds t row by row, so that the
         # pooled, eager and final passes keep computing the same float sums (a one-row GEMM sums differently).
         self.step_index = torch.arange(steps, device=self.device)  # a final pass's Euler step, as a graph input
-        self.constant_times = False
+        self.step_times: list[StepTimes] | None = None  # each Euler step's, when constant
         self.final_times: tuple[torch.Tensor, torch.Tensor] | None = None  # (t_emb [S, 4C], ResNet terms [S, 14C])
         if self.device.type == "cuda":
             self.use_constant_step_times()
+
+    def use_fused_ops(self, ops: ModuleType | None, l2_prefetch_mb: float = 0.0) -> None:
+        """Run the estimator's steps and the ODE's tail through `ops` (`cosystream.kernels.flow`, or
+        `.reference` for their torch statements; engine/flow_fast.py) from now on; None: the plain modules.
+        The estimator is shared with the per-request flow, which follows it. Before any graph capture."""
+        est = self.cfm.estimator
+        flow_fast.restore(est)
+        if ops is not None:
+            flow_fast.accelerate(est, ops, l2_prefetch_mb)
+        self.solver_ops = ops
+
+    def _estimator_step(self, *args, **kwargs) -> torch.Tensor:
+        """The estimator's step as it is now (plain, or replaced by `use_fused_ops`)."""
+        return self.cfm.estimator.step(*args, **kwargs)
 
     def use_constant_step_times(self) -> None:
         """Make each Euler step's time terms once (`Estimator.step_times`, before any graph capture) and use
@@ -138,7 +148,7 @@ class FlowRunner:
         gathers its step's terms from tables by the step index (two launches instead of ~13)."""
         made = [self.cfm.estimator.step_times(t) for t in self.cfm.t_steps]
         self.final_times = (torch.cat([m.t_emb for m in made]), torch.cat([torch.cat(m.resnet, dim=1) for m in made]))
-        self.constant_times = True
+        self.step_times = made
 
     # ------------------------------------------------------------------ slots
     def holds(self, prompt: PromptCache) -> bool:
@@ -198,21 +208,12 @@ class FlowRunner:
         return EncoderState(self.enc_tokens[slot], self.enc_frames[slot], prompt.encoder.lookahead_tail.clone(),
                             prompt.encoder.up_tail.clone(), n)
 
-    def open_overflow(self, prompt: PromptCache) -> PooledStream:
-        """A stream for which no slot is free: it holds nothing in the pool and computes each chunk as the
-        official code does (`recompute_many`; its final as a FinalPass): whole passes read no slot."""
-        self.overflow += 1
-        return PooledStream(self.scratch, prompt, self.flow.encoder.new_state(0), in_slot=False)
-
     def close(self, stream: PooledStream) -> None:
-        """Give the stream's slot (or its room beyond the pool) back; again is a no-op (a stream's slot
-        goes back when its final pass starts, and the stream is released again when it ends)."""
+        """Give the stream's slot back; again is a no-op (a stream's slot goes back when its final pass
+        starts, and the stream is released again when it ends)."""
         if stream.closed:
             return
         stream.closed = True
-        if not stream.in_slot:
-            self.overflow -= 1
-            return
         self.free.append(stream.slot)
         self.free.sort()
 
@@ -354,18 +355,6 @@ class FlowRunner:
             return
         self.final_step(self.begin_final(padded, [], rows=rows))
 
-    def capture_recompute(self, num_frames: int, batch: int = 1) -> None:
-        """Capture the recompute pass (`recompute_many`) of `batch` streams of `num_frames` (prompt
-        included); padding rows only (warm-up: streams beyond the pool take this path at every chunk)."""
-        rows, padded = bucket(batch), self._full_length(num_frames)
-        if not self.recompute_graphs.enabled or (rows, padded) in self.recompute_graphs.graphs:
-            return
-        tokens = padded // UPSAMPLE
-        ids = torch.zeros(rows, tokens + self.flow.dims.pre_lookahead_len, dtype=torch.long, device=self.device)
-        valid = torch.full((rows,), ids.shape[1], device=self.device, dtype=torch.long)
-        z, cond, spks = self._whole_pass_inputs(padded, rows, [])
-        self.recompute_graphs.run((rows, padded), [ids, valid, torch.full_like(valid, tokens), z, spks, cond])
-
     def _full_length(self, num_frames: int) -> int:
         """Frames a final pass is padded to (even: whole tokens). Not capped by the slot: the pass attends
         to its own keys, so a stream that outgrew its slot still gets its final call graphed and batched."""
@@ -425,7 +414,7 @@ class FlowRunner:
             lengths.append(UPSAMPLE * all_ids.shape[0])
         z, cond, spks = self._whole_pass_inputs(
             padded, rows, [(prompt, n) for (prompt, _), n in zip(items, lengths, strict=True)])
-        mu, spks, cond = self._final_replay(self.final_encoder_graphs, (rows, padded), [ids, valid, spks, cond])
+        mu, spks, cond = self.final_encoder_graphs.run((rows, padded), [ids, valid, spks, cond])
         # graph outputs are overwritten by the next replay of this shape: the pass keeps its own
         return FinalPass((rows, padded), z, mu.clone(), spks.clone(), cond.clone(), UPSAMPLE * valid, lengths,
                          self.cfm.num_steps)
@@ -433,9 +422,8 @@ class FlowRunner:
     @torch.inference_mode()
     def final_step(self, final: FinalPass) -> None:
         """One Euler step of a final pass (one graph replay)."""
-        (x,) = self._final_replay(self.final_step_graphs, final.key,
-                                  [final.x, final.mu, final.spks, final.cond, final.frames,
-                                   self.step_index[final.step:final.step + 1]])
+        (x,) = self.final_step_graphs.run(final.key, [final.x, final.mu, final.spks, final.cond, final.frames,
+                                                     self.step_index[final.step:final.step + 1]])
         final.x.copy_(x)
         final.step += 1
 
@@ -447,12 +435,6 @@ class FlowRunner:
         while not final.done:
             self.final_step(final)
         self.watch.lap("final_pass", tag=tag)
-
-    def _final_replay(self, graphs: GraphCache, key: tuple, inputs: list[torch.Tensor]) -> Sequence[torch.Tensor]:
-        """A final pass's graph replay (or capture), on the SM-limited stream where there is one."""
-        if self.final_sms is None:
-            return graphs.run(key, inputs)
-        return self.final_sms.run(lambda: graphs.run(key, inputs))
 
     def _final_encode_core(self, ids, valid, spks, cond) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The official final call's finalizing encoder, and its inputs as the estimator's CFG rows."""
@@ -513,7 +495,7 @@ class FlowRunner:
     def recompute_many(self, items: Sequence[tuple[PromptCache, torch.Tensor, bool]]) -> list[torch.Tensor]:
         """The official streaming call (spec/streaming.md §2: chunk masks) over prompt + target ids, every
         frame recomputed as the official code does at each chunk: for streams whose next chunk would
-        outgrow their slots, and streams beyond the pool (`open_overflow`). No keys are kept and no slot
+        outgrow their slots. No keys are kept and no slot
         is read, so it needs no memory beyond the pass's own, and it costs one graphed pass of the
         stream's length (encoder and ODE) instead of the eager path's Python launches. items: (prompt,
         target ids, finalize); finalize=False: the last 3 target ids are look-ahead. Streams padded to
@@ -558,10 +540,9 @@ class FlowRunner:
         (tokens past a row's positions up to valid are its look-ahead), then chunk-masked attention to its
         own keys (padding frames come after a row's frames)."""
         mu = self.flow.encode_padded(ids, valid, streaming=True, positions=positions)[:, :, :z.shape[-1]]
-        est = self.cfm.estimator
         velocity = self._whole_pass_velocity(
             UPSAMPLE * positions, z.shape[-1], self.chunk, project=self.solver_ops is None,
-            times=lambda k: est.step_times(self.cfm.t_steps[k]) if self.constant_times else None)
+            times=lambda k: self.step_times[k] if self.step_times is not None else None)
         return (self.cfm.solve(z, mu, spks, cond, velocity, fused=self.solver_ops),)
 
     def _whole_pass_velocity(self, frames: torch.Tensor, num_frames: int, chunk: int, project: bool,
@@ -593,13 +574,11 @@ class FlowRunner:
         limits = (starts + num_new).repeat_interleave(2, dim=0)
         attn_len = marker.shape[0]
 
-        est = self.cfm.estimator
-
         def velocity(k: int, x, mu_in, spks_in, cond_in, t):
             conv = self.conv[k][rows]
             pooled = PooledKV(self.kv[k], rows, write_pos, limits, self.chunk, attn_len, self.attention_ops)
             v = self._step(x, mu_in, spks_in, cond_in, t, [pooled], conv, write_pos, [],
-                           times=est.step_times(self.cfm.t_steps[k]) if self.constant_times else None,
+                           times=self.step_times[k] if self.step_times is not None else None,
                            project=self.solver_ops is None)
             self.conv[k][rows] = conv
             return v

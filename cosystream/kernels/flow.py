@@ -18,21 +18,14 @@ import torch
 
 from cosystream.kernels import pdl_launch
 
-# PERF: launch the estimator's kernels on the chunk path of one or two streams (at most SMALL_ROWS rows, row
-# class 0) with programmatic dependent launch (see `_launch_jit`): each kernel's launch and start-up overlap
-# the kernel before it. There every GEMM is one of these kernels (`linear_residual` for the output, second
-# feed-forward and ResNet residual projections), so the step is an unbroken PDL chain but for a few copies.
-# Measured on the H100 (profile_stages.py --only t2w, dc84481): a first chunk's ODE 20.46 -> 19.95 ms. Bigger
-# batches and the final passes launch plainly, as measured in the sessions before; PDL on every row class
-# changed c=16 by no more than two runs of identical kernels differ (benchmarks/flow_pdl_ab.sh, twice on one
-# H100 at 028fdc4: first audio p50 / p90 110 / 117 and 112 / 123 ms against 115 / 136 and 113 / 119), so it
-# stays where its gain was measured. Read at launch (so at CUDA-graph capture); benchmarks set it False, or
-# PDL_MAX_ROWS higher, for the A/B.
-PDL = True
-
 
 def _pdl(x: torch.Tensor, rows: int) -> dict:
-    return pdl_launch(x) if PDL and rows <= PDL_MAX_ROWS else {"PDL": False}
+    """Launch options of a kernel over `rows` rows: programmatic dependent launch (`pdl_launch`) on the chunk
+    path of one or two streams (row class 0, at most SMALL_ROWS rows). There every GEMM is one of these
+    kernels, so the step is an unbroken chain in which each launch overlaps the kernel before it; bigger
+    batches and the official final passes launch plainly, as PDL there changes nothing beyond run-to-run
+    noise (docs/benchmarks.md)."""
+    return pdl_launch(x) if rows <= SMALL_ROWS else {"PDL": False}
 
 
 @functools.cache
@@ -122,7 +115,6 @@ class Tile:
 
 
 SMALL_ROWS, LARGE_ROWS = 512, 8192  # row-count classes of the tile tables: 0 up to SMALL, 1 up to LARGE, 2 above
-PDL_MAX_ROWS = SMALL_ROWS  # the launches with PDL (see PDL): row class 0
 
 
 def row_class(rows: int) -> int:
@@ -217,7 +209,7 @@ def linear_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                     tile: Tile | None = None) -> torch.Tensor:
     """Same contract as `reference.linear_residual`: x [R, T, K] any strides, weight [N, K] contiguous,
     residual [R, T, N] contiguous; returns [R, T, N] contiguous. PERF: on the chunk path it keeps the
-    step's chain of kernels all Triton, so that each launch overlaps the kernel before it (`PDL`); the
+    step's chain of kernels all Triton, so that each launch overlaps the kernel before it (`_pdl`); the
     residual add rides in its epilogue (no add kernel after a group of transformer blocks)."""
     kern = _kernels()
     rows, num_t, k_in = x.shape

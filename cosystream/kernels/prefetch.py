@@ -95,11 +95,11 @@ def _side_stream(device: torch.device, purpose: str = "prefetch") -> torch.cuda.
 
 def branch(device: torch.device) -> torch.cuda.Stream | None:
     """A stream for work beside the chain that the chain reads only later (not a prefetch: its own stream,
-    so it never queues behind them), ordered after everything the current stream has queued; None off CUDA
-    and where side streams are off (`disabled`). Launch the work under `torch.cuda.stream(branch)` into
+    so it never queues behind them), ordered after everything the current stream has queued; None off CUDA.
+    Launch the work under `torch.cuda.stream(branch)` into
     memory allocated before, and make the current stream wait for the branch (`wait_stream`) before the
     kernel that reads it. In a CUDA graph the branch is a parallel node, off the critical path."""
-    if device.type != "cuda" or getattr(_active, "off", False):
+    if device.type != "cuda":
         return None
     side = _side_stream(device, "branch")
     side.wait_stream(torch.cuda.current_stream(device))
@@ -123,8 +123,7 @@ def prefetching(weights: Sequence[torch.Tensor], window_mb: float | None = None)
     forks a prefetch of the ones after it; the branch joins the current stream at the end. window_mb:
     how far ahead (None: WINDOW_MB; 0: off)."""
     window_mb = WINDOW_MB if window_mb is None else window_mb
-    if (not usable(weights, window_mb) or getattr(_active, "plan", None) is not None
-            or getattr(_active, "off", False)):
+    if not usable(weights, window_mb) or getattr(_active, "plan", None) is not None:
         yield
         return
     plan = _Plan(weights, window_mb * 2**20)
@@ -135,19 +134,6 @@ def prefetching(weights: Sequence[torch.Tensor], window_mb: float | None = None)
     finally:
         _active.plan = None
         plan.join()
-
-
-@contextlib.contextmanager
-def disabled() -> Iterator[None]:
-    """No prefetching and no `branch` in this thread within the block: for work on a stream of a CUDA green
-    context (the side streams belong to the whole GPU's context, and a graph's branch there was never
-    tested)."""
-    was = getattr(_active, "off", False)
-    _active.off = True
-    try:
-        yield
-    finally:
-        _active.off = was
 
 
 def before(weight: torch.Tensor) -> None:
