@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from cosystream.config import EngineConfig
+from cosystream.engine import vocoder_fast
 from cosystream.engine.chunking import ChunkPlan
 from cosystream.engine.flow_runner import FinalPass, FlowRunner, PooledStream
 from cosystream.engine.graphs import BATCH_BUCKETS, REPLAY_ROWS, GraphCache, bucket, capture_stream, maybe_compile
@@ -70,7 +71,7 @@ class Token2WavRunner:
                                 l2_prefetch_mb=config.flow_l2_prefetch_mb)
                      if slots else None)
         if config.fused_kernels and triton_usable(self.device):
-            hift.set_kernels(vocoder_kernels)  # one launch per Snake instead of seven
+            vocoder_fast.accelerate(hift, vocoder_kernels)  # one launch per Snake instead of seven
         self.overlap = MEL_CACHE_FRAMES * hift.upsample_scale  # 3840 samples
         self.window = fade_window(self.overlap, self.device)
         self.source_override = source_override

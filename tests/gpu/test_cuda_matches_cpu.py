@@ -189,11 +189,10 @@ def _cpu_and_graphed_runners(checkpoint, f, cfm_noise, num_slots: int, max_frame
 def _graphed_pooled_chunks(checkpoint, f, window_mb: float) -> list[torch.Tensor]:
     """Two graphed pooled chunks of one stream, with the estimator's L2 prefetch window `window_mb`."""
     gpu_flow = load_flow(checkpoint, "cuda")
-    gpu_flow.decoder.estimator.l2_prefetch_mb = window_mb
     gpu_stream = FlowStream(gpu_flow, final_attention="chunk")
     gpu_prompt = gpu_stream.build_prompt_cache(f["prompt_token"].cuda(), f["prompt_feat"].cuda(),
                                                f["embedding"].cuda())
-    runner = FlowRunner(gpu_flow, num_slots=2, max_frames=512, use_graphs=True)
+    runner = FlowRunner(gpu_flow, num_slots=2, max_frames=512, use_graphs=True, l2_prefetch_mb=window_mb)
     planner = ChunkPlanner(ChunkSchedule(), f["prompt_token"].shape[1])
     pooled = [runner.open(gpu_prompt)]
     outs = []
