@@ -7,8 +7,8 @@ until the next replay of the same key). On the CPU, or when disabled, it simply 
 Graphs that may replay at the same time (the LM's on the engine thread, token-to-wave's on its worker)
 must be captured on different streams: cuBLAS picks its workspace by (handle, stream) at capture time
 and bakes it into the graph, so two graphs captured on one stream share one workspace, and two split-K
-GEMMs replaying concurrently corrupt each other's partial sums and semaphores (the second session's
-hang at 16 overlapped streams). Captures themselves take turns (`CAPTURE_LOCK`): since streams open
+GEMMs replaying concurrently corrupt each other's partial sums and semaphores (at 16 overlapped streams
+the engine hangs). Captures themselves take turns (`CAPTURE_LOCK`): since streams open
 ahead of their first chunk, the worker may capture a new flow shape while the engine thread captures a
 new prefill shape.
 """

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from cosystream.config import EngineConfig
 from cosystream.engine import vocoder_fast
 from cosystream.engine.chunking import ChunkPlan
-from cosystream.engine.flow_runner import FinalPass, FlowRunner, PooledStream
+from cosystream.engine.flow_passes import FinalPass
+from cosystream.engine.flow_runner import FlowRunner, PooledStream
 from cosystream.engine.graphs import BATCH_BUCKETS, REPLAY_ROWS, GraphCache, bucket, capture_stream, maybe_compile
 from cosystream.engine.stopwatch import Stopwatch
 from cosystream.kernels import triton_usable
@@ -296,8 +297,8 @@ class Token2WavRunner:
             while not final.done:
                 self.pool.final_step(final)
                 # PERF: a replay only queues the step; unless the host waits for it, all ten steps are queued
-                # at once and a chunk that pauses the pass still runs after them on this stream (the pause
-                # then saved nothing: first chunks took 130-150 ms of "flow" behind final passes on the H100)
+                # at once and a chunk that pauses the pass still runs after them on this stream, so the pause
+                # would save that chunk nothing
                 self._wait_for_stream()
                 if should_stop() and not all(p.done for p in passes):
                     self.watch.lap("final_pass")

@@ -146,7 +146,7 @@ _MIN_CO_BLOCK = 64
 
 # (chunk-masked, at most 512 query rows) -> attention tile; chunk-masked: a streamed chunk (False: the
 # official final pass, full attention over the whole utterance). Picked on the H100 with
-# benchmarks/attention_tiles.py (docs/benchmarks.md; µs per call at 0d95793).
+# benchmarks/attention_tiles.py (docs/benchmarks.md; µs per call).
 ATTENTION_TILES: dict[tuple[bool, bool], Tile] = {
     (True, True): Tile(16, 64, 4, 3),  # one stream's chunk: 6.9 µs (64×64: 6.8)
     (True, False): Tile(128, 32, 8, 3),  # 16 streams' chunks: 14.0 µs (64×32: 14.4)
@@ -300,7 +300,7 @@ def project_cfg_euler(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     """Same contract as `reference.project_cfg_euler`; h [2B, Cin, T] any strides, x [B, Cout, T] float32
     contiguous, dt a float or a one-element float32 tensor on x's device (read when the kernel runs).
     PERF: one launch for the final 1x1 conv, the CFG mix, the Euler update and the next step's input rows
-    (a cuDNN conv with its two layout transforms and ~8 element-wise kernels before)."""
+    (the module statements: a cuDNN conv with its two layout transforms and ~8 element-wise kernels)."""
     kern = _kernels()
     rows, n_in, num_t = h.shape
     n_out = weight.shape[0]

@@ -199,9 +199,10 @@ class Attention(nn.Module):
         p = view.parent
         if p.own_keys:
             # PERF: no pool write (2 × rows × frames × inner): the k/v views of the projection are the
-            # "pool", row r its own. (torch SDPA on the same views, cuDNN's flash kernel with a key-length
-            # bias, measured slower on the H100: 123 vs 109 ms of attention in a final pass of 16 streams.)
-            # The pass's `rows` (0 .. R-1, made once a step) serve every block: no launch of its own here.
+            # "pool", row r its own. `ops.pooled_attention` rather than torch SDPA on the same views: cuDNN's
+            # flash kernel with a key-length bias takes 123 against 109 ms of attention in a final pass of
+            # 16 streams on the H100. The pass's `rows` (0 .. R-1, made once a step) serve every block: no
+            # launch of its own here.
             return p.ops.pooled_attention(q, k, v, p.rows, p.write_pos, p.key_limit, p.chunk, p.attn_len,
                                           self.num_heads)
         pool_k, pool_v = p.pool[view.block, 0], p.pool[view.block, 1]
