@@ -74,8 +74,9 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
 
 def channel_norm_mish(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
                       add: torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract as `reference.channel_norm_mish`; x [R, C, T] contiguous. The estimator now runs
-    this inside `causal_conv`; kept as the measured baseline of benchmarks/kernel_tiles.py."""
+    """Same contract as `reference.channel_norm_mish`; x [R, C, T] contiguous. The estimator runs this
+    inside `causal_conv`; this separate kernel is the unfused baseline benchmarks/kernel_tiles.py measures
+    the conv tiles against."""
     k = _kernels()
     x = x.contiguous()
     rows, n_ch, num_t = x.shape

@@ -82,8 +82,9 @@ class PooledBlock:
 @dataclass(frozen=True)
 class StepTimes:
     """What an Euler step's time t gives every row alike: the time embedding [1, 4C] and each ResNet's
-    time term mlp(t_emb) [1, C] (in `Estimator.resnets` order). PERF: t is one of the ODE's ten fixed
-    times, so these are made once per t (`Estimator.step_times`) instead of by ~15 launches a step."""
+    time term mlp(t_emb) [1, C] (in `Estimator.resnets` order), from `Estimator.step_times`. PERF: t is one
+    of the ODE's ten fixed times, so a caller can make these once per t and hand them to every step
+    (the engine's graphs do: FlowRunner.use_constant_step_times) instead of ~15 launches a step."""
 
     t_emb: torch.Tensor
     resnet: tuple[torch.Tensor, ...]
