@@ -55,6 +55,10 @@ class PooledStream:
 
 
 class FlowRunner(WholePasses):
+    """The flow pool of `num_slots` streams × `max_frames` frames, its graphs and its fused ops (on CUDA the
+    estimator runs `engine/flow_fast.py`'s step; elsewhere the plain modules, attention through
+    `kernels.reference`). One thread at a time: the engine hands it to the token-to-wave worker."""
+
     overflow = 0  # streams beyond the pool: none (engine/core.py's stats read it until the scheduler rewrite)
 
     def __init__(self, flow: Flow, num_slots: int, max_frames: int, use_graphs: bool = True,
