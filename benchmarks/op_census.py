@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import cosystream
 from cosystream.checkpoint import load_checkpoint
+from cosystream.engine import vocoder_fast
 from cosystream.engine.flow_runner import FlowRunner
 from cosystream.engine.lm_runner import LMRunner
 from cosystream.engine.loader import load_flow, load_hift, load_llm
@@ -104,8 +105,8 @@ def flow_runner_as_on_cuda(model_dir: str, census: Census, max_frames: int) -> F
     flow = load_flow(load_checkpoint(model_dir))
     runner = FlowRunner(flow, num_slots=1, max_frames=max_frames, use_graphs=False)
     ops = counting_ops(census, reference)
-    flow.decoder.estimator.set_kernels(ops)  # load_flow has fused its projections already
-    runner.attention_ops = runner.solver_ops = ops
+    runner.use_fused_ops(ops)  # load_flow has fused its projections already
+    runner.attention_ops = ops
     runner.use_constant_step_times()
     return runner
 
@@ -209,7 +210,7 @@ def vocoder_launches(model_dir: str, frames: int) -> Census:
     """HiFT over a first chunk's `frames` mel frames, Snake as its one fused kernel (the graph body)."""
     census = Census()
     hift = load_hift(load_checkpoint(model_dir))
-    hift.set_kernels(counting_ops(census, reference))
+    vocoder_fast.accelerate(hift, counting_ops(census, reference))
     mel = torch.randn(1, 80, frames)
     noise = torch.randn(1, frames * hift.upsample_scale, hift.m_source.num_harmonics)
     with census_of(census):

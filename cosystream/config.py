@@ -91,12 +91,6 @@ class EngineConfig:
     # lone stream's whole utterance comes ≈ 9% sooner (RTF 0.0256 -> 0.0233) but its first audio 11 ms later
     # (51 -> 62 ms; c=16 p90 118 -> 147 ms; docs/benchmarks.md, nineteenth session).
     pause_decode_for_first_chunks: bool = True
-    # CUDA: official final passes (the token-to-wave worker's largest job) run on at most this many SMs (a
-    # CUDA green context), so the LM's decode steps beside them find SMs free. 0: the whole GPU. Opt-in: on
-    # the H100 at 100 of 132 SMs a decode step beside 16 passes took 1.6 ms instead of 3.6, but the passes
-    # ≈ 20% longer, and at 15 req/s (the worker busy nearly all the time) first audio p95 got worse
-    # (docs/benchmarks.md, fifteenth session). Ignored where green contexts are missing (logged).
-    final_pass_sms: int = 0
     # A phase of first chunks takes along later chunks whose ODE has the same shape (a second chunk's new
     # frames equal a first chunk's), up to this many streams in the call: small ODE calls are launch-bound,
     # so the first chunks wait little longer and the token-to-wave worker saves a call. 0: never.
@@ -126,13 +120,6 @@ class EngineConfig:
     # what a stream keeps, not how long it may be: 832 keeps 10.6 s of audio after a 6 s prompt.
     flow_slots: int | None = None
     flow_frames: int = 832
-    # Streams that may start while every pool slot is taken, instead of waiting for one: they keep no keys
-    # and compute every chunk as the official code does (prompt + all tokens, one graphed pass each), so
-    # they cost more flow time per chunk but no memory beyond the pass. 0 (default): new streams wait for a
-    # slot. The slots are the engine's admission control: on the H100 at 15 req/s (150x real time, the
-    # token-to-wave worker near saturation) 16 such streams more than quadrupled first audio p95 and
-    # brought underruns (docs/benchmarks.md); they pay only where slots, not the worker, run out.
-    flow_overflow_streams: int = 0
     # Keep a registered voice's encoded flow prompt in its voice record (survives restarts). None: on
     # the CPU only, where rebuilding it is slow; on a GPU one graphed chunk of the flow in a pool slot
     # (≈ 30 ms for a 6 s prompt on the H100) is faster than reading its ~0.7 GB back (2.3 MB per prompt
@@ -170,16 +157,12 @@ class EngineConfig:
             raise ValueError(f"chunk_slack_s: must be >= 0, got {self.chunk_slack_s}")
         if self.inline_frontend_chars < 0:
             raise ValueError(f"inline_frontend_chars: must be >= 0, got {self.inline_frontend_chars}")
-        if self.flow_overflow_streams < 0:
-            raise ValueError(f"flow_overflow_streams: must be >= 0, got {self.flow_overflow_streams}")
         if self.rider_streams < 0:
             raise ValueError(f"rider_streams: must be >= 0, got {self.rider_streams}")
         if self.l2_prefetch_mb is not None and self.l2_prefetch_mb < 0:
             raise ValueError(f"l2_prefetch_mb: must be >= 0 (0: off), got {self.l2_prefetch_mb}")
         if self.flow_l2_prefetch_mb < 0:
             raise ValueError(f"flow_l2_prefetch_mb: must be >= 0 (0: off), got {self.flow_l2_prefetch_mb}")
-        if self.final_pass_sms < 0:
-            raise ValueError(f"final_pass_sms: must be >= 0 (0: the whole GPU), got {self.final_pass_sms}")
         if self.final_slack_s < 0:
             raise ValueError(f"final_slack_s: must be >= 0, got {self.final_slack_s}")
         if self.final_phase_streams < 0:

@@ -15,7 +15,8 @@ FORBIDDEN = {
     "errors": {"checkpoint", "frontend", "models", "engine", "server", "bench", "cli"},
     "checkpoint": {"frontend", "models", "engine", "server", "bench", "cli"},
     "frontend": {"models", "engine", "server", "bench", "cli"},
-    "models": {"frontend", "engine", "server", "bench", "cli"},
+    # models hold the math as plain PyTorch: fused kernels are handed in by the engine, never imported
+    "models": {"frontend", "kernels", "engine", "server", "bench", "cli"},
     "engine": {"server", "bench", "cli"},
     "kernels": {"checkpoint", "frontend", "models", "engine", "server", "bench", "cli"},
     "server": {"models", "frontend", "checkpoint", "bench"},
@@ -57,4 +58,16 @@ def test_no_upward_imports():
 def test_server_never_imports_torch():
     offenders = [str(p) for p in (PACKAGE / "server").rglob("*.py") if "torch" in {
         n.split(".")[0] for n in _imports(p)}]
+    assert not offenders, offenders
+
+
+def test_models_fork_no_streams_and_read_no_private_tensor_state():
+    """models/ runs as plain PyTorch: side streams, prefetch and caches keyed by a tensor's in-place version
+    belong to the engine, which applies them from outside (engine/flow_fast.py)."""
+    banned = {"stream", "Stream", "wait_stream", "current_stream", "_version"}
+    offenders = []
+    for path in (PACKAGE / "models").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in banned:
+                offenders.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} .{node.attr}")
     assert not offenders, offenders

@@ -5,8 +5,8 @@ of its finished frames and its causal-conv tails (models/flow_stream.py explains
 batch of chunks that add the same number of frames runs the whole 10-step ODE as one graph replay,
 keyed by (batch bucket, new frames, attended-length bucket); before it, one batched encoder step per
 group of streams at the same token (the slot's encoder caches are pooled too). Official final chunks
-(full attention, finalizing encoder) run as a `FinalPass`: one encoder graph, then one graph replay per
-Euler step, so a batch of them can pause between steps (core._ChunkWorker) and needs no slot while it runs.
+(full attention, finalizing encoder) and chunks past a slot run as whole-utterance passes that read no slot
+(engine/flow_passes.py).
 Pool memory: models.flow_stream.cache_bytes_per_frame × slots × frames (≈ 2.3 MB per frame for
 CosyVoice2-0.5B in bf16), so the pool is sized by EngineConfig.flow_slots × flow_frames. A stream takes a
 slot when its first chunk fits; its chunks past the slot recompute every frame as the official code does
@@ -15,12 +15,15 @@ slot when its first chunk fits; its chunks past the slot recompute every frame a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
-from cosystream.engine.graphs import REPLAY_ROWS, GraphCache, SMLimitedStream, bucket, maybe_compile
+from cosystream.engine import flow_fast
+from cosystream.engine.flow_passes import LEN_BUCKET, WholePasses
+from cosystream.engine.graphs import GraphCache, bucket, maybe_compile
 from cosystream.engine.stopwatch import Stopwatch
 from cosystream.kernels import flow as flow_kernels
 from cosystream.kernels import reference as reference_kernels
@@ -29,7 +32,6 @@ from cosystream.models.estimator import PooledKV, StepTimes
 from cosystream.models.flow import LOOKAHEAD_CONTEXT, UP_CONTEXT, UPSAMPLE, EncoderState, Flow
 from cosystream.models.flow_stream import FlowStream, PromptCache
 
-_LEN_BUCKET = 128  # attended frames are rounded up to a multiple of this (fewer graphs, little waste)
 _ENCODER_ROWS = (1, 2, 4, 8, 16, 32)  # streams per batched encoder step (graph buckets)
 
 
@@ -41,10 +43,7 @@ class PooledStream:
     prompt: PromptCache
     encoder: EncoderState
     is_finished: bool = False
-    # False: a stream beyond the pool (FlowRunner.open_overflow): `slot` is the scratch slot (it reads
-    # nothing there: every chunk is a whole pass)
-    in_slot: bool = True
-    closed: bool = False  # its slot (or room beyond the pool) was given back
+    closed: bool = False  # its slot was given back
 
     @property
     def num_tokens(self) -> int:
@@ -55,36 +54,17 @@ class PooledStream:
         return UPSAMPLE * self.encoder.num_tokens
 
 
-@dataclass
-class FinalPass:
-    """Official final passes of a batch of streams (one padded length) in progress: the ODE state and the
-    estimator's CFG inputs, owned here, so the pass can stop after any Euler step and go on later while
-    other batches replay the same graphs. It reads no pool slot (own keys, conv tails from zero)."""
+class FlowRunner(WholePasses):
+    """The flow pool of `num_slots` streams × `max_frames` frames, its graphs and its fused ops (on CUDA the
+    estimator runs `engine/flow_fast.py`'s step; elsewhere the plain modules, attention through
+    `kernels.reference`). One thread at a time: the engine hands it to the token-to-wave worker."""
 
-    key: tuple[int, int]  # (batch bucket, padded frames): the graphs it replays
-    x: torch.Tensor  # [rows, 80, padded] float32
-    mu: torch.Tensor  # [2·rows, 80, padded], CFG rows, model dtype
-    spks: torch.Tensor  # [2·rows, 80]
-    cond: torch.Tensor  # [2·rows, 80, padded]
-    frames: torch.Tensor  # [rows] each row's frames (device)
-    lengths: list[int]  # the same, on the host
-    num_steps: int
-    step: int = 0
+    overflow = 0  # streams beyond the pool: none (engine/core.py's stats read it until the scheduler rewrite)
 
-    @property
-    def done(self) -> bool:
-        return self.step >= self.num_steps
-
-    def mel(self, row: int) -> torch.Tensor:
-        """Row's mel [80, frames] (prompt frames included); valid once done."""
-        return self.x[row, :, :self.lengths[row]]
-
-
-class FlowRunner:
     def __init__(self, flow: Flow, num_slots: int, max_frames: int, use_graphs: bool = True,
                  compile: bool = False, fused_kernels: bool = True,
                  capture_stream: torch.cuda.Stream | None = None, watch: Stopwatch | None = None,
-                 final_pass_sms: int = 0) -> None:
+                 l2_prefetch_mb: float = 0.0) -> None:
         self.flow = flow
         self.cfm = flow.decoder
         est = flow.decoder.estimator
@@ -102,35 +82,44 @@ class FlowRunner:
         self.max_frames = max_frames
         self.free = list(range(num_slots))
         self.scratch = num_slots
-        self.overflow = 0  # open streams beyond the pool (open_overflow)
         self.chunk = est.dims.static_chunk_size
         self.graphs = GraphCache(self._ode, self.device, use_graphs, stream=capture_stream)
         self.encoder_graphs = GraphCache(self._encode_core, self.device, use_graphs, stream=capture_stream)
-        # official final passes may run on part of the GPU (EngineConfig.final_pass_sms): their graphs are
-        # captured where they replay
-        self.final_sms = SMLimitedStream.create(self.device, final_pass_sms) if self.graphs.enabled else None
-        final_capture = self.final_sms.stream if self.final_sms is not None else capture_stream
-        self.final_encoder_graphs = GraphCache(self._final_encode_core, self.device, use_graphs, stream=final_capture)
-        self.final_step_graphs = GraphCache(self._final_step_core, self.device, use_graphs, stream=final_capture)
+        self.final_encoder_graphs = GraphCache(self._final_encode_core, self.device, use_graphs, stream=capture_stream)
+        self.final_step_graphs = GraphCache(self._final_step_core, self.device, use_graphs, stream=capture_stream)
         # each Euler step's t and dt on the device, read by the one graph every step of a final pass replays
         self.t_steps = torch.tensor(self.cfm.t_steps, device=self.device, dtype=torch.float32)
         self.dt_steps = torch.tensor(self.cfm.dt_steps, device=self.device, dtype=torch.float32)
         self.recompute_graphs = GraphCache(self._recompute_core, self.device, use_graphs, stream=capture_stream)
-        self._step = maybe_compile(est.step, compile)
+        self._step = maybe_compile(self._estimator_step, compile)
         self.watch = watch or Stopwatch(self.device)
         self.attention_ops = flow_kernels if fused_kernels and triton_usable(self.device) else reference_kernels
         # the ODE's final projection, CFG mix and Euler update as one kernel (None: the module statements)
-        self.solver_ops = flow_kernels if self.attention_ops is flow_kernels else None
+        self.solver_ops: ModuleType | None = None
         if self.attention_ops is flow_kernels:
-            est.set_kernels(flow_kernels)  # fused norms, residual adds and pool writes in the estimator
+            self.use_fused_ops(flow_kernels, l2_prefetch_mb)
         # Each Euler step's time terms made once (Estimator.step_times) where graphs replay them as constants
         # (CUDA): there they save ~15 launches a step. On the CPU every path embeds t row by row, so that the
         # pooled, eager and final passes keep computing the same float sums (a one-row GEMM sums differently).
         self.step_index = torch.arange(steps, device=self.device)  # a final pass's Euler step, as a graph input
-        self.constant_times = False
+        self.step_times: list[StepTimes] | None = None  # each Euler step's, when constant
         self.final_times: tuple[torch.Tensor, torch.Tensor] | None = None  # (t_emb [S, 4C], ResNet terms [S, 14C])
         if self.device.type == "cuda":
             self.use_constant_step_times()
+
+    def use_fused_ops(self, ops: ModuleType | None, l2_prefetch_mb: float = 0.0) -> None:
+        """Run the estimator's steps and the ODE's tail through `ops` (`cosystream.kernels.flow`, or
+        `.reference` for their torch statements; engine/flow_fast.py) from now on; None: the plain modules.
+        The estimator is shared with the per-request flow, which follows it. Before any graph capture."""
+        est = self.cfm.estimator
+        flow_fast.restore(est)
+        if ops is not None:
+            flow_fast.accelerate(est, ops, l2_prefetch_mb)
+        self.solver_ops = ops
+
+    def _estimator_step(self, *args, **kwargs) -> torch.Tensor:
+        """The estimator's step as it is now (plain, or replaced by `use_fused_ops`)."""
+        return self.cfm.estimator.step(*args, **kwargs)
 
     def use_constant_step_times(self) -> None:
         """Make each Euler step's time terms once (`Estimator.step_times`, before any graph capture) and use
@@ -138,7 +127,7 @@ class FlowRunner:
         gathers its step's terms from tables by the step index (two launches instead of ~13)."""
         made = [self.cfm.estimator.step_times(t) for t in self.cfm.t_steps]
         self.final_times = (torch.cat([m.t_emb for m in made]), torch.cat([torch.cat(m.resnet, dim=1) for m in made]))
-        self.constant_times = True
+        self.step_times = made
 
     # ------------------------------------------------------------------ slots
     def holds(self, prompt: PromptCache) -> bool:
@@ -198,21 +187,12 @@ class FlowRunner:
         return EncoderState(self.enc_tokens[slot], self.enc_frames[slot], prompt.encoder.lookahead_tail.clone(),
                             prompt.encoder.up_tail.clone(), n)
 
-    def open_overflow(self, prompt: PromptCache) -> PooledStream:
-        """A stream for which no slot is free: it holds nothing in the pool and computes each chunk as the
-        official code does (`recompute_many`; its final as a FinalPass): whole passes read no slot."""
-        self.overflow += 1
-        return PooledStream(self.scratch, prompt, self.flow.encoder.new_state(0), in_slot=False)
-
     def close(self, stream: PooledStream) -> None:
-        """Give the stream's slot (or its room beyond the pool) back; again is a no-op (a stream's slot
-        goes back when its final pass starts, and the stream is released again when it ends)."""
+        """Give the stream's slot back; again is a no-op (a stream's slot goes back when its final pass
+        starts, and the stream is released again when it ends)."""
         if stream.closed:
             return
         stream.closed = True
-        if not stream.in_slot:
-            self.overflow -= 1
-            return
         self.free.append(stream.slot)
         self.free.sort()
 
@@ -346,243 +326,10 @@ class FlowRunner:
         spks = torch.zeros(batch, bins, device=dev, dtype=self.dtype)
         self.graphs.run((batch, num_new, attn_len), [z, mu, spks, torch.zeros_like(mu), slots, starts, marker])
 
-    def capture_full(self, num_frames: int, batch: int = 1) -> None:
-        """Capture the final pass's graphs (its encoder; one Euler step) for `batch` streams of `num_frames`
-        (prompt included); padding rows only."""
-        rows, padded = bucket(batch), self._full_length(num_frames)
-        if not self.final_step_graphs.enabled or (rows, padded) in self.final_step_graphs.graphs:
-            return
-        self.final_step(self.begin_final(padded, [], rows=rows))
-
-    def capture_recompute(self, num_frames: int, batch: int = 1) -> None:
-        """Capture the recompute pass (`recompute_many`) of `batch` streams of `num_frames` (prompt
-        included); padding rows only (warm-up: streams beyond the pool take this path at every chunk)."""
-        rows, padded = bucket(batch), self._full_length(num_frames)
-        if not self.recompute_graphs.enabled or (rows, padded) in self.recompute_graphs.graphs:
-            return
-        tokens = padded // UPSAMPLE
-        ids = torch.zeros(rows, tokens + self.flow.dims.pre_lookahead_len, dtype=torch.long, device=self.device)
-        valid = torch.full((rows,), ids.shape[1], device=self.device, dtype=torch.long)
-        z, cond, spks = self._whole_pass_inputs(padded, rows, [])
-        self.recompute_graphs.run((rows, padded), [ids, valid, torch.full_like(valid, tokens), z, spks, cond])
-
-    def _full_length(self, num_frames: int) -> int:
-        """Frames a final pass is padded to (even: whole tokens). Not capped by the slot: the pass attends
-        to its own keys, so a stream that outgrew its slot still gets its final call graphed and batched."""
-        return -(-num_frames // _LEN_BUCKET) * _LEN_BUCKET
-
     def attn_len_for(self, end_frame: int) -> int:
-        return min(-(-end_frame // _LEN_BUCKET) * _LEN_BUCKET, self.max_frames)
-
-    @torch.inference_mode()
-    def full_pass(self, prompt: PromptCache, target_ids: torch.Tensor) -> torch.Tensor | None:
-        """The official final call (full attention, zero look-ahead) over prompt + every target token.
-        Returns mel [80, F] (prompt frames included), or None when it is longer than the official noise
-        table (the caller then runs it eagerly)."""
-        return self.full_passes([(prompt, target_ids)])[0]
-
-    @torch.inference_mode()
-    def full_passes(self, items: Sequence[tuple[PromptCache, torch.Tensor]]) -> list[torch.Tensor | None]:
-        """Final calls of several streams, items (prompt, target ids), run to the end (`begin_finals`)."""
-        begun = self.begin_finals(items)
-        out: list[torch.Tensor | None] = []
-        for item in begun:
-            if item is None:
-                out.append(None)
-                continue
-            final, row = item
-            self.finish_final(final)
-            out.append(final.mel(row))
-        return out
-
-    @torch.inference_mode()
-    def begin_finals(self, items: Sequence[tuple[PromptCache, torch.Tensor]]) -> list[tuple[FinalPass, int] | None]:
-        """Start the official final calls of several streams, items (prompt, target ids): streams padded to
-        the same length share a FinalPass (its encoder has run, no Euler step yet). Returns each item's
-        (pass, row), or None for a stream longer than the official noise table."""
-        out: list[tuple[FinalPass, int] | None] = [None] * len(items)
-        frames = [UPSAMPLE * (prompt.prompt_tokens.shape[0] + ids.shape[0]) for prompt, ids in items]
-        fits = [i for i, n in enumerate(frames) if n <= self.cfm.rand_noise.shape[-1]]
-        for padded, members in self._by_padded_length(fits, frames):
-            final = self.begin_final(padded, [items[i] for i in members])
-            for row, i in enumerate(members):
-                out[i] = (final, row)
-        self.watch.lap("final_setup")
-        return out
-
-    def begin_final(self, padded: int, items: Sequence[tuple[PromptCache, torch.Tensor]],
-                    rows: int | None = None) -> FinalPass:
-        """PERF: the finalizing encoder of every stream (padded to the batch's length, masked) as one graph
-        replay per (batch bucket, padded length); rows past the items (at least `rows`) are padding."""
-        rows = bucket(max(len(items), rows or 1))
-        ids = torch.zeros(rows, padded // UPSAMPLE, dtype=torch.long, device=self.device)
-        valid = torch.full((rows,), padded // UPSAMPLE, device=self.device, dtype=torch.long)
-        lengths = []
-        for j, (prompt, target) in enumerate(items):
-            all_ids = _all_ids(prompt, target)
-            ids[j, :all_ids.shape[0]] = all_ids
-            valid[j] = all_ids.shape[0]
-            lengths.append(UPSAMPLE * all_ids.shape[0])
-        z, cond, spks = self._whole_pass_inputs(
-            padded, rows, [(prompt, n) for (prompt, _), n in zip(items, lengths, strict=True)])
-        mu, spks, cond = self._final_replay(self.final_encoder_graphs, (rows, padded), [ids, valid, spks, cond])
-        # graph outputs are overwritten by the next replay of this shape: the pass keeps its own
-        return FinalPass((rows, padded), z, mu.clone(), spks.clone(), cond.clone(), UPSAMPLE * valid, lengths,
-                         self.cfm.num_steps)
-
-    @torch.inference_mode()
-    def final_step(self, final: FinalPass) -> None:
-        """One Euler step of a final pass (one graph replay)."""
-        (x,) = self._final_replay(self.final_step_graphs, final.key,
-                                  [final.x, final.mu, final.spks, final.cond, final.frames,
-                                   self.step_index[final.step:final.step + 1]])
-        final.x.copy_(x)
-        final.step += 1
-
-    @torch.inference_mode()
-    def finish_final(self, final: FinalPass) -> None:
-        """The Euler steps a final pass has left."""
-        # every stream of a batched pass asks for it; the first runs it: only that one counts as a call
-        tag = None if final.done else f"final_{len(final.lengths)}x{final.key[1]}"
-        while not final.done:
-            self.final_step(final)
-        self.watch.lap("final_pass", tag=tag)
-
-    def _final_replay(self, graphs: GraphCache, key: tuple, inputs: list[torch.Tensor]) -> Sequence[torch.Tensor]:
-        """A final pass's graph replay (or capture), on the SM-limited stream where there is one."""
-        if self.final_sms is None:
-            return graphs.run(key, inputs)
-        return self.final_sms.run(lambda: graphs.run(key, inputs))
-
-    def _final_encode_core(self, ids, valid, spks, cond) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The official final call's finalizing encoder, and its inputs as the estimator's CFG rows."""
-        return self.cfm.cfg_inputs(self.flow.encode_padded(ids, valid), spks, cond)
-
-    def _final_step_core(self, x, mu, spks, cond, frames, step) -> tuple[torch.Tensor]:
-        """Euler step `step` ([1] int64) of the official final call: full attention over each row's first
-        `frames` frames (padding frames come after them: the causal convs never carry them backwards).
-        With the fused ODE tail the estimator's final projection, the CFG mix and the update are one op."""
-        fused = self.solver_ops
-        velocity = self._whole_pass_velocity(frames, x.shape[-1], chunk=0, project=fused is None,
-                                             times=lambda _: self._final_step_times(step))
-        t = self.t_steps.index_select(0, step).expand(2 * x.shape[0]) if self.final_times is None else None
-        out = velocity(0, self.cfm.cfg_rows(x), mu, spks, cond, t)
-        dt = self.dt_steps.index_select(0, step)
-        if fused is None:
-            return (self.cfm.euler_step(x, out, dt[0]),)
-        proj = self.cfm.estimator.final_proj
-        return (fused.project_cfg_euler(out, proj.weight, proj.bias, x, dt, self.cfm.cfg_rate)[0],)
-
-    def _final_step_times(self, step: torch.Tensor) -> StepTimes | None:
-        """The StepTimes of Euler step `step` ([1] int64, on the device) from `final_times` (None without
-        constant step times: the estimator then embeds t row by row)."""
-        if self.final_times is None:
-            return None
-        t_emb, resnet = self.final_times
-        resnet_step = resnet.index_select(0, step)
-        return StepTimes(t_emb.index_select(0, step), tuple(resnet_step.split(self.cfm.estimator.dims.channels, dim=1)))
-
-    def _by_padded_length(self, indices: Sequence[int], frames: Sequence[int]) -> list[tuple[int, list[int]]]:
-        """Whole-utterance passes grouped by the length they are padded to, at most REPLAY_ROWS streams
-        per group (one graph replay each: a larger batch bucket would capture a graph mid-traffic)."""
-        groups: dict[int, list[int]] = {}
-        for i in indices:
-            groups.setdefault(self._full_length(frames[i]), []).append(i)
-        return [(padded, members[k:k + REPLAY_ROWS]) for padded, members in groups.items()
-                for k in range(0, len(members), REPLAY_ROWS)]
-
-    def _whole_pass_inputs(self, padded: int, rows: int, items: Sequence[tuple[PromptCache, int]]
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(z, cond, spks) of a padded batch of `rows` whole-utterance passes from frame 0; items are
-        (prompt, frames); rows past the items are padding."""
-        bins, dev = self.cfm.num_bins, self.device
-        z = torch.zeros(rows, bins, padded, device=dev)
-        cond = torch.zeros(rows, bins, padded, device=dev, dtype=self.dtype)
-        spks = torch.zeros(rows, bins, device=dev, dtype=self.dtype)
-        for j, (prompt, frames) in enumerate(items):
-            z[j, :, :frames] = self.cfm.noise(0, frames)[0].to(dev)
-            cond[j, :, :prompt.prompt_mel.shape[0]] = prompt.prompt_mel.T
-            spks[j] = prompt.spks
-        return z, cond, spks
-
-    def recompute(self, prompt: PromptCache, target_ids: torch.Tensor, finalize: bool) -> torch.Tensor:
-        """`recompute_many` for one stream."""
-        return self.recompute_many([(prompt, target_ids, finalize)])[0]
-
-    @torch.inference_mode()
-    def recompute_many(self, items: Sequence[tuple[PromptCache, torch.Tensor, bool]]) -> list[torch.Tensor]:
-        """The official streaming call (spec/streaming.md §2: chunk masks) over prompt + target ids, every
-        frame recomputed as the official code does at each chunk: for streams whose next chunk would
-        outgrow their slots, and streams beyond the pool (`open_overflow`). No keys are kept and no slot
-        is read, so it needs no memory beyond the pass's own, and it costs one graphed pass of the
-        stream's length (encoder and ODE) instead of the eager path's Python launches. items: (prompt,
-        target ids, finalize); finalize=False: the last 3 target ids are look-ahead. Streams padded to
-        one length share one graph replay. Returns mel [80, F] each (prompt frames included)."""
-        lookahead = self.flow.dims.pre_lookahead_len
-        frames = [UPSAMPLE * (prompt.prompt_tokens.shape[0] + ids.shape[0] - (0 if finalize else lookahead))
-                  for prompt, ids, finalize in items]
-        out: list[torch.Tensor | None] = [None] * len(items)
-        for padded, members in self._by_padded_length(range(len(items)), frames):
-            mels = self._recompute_batch(padded, [items[i] for i in members])
-            for i, mel in zip(members, mels, strict=True):
-                out[i] = mel
-        self.watch.lap("recompute")
-        return out  # type: ignore[return-value]
-
-    def _recompute_batch(self, padded: int, items: Sequence[tuple[PromptCache, torch.Tensor, bool]]
-                         ) -> list[torch.Tensor]:
-        """PERF: the streaming encoder of every stream (padded, masked to its own tokens) and the ODE as one
-        graph replay per (batch bucket, padded length); the encoder ran eagerly per stream before, ≈ 40 ms
-        of Python launches per long stream on the H100's host."""
-        lookahead = self.flow.dims.pre_lookahead_len
-        rows = bucket(len(items))
-        ids = torch.zeros(rows, padded // UPSAMPLE + lookahead, dtype=torch.long, device=self.device)
-        valid = torch.full((rows,), ids.shape[1], device=self.device, dtype=torch.long)
-        positions = torch.full((rows,), padded // UPSAMPLE, device=self.device, dtype=torch.long)
-        lengths = []
-        for j, (prompt, target, finalize) in enumerate(items):
-            all_ids = _all_ids(prompt, target)
-            num_positions = all_ids.shape[0] - (0 if finalize else lookahead)
-            ids[j, :all_ids.shape[0]] = all_ids
-            valid[j] = all_ids.shape[0]
-            positions[j] = num_positions
-            lengths.append(UPSAMPLE * num_positions)  # from the host's int: reading positions back would sync
-        z, cond, spks = self._whole_pass_inputs(
-            padded, rows, [(prompt, n) for (prompt, _, _), n in zip(items, lengths, strict=True)])
-        self.watch.lap("recompute_setup")
-        (x,) = self.recompute_graphs.run((rows, padded), [ids, valid, positions, z, spks, cond])
-        return [x[j, :, :n].clone() for j, n in enumerate(lengths)]
-
-    def _recompute_core(self, ids, valid, positions, z, spks, cond) -> tuple[torch.Tensor]:
-        """A streaming pass from frame 0 over each row's first 2·positions frames: the chunk-masked encoder
-        (tokens past a row's positions up to valid are its look-ahead), then chunk-masked attention to its
-        own keys (padding frames come after a row's frames)."""
-        mu = self.flow.encode_padded(ids, valid, streaming=True, positions=positions)[:, :, :z.shape[-1]]
-        est = self.cfm.estimator
-        velocity = self._whole_pass_velocity(
-            UPSAMPLE * positions, z.shape[-1], self.chunk, project=self.solver_ops is None,
-            times=lambda k: est.step_times(self.cfm.t_steps[k]) if self.constant_times else None)
-        return (self.cfm.solve(z, mu, spks, cond, velocity, fused=self.solver_ops),)
-
-    def _whole_pass_velocity(self, frames: torch.Tensor, num_frames: int, chunk: int, project: bool,
-                             times: Callable[[int], StepTimes | None]):
-        """The estimator's velocity for a whole-utterance pass from frame 0 of rows [B] each `frames` long
-        (graph body): attention over its own keys (chunk masks when chunk > 0), causal-conv tails from zero
-        at every Euler step (the official left padding). It touches no pool slot. project=False: it returns
-        the hidden state for a fused ODE tail; times(k): Euler step k's StepTimes (None: from t)."""
-        est = self.cfm.estimator
-        rows = 2 * frames.shape[0]
-        write_pos = torch.arange(num_frames, device=frames.device).repeat(rows, 1)
-        limits = frames.repeat_interleave(2)
-        own = torch.arange(rows, device=frames.device)  # row r attends to its own keys (PooledKV.own_keys)
-
-        def velocity(k: int, x, mu_in, spks_in, cond_in, t):
-            conv = torch.zeros(rows, est.conv_state_channels, 2, device=x.device, dtype=self.dtype)
-            keys = PooledKV(self.kv[0], own, write_pos, limits, chunk, num_frames, self.attention_ops, own_keys=True)
-            return self._step(x, mu_in, spks_in, cond_in, t, [keys], conv, write_pos, [], times=times(k),
-                              project=project)
-
-        return velocity
+        """Frames a chunk ending at `end_frame` attends to: rounded up to a multiple of LEN_BUCKET (fewer
+        graphs, little waste), at most the slot's."""
+        return min(-(-end_frame // LEN_BUCKET) * LEN_BUCKET, self.max_frames)
 
     def _ode(self, z, mu, spks, cond, slots, starts, marker) -> tuple[torch.Tensor]:
         """The 10-step CFG Euler ODE for a padded batch (graph body: static shapes, no host syncs).
@@ -593,23 +340,16 @@ class FlowRunner:
         limits = (starts + num_new).repeat_interleave(2, dim=0)
         attn_len = marker.shape[0]
 
-        est = self.cfm.estimator
-
         def velocity(k: int, x, mu_in, spks_in, cond_in, t):
             conv = self.conv[k][rows]
             pooled = PooledKV(self.kv[k], rows, write_pos, limits, self.chunk, attn_len, self.attention_ops)
             v = self._step(x, mu_in, spks_in, cond_in, t, [pooled], conv, write_pos, [],
-                           times=est.step_times(self.cfm.t_steps[k]) if self.constant_times else None,
+                           times=self.step_times[k] if self.step_times is not None else None,
                            project=self.solver_ops is None)
             self.conv[k][rows] = conv
             return v
 
         return (self.cfm.solve(z, mu, spks, cond, velocity, fused=self.solver_ops),)
-
-
-def _all_ids(prompt: PromptCache, target_ids: torch.Tensor) -> torch.Tensor:
-    """Prompt + target speech token ids [P + N] (int64, on the prompt's device)."""
-    return torch.cat([prompt.prompt_tokens, target_ids.to(prompt.prompt_tokens.device, torch.long)])
 
 
 def _prompt_cond(prompt: PromptCache, start: int, num_new: int) -> torch.Tensor:

@@ -7,8 +7,8 @@ until the next replay of the same key). On the CPU, or when disabled, it simply 
 Graphs that may replay at the same time (the LM's on the engine thread, token-to-wave's on its worker)
 must be captured on different streams: cuBLAS picks its workspace by (handle, stream) at capture time
 and bakes it into the graph, so two graphs captured on one stream share one workspace, and two split-K
-GEMMs replaying concurrently corrupt each other's partial sums and semaphores (the second session's
-hang at 16 overlapped streams). Captures themselves take turns (`CAPTURE_LOCK`): since streams open
+GEMMs replaying concurrently corrupt each other's partial sums and semaphores (at 16 overlapped streams
+the engine hangs). Captures themselves take turns (`CAPTURE_LOCK`): since streams open
 ahead of their first chunk, the worker may capture a new flow shape while the engine thread captures a
 new prefill shape.
 """
@@ -20,8 +20,6 @@ import threading
 from collections.abc import Callable, Hashable, Sequence
 
 import torch
-
-from cosystream.kernels import prefetch
 
 log = logging.getLogger("cosystream.engine")
 
@@ -42,51 +40,6 @@ def bucket(n: int, buckets: Sequence[int] = BATCH_BUCKETS) -> int:
 def capture_stream(device: torch.device) -> torch.cuda.Stream | None:
     """A stream of its own to capture one subsystem's graphs on (None on the CPU)."""
     return torch.cuda.Stream(device) if device.type == "cuda" else None
-
-
-class SMLimitedStream:
-    """A CUDA stream whose kernels run on at most `num_sms` of the GPU's SMs (a CUDA green context).
-
-    PERF: the LM's decode step is a chain of ~200 small kernels; beside a whole-utterance flow pass that
-    fills every SM, each of them waits for an SM to free up even on its high-priority stream (a 0.83 ms
-    step took 3.6 ms on the H100, benchmarks/decode_contention.py). Work on this stream leaves the other
-    SMs free for it. Graphs must be *captured* on this stream to keep the limit when they replay: a graph
-    captured elsewhere ran on every SM when replayed here.
-    """
-
-    def __init__(self, context: object, stream: torch.cuda.Stream, num_sms: int) -> None:
-        self.context = context  # the green context; it must outlive its stream
-        self.stream = stream
-        self.num_sms = num_sms
-
-    @classmethod
-    def create(cls, device: torch.device, num_sms: int) -> SMLimitedStream | None:
-        """None (run on the whole GPU) on the CPU, for 0, for as many SMs as the GPU has, or where this
-        torch or driver has no green contexts (logged)."""
-        if device.type != "cuda" or num_sms <= 0:
-            return None
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        total = torch.cuda.get_device_properties(index).multi_processor_count
-        if num_sms >= total:
-            return None
-        try:
-            from torch.cuda import green_contexts
-
-            # keywords: torch 2.11 takes (num_sms, device_id), later versions keywords only
-            context = green_contexts.GreenContext.create(num_sms=num_sms, device_id=index)
-            return cls(context, context.Stream(), num_sms)
-        except (ImportError, AttributeError, RuntimeError, TypeError) as e:
-            log.warning("final passes run on all %d SMs: no CUDA green context of %d SMs here (%s)", total, num_sms, e)
-            return None
-
-    def run(self, fn: Callable[[], Sequence[torch.Tensor]]) -> Sequence[torch.Tensor]:
-        """fn() on this stream, ordered after and before the caller's stream's work."""
-        here = torch.cuda.current_stream(self.stream.device)
-        self.stream.wait_stream(here)
-        with torch.cuda.stream(self.stream), prefetch.disabled():
-            out = fn()
-        here.wait_stream(self.stream)
-        return out
 
 
 def maybe_compile(fn: Callable, enabled: bool) -> Callable:

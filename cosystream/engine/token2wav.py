@@ -20,8 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from cosystream.config import EngineConfig
+from cosystream.engine import vocoder_fast
 from cosystream.engine.chunking import ChunkPlan
-from cosystream.engine.flow_runner import FinalPass, FlowRunner, PooledStream
+from cosystream.engine.flow_passes import FinalPass
+from cosystream.engine.flow_runner import FlowRunner, PooledStream
 from cosystream.engine.graphs import BATCH_BUCKETS, REPLAY_ROWS, GraphCache, bucket, capture_stream, maybe_compile
 from cosystream.engine.stopwatch import Stopwatch
 from cosystream.kernels import triton_usable
@@ -65,13 +67,12 @@ class Token2WavRunner:
         graph_stream = capture_stream(self.device)
         self.watch = Stopwatch(self.device)  # stage times of the batches the engine runs
         slots = _pool_slots(flow, config) if self.device.type == "cuda" else 0
-        flow.decoder.estimator.l2_prefetch_mb = config.flow_l2_prefetch_mb
         self.pool = (FlowRunner(flow, slots, config.flow_frames, config.cuda_graphs, config.compile,
                                 config.fused_kernels, capture_stream=graph_stream, watch=self.watch,
-                                final_pass_sms=config.final_pass_sms)
+                                l2_prefetch_mb=config.flow_l2_prefetch_mb)
                      if slots else None)
         if config.fused_kernels and triton_usable(self.device):
-            hift.set_kernels(vocoder_kernels)  # one launch per Snake instead of seven
+            vocoder_fast.accelerate(hift, vocoder_kernels)  # one launch per Snake instead of seven
         self.overlap = MEL_CACHE_FRAMES * hift.upsample_scale  # 3840 samples
         self.window = fade_window(self.overlap, self.device)
         self.source_override = source_override
@@ -80,8 +81,6 @@ class Token2WavRunner:
         self.on_new_voice_cache: Callable[[str, dict[str, torch.Tensor]], None] | None = None
         self.fingerprint = f"{flow.dims}|{flow.input_embedding.weight.dtype}"
         self.max_voice_caches = max_voice_caches
-        self.max_overflow = config.flow_overflow_streams
-        self.overflow_started = 0  # streams started beyond the pool so far (a /metrics counter)
         self.max_voice_cache_bytes = int(config.max_voice_cache_gb * 2**30)
         self.sync = self.device.type == "cuda"
         # The NSF source noise is read from one fixed table at a per-request offset, so a request's
@@ -177,23 +176,12 @@ class Token2WavRunner:
         length go there), else on the eager path with caches for `max_target_tokens` to begin with (what
         the stream needs from its start, core._start_tokens; they grow)."""
         offset = (seed * 2654435761) % _NOISE_SAMPLES
-        if self.pool is not None and not self.pool.free and self.overflow_room():
-            flow_state = self.pool.open_overflow(self._unencoded_prompt(inputs, voice_key))
-            self.overflow_started += 1
-            return Token2WavState(flow_state, key=key, speed=speed, noise_offset=offset)
         prompt = self.prompt_cache(inputs, voice_key, stored)
         if self.pool is not None and self.pool.free:
             flow_state = self.pool.open(prompt if self.pool.holds(prompt) else self.stream.without_cache(prompt))
         else:
             flow_state = self.stream.start(prompt, max_target_tokens)
         return Token2WavState(flow_state, key=key, speed=speed, noise_offset=offset)
-
-    def _unencoded_prompt(self, inputs: Any, voice_key: str | None) -> PromptCache:
-        """The prompt of a stream beyond the pool, which recomputes its frames at every chunk: the voice's
-        cache when in memory (its tokens, mel and speaker row), else the prompt alone, unencoded (without
-        a free slot, encoding it would be an eager flow pass: ≈ 0.5 s of Python launches on the H100)."""
-        cache = self._in_memory(voice_key)
-        return cache if cache is not None else self.stream.empty_prompt(*self._prompt_args(inputs))
 
     def opened(self) -> None:
         """A batch that only opened streams: wait for its copies (this thread's stream only) so the stage
@@ -309,8 +297,8 @@ class Token2WavRunner:
             while not final.done:
                 self.pool.final_step(final)
                 # PERF: a replay only queues the step; unless the host waits for it, all ten steps are queued
-                # at once and a chunk that pauses the pass still runs after them on this stream (the pause
-                # then saved nothing: first chunks took 130-150 ms of "flow" behind final passes on the H100)
+                # at once and a chunk that pauses the pass still runs after them on this stream, so the pause
+                # would save that chunk nothing
                 self._wait_for_stream()
                 if should_stop() and not all(p.done for p in passes):
                     self.watch.lap("final_pass")
@@ -404,11 +392,9 @@ class Token2WavRunner:
         return self.stream.window_end(st.flow, plan.token_end, finalize=plan.is_final) - st.flow.num_tokens
 
     def _outgrows_slot(self, st: Token2WavState, new_tokens: int) -> bool:
-        """Whether the chunk must recompute every frame: it would outgrow the stream's slot, or the stream
-        has none (beyond the pool)."""
+        """Whether the chunk must recompute every frame: it would outgrow the stream's slot."""
         flow = st.flow
-        return isinstance(flow, PooledStream) and (
-            not flow.in_slot or UPSAMPLE * (flow.num_tokens + new_tokens) > self.pool.max_frames)
+        return isinstance(flow, PooledStream) and UPSAMPLE * (flow.num_tokens + new_tokens) > self.pool.max_frames
 
     def _recompute(self, jobs: list[tuple[int, Token2WavState, torch.Tensor, ChunkPlan]],
                    mels: list[torch.Tensor | None]) -> None:
@@ -494,14 +480,17 @@ class Token2WavRunner:
 
     def can_start(self, inputs: Any, max_target_tokens: int) -> bool:
         """False while a new stream must wait for a free pool slot. With a pool every stream runs in one,
-        or beyond it while `flow_overflow_streams` allows (recomputing every chunk), never on the eager
-        path (an order of magnitude slower, with its own ≈ 2.3 MB per frame of keys/values outside the
-        pool; on the H100 streams sent there ran it out of memory)."""
-        return self.pool is None or bool(self.pool.free) or self.overflow_room() > 0
+        never on the eager path (an order of magnitude slower, with its own ≈ 2.3 MB per frame of
+        keys/values outside the pool; streams sent there ran the GPU out of memory). The slots are the
+        engine's admission control."""
+        return self.pool is None or bool(self.pool.free)
+
+    # No stream starts beyond the pool. engine/core.py still asks (its `_within_free_slots`,
+    # `_flow_slots_short` and stats lines on overflow), until the scheduler rewrite drops those lines.
+    overflow_started = 0
 
     def overflow_room(self) -> int:
-        """How many more streams may start beyond the pool now (while no slot is free)."""
-        return 0 if self.pool is None else max(0, self.max_overflow - self.pool.overflow)
+        return 0
 
     def needs_slot(self, inputs: Any, max_target_tokens: int) -> bool:
         """True when a new stream runs in a pool slot (so must wait for one): whenever there is a pool."""
@@ -523,14 +512,13 @@ class Token2WavRunner:
 
         planner = ChunkPlanner(schedule or ChunkSchedule(), prompt_tokens)
         frame = UPSAMPLE * self.stream.prompt_cache_tokens(prompt_tokens)
-        shapes, encoder_shapes, mel_lengths, recompute_ends, cached = [], [], [], [], False
+        shapes, encoder_shapes, mel_lengths, cached = [], [], [], False
         official_final = self.final_attention == "full"
         while (plan := planner.next_plan(target_tokens, done=True)) is not None:
             end = UPSAMPLE * (prompt_tokens + plan.offset + plan.num_new)
             if not plan.is_final or not official_final:
                 shapes.append((end - frame, self.pool.attn_len_for(end)))
                 encoder_shapes.append((frame // UPSAMPLE, (end - frame) // UPSAMPLE, not plan.is_final))
-                recompute_ends.append(end)
             # (mel frames, cached?, bounded by the slots?)
             mel_lengths.append((2 * plan.num_new + (MEL_CACHE_FRAMES if cached else 0), cached,
                                 not (plan.is_final and official_final)))
@@ -538,11 +526,6 @@ class Token2WavRunner:
         batches = [b for b in BATCH_BUCKETS if b <= bucket(len(self.pool.free))]
         # official final passes wait without a slot: up to REPLAY_ROWS of them share a replay, however few slots
         unbounded = [b for b in BATCH_BUCKETS if b <= REPLAY_ROWS]
-        # streams beyond the pool recompute each chunk that is not an official final pass
-        overflow_batches = [b for b in (1, 2, 4, 8, 16) if self.max_overflow and b <= bucket(self.max_overflow)]
-        for b in overflow_batches:
-            for end in recompute_ends:
-                self.pool.capture_recompute(end, b)
         for b in batches:
             for num_new, attn_len in shapes:
                 self.pool.capture(b, num_new, attn_len)

@@ -19,29 +19,17 @@ def triton_usable(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" and importlib.util.find_spec("triton") is not None
 
 
-# PERF: launch the LM decode step's kernels with programmatic dependent launch (`_launch_jit`; Hopper or
-# newer and a Triton with grid dependency control). Read at launch, so at CUDA-graph capture. Measured on
-# the H100 (benchmarks/decode_launch.py): a batch-1 step 0.91 -> 0.81 ms, batch 16 1.00 -> 0.90 ms. The
-# flow estimator's kernels gained nothing from it (they alternate with cuBLAS GEMMs, which PDL cannot
-# overlap; docs/benchmarks.md), so they launch plainly.
-PDL = True
-# PERF (with PDL): a kernel loads what no kernel of the step writes before it ahead of its wait for the
-# kernel before, so those loads (and the loads that depend on them) overlap that kernel: the decode
-# attention its first block of cached keys/values (written by earlier steps), its position and RoPE terms;
-# the norms their weight; the sampler its rows' state. Read when a step is traced. Measured on the H100
-# (benchmarks/decode_launch.py, 53b2f5d, the attention's loads alone): batch-1 step 0.776 -> 0.737 ms,
-# batch 16 0.840 -> 0.826. Loading the linears' first weight tile (or whole slab, with one-K-step tiles)
-# before their wait was slower (0.807 / 0.769 at batch 1, 0.869 / 1.005 at 16): not kept.
-EARLY_LOADS = True
-
-
 def pdl_launch(x: torch.Tensor, early: bool | None = None) -> dict:
-    """The `PDL` constexpr and launch option of a decode kernel working on x's device; for a kernel with
-    an `EARLY` constexpr (early=True/False: whether its early loads are safe here), that too."""
-    pdl = PDL and x.is_cuda and _pdl_capable(x.get_device())  # get_device: the CUDA index, never None
+    """The `PDL` constexpr and launch options of a kernel working on x's device: programmatic dependent
+    launch (`_launch_jit`) wherever the GPU and Triton support it, so the kernel's launch and start-up
+    overlap the kernel before it and it waits on the device for that kernel's results. For a kernel with an
+    `EARLY` constexpr (early: whether its early loads are safe here) that too: with PDL, a kernel loads what
+    no kernel of the step writes before it (cached keys/values, positions and RoPE terms, norm weights, the
+    sampler's row state) ahead of that wait, overlapping the kernel before it."""
+    pdl = x.is_cuda and _pdl_capable(x.get_device())  # get_device: the CUDA index, never None
     options: dict = {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
     if early is not None:
-        options["EARLY"] = bool(early and EARLY_LOADS and pdl)
+        options["EARLY"] = bool(early and pdl)
     return options
 
 

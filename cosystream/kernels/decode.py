@@ -20,16 +20,6 @@ import torch
 from cosystream.kernels import pdl_launch, prefetch
 from cosystream.kernels.prefetch import prefetching  # noqa: F401  (the decode ops' interface)
 
-# rope_attention_linear: the attention kernel rotates q and the new key and writes the cache; False: a RoPE +
-# cache-write kernel first (the A/B of benchmarks/decode_launch.py; read when a step is traced, so set it
-# before graphs are captured). Measured on the H100 at adc8964: batch-1 step 0.819 -> 0.799 ms, batch 16
-# 0.903 -> 0.880. (Combining the attention's splits inside the output projection instead of in a kernel
-# of their own was slower there: 0.903 -> 0.941 ms at batch 16; removed after that commit. Running that
-# combine, and the norms after the output/down projections, in the last program of the kernel before them
-# (atomic arrival counts) was slower still at 76ebd11: batch 1 / 4 / 16 0.708 / 0.726 / 0.794 ->
-# 0.787 / 1.034 / 0.893 ms, the last program's serial reduction costing more than the kernel it saved;
-# removed after that commit.)
-ROPE_IN_ATTENTION = True
 _KEYS_PER_BLOCK = 64  # keys loaded per inner step of the attention kernel
 _MAX_SPLITS = 16  # attention programs per (row, kv head); their partial softmaxes are combined after
 
@@ -106,11 +96,7 @@ def rope_attention_linear(qkv: torch.Tensor, positions: torch.Tensor, cos: torch
     if (num_heads + 2 * num_kv_heads) * cache_k.shape[-1] != qkv.shape[-1] or cache_k.shape[1] != num_kv_heads:
         raise ValueError(f"rope_attention_linear: qkv of width {qkv.shape[-1]} does not hold {num_heads} query "
                          f"and 2 × {num_kv_heads} key/value heads of {cache_k.shape[-1]}")
-    if ROPE_IN_ATTENTION:
-        attn = _attention(qkv, (cos, sin), cache_k, cache_v, positions, attn_len)
-    else:
-        q = rope_write_kv(qkv, positions, cos, sin, cache_k, cache_v, num_heads, num_kv_heads)
-        attn = _attention(q, None, cache_k, cache_v, positions, attn_len)
+    attn = _attention(qkv, (cos, sin), cache_k, cache_v, positions, attn_len)
     return linear(attn, weight, tile=tile)
 
 

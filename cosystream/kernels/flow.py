@@ -18,21 +18,14 @@ import torch
 
 from cosystream.kernels import pdl_launch
 
-# PERF: launch the estimator's kernels on the chunk path of one or two streams (at most SMALL_ROWS rows, row
-# class 0) with programmatic dependent launch (see `_launch_jit`): each kernel's launch and start-up overlap
-# the kernel before it. There every GEMM is one of these kernels (`linear_residual` for the output, second
-# feed-forward and ResNet residual projections), so the step is an unbroken PDL chain but for a few copies.
-# Measured on the H100 (profile_stages.py --only t2w, dc84481): a first chunk's ODE 20.46 -> 19.95 ms. Bigger
-# batches and the final passes launch plainly, as measured in the sessions before; PDL on every row class
-# changed c=16 by no more than two runs of identical kernels differ (benchmarks/flow_pdl_ab.sh, twice on one
-# H100 at 028fdc4: first audio p50 / p90 110 / 117 and 112 / 123 ms against 115 / 136 and 113 / 119), so it
-# stays where its gain was measured. Read at launch (so at CUDA-graph capture); benchmarks set it False, or
-# PDL_MAX_ROWS higher, for the A/B.
-PDL = True
-
 
 def _pdl(x: torch.Tensor, rows: int) -> dict:
-    return pdl_launch(x) if PDL and rows <= PDL_MAX_ROWS else {"PDL": False}
+    """Launch options of a kernel over `rows` rows: programmatic dependent launch (`pdl_launch`) on the chunk
+    path of one or two streams (row class 0, at most SMALL_ROWS rows). There every GEMM is one of these
+    kernels, so the step is an unbroken chain in which each launch overlaps the kernel before it; bigger
+    batches and the official final passes launch plainly, as PDL there changes nothing beyond run-to-run
+    noise (docs/benchmarks.md)."""
+    return pdl_launch(x) if rows <= SMALL_ROWS else {"PDL": False}
 
 
 @functools.cache
@@ -81,8 +74,9 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
 
 def channel_norm_mish(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
                       add: torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract as `reference.channel_norm_mish`; x [R, C, T] contiguous. The estimator now runs
-    this inside `causal_conv`; kept as the measured baseline of benchmarks/kernel_tiles.py."""
+    """Same contract as `reference.channel_norm_mish`; x [R, C, T] contiguous. The estimator runs this
+    inside `causal_conv`; this separate kernel is the unfused baseline benchmarks/kernel_tiles.py measures
+    the conv tiles against."""
     k = _kernels()
     x = x.contiguous()
     rows, n_ch, num_t = x.shape
@@ -122,7 +116,6 @@ class Tile:
 
 
 SMALL_ROWS, LARGE_ROWS = 512, 8192  # row-count classes of the tile tables: 0 up to SMALL, 1 up to LARGE, 2 above
-PDL_MAX_ROWS = SMALL_ROWS  # the launches with PDL (see PDL): row class 0
 
 
 def row_class(rows: int) -> int:
@@ -154,7 +147,7 @@ _MIN_CO_BLOCK = 64
 
 # (chunk-masked, at most 512 query rows) -> attention tile; chunk-masked: a streamed chunk (False: the
 # official final pass, full attention over the whole utterance). Picked on the H100 with
-# benchmarks/attention_tiles.py (docs/benchmarks.md; µs per call at 0d95793).
+# benchmarks/attention_tiles.py (docs/benchmarks.md; µs per call).
 ATTENTION_TILES: dict[tuple[bool, bool], Tile] = {
     (True, True): Tile(16, 64, 4, 3),  # one stream's chunk: 6.9 µs (64×64: 6.8)
     (True, False): Tile(128, 32, 8, 3),  # 16 streams' chunks: 14.0 µs (64×32: 14.4)
@@ -217,7 +210,7 @@ def linear_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                     tile: Tile | None = None) -> torch.Tensor:
     """Same contract as `reference.linear_residual`: x [R, T, K] any strides, weight [N, K] contiguous,
     residual [R, T, N] contiguous; returns [R, T, N] contiguous. PERF: on the chunk path it keeps the
-    step's chain of kernels all Triton, so that each launch overlaps the kernel before it (`PDL`); the
+    step's chain of kernels all Triton, so that each launch overlaps the kernel before it (`_pdl`); the
     residual add rides in its epilogue (no add kernel after a group of transformer blocks)."""
     kern = _kernels()
     rows, num_t, k_in = x.shape
@@ -308,7 +301,7 @@ def project_cfg_euler(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     """Same contract as `reference.project_cfg_euler`; h [2B, Cin, T] any strides, x [B, Cout, T] float32
     contiguous, dt a float or a one-element float32 tensor on x's device (read when the kernel runs).
     PERF: one launch for the final 1x1 conv, the CFG mix, the Euler update and the next step's input rows
-    (a cuDNN conv with its two layout transforms and ~8 element-wise kernels before)."""
+    (the module statements: a cuDNN conv with its two layout transforms and ~8 element-wise kernels)."""
     kern = _kernels()
     rows, n_in, num_t = h.shape
     n_out = weight.shape[0]

@@ -2,12 +2,12 @@
 
 PERF: the LM decode step is a chain of ~200 kernels, and its linears start by fetching their weights from
 HBM. With every layer reading one layer's weights (L2-resident; `profile_stages.py --shared-weights`) a
-batch-1 step took 0.682 ms instead of 0.842 on the H100 (6686e7a): that gap is what fetching from HBM costs
-the chain. Here a small kernel on a second stream asks the copy engine to bring the next weights into L2
+batch-1 step takes 0.682 ms instead of 0.842 on the H100: that gap is what fetching from HBM costs the
+chain. Here a small kernel on a second stream asks the copy engine to bring the next weights into L2
 (`cp.async.bulk.prefetch.L2`, nothing waits for it) while the chain works on the weights before them. The
 side stream forks from the chain before each linear and joins it at the end of the step, so in a CUDA graph
-the prefetches are parallel nodes off the critical path. (Prefetches issued *inside* the chain's kernels
-were slower, 9047892 and d1f4ed4: a kernel seems not to retire while its prefetches are in flight.)
+the prefetches are parallel nodes off the critical path. The prefetches are not issued inside the chain's
+kernels: a kernel does not retire while its prefetches are in flight, which makes the chain slower.
 
 `WINDOW_MB` is how far ahead the weights are fetched, in bytes of the weights that follow the linear about to
 run (0: off). Read when a step is traced, so set it before graphs are captured.
@@ -21,15 +21,15 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-# Measured on the H100 (benchmarks/decode_launch.py --prefetch-mb 4,8,16,24, cc521ad; step ms at batch
-# 1 / 4 / 16): off 0.705 / 0.742 / 0.807; 4 MB 0.645 / 0.672 / 0.767; 8 MB 0.645 / 0.672 / 0.765; 16 MB
-# 0.649 / 0.670 / 0.765; 24 MB 0.662 / 0.708 / 0.849 (the L2 holds too much not yet read); every layer on
-# one layer's L2-resident weights 0.573 / 0.625 / 0.734.
+# Decode step ms on the H100 at batch 1 / 4 / 16 (benchmarks/decode_launch.py --prefetch-mb): off 0.705 /
+# 0.742 / 0.807; 4 MB 0.645 / 0.672 / 0.767; 8 MB 0.645 / 0.672 / 0.765; 16 MB 0.649 / 0.670 / 0.765;
+# 24 MB 0.662 / 0.708 / 0.849 (the L2 then holds too much not yet read); every layer on one layer's
+# L2-resident weights 0.573 / 0.625 / 0.734. 8 MB is in the flat optimum.
 WINDOW_MB = 8.0
-# Decode steps of more rows than this run without it (LMRunner): at batch 16 the step gains less in
+# Decode steps of more rows than this run without it (LMRunner): at batch 16 the step gains little in
 # isolation (0.807 -> 0.765 ms), and in the engine at 16 streams, beside the token-to-wave worker, the
-# aggregate went 221.4 / 221.9x -> 216.1 / 219.3x and over HTTP the first-audio p90 rose (149-157 ms off,
-# 162-180 on; 6b07c6b, docs/benchmarks.md), while at one stream it is what takes c=1 from 51-52 to 49-50 ms.
+# prefetch lowers the aggregate real-time factor and raises first-audio p90 over HTTP (docs/benchmarks.md);
+# at one stream it takes first audio from 51-52 to 49-50 ms.
 MAX_ROWS = 8
 PROGRAMS = 8  # programs of one prefetch kernel: each issues its share of the bulk prefetches
 LANES = 128  # bulk prefetches per program and tensor
@@ -95,11 +95,11 @@ def _side_stream(device: torch.device, purpose: str = "prefetch") -> torch.cuda.
 
 def branch(device: torch.device) -> torch.cuda.Stream | None:
     """A stream for work beside the chain that the chain reads only later (not a prefetch: its own stream,
-    so it never queues behind them), ordered after everything the current stream has queued; None off CUDA
-    and where side streams are off (`disabled`). Launch the work under `torch.cuda.stream(branch)` into
+    so it never queues behind them), ordered after everything the current stream has queued; None off CUDA.
+    Launch the work under `torch.cuda.stream(branch)` into
     memory allocated before, and make the current stream wait for the branch (`wait_stream`) before the
     kernel that reads it. In a CUDA graph the branch is a parallel node, off the critical path."""
-    if device.type != "cuda" or getattr(_active, "off", False):
+    if device.type != "cuda":
         return None
     side = _side_stream(device, "branch")
     side.wait_stream(torch.cuda.current_stream(device))
@@ -123,8 +123,7 @@ def prefetching(weights: Sequence[torch.Tensor], window_mb: float | None = None)
     forks a prefetch of the ones after it; the branch joins the current stream at the end. window_mb:
     how far ahead (None: WINDOW_MB; 0: off)."""
     window_mb = WINDOW_MB if window_mb is None else window_mb
-    if (not usable(weights, window_mb) or getattr(_active, "plan", None) is not None
-            or getattr(_active, "off", False)):
+    if not usable(weights, window_mb) or getattr(_active, "plan", None) is not None:
         yield
         return
     plan = _Plan(weights, window_mb * 2**20)
@@ -135,19 +134,6 @@ def prefetching(weights: Sequence[torch.Tensor], window_mb: float | None = None)
     finally:
         _active.plan = None
         plan.join()
-
-
-@contextlib.contextmanager
-def disabled() -> Iterator[None]:
-    """No prefetching and no `branch` in this thread within the block: for work on a stream of a CUDA green
-    context (the side streams belong to the whole GPU's context, and a graph's branch there was never
-    tested)."""
-    was = getattr(_active, "off", False)
-    _active.off = True
-    try:
-        yield
-    finally:
-        _active.off = was
 
 
 def before(weight: torch.Tensor) -> None:

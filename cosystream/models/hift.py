@@ -11,7 +11,6 @@ import itertools
 import math
 import operator
 import re
-from types import ModuleType
 
 import numpy as np
 import torch
@@ -24,7 +23,7 @@ from cosystream.checkpoint.hparams import HiftDims
 _WEIGHT_NORM_STEM = re.compile(
     r"(conv_pre|conv_post|ups\.\d+|(source_)?resblocks\.\d+\.convs[12]\.\d+|f0_predictor\.condnet\.\d+)"
 )
-_SNAKE_EPS = 1e-9  # PARITY: the official Snake's `no_div_by_zero`
+SNAKE_EPS = 1e-9  # PARITY: the official Snake's `no_div_by_zero`
 MEL_CACHE_FRAMES = 8  # PARITY: CosyVoice2Model.mel_cache_len (spec/streaming.md §3)
 
 
@@ -44,14 +43,10 @@ class Snake(nn.Module):
         super().__init__()
         self.alpha = nn.Parameter(torch.ones(channels))
 
-    kernels: ModuleType | None = None  # fused ops (HiFTGenerator.set_kernels); None: the statement below
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None:
-            return self.kernels.snake(x, self.alpha, _SNAKE_EPS)
         alpha = self.alpha[None, :, None]
         # PARITY: same operation order as the official Snake.
-        return x + (1.0 / (alpha + _SNAKE_EPS)) * torch.sin(x * alpha).pow(2)
+        return x + (1.0 / (alpha + SNAKE_EPS)) * torch.sin(x * alpha).pow(2)
 
 
 class ResBlock(nn.Module):
@@ -208,13 +203,6 @@ class HiFTGenerator(nn.Module):
             for k, d in zip(dims.resblock_kernel_sizes, dims.resblock_dilation_sizes, strict=True)
         )
         self.conv_post = nn.Conv1d(base // 2 ** len(rates), n_fft + 2, 7, padding=3)
-
-    def set_kernels(self, ops: ModuleType | None) -> None:
-        """Run every Snake through `ops.snake` (`cosystream.kernels.vocoder`, or `.reference` for its torch
-        statement); None: the module's own statement."""
-        for module in self.modules():
-            if isinstance(module, Snake):
-                module.kernels = ops
 
     @staticmethod
     def _build_source_path(dims: HiftDims) -> tuple[nn.ModuleList, nn.ModuleList]:

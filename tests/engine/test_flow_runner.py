@@ -11,7 +11,6 @@ import torch
 from cosystream.config import ChunkSchedule
 from cosystream.engine.chunking import ChunkPlanner
 from cosystream.engine.flow_runner import FlowRunner
-from cosystream.engine.graphs import SMLimitedStream
 from cosystream.engine.loader import load_flow
 from cosystream.kernels import reference
 from cosystream.models.flow_stream import FlowStream
@@ -32,7 +31,6 @@ def test_pooled_batch_equals_per_request_stream(checkpoint, load_fixture, fused)
 
 
 def _compare_pooled_with_stream(runner, stream, prompt, f, ops, max_chunks: int = 1000) -> None:
-    est = runner.cfm.estimator
     token_sets = [f["token"][0][:100], (f["token"][0][:100] * 5 + 11) % 6561]
     pooled = [runner.open(prompt) for _ in token_sets]
     alone = [stream.start(prompt, 100) for _ in token_sets]
@@ -44,13 +42,11 @@ def _compare_pooled_with_stream(runner, stream, prompt, f, ops, max_chunks: int 
         ids = [t[: plans[0].token_end].unsqueeze(0) for t in token_sets]
         windows = [stream._window(s, i, finalize=False) for s, i in zip(pooled, ids, strict=True)]
         starts = [s.num_frames for s in pooled]
-        est.set_kernels(ops)
-        runner.solver_ops = ops  # the ODE's projection + CFG + Euler update as the fused op too
+        runner.use_fused_ops(ops)  # the ODE's projection + CFG + Euler update as the fused op too
         try:
             got = runner.advance(pooled, windows)
         finally:
-            est.set_kernels(None)
-            runner.solver_ops = None
+            runner.use_fused_ops(None)
         for b in range(2):
             want = stream.feed(alone[b], ids[b])
             mel = stream._target_frames(pooled[b], got[b][None], starts[b])
@@ -108,9 +104,8 @@ def test_final_passes_built_as_on_cuda_give_the_official_final_mel(checkpoint, l
     tokens = f["token"][0]
     items = [(prompt, tokens), (prompt, tokens[:-5])]
     want = runner.full_passes(items)
-    est = flow.decoder.estimator
-    est.set_kernels(reference)
-    runner.attention_ops = runner.solver_ops = reference
+    runner.use_fused_ops(reference)
+    runner.attention_ops = reference
     runner.use_constant_step_times()
     try:
         (a, row_a), (b, row_b) = runner.begin_finals(items)
@@ -119,27 +114,12 @@ def test_final_passes_built_as_on_cuda_give_the_official_final_mel(checkpoint, l
             runner.final_step(a)
             runner.final_step(other)
     finally:
-        est.set_kernels(None)
+        runner.use_fused_ops(None)
     assert a is b and other.done
     for got, w in zip((a.mel(row_a), a.mel(row_b)), want, strict=True):
         torch.testing.assert_close(got, w, atol=1e-4, rtol=0)
     final = len(manifest["stream"]["schedule"]) - 1
     torch.testing.assert_close(a.mel(row_a)[:, 2 * f["prompt_token"].shape[1]:], f[f"call{final}_flow_mel_full"][0],
-                               atol=1e-4, rtol=0)
-
-
-def test_final_pass_sms_on_the_cpu_runs_the_pass_on_the_caller_s_device_unchanged(checkpoint, load_fixture,
-                                                                                  cfm_noise, manifest):
-    """EngineConfig.final_pass_sms needs CUDA green contexts: elsewhere the passes run as before, no error."""
-    f = load_fixture("stream")
-    flow = load_flow(checkpoint)
-    flow.decoder.set_noise_table(cfm_noise)
-    prompt = FlowStream(flow).build_prompt_cache(f["prompt_token"], f["prompt_feat"], f["embedding"])
-    runner = FlowRunner(flow, num_slots=1, max_frames=512, use_graphs=False, final_pass_sms=64)
-    assert runner.final_sms is None and SMLimitedStream.create(torch.device("cpu"), 64) is None
-    final = len(manifest["stream"]["schedule"]) - 1
-    mel = runner.full_pass(prompt, f["token"][0])
-    torch.testing.assert_close(mel[:, 2 * f["prompt_token"].shape[1]:], f[f"call{final}_flow_mel_full"][0],
                                atol=1e-4, rtol=0)
 
 
@@ -176,11 +156,11 @@ def test_a_final_pass_longer_than_a_slot_equals_the_official_final_call(checkpoi
     # into the pool: a whole pass must not take it
     big = FlowRunner(flow, num_slots=1, max_frames=512, use_graphs=False)
     short = f["token"][0][:40]
-    flow.decoder.estimator.set_kernels(reference)
+    runner.use_fused_ops(reference)
     try:
         (got,) = runner.full_passes([(prompt, short)])
     finally:
-        flow.decoder.estimator.set_kernels(None)
+        runner.use_fused_ops(None)
     torch.testing.assert_close(got, big.full_pass(prompt, short), atol=1e-4, rtol=0)
 
 
@@ -234,13 +214,11 @@ def test_voice_prompts_built_together_in_the_pool_equal_the_per_request_build(ch
     voices = [(f["prompt_token"], f["prompt_feat"], f["embedding"]), _other_voice(f)]
     want = [stream.build_prompt_cache(*voice) for voice in voices]
     runner = FlowRunner(flow, num_slots=3, max_frames=512, use_graphs=False)
-    flow.decoder.estimator.set_kernels(reference if fused else None)
-    runner.solver_ops = reference if fused else None
+    runner.use_fused_ops(reference if fused else None)
     try:
         got = runner.build_prompt_caches(stream, voices)
     finally:
-        flow.decoder.estimator.set_kernels(None)
-        runner.solver_ops = None
+        runner.use_fused_ops(None)
     assert sorted(runner.free) == [0, 1, 2]
     for g, w in zip(got, want, strict=True):
         assert g.num_tokens == w.num_tokens > 0
@@ -262,15 +240,13 @@ def test_recomputed_chunks_equal_the_official_calls(checkpoint, load_fixture, cf
                                                      max_frames=128)
     runner.conv.normal_()  # the stream's slot holds stale conv tails: the pass starts from zero
     num_prompt = f["prompt_token"].shape[1]
-    flow.decoder.estimator.set_kernels(reference if fused else None)
-    runner.solver_ops = reference if fused else None
+    runner.use_fused_ops(reference if fused else None)
     try:
         for i, call in enumerate(manifest["stream"]["schedule"][:-1]):
             mel = runner.recompute(prompt, f["token"][0][:call["n_tokens"]], finalize=False)
             torch.testing.assert_close(mel[:, 2 * num_prompt:], f[f"call{i}_flow_mel_full"][0], atol=1e-4, rtol=0)
     finally:
-        flow.decoder.estimator.set_kernels(None)
-        runner.solver_ops = None
+        runner.use_fused_ops(None)
 
 
 def test_recomputed_chunks_of_several_streams_equal_one_at_a_time(checkpoint, load_fixture, cfm_noise):

@@ -19,8 +19,7 @@ from cosystream.params import SamplingParams, SynthesisParams
 
 
 def test_streams_beyond_the_pool_wait_for_a_slot(model_dir, fixture_dir, tmp_path, monkeypatch):
-    eng = Engine.from_pretrained(model_dir, voices_db=str(tmp_path / "v.db"), max_streams=4,
-                                 flow_overflow_streams=0)
+    eng = Engine.from_pretrained(model_dir, voices_db=str(tmp_path / "v.db"), max_streams=4)
     try:
         eng.run(eng.async_engine.add_voice("v", str(fixture_dir / "prompt_24k.wav"), "Hello there."))
         t2w = eng.async_engine.core.t2w
@@ -41,49 +40,6 @@ def test_streams_beyond_the_pool_wait_for_a_slot(model_dir, fixture_dir, tmp_pat
         assert all(len(r.pcm) > 0 for r in results)
         assert opened == ["PooledStream"] * 3  # every stream ran in the pool's one slot, one after another
         assert t2w.pool.free == [0]
-    finally:
-        eng.close()
-
-
-@pytest.mark.parametrize("final_attention", ["full", "chunk"])
-def test_streams_beyond_the_pool_start_at_once_and_sound_as_the_eager_path(model_dir, fixture_dir, tmp_path,
-                                                                          monkeypatch, final_attention):
-    """With every slot taken, a new stream starts anyway (up to flow_overflow_streams): it keeps no keys
-    and computes every chunk over prompt + all its tokens, as the official code does, in one graphed pass
-    (its official final pass as the pooled streams' one). Its audio is the eager path's; streams beyond
-    the room left wait for a slot; none takes a slot or is left counted when done."""
-    eng = Engine.from_pretrained(model_dir, voices_db=str(tmp_path / "v.db"), max_streams=4,
-                                 flow_overflow_streams=1, final_attention=final_attention)
-    try:
-        eng.run(eng.async_engine.add_voice("v", str(fixture_dir / "prompt_24k.wav"), "Hello there."))
-        params = [SynthesisParams(text="a line to say, a little longer.", voice="v", force_tokens=60,
-                                  sampling=SamplingParams(greedy=True, seed=i)) for i in range(3)]
-        want = [eng.synthesize(p) for p in params]  # no pool on the CPU: the eager path, one at a time
-        t2w = eng.async_engine.core.t2w
-        t2w.pool = FlowRunner(t2w.flow, num_slots=1, max_frames=512, use_graphs=False)
-        opened = []  # (in a slot?, streams beyond the pool right after) of each new stream
-        real_start, real_recompute = t2w.start, t2w.pool.recompute_many
-        recomputed = []  # finalize flag of each chunk recomputed
-
-        def start(*args, **kwargs):
-            state = real_start(*args, **kwargs)
-            opened.append((state.flow.in_slot, t2w.pool.overflow))
-            return state
-
-        monkeypatch.setattr(t2w, "start", start)
-        monkeypatch.setattr(t2w.pool, "recompute_many",
-                            lambda items: recomputed.extend(f for _, _, f in items) or real_recompute(items))
-        results = synthesize_together(eng, params)
-        assert all(not isinstance(r, Exception) for r in results), results
-        assert (False, 1) in opened and len(opened) == 3  # one stream ran beyond the pool, never two at once
-        assert all(n <= 1 for _, n in opened)
-        assert False in recomputed  # the stream beyond the pool recomputed its non-final chunks
-        # its final: the official pass in "full" (no recompute), a recomputed finalizing chunk in "chunk"
-        assert (True in recomputed) == (final_attention == "chunk")
-        for got, ref in zip(results, want, strict=True):
-            assert got.times.num_tokens == ref.times.num_tokens and len(got.pcm) == len(ref.pcm)
-            np.testing.assert_allclose(got.pcm, ref.pcm, atol=2e-3)
-        assert t2w.pool.free == [0] and t2w.pool.overflow == 0
     finally:
         eng.close()
 

@@ -113,13 +113,10 @@ def test_decode_attention_ignores_keys_past_each_row(device: str, dtype: torch.d
 
 
 @pytest.mark.parametrize(("batch", "attn_len", "parts"), [(4, 300, 0), (4, 300, 3), (33, 128, 2)])
-@pytest.mark.parametrize("rope_in", [True, False])
-def test_rope_attention_linear(device: str, dtype: torch.dtype, batch: int, attn_len: int, parts: int,
-                               rope_in: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The attention block (RoPE and the cache write inside the attention kernel, or in a kernel before it)
-    equals its unfused statement: output and the whole cache. 33 rows: past the weight-streaming linear.
-    parts: the q/k/v projection handed over as split-K partial sums."""
-    monkeypatch.setattr(decode, "ROPE_IN_ATTENTION", rope_in)
+def test_rope_attention_linear(device: str, dtype: torch.dtype, batch: int, attn_len: int, parts: int) -> None:
+    """The attention block (RoPE and the cache write inside the attention kernel) equals its unfused
+    statement: output and the whole cache. 33 rows: past the weight-streaming linear. parts: the q/k/v
+    projection handed over as split-K partial sums."""
     g = torch.Generator().manual_seed(batch + parts)
     x, w, b = _linear_case(device, dtype, batch, (H + 2 * KV) * D, 256, seed=parts)
     qkv = decode.linear(x, w, b, tile=decode.LinearTile(64, 64, parts, 4, 2)) if parts else reference.linear(x, w, b)

@@ -69,16 +69,3 @@ def test_prefetching_is_a_no_op_where_it_cannot_run(monkeypatch) -> None:
     monkeypatch.setattr(prefetch, "WINDOW_MB", 0.0)
     assert not prefetch.usable(weights)
 
-
-def test_prefetching_stays_off_inside_disabled(monkeypatch) -> None:
-    weights = _weights([1.0, 1.0])
-    monkeypatch.setattr(prefetch, "usable", lambda *a: True)  # as on a Hopper GPU
-    plans = []
-    monkeypatch.setattr(prefetch._Plan, "ahead_of", lambda self, position: plans.append(position))
-    monkeypatch.setattr(prefetch._Plan, "join", lambda self: None)
-    with prefetch.disabled(), prefetch.prefetching(weights):
-        prefetch.before(weights[0])
-    assert plans == []
-    with prefetch.prefetching(weights):  # and on again after the block
-        prefetch.before(weights[0])
-    assert plans == [-1, 0]
