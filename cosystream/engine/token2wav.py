@@ -511,6 +511,13 @@ class Token2WavRunner:
         """Free pool slots (None: no pool)."""
         return None if self.pool is None else len(self.pool.free)
 
+    def slot_gauges(self) -> dict[str, float]:
+        """Flow-slot gauges for /metrics (none without a pool)."""
+        if self.pool is None:
+            return {}
+        return {"flow_slots_free": float(len(self.pool.free)), "flow_overflow_streams": float(self.pool.overflow),
+                "flow_overflow_started": float(self.overflow_started)}
+
     @torch.inference_mode()
     def warmup(self, prompt_tokens: int = 150, target_tokens: int = 250, schedule=None) -> int:
         """Capture the flow and HiFT graphs a steady stream of requests with this prompt and length
