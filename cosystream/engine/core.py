@@ -207,6 +207,7 @@ class EngineCore(DecodeLoop, Voicing):
                "token2wav_final_seconds": self.t2w_final_s, "token2wav_finals": float(self.t2w_finals),
                "token2wav_due_final_seconds": self.t2w_due_final_s,
                "token2wav_due_final_phases": float(self.t2w_due_final_phases),
+               "token2wav_handed_back": float(self.t2w_handed_back),
                "admission_admitted": float(self.admitted), "admission_refused": float(self.refused),
                "first_audio_predicted_seconds": self.first_audio_predicted_s,
                "first_audio_measured_seconds": self.first_audio_measured_s,
@@ -228,6 +229,16 @@ class EngineCore(DecodeLoop, Voicing):
             out["gpu_memory_reserved_bytes"] = float(torch.cuda.memory_reserved(device))
             out["gpu_memory_total_bytes"] = float(torch.cuda.get_device_properties(device).total_memory)
         return out
+
+    @property
+    def batch_in_flight(self) -> bool:
+        """Does token-to-wave work of the worker's batch remain (running, or waiting for it to come back)?"""
+        return self._in_flight is not None or bool(self._after_batch)
+
+    @property
+    def handed_back(self) -> int:
+        """Planned jobs a preempted worker handed back that no batch has voiced yet."""
+        return len(self._returned)
 
     @property
     def num_active(self) -> int:

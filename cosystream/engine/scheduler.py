@@ -241,6 +241,10 @@ class Scheduler:
     """Decisions from an EngineView and the cost model. `first_audio_target_s`: the first chunk's deadline
     after arrival; `budget_s`: admission's limit on the predicted first audio (None: admit every stream)."""
 
+    # the policy's constants (module level, with why each has its value), per instance for tests
+    hold_s = HOLD_S
+    first_chunk_wait_s = FIRST_CHUNK_WAIT_S
+
     def __init__(self, cost: CostModel | None = None, budget_s: float | None = None,
                  first_audio_target_s: float | None = None) -> None:
         self.cost = cost or CostModel()
@@ -420,13 +424,14 @@ class Scheduler:
         """Do ready first chunks wait for another stream's first chunk due within what is left of
         FIRST_CHUNK_WAIT_S since the oldest of them became ready (its missing tokens × the decode step)?"""
         step_s = self.cost.decode_step_s
-        if step_s is None:
+        if step_s is None or self.first_chunk_wait_s <= 0:
             return False
         now = view.now
         firsts = [s for s in ready if s.first]
         if not firsts or any(not s.first and s.audio_left_s(now) < URGENT_S for s in ready):
             return False
-        left = FIRST_CHUNK_WAIT_S - (now - min(now if s.first_ready_s is None else s.first_ready_s for s in firsts))
+        oldest = min(now if s.first_ready_s is None else s.first_ready_s for s in firsts)
+        left = self.first_chunk_wait_s - (now - oldest)
         if left <= 0:
             return False
         waiting = {s.key for s in ready}
@@ -443,14 +448,14 @@ class Scheduler:
     def _without_early_later_chunks(self, view: EngineView, ready: list[StreamView], due: set) -> list[StreamView]:
         """While the LM decodes and others could join, a later (not final) chunk with HOLD_S of audio or
         more left stays out of the batch unless it rides with a first chunk's ODE call."""
-        if not self._chunks_may_wait(view, ready):
+        if self.hold_s <= 0 or not self._chunks_may_wait(view, ready):
             return ready
         slots_short = self._slots_short(view)
         rides = {s.ode_key for s in ready if s.first and s.ode_key is not None}
         now = view.now
 
         def goes(s: StreamView) -> bool:
-            if s.first or s.key in due or s.audio_left_s(now) < HOLD_S or s.next_final:
+            if s.first or s.key in due or s.audio_left_s(now) < max(self.hold_s, URGENT_S) or s.next_final:
                 return True
             return (slots_short and s.lm_done) or s.ode_key in rides
 

@@ -55,7 +55,7 @@ class Voicing:
         self.first_audio_predicted_s = 0.0  # sums over first chunks of admitted requests with a prediction
         self.first_audio_measured_s = 0.0
         self.first_audio_predictions = 0
-        self.t2w_batches = self.t2w_chunks = self.t2w_finals = self.t2w_due_final_phases = 0
+        self.t2w_batches = self.t2w_chunks = self.t2w_finals = self.t2w_due_final_phases = self.t2w_handed_back = 0
         self.t2w_busy_s = self.t2w_flow_s = self.t2w_vocoder_s = self.t2w_final_s = self.t2w_due_final_s = 0.0
 
     # ------------------------------------------------------------------ snapshots
@@ -290,6 +290,7 @@ class Voicing:
         if msg.error is None:
             self._account_phase(msg)
         self._returned.extend(job for job in msg.returned if job.plan is not None)
+        self.t2w_handed_back += len(msg.returned)
         voiced = [job for job in jobs if job.plan is not None]  # the others only opened their stream
         if msg.last or self._in_flight is None:
             self._in_flight = None
