@@ -480,10 +480,11 @@ class Scheduler:
         `view`: the engine's latest published view; `pending_new`: streams admitted since it was made.
         Admitted when the budget is off, when nothing runs, or when its predicted first audio is within the
         budget and every running stream that meets its next deadline still does with the newcomer's work."""
-        if self.budget_s is None or view is None or (not view.streams and pending_new == 0):
+        if self.budget_s is None or view is None:
             return Verdict(True, 0.0)
         predicted, broken = self._predict(view, now, first_chunk_tokens, pending_new)
-        if predicted <= self.budget_s and broken == 0:
+        idle = not view.streams and pending_new == 0  # refusing would help no one
+        if idle or (predicted <= self.budget_s and broken == 0):
             return Verdict(True, predicted)
         retry = max(1.0, predicted - self.budget_s)
         reason = (f"predicted first audio in {predicted:.2f} s, over the budget of {self.budget_s:g} s"
