@@ -37,7 +37,7 @@ import enum
 import heapq
 import math
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # A later chunk whose client has less audio left than this is urgent: it opens a batch. Long enough for
 # one batch of final passes to run ahead of it (a phase of 16 passes is a few hundred ms on an H100).
@@ -286,9 +286,10 @@ class Scheduler:
             return Plan(opens=self._opens(view))
         if view.worker is not None:
             ready = ready[:max(0, view.max_batch - len(returned))]  # the rest waits, plans untouched
-        jobs = list(returned) + [JobView(s.key, s.first, s.next_final, s.audio_left_s(now), opening=not s.opened,
-                                         due=s.next_final and s.key in due, pausable=s.next_final)
-                                 for s in ready]
+        # handed-back jobs were planned before: whether their final pass is due is judged anew
+        jobs = [replace(job, due=job.final and job.key in due) for job in returned]
+        jobs += [JobView(s.key, s.first, s.next_final, s.audio_left_s(now), opening=not s.opened,
+                         due=s.next_final and s.key in due, pausable=s.next_final) for s in ready]
         return Plan(phases=self.phases(jobs))
 
     @staticmethod

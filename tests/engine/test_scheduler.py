@@ -91,6 +91,10 @@ def test_handed_back_jobs_always_go_with_the_chunk_that_preempted_them():
     assert _keys(plan.phases) == [["new"], ["back"]]
     # handed back with nothing else ready: they still go
     assert _keys(Scheduler().plan(_view(), [back]).phases) == [["back"]]
+    # a handed-back final pass is judged due anew, with the chunks ready now
+    fin = JobView("fin", first=False, final=True, audio_left_s=1.0, pausable=True)
+    plan = Scheduler().plan(_view(_first("new"), _later("fin", 1.0, final=True, planned=True, ready=False)), [fin])
+    assert _keys(plan.phases) == [["new"], ["fin"]] and plan.phases[1][0].due
 
 
 def test_chunks_with_audio_to_spare_wait_for_an_urgent_chunk_while_the_lm_decodes():
