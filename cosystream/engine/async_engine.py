@@ -117,7 +117,7 @@ class AsyncEngine:
         """Yield the audio of one request chunk by chunk; the last chunk has is_final and its times."""
         loop = asyncio.get_running_loop()
         t_submit = loop.time()
-        self._check_text(params.text)
+        self._check_text(params)
         if self.core.queue_depth >= MAX_WAITING:
             raise Overloaded(f"queue full ({self.core.queue_depth} waiting); retry later", retry_after_s=1.0)
         predicted_s = self._admit(params)
@@ -159,11 +159,14 @@ class AsyncEngine:
             if not req.finished:
                 self.core.abort(req.request_id)
 
-    def _check_text(self, text: Any) -> None:
-        """The one text-length limit (EngineConfig.max_text_chars), for every entry point."""
+    def _check_text(self, params: SynthesisParams) -> None:
+        """The one text-length limit (EngineConfig.max_text_chars), for every entry point and every text
+        field (streamed text is counted as it arrives, _pump_text)."""
         limit = self.config.max_text_chars
-        if isinstance(text, str) and len(text) > limit:
-            raise BadInput(f"text: {len(text)} characters, more than the limit of {limit}")
+        for field, text in (("text", params.text), ("prompt_text", params.prompt_text),
+                            ("instruct_text", params.instruct_text)):
+            if isinstance(text, str) and len(text) > limit:
+                raise BadInput(f"{field}: {len(text)} characters, more than the limit of {limit}")
 
     def _admit(self, params: SynthesisParams) -> float | None:
         """Admission (EngineConfig.first_audio_budget_s): Overloaded unless the scheduler predicts this

@@ -10,6 +10,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -144,6 +145,8 @@ class Voicing:
         plan = self.scheduler.plan(view, [self._job_view(job, now) for job in returned])
         if plan.phases:
             self._run_batch(plan, returned, by_key, now)
+            if self._chunks is None:  # ran inline: streams moved on (or ended) since the view
+                self._publish(self._view(time.perf_counter(), set())[0])
         elif plan.opens:
             self._open_streams(plan.opens, by_key)
 
@@ -386,6 +389,7 @@ class Voicing:
             req.audio_index += 1
         if last:
             t.total_s = now - req.t_submit
+            self._unpublish(req)  # before its client hears of the end: admission must not count it after
         req.emit(AudioChunk(pcm=pcm, index=req.chunks_emitted, is_final=last, times=t if last else None,
                             request_id=req.request_id))
         req.chunks_emitted += 1
@@ -401,7 +405,14 @@ class Voicing:
             count, late = self.misses.get((miss.kind, miss.stage), (0, 0.0))
             self.misses[(miss.kind, miss.stage)] = (count + 1, late + miss.late_s)
 
+    def _unpublish(self, req: RequestState) -> None:
+        """Drop a request that ends from the published view (a new one is built at the next planning)."""
+        view = self.published
+        if view is not None and any(s.key == id(req) for s in view.streams):
+            self.published = replace(view, streams=[s for s in view.streams if s.key != id(req)])
+
     def _finish(self, req: RequestState) -> None:
+        self._unpublish(req)
         for seg in req.segments:
             self._release_slot(seg)
             if seg.t2w is not None:  # its flow slot comes back after the batch on the worker, if any

@@ -76,6 +76,8 @@ def test_a_burst_beyond_the_lm_rows_is_refused_at_once_and_the_admitted_keep_the
 def test_one_text_limit_for_every_entry_point_of_the_engine(small):
     with pytest.raises(BadInput, match="text: 201 characters, more than the limit of 200"):
         small.synthesize(SynthesisParams(text="a" * 201, voice="v"))
+    with pytest.raises(BadInput, match="instruct_text: 201 characters"):
+        small.synthesize(SynthesisParams(text="hi.", voice="v", mode="instruct2", instruct_text="b" * 201))
 
     async def pieces():
         for _ in range(5):
