@@ -36,7 +36,7 @@ from __future__ import annotations
 import enum
 import heapq
 import math
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 # A later chunk whose client has less audio left than this is urgent: it opens a batch. Long enough for
@@ -83,10 +83,17 @@ class StreamView:
     lm_done: bool = False  # the LM finished the segment being voiced
     opened: bool = False  # its token-to-wave stream is open
     needs_slot: bool = False  # opening it takes a flow slot
-    ode_key: Hashable | None = None  # the ODE call its next chunk would share (None: none / unknown)
+    ode_key: Hashable | None = None  # the ODE call its next chunk would share (None: none / unknown) ...
+    ode_key_of: Callable[[], Hashable | None] | None = None  # ... or how to learn it, asked only when needed
     first_ready_s: float | None = None  # when its first chunk's tokens were all there
     opens_ahead: bool = False  # its stream could open now, ahead of its first chunk
     voice_at_hand: bool = True  # opening it copies a prompt state (False: builds one, a phase of its own)
+
+    def ode(self) -> Hashable | None:
+        """The ODE key (`ode_key`, or `ode_key_of()` once: asking the runner costs host time)."""
+        if self.ode_key_of is not None:
+            self.ode_key, self.ode_key_of = self.ode_key_of(), None
+        return self.ode_key
 
     def audio_left_s(self, now: float) -> float:
         """Audio the client has and has not played yet (-inf before its first chunk)."""
@@ -452,13 +459,13 @@ class Scheduler:
         if self.hold_s <= 0 or not self._chunks_may_wait(view, ready):
             return ready
         slots_short = self._slots_short(view)
-        rides = {s.ode_key for s in ready if s.first and s.ode_key is not None}
+        rides = {key for s in ready if s.first and (key := s.ode()) is not None}
         now = view.now
 
         def goes(s: StreamView) -> bool:
             if s.first or s.key in due or s.audio_left_s(now) < max(self.hold_s, URGENT_S) or s.next_final:
                 return True
-            return (slots_short and s.lm_done) or s.ode_key in rides
+            return (slots_short and s.lm_done) or (bool(rides) and s.ode() in rides)
 
         return [s for s in ready if goes(s)]
 

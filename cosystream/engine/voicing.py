@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -93,8 +93,7 @@ class Voicing:
             lm_done=done, opened=opened, first_ready_s=req.t_first_ready,
             needs_slot=not opened and self.t2w.needs_slot(seg.inputs, start_tokens))
         if view.ready and opened and not next_final:
-            plan = seg.planner.peek_plan(n, done)
-            view.ode_key = self.t2w.flow_group(seg.t2w, plan) if plan is not None else None
+            view.ode_key_of = lambda: self._ode_key(seg, n, done)
         view.opens_ahead = (view.needs_slot and seg.bistream is None and not is_planned
                             and seg.lm_status in (LMStatus.decoding, LMStatus.done))
         if view.opens_ahead:
@@ -122,6 +121,10 @@ class Voicing:
             free_lm_slots=len(self.free_slots), lm_slots=self.lm_runner.max_slots, lm_waiting=len(self.waiting),
             added=self.added_total)
         return engine, by_key
+
+    def _ode_key(self, seg: Segment, n: int, done: bool) -> Hashable | None:
+        plan = seg.planner.peek_plan(n, done)
+        return self.t2w.flow_group(seg.t2w, plan) if plan is not None else None
 
     def _publish(self, view: EngineView) -> None:
         self.published = view

@@ -118,6 +118,18 @@ def test_later_chunks_with_audio_to_spare_ride_only_on_a_first_chunks_ode_shape(
     assert sorted(no_hold.plan(view).new_keys) == ["f", "other", "same", "short"]
 
 
+def test_the_ode_key_is_asked_of_the_runner_only_when_a_first_chunks_batch_is_formed():
+    asked: list[str] = []
+
+    def key_of(name: str, key: tuple):
+        return lambda: (asked.append(name), key)[1]
+
+    waiting = [_later("a", 5.0, ode_key_of=key_of("a", ("pool", 50))), _first("x", ready=False, missing=30)]
+    assert not Scheduler().plan(_view(*waiting, decoding=True)).phases and asked == []  # no batch: not asked
+    view = _view(_first("f", ode_key_of=key_of("f", ("pool", 50))), *waiting, decoding=True)
+    assert sorted(Scheduler().plan(view).new_keys) == ["a", "f"] and sorted(asked) == ["a", "f"]
+
+
 def test_riders_join_a_first_chunk_call_up_to_the_stream_limit():
     assert Scheduler.riders([("k", 1)], 1, [("k", 1), None, ("k", 2), ("k", 1)]) == [0, 3]
     assert Scheduler.riders([None], 1, [("k", 1)]) == []
