@@ -59,6 +59,8 @@ FINAL_PHASE_STREAMS = 16
 RIDER_STREAMS = 16
 # First-audio target of a stream's first chunk when admission has no budget (deadlines still order work).
 DEFAULT_FIRST_AUDIO_TARGET_S = 1.0
+# Longest Retry-After admission answers (a prediction may be unbounded: a queue nothing has measured yet).
+MAX_RETRY_AFTER_S = 60.0
 # Chunks waiting is worth it only while the batch is small against the largest batch.
 _SMALL_BATCH_SHARE = 4
 # Decode-step periods longer than this are idle gaps, not steps.
@@ -494,7 +496,7 @@ class Scheduler:
         idle = not view.streams and pending_new == 0  # refusing would help no one
         if idle or (predicted <= self.budget_s and broken == 0):
             return Verdict(True, predicted)
-        retry = max(1.0, predicted - self.budget_s)
+        retry = min(MAX_RETRY_AFTER_S, max(1.0, predicted - self.budget_s))
         reason = (f"predicted first audio in {predicted:.2f} s, over the budget of {self.budget_s:g} s"
                   if predicted > self.budget_s else
                   f"admitting it would make {broken} running stream(s) miss their playback deadline")
@@ -505,7 +507,12 @@ class Scheduler:
         cost, step_s = self.cost, self.cost.decode_step_s or 0.0
         ahead = view.lm_waiting + pending_new + 1 - view.free_lm_slots
         hold = cost.lm_hold_s()
-        lm_wait = max(0, ahead) * hold / max(1, view.lm_slots) if hold is not None and ahead > 0 else 0.0
+        if ahead <= 0:
+            lm_wait = 0.0
+        elif hold is None:  # it would queue for an LM row, and no stream has held one yet: no prediction
+            lm_wait = math.inf
+        else:
+            lm_wait = ahead * hold / max(1, view.lm_slots)
         ready_at = now + lm_wait + cost.prefill_s() + tokens * step_s
         jobs = self._next_chunks(view, now, step_s)
         for _ in range(pending_new):  # admitted since the view: modelled as the newcomer

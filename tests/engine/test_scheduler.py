@@ -285,6 +285,14 @@ def test_admission_waits_for_an_lm_slot_by_the_measured_hold_time():
     assert verdict.predicted_first_audio_s == pytest.approx(2 * 4.0 / 2 + 0.4)
 
 
+def test_admission_before_any_stream_held_an_lm_row_admits_only_into_free_rows():
+    s = Scheduler(_cost(step_s=0.01), budget_s=1.0)  # warm-up measured the decode step only
+    running = _later("a", 5.0, ready=False)
+    assert s.admit(_view(running, free_lm_slots=2, lm_slots=2), NOW, 30, pending_new=1).admitted
+    refused = s.admit(_view(running, free_lm_slots=2, lm_slots=2), NOW, 30, pending_new=2)
+    assert not refused.admitted and refused.retry_after_s == sched.MAX_RETRY_AFTER_S
+
+
 def test_admission_refuses_a_stream_that_would_make_a_running_stream_late():
     s = Scheduler(_cost(step_s=0.0, first_s=0.2, later_s=0.2), budget_s=1.0)
     tight = _later("tight", 0.3)  # on time alone (0.2 s of work), late behind a new first chunk (0.4 s)
