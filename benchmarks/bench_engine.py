@@ -241,8 +241,7 @@ def _busy_line(before: dict[str, float], after: dict[str, float], wall_s: float)
             f"phases with a due pass {d.get('token2wav_due_final_seconds', 0.0):.1f} s in "
             f"{d.get('token2wav_due_final_phases', 0.0):.0f}; "
             f"{d.get('token2wav_batches', 0.0):.0f} batches, {d.get('token2wav_chunks', 0.0) / batches:.1f} "
-            f"chunks per batch, {1000 * d.get('token2wav_busy_seconds', 0.0) / batches:.1f} ms per batch; "
-            f"{d.get('flow_overflow_started', 0.0):.0f} streams started beyond the flow pool)"
+            f"chunks per batch, {1000 * d.get('token2wav_busy_seconds', 0.0) / batches:.1f} ms per batch)"
             + _step_line(d) + _stage_line(d) + _calls_line(d))
 
 

@@ -5,9 +5,12 @@
 #   COSYSTREAM_COMMIT=<hash> bash benchmarks/levels_all.sh more       # first hop 15, open loop (seeds 0-2), offline
 #   COSYSTREAM_COMMIT=<hash> bash benchmarks/levels_all.sh http       # over HTTP: c=1 and c=16 (httpx, raw), first hop 15
 #   COSYSTREAM_COMMIT=<hash> bash benchmarks/levels_all.sh http_open  # over HTTP: the open loop at 15 req/s, SEEDS (0 1)
-#   COSYSTREAM_COMMIT=<hash> bash benchmarks/levels_all.sh overload   # open loop below and above 15 req/s (8, 16, 17)
+#   COSYSTREAM_COMMIT=<hash> bash benchmarks/levels_all.sh open       # in-process open loop at 8, 16, 17 req/s
 #   COSYSTREAM_COMMIT=<hash> bash benchmarks/levels_all.sh voices     # zero-shot (same / new recording), 16 s
 #                                                                     # utterances, a 20 s prompt
+#   SERVE_ARGS="--first-audio-budget-s 0.5" CAPACITY=21 MULTS="1 2 4" SEEDS="0 1 2" \
+#     COSYSTREAM_COMMIT=<hash> bash benchmarks/levels_all.sh overload  # over HTTP: open loop at MULTS x CAPACITY req/s
+#   (then: python3 benchmarks/open_loop_table.py --first-audio-deadline-s 0.5 $OUT/overload_*.json)
 source benchmarks/gpu_prep.sh || exit 1
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -76,6 +79,23 @@ http_open)
   stamp done
   ;;
 overload)
+  # issue 34's table: Poisson arrivals at 1x, 2x and 4x the closed-loop capacity (CAPACITY req/s), against a
+  # server with SERVE_ARGS (its admission budget); 15 s of arrivals a level, each seed a level of its own
+  stamp "server start ($SERVE_ARGS)"
+  SERVE_LOG_LEVEL=warning source benchmarks/serve_bg.sh || exit 1
+  for mult in ${MULTS:-1 2 4}; do
+    rate=$(python3 -c "print(round(${CAPACITY:-21} * $mult, 2))")
+    for seed in ${SEEDS:-0 1 2}; do
+      stamp "open loop ${rate} req/s (${mult}x) over HTTP, seed $seed"
+      timeout 150 python3 -m cosystream.cli bench --url http://127.0.0.1:8000 --target tts --workload /tmp/wl/workload.json \
+        --warmup-requests 3 --tag commit=$C --tag "serve=$SERVE_ARGS" --rate "$rate" --duration 15 --seed "$seed" \
+        --timeout 60 --out "$OUT/overload_x${mult}_s$seed.json" 2>&1 | rows
+    done
+  done
+  kill "$SERVER"; wait "$SERVER" 2>/dev/null
+  stamp done
+  ;;
+open)
   stamp "open loop 8, 16, 17 req/s, seed 0"
   timeout 300 $B --rate 8,16,17 --duration 15 --seed 0 --out "$OUT/open_overload.json" 2>&1 | rows
   stamp done
@@ -96,6 +116,6 @@ voices)
   stamp done
   ;;
 *)
-  echo "levels_all.sh: unknown part '$1' (check, more, http, http_open, overload or voices)" >&2; exit 2
+  echo "levels_all.sh: unknown part '$1' (check, more, http, http_open, overload, open or voices)" >&2; exit 2
   ;;
 esac

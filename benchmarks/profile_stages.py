@@ -152,7 +152,7 @@ def bench_token2wav(ckpt, device, dtype, batches, iters, prompt_tokens: int = 15
     if shared:
         share_flow_weights(flow)
     flow.decoder.estimator.l2_prefetch_mb = prefetch_mb
-    runner = Token2WavRunner(flow, hift, EngineConfig(device=str(device), fused_kernels=fused,
+    runner = Token2WavRunner(flow, hift, EngineConfig.from_kwargs(device=str(device), fused_kernels=fused,
                                                       flow_slots=max(batches) + 2, flow_frames=832))
     inputs, tokens = random_voice(prompt_tokens)
     out = {"prompt_cache_ms": timed(lambda: runner.prompt_cache(inputs, None), device, max(iters // 4, 2))}

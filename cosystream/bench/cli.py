@@ -77,6 +77,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--requests-per-level", type=int, default=None,
                    help="requests per level (default: 4 per stream, min 8; open loop: 30 s of arrivals)")
     p.add_argument("--warmup-requests", type=int, default=2, help="sequential requests before the levels")
+    p.add_argument("--first-audio-deadline-s", type=float, default=1.0,
+                   help="first audio later than this after the send counts as a deadline miss (default 1, the "
+                        "default admission budget of `cosystream serve`); underruns are the later chunks' misses")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per request before it counts as an error")
     p.add_argument("--sample-rate", type=int, default=24000, help="sample rate of the PCM16 the server returns")
     p.add_argument("--no-register-voice", action="store_true",
@@ -238,7 +241,8 @@ async def _run(args: argparse.Namespace, spec: RequestSpec, upload: VoiceUpload 
         try:
             records, summaries = await run_benchmark(client.send, plans, stop, args.warmup_requests, args.seed or 0,
                                                       _log, level_fn=in_processes if args.procs > 1 else None,
-                                                      after_level=server_times)
+                                                      after_level=server_times,
+                                                      first_audio_deadline_s=args.first_audio_deadline_s)
         finally:
             await client.aclose()
     finally:

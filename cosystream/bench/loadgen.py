@@ -130,11 +130,13 @@ AfterLevelFn = Callable[[list[RequestRecord]], Awaitable[object]]
 
 async def run_benchmark(send: SendFn, plans: Sequence[LevelPlan], stop: asyncio.Event, warmup_requests: int = 0,
                         seed: int = 0, log: Callable[[str], None] = print, level_fn: LevelFn | None = None,
-                        after_level: AfterLevelFn | None = None) -> tuple[list[RequestRecord], list[LevelSummary]]:
+                        after_level: AfterLevelFn | None = None, first_audio_deadline_s: float | None = None,
+                        ) -> tuple[list[RequestRecord], list[LevelSummary]]:
     """Warm up, then run the levels in order; returns every record (warm-up included) and one summary per level.
     `level_fn` runs a level instead of `send` on this loop (bench/procs.py: in client processes); `after_level`
     gets each level's records once the level is over, before the next starts (e.g. to read the server's
-    stage times: nothing it does is timed)."""
+    stage times: nothing it does is timed). `first_audio_deadline_s`: first audio later than this counts as a
+    deadline miss in the summaries (with the playback underruns)."""
     records = await run_warmup(send, warmup_requests, stop)
     if records:
         failed = [r for r in records if not r.ok]
@@ -150,7 +152,7 @@ async def run_benchmark(send: SendFn, plans: Sequence[LevelPlan], stop: asyncio.
             level_records, interrupted = await run_level(send, plan, stop, seed + level_idx)
         if after_level is not None:
             await after_level(level_records)
-        summary = summarize(level_records, plan.label, plan.kind, plan.value, interrupted)
+        summary = summarize(level_records, plan.label, plan.kind, plan.value, interrupted, first_audio_deadline_s)
         records += level_records
         summaries.append(summary)
         log(_level_line(summary))
@@ -160,7 +162,9 @@ async def run_benchmark(send: SendFn, plans: Sequence[LevelPlan], stop: asyncio.
 def _level_line(s: LevelSummary) -> str:
     p50 = f"{s.first_audio_s['p50'] * 1000:.0f} ms" if s.first_audio_s else "-"
     return (f"{s.level}: {s.num_ok}/{s.num_requests} ok, {s.num_errors} errors, {s.num_refused} refused, "
-            f"first audio p50 {p50}, aggregate RTF {s.aggregate_rtf:.2f}, {s.underrun_requests} with underruns"
+            f"first audio p50 {p50}, aggregate RTF {s.aggregate_rtf:.2f}, goodput {s.goodput:.2f} audio s/s, "
+            f"{s.deadline_misses} deadline misses ({s.first_audio_misses} first audio), "
+            f"{s.underrun_requests} with underruns"
             + (f", {s.num_wrong_length} with audio length != forced length" if s.num_wrong_length else "")
             + (" (interrupted)" if s.interrupted else ""))
 

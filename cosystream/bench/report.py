@@ -178,14 +178,22 @@ class LevelSummary:
     underrun_s: float
     num_wrong_length: int = 0  # successful requests whose audio length is not the forced length
     interrupted: bool = False  # stopped early (Ctrl-C); the level is incomplete
+    goodput: float = 0.0  # audio seconds of the accepted (successful) streams per wall second
+    first_audio_deadline_s: float | None = None  # the first-audio deadline the misses are counted against
+    first_audio_misses: int = 0  # successful requests whose first audio came after that deadline
+    deadline_misses: int = 0  # first-audio misses + playback underruns (a later chunk after its deadline)
     errors: dict[str, int] = field(default_factory=dict)  # error message -> count (first 80 chars)
 
 
 def summarize(records: Sequence[RequestRecord], level: str, kind: str, value: float,
-              interrupted: bool = False) -> LevelSummary:
-    """Summarise one level's records (warm-up requests excluded by the caller)."""
+              interrupted: bool = False, first_audio_deadline_s: float | None = None) -> LevelSummary:
+    """Summarise one level's records (warm-up requests excluded by the caller). A chunk misses its deadline
+    when it is a first chunk later than `first_audio_deadline_s` after the send, or a later chunk that comes
+    after the client's audio ran out (an underrun)."""
     ok = [r for r in records if r.ok]
     wall_s = max((r.end_s for r in records), default=0.0) - min((r.start_s for r in records), default=0.0)
+    first_misses = 0 if first_audio_deadline_s is None else sum(
+        r.first_audio_s is not None and r.first_audio_s > first_audio_deadline_s for r in ok)
     errors: dict[str, int] = {}
     for r in records:
         if r.error is not None:
@@ -201,7 +209,10 @@ def summarize(records: Sequence[RequestRecord], level: str, kind: str, value: fl
         achieved_rate=len(ok) / wall_s if wall_s > 0 else 0.0,
         underrun_requests=sum(r.underruns > 0 for r in ok),
         underruns=sum(r.underruns for r in ok), underrun_s=sum(r.underrun_s for r in ok),
-        num_wrong_length=sum(_is_wrong_length(r) for r in ok), interrupted=interrupted, errors=errors)
+        num_wrong_length=sum(_is_wrong_length(r) for r in ok), interrupted=interrupted, errors=errors,
+        goodput=sum(r.audio_s for r in ok) / wall_s if wall_s > 0 else 0.0,
+        first_audio_deadline_s=first_audio_deadline_s, first_audio_misses=first_misses,
+        deadline_misses=first_misses + sum(r.underruns for r in ok))
 
 
 def _is_wrong_length(r: RequestRecord) -> bool:
@@ -247,7 +258,7 @@ def _num(stats: dict[str, float] | None, key: str, fmt: str = ".3f") -> str:
 def format_table(summaries: Sequence[LevelSummary]) -> str:
     """A markdown table, one row per level (first-audio in ms, total in s)."""
     head = ("| level | reqs | ok | err | refused | first audio avg / p50 / p90 / p99 ms | total p50 / p99 s "
-            "| RTF p50 | agg RTF | req/s | underrun reqs | underrun s |")
+            "| RTF p50 | agg RTF | req/s | underrun reqs | underrun s | goodput s/s | deadline misses |")
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for s in summaries:
         fa = s.first_audio_s
@@ -256,7 +267,8 @@ def format_table(summaries: Sequence[LevelSummary]) -> str:
             f"| {s.num_errors} | {s.num_refused} "
             f"| {_ms(fa, 'avg')} / {_ms(fa, 'p50')} / {_ms(fa, 'p90')} / {_ms(fa, 'p99')} "
             f"| {_num(s.total_s, 'p50', '.2f')} / {_num(s.total_s, 'p99', '.2f')} | {_num(s.rtf, 'p50')} "
-            f"| {s.aggregate_rtf:.2f} | {s.achieved_rate:.2f} | {s.underrun_requests} | {s.underrun_s:.2f} |")
+            f"| {s.aggregate_rtf:.2f} | {s.achieved_rate:.2f} | {s.underrun_requests} | {s.underrun_s:.2f} "
+            f"| {s.goodput:.2f} | {s.deadline_misses} ({s.first_audio_misses} first) |")
     return "\n".join(rows)
 
 

@@ -42,6 +42,13 @@ from cosystream.params import Mode, SynthesisParams
 
 _CACHE_PREFIX = "flow_prompt_cache."  # voice-record extras holding the encoded flow prompt
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Requests waiting for an LM slot beyond which new ones are refused (Overloaded), whatever the budget.
+MAX_WAITING = 256
+FRONTEND_THREADS = 2  # text normalisation and prompt analysis beside the event loop
+# A request in a voice already in memory whose text has at most this many characters is prepared on the
+# caller's event loop (≈ 0.1 ms) instead of a frontend thread: two thread hops fewer, and a burst is not
+# queued behind the frontend threads. Longer texts, prompt audio and voice conversion go to the threads.
+INLINE_FRONTEND_CHARS = 400
 
 
 class AsyncEngine:
@@ -54,19 +61,13 @@ class AsyncEngine:
         self.voices = VoiceStore(config.voices_db or default_db_path())
         self.lm = load_llm(ckpt, device, dtype)
         lm_runner = LMRunner(self.lm, config.max_streams, config.max_len, use_graphs=config.cuda_graphs,
-                             compile=config.compile, fused_kernels=config.fused_kernels,
-                             l2_prefetch_mb=config.l2_prefetch_mb)
+                             compile=config.compile, fused_kernels=config.fused_kernels)
         t2w = Token2WavRunner(load_flow(ckpt, device, dtype), load_hift(ckpt, device, dtype), config)
         self.token2wav = t2w
-        self.core = EngineCore(lm_runner, t2w, self.lm, overlap=config.overlap,
-                               chunk_slack_s=config.chunk_slack_s, first_chunk_wait_s=config.first_chunk_wait_s,
-                               preempt=config.preempt_token2wav,
-                               pause_final_passes=config.pause_final_passes,
-                               final_slack_s=config.final_slack_s, rider_streams=config.rider_streams,
-                               open_ahead=config.open_ahead, later_chunk_hold_s=config.later_chunk_hold_s,
-                               final_phase_streams=config.final_phase_streams,
-                               pause_decode_for_first_chunks=config.pause_decode_for_first_chunks)
-        self.pool = ThreadPoolExecutor(max_workers=config.frontend_threads, thread_name_prefix="frontend")
+        self.core = EngineCore(lm_runner, t2w, self.lm, config)
+        self._admitted = 0  # streams admitted (EngineCore.admit) ...
+        self._not_submitted = 0  # ... of which never reached the engine (their frontend failed)
+        self.pool = ThreadPoolExecutor(max_workers=FRONTEND_THREADS, thread_name_prefix="frontend")
         self._voice_prompts: dict[str, VoicePrompt] = {}
         # prompt recordings sent with requests (zero-shot without a registered voice), by content: a client
         # that sends the same reference with every request gets its analysis and encoded flow prompt reused
@@ -77,9 +78,11 @@ class AsyncEngine:
         # voice registered under the same name.
         self._voice_keys: dict[str, str] = {}
         self._voice_caches: dict[str, dict[str, torch.Tensor]] = {}  # stored flow prompt caches (CPU)
-        persist = config.persist_voice_caches
+        persist = config.tuning.persist_voice_caches
         if persist or (persist is None and device.type == "cpu"):
             t2w.on_new_voice_cache = self._store_voice_cache
+        # the one place the interpreter's switch interval is set (the engine thread and the token-to-wave
+        # worker both feed the GPU from Python)
         self._switch_interval = sys.getswitchinterval()
         if config.gil_switch_interval_s is not None:
             sys.setswitchinterval(config.gil_switch_interval_s)
@@ -93,7 +96,7 @@ class AsyncEngine:
         machine's CPU (benchmarks/gc_pause.py), a stall of the engine thread (and so of every stream)
         whenever enough survivors pile up; frozen, it walks only what came after. Objects are still freed
         when their last reference goes; close() unfreezes them."""
-        if self.config.gc_freeze:
+        if self.config.tuning.gc_freeze:
             gc.collect()
             gc.freeze()
 
@@ -106,7 +109,7 @@ class AsyncEngine:
         self.core.stop()
         self.pool.shutdown(wait=False)
         sys.setswitchinterval(self._switch_interval)
-        if self.config.gc_freeze:
+        if self.config.tuning.gc_freeze:
             gc.unfreeze()  # the engine's cycles become collectable again
 
     # ------------------------------------------------------------------ synthesis
@@ -114,20 +117,27 @@ class AsyncEngine:
         """Yield the audio of one request chunk by chunk; the last chunk has is_final and its times."""
         loop = asyncio.get_running_loop()
         t_submit = loop.time()
-        if self.core.queue_depth >= self.config.max_queue:
+        self._check_text(params)
+        if self.core.queue_depth >= MAX_WAITING:
             raise Overloaded(f"queue full ({self.core.queue_depth} waiting); retry later", retry_after_s=1.0)
+        predicted_s = self._admit(params)
         queue: asyncio.Queue[AudioChunk | BaseException] = asyncio.Queue()
 
         def emit(item: AudioChunk | BaseException) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
         req = None
-        # on the loop only when it cannot wait there: a frontend thread normalising a long text holds the normaliser
-        with self.frontend.normalizer_if_free() as free:
-            if free and self._cheap_frontend(params):
-                req = self._build_request(params, emit)
-        if req is None:
-            req = await loop.run_in_executor(self.pool, self._build_request, params, emit)
+        try:
+            # on the loop only when it cannot wait there: a frontend thread normalising a long text holds it
+            with self.frontend.normalizer_if_free() as free:
+                if free and self._cheap_frontend(params):
+                    req = self._build_request(params, emit)
+            if req is None:
+                req = await loop.run_in_executor(self.pool, self._build_request, params, emit)
+        except BaseException:
+            self._not_submitted += 1
+            raise
+        req.predicted_first_audio_s = predicted_s
         req.emit = self._emit_or_abort(req.request_id, req.emit)
         req.times.frontend_s = loop.time() - t_submit
         req.t_submit -= req.times.frontend_s  # the request's clock starts at submission
@@ -149,9 +159,31 @@ class AsyncEngine:
             if not req.finished:
                 self.core.abort(req.request_id)
 
+    def _check_text(self, params: SynthesisParams) -> None:
+        """The one text-length limit (EngineConfig.max_text_chars), for every entry point and every text
+        field (streamed text is counted as it arrives, _pump_text)."""
+        limit = self.config.max_text_chars
+        for field, text in (("text", params.text), ("prompt_text", params.prompt_text),
+                            ("instruct_text", params.instruct_text)):
+            if isinstance(text, str) and len(text) > limit:
+                raise BadInput(f"{field}: {len(text)} characters, more than the limit of {limit}")
+
+    def _admit(self, params: SynthesisParams) -> float | None:
+        """Admission (EngineConfig.first_audio_budget_s): Overloaded unless the scheduler predicts this
+        stream's first audio within the budget with every running stream on time; returns the prediction."""
+        if self.config.first_audio_budget_s is None:
+            return None
+        schedule = self.config.schedule
+        tokens = (params.first_hop or schedule.first_hop) + schedule.lookahead if params.stream else 0
+        verdict = self.core.admit(tokens, pending=self._admitted - self._not_submitted)
+        if not verdict.admitted:
+            raise Overloaded(f"overloaded: {verdict.reason}; retry later", retry_after_s=verdict.retry_after_s)
+        self._admitted += 1
+        return verdict.predicted_first_audio_s
+
     def _cheap_frontend(self, params: SynthesisParams) -> bool:
-        """Is preparing this request quick enough for the event loop (see EngineConfig.inline_frontend_chars)?"""
-        if not isinstance(params.text, str) or len(params.text) > self.config.inline_frontend_chars:
+        """Is preparing this request quick enough for the event loop (see INLINE_FRONTEND_CHARS)?"""
+        if not isinstance(params.text, str) or len(params.text) > INLINE_FRONTEND_CHARS:
             return False
         if params.prompt_audio is not None or params.source_audio is not None:
             return False
@@ -173,10 +205,14 @@ class AsyncEngine:
 
     async def _pump_text(self, request_id: str, pieces: AsyncIterator[str], out: asyncio.Queue) -> None:
         """Forward text pieces as they arrive (tokenised one by one, not normalised: spec/frontend.md §2)."""
+        num_chars = 0
         try:
             async for piece in pieces:
                 if not isinstance(piece, str):
                     raise BadInput(f"text: streamed pieces must be strings, got {type(piece).__name__}")
+                num_chars += len(piece)
+                if num_chars > self.config.max_text_chars:
+                    raise BadInput(f"text: more than the limit of {self.config.max_text_chars} characters")
                 ids = self.frontend.encode_text(piece)
                 if ids:
                     self.core.add_text(request_id, ids)
@@ -348,6 +384,7 @@ class AsyncEngine:
         n = self.core.call(self.token2wav.warmup, prompt_tokens, target_tokens, self.config.schedule)
         n += self.core.call(self.core.capture_prefill)
         n += self.core.call(self.core.lm_runner.capture_all)
+        self.core.call(self.core.measure_decode_step)  # the cost model's decode step on this device
         self._freeze_heap()  # the graphs' objects too
         return n
 

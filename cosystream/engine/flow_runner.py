@@ -59,8 +59,6 @@ class FlowRunner(WholePasses):
     estimator runs `engine/flow_fast.py`'s step; elsewhere the plain modules, attention through
     `kernels.reference`). One thread at a time: the engine hands it to the token-to-wave worker."""
 
-    overflow = 0  # streams beyond the pool: none (engine/core.py's stats read it until the scheduler rewrite)
-
     def __init__(self, flow: Flow, num_slots: int, max_frames: int, use_graphs: bool = True,
                  compile: bool = False, fused_kernels: bool = True,
                  capture_stream: torch.cuda.Stream | None = None, watch: Stopwatch | None = None,

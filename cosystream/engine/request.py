@@ -41,6 +41,7 @@ class Segment:
     bistream: Any = None  # its BistreamState, created at admission
     text_backlog: list[int] = field(default_factory=list)  # text ids received before admission
     text_closed: bool = False
+    t_row: float | None = None  # when it took its LM row (the cost model's LM hold time)
 
     @property
     def skips_lm(self) -> bool:
@@ -67,6 +68,7 @@ class RequestState:
     t_admit: float | None = None
     t_first_token: float | None = None
     t_first_ready: float | None = None  # when its first chunk's tokens were all there
+    predicted_first_audio_s: float | None = None  # admission's prediction (None: not predicted)
 
     @property
     def lm_segment(self) -> Segment | None:

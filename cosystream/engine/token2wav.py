@@ -485,13 +485,6 @@ class Token2WavRunner:
         engine's admission control."""
         return self.pool is None or bool(self.pool.free)
 
-    # No stream starts beyond the pool. engine/core.py still asks (its `_within_free_slots`,
-    # `_flow_slots_short` and stats lines on overflow), until the scheduler rewrite drops those lines.
-    overflow_started = 0
-
-    def overflow_room(self) -> int:
-        return 0
-
     def needs_slot(self, inputs: Any, max_target_tokens: int) -> bool:
         """True when a new stream runs in a pool slot (so must wait for one): whenever there is a pool."""
         return self.pool is not None
@@ -499,6 +492,12 @@ class Token2WavRunner:
     def free_slots(self) -> int | None:
         """Free pool slots (None: no pool)."""
         return None if self.pool is None else len(self.pool.free)
+
+    def slot_gauges(self) -> dict[str, float]:
+        """Flow-slot gauges for /metrics (none without a pool)."""
+        if self.pool is None:
+            return {}
+        return {"flow_slots_free": float(len(self.pool.free))}
 
     @torch.inference_mode()
     def warmup(self, prompt_tokens: int = 150, target_tokens: int = 250, schedule=None) -> int:

@@ -14,6 +14,7 @@ import re
 import sqlite3
 import threading
 import time
+import unicodedata
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,8 +29,9 @@ from cosystream.frontend.prompt import VoicePrompt
 
 DB_FILE_NAME = "voices.db"
 SCHEMA_VERSION = 1
-NAME_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-NAME_RULE = "1-64 characters from A-Z a-z 0-9 _ . -"
+MAX_VOICE_NAME_CHARS = 64
+NAME_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # registration: names that are safe in any file system
+NAME_RULE = "registered voices use only A-Z a-z 0-9 _ . -"
 SPEECH_TOKENS_PER_S = 25  # prompt tokens -> seconds of prompt audio
 BUSY_TIMEOUT_MS = 5000  # another process (e.g. the CLI) may hold the write lock briefly
 
@@ -90,9 +92,32 @@ class VoiceRecord:
         return self.info.prompt_text
 
 
-def check_voice_name(name: object) -> str:
-    if not isinstance(name, str) or NAME_PATTERN.fullmatch(name) is None:
-        raise BadInput(f"name: {name!r} is not a valid voice name ({NAME_RULE})")
+def voice_name_problem(name: object) -> str | None:
+    """Why `name` cannot name a voice (registered, or a built-in sft speaker, whose names need not be ASCII),
+    or None. The one voice-name rule of every entry point. Names are looked up, never used as paths, but a
+    path-like or control-character name is refused anyway so that no log line, file name or store a name
+    may reach later can be tricked by one."""
+    if not isinstance(name, str):
+        return "must be a string"
+    if not 1 <= len(name) <= MAX_VOICE_NAME_CHARS:
+        return f"must be 1-{MAX_VOICE_NAME_CHARS} characters"
+    if "/" in name or "\\" in name or name.strip(".") == "":
+        return "must not look like a path (no / or \\, not only dots)"
+    if any(unicodedata.category(ch).startswith("C") for ch in name):
+        return "must not contain control or invisible format characters"
+    if name != name.strip():
+        return "must not start or end with white space"
+    return None
+
+
+def check_voice_name(name: object, field: str = "name") -> str:
+    """A name a new voice may be registered under: a valid voice name (voice_name_problem) from the
+    registration alphabet only (NAME_RULE)."""
+    problem = voice_name_problem(name)
+    if problem is None and NAME_PATTERN.fullmatch(name) is None:
+        problem = NAME_RULE
+    if problem is not None:
+        raise BadInput(f"{field}: {name!r} is not a valid voice name ({problem})")
     return name
 
 

@@ -37,9 +37,8 @@ from cosystream.frontend.speech_tokenizer import SpeechTokenizer
 from cosystream.frontend.text import TextNormalizer
 from cosystream.frontend.tokenizer import END_OF_PROMPT, TextTokenizer
 
-__all__ = ["Frontend", "VoicePrompt", "ModelInputs", "BuiltinSpeaker", "AudioInput", "MODES", "MAX_TEXT_CHARS"]
+__all__ = ["Frontend", "VoicePrompt", "ModelInputs", "BuiltinSpeaker", "AudioInput", "MODES"]
 
-MAX_TEXT_CHARS = 10_000  # per request; about ten minutes of speech
 
 
 class Frontend:
@@ -162,7 +161,6 @@ class Frontend:
 
 
 def _check_text_length(text: str, field: str) -> None:
+    """The text's type; its length limit is the engine's (EngineConfig.max_text_chars), checked at its entry."""
     if not isinstance(text, str):
         raise BadInput(f"{field}: expected a string, got {type(text).__name__}")
-    if len(text) > MAX_TEXT_CHARS:
-        raise BadInput(f"{field}: {len(text)} characters is too long (maximum {MAX_TEXT_CHARS})")

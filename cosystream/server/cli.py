@@ -18,6 +18,11 @@ MIB = 1024 * 1024
 EXIT_USAGE = 2  # as argparse and `cosystream voices`
 API_KEYS_ENV = "COSYSTREAM_API_KEYS"  # comma-separated; keeps keys out of the process list
 _DEFAULTS = ServerSettings()
+# The engine's admission budget under `cosystream serve`. One second: an H100 gives first audio in ≈ 50 ms
+# alone and 115-160 ms p90 at 16 streams (docs/benchmarks.md), so a prediction over a second means the GPU
+# is far past what it can keep playing (queues, not computing); a client waiting longer would do better to
+# retry elsewhere, while a second still absorbs a burst's first chunks sharing batches.
+DEFAULT_FIRST_AUDIO_BUDGET_S = 1.0
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -47,8 +52,11 @@ def _add_limit_flags(serve: argparse.ArgumentParser) -> None:
                         help="largest request body, MiB (413 above)")
     limits.add_argument("--max-audio-s", type=float, default=_DEFAULTS.max_audio_s,
                         help="longest uploaded prompt_wav/source_wav, seconds (400 above)")
-    limits.add_argument("--first-audio-budget-s", type=float, default=None,
-                        help="refuse new streams (503 overloaded) whose expected first audio is later (default: off)")
+    limits.add_argument("--first-audio-budget-s", type=_budget, default=DEFAULT_FIRST_AUDIO_BUDGET_S,
+                        metavar="SECONDS|off",
+                        help="refuse a new stream (503 overloaded) unless the engine predicts its first audio "
+                             f"within this budget with every running stream on time (default: "
+                             f"{DEFAULT_FIRST_AUDIO_BUDGET_S:g}; 0 or off: admit every stream)")
     limits.add_argument("--max-streams-per-client", type=int, default=None,
                         help="open streams per API key, or per address without keys (429 above; default: off)")
     limits.add_argument("--request-timeout-s", type=float, default=_DEFAULTS.request_timeout_s,
@@ -85,19 +93,41 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | os._E
     """ServerSettings from `serve` flags and the environment; ValueError for an impossible value."""
     return ServerSettings(
         max_upload_bytes=int(args.max_upload_mb * MIB), max_audio_s=args.max_audio_s,
-        first_audio_budget_s=args.first_audio_budget_s, max_streams_per_client=args.max_streams_per_client,
+        max_streams_per_client=args.max_streams_per_client,
         request_timeout_s=args.request_timeout_s or None, ws_max_message_bytes=int(args.ws_max_message_kb * 1024),
         ws_max_messages_per_s=args.ws_max_messages_per_s, api_keys=api_keys_from(args, environ),
         auth_exempt_paths=tuple(args.auth_exempt) if args.auth_exempt is not None else _DEFAULTS.auth_exempt_paths,
         cors_origins=tuple(args.cors_origin), warmup=not args.no_warmup, requests_kept=args.requests_kept)
 
 
+def _budget(text: str) -> float | None:
+    """--first-audio-budget-s: seconds > 0, or 0 / off (admission off)."""
+    if text.strip().lower() in ("off", "none", "0", "0.0"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds or off, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds (or 0 / off), got {text!r}")
+    return value
+
+
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
+    """EngineConfig fields from `serve` flags (--max-streams, --first-audio-budget-s, --config ...); the
+    --config items win. ValueError names a bad item."""
+    engine_kwargs: dict = {"first_audio_budget_s": args.first_audio_budget_s}
+    if args.max_streams is not None:
+        engine_kwargs["max_streams"] = args.max_streams
+    engine_kwargs.update(config_overrides(args.config))
+    return engine_kwargs
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from cosystream.server.app import serve
 
-    engine_kwargs: dict = {"max_streams": args.max_streams} if args.max_streams is not None else {}
     try:
-        engine_kwargs.update(config_overrides(args.config))
+        engine_kwargs = engine_kwargs_from_args(args)
     except ValueError as exc:
         print(f"cosystream serve: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

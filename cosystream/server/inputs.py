@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import io
 import json
-import unicodedata
 from typing import Any
 
 import soundfile as sf
 from starlette.requests import Request
 
+from cosystream.engine.voices import MAX_VOICE_NAME_CHARS, voice_name_problem  # noqa: F401 (routes use it)
 from cosystream.server.errors import ApiError, bad_input
 
 JSON_MEDIA_TYPE = "application/json"
-MAX_VOICE_NAME_CHARS = 64
 
 
 def media_type(request: Request) -> str:
@@ -63,22 +62,8 @@ def check_length(text: str, field: str, max_chars: int) -> None:
         raise bad_input(f"{field}: {len(text)} characters, more than the limit of {max_chars}")
 
 
-def voice_name_problem(name: str) -> str | None:
-    """Why `name` cannot name a voice (registered, or an sft speaker), or None. Names are looked up, never
-    used as paths, but a path-like or control-character name is refused anyway so that no log line,
-    file name or store a name may reach later can be tricked by one."""
-    if not 1 <= len(name) <= MAX_VOICE_NAME_CHARS:
-        return f"must be 1-{MAX_VOICE_NAME_CHARS} characters"
-    if "/" in name or "\\" in name or name.strip(".") == "":
-        return "must not look like a path (no / or \\, not only dots)"
-    if any(unicodedata.category(ch).startswith("C") for ch in name):
-        return "must not contain control or invisible format characters"
-    if name != name.strip():
-        return "must not start or end with white space"
-    return None
-
-
 def check_voice_name(name: str, field: str) -> None:
+    """The engine's voice-name rule (engine/voices.py voice_name_problem), as a 400 naming `field`."""
     problem = voice_name_problem(name)
     if problem is not None:
         raise bad_input(f"{field}: {name!r} is not a valid voice name: {problem}")

@@ -2,7 +2,8 @@
 
 Each app has its own registry (tests start several apps in one process). Engine gauges are read
 at scrape time from `engine.stats()` when the engine has it, else from `engine.core` attributes;
-admission gauges likewise from the server's Admission (server/admission.py).
+admission gauges likewise from the server's Admission (server/admission.py); the engine scheduler's
+deadline misses, admission decisions and first-audio predictions as labelled counters.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from cosystream.outputs import StageTimes
@@ -49,6 +50,7 @@ class ServerMetrics:
         self.unauthorized = Counter("cosystream_unauthorized", "requests refused for a missing or wrong API key",
                                     registry=r)
         r.register(_EngineCollector(engine))
+        r.register(_SchedulerCollector(engine))
         if admission is not None:
             r.register(_AdmissionCollector(admission))
 
@@ -106,7 +108,7 @@ class _EngineCollector(Collector):
 
 
 class _AdmissionCollector(Collector):
-    """Gauges of admission control: streams in flight and the first-audio latency a new stream can expect."""
+    """Gauge of the server's admission: synthesis streams admitted and not finished."""
 
     def __init__(self, admission: Any) -> None:
         self.admission = admission
@@ -114,10 +116,50 @@ class _AdmissionCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         yield GaugeMetricFamily("cosystream_admission_in_flight", "synthesis streams admitted and not finished",
                                 value=self.admission.num_in_flight)
-        expected_s = self.admission.expected_first_audio_s()
-        if expected_s is not None:  # absent until a request has finished
-            yield GaugeMetricFamily("cosystream_admission_expected_first_audio_seconds",
-                                    "estimated engine first-audio latency of a stream admitted now", value=expected_s)
 
     def describe(self) -> Iterator[GaugeMetricFamily]:
+        return iter(())
+
+
+_MISS = re.compile(r"deadline_miss(es|_seconds)_(first|later|final)_(lm|token2wav)")
+
+
+class _SchedulerCollector(Collector):
+    """The engine scheduler's counters (engine/scheduler.py), from engine_stats at scrape time:
+    cosystream_deadline_misses_total / cosystream_deadline_miss_seconds_total {kind, stage} (chunks delivered
+    after their playback deadline, and by how much), cosystream_admission_total {decision} (admitted,
+    refused), and cosystream_first_audio_{predicted,measured}_seconds_total with
+    cosystream_first_audio_predictions_total (their ratio shows when the cost model is off)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        stats = engine_stats(self.engine)
+        misses = CounterMetricFamily("cosystream_deadline_misses", "chunks delivered after their playback deadline",
+                                     labels=["kind", "stage"])
+        late = CounterMetricFamily("cosystream_deadline_miss_seconds", "seconds late of the chunks that missed",
+                                   labels=["kind", "stage"])
+        for key, value in stats.items():
+            match = _MISS.fullmatch(key)
+            if match:
+                (misses if match.group(1) == "es" else late).add_metric([match.group(2), match.group(3)], value)
+        yield misses
+        yield late
+        if "admission_admitted" in stats:
+            decisions = CounterMetricFamily("cosystream_admission", "new streams by the engine's admission decision",
+                                            labels=["decision"])
+            decisions.add_metric(["admitted"], stats["admission_admitted"])
+            decisions.add_metric(["refused"], stats.get("admission_refused", 0.0))
+            yield decisions
+        for name, help_text in (("predicted", "admission's predicted first audio, summed over admitted requests"),
+                                ("measured", "measured first audio of the requests with a prediction, summed")):
+            key = f"first_audio_{name}_seconds"
+            if key in stats:
+                yield CounterMetricFamily(f"cosystream_first_audio_{name}_seconds", help_text, value=stats[key])
+        if "first_audio_predictions" in stats:
+            yield CounterMetricFamily("cosystream_first_audio_predictions", "admitted requests with a prediction",
+                                      value=stats["first_audio_predictions"])
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
         return iter(())

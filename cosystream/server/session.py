@@ -193,8 +193,6 @@ class SynthesisSession:
         m.requests.labels(self.endpoint, self.outcome).inc()
         if self.outcome == "ok":
             m.observe_done(self.endpoint, self.times, self.server_first_audio_s)
-            if self.times is not None:
-                self.state.admission.observe(self.times)
         self.state.finished.add(self.request_id, self.finished())
         log_event("request_done", request_id=self.request_id, endpoint=self.endpoint, outcome=self.outcome,
                   format=self.fmt.value, chunks=self.num_chunks, audio_s=self.num_samples / SAMPLE_RATE,

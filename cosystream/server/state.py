@@ -9,11 +9,10 @@ from typing import Any
 
 from starlette.requests import HTTPConnection
 
+from cosystream.config import DEFAULT_MAX_TEXT_CHARS
 from cosystream.server.admission import Admission
 from cosystream.server.errors import ApiError
 from cosystream.server.metrics import ServerMetrics
-
-DEFAULT_MAX_TEXT_CHARS = 5000  # used when the engine's config does not say
 
 
 @dataclass(frozen=True)
@@ -25,7 +24,6 @@ class ServerSettings:
 
     # request size
     max_upload_bytes: int = 20 * 1024 * 1024  # whole request body; enforced while reading → 413
-    max_text_chars: int | None = None  # None: the engine's EngineConfig.max_text_chars
     max_audio_s: float = 30.0  # uploaded prompt_wav / source_wav, read from the file header → 400
     # WebSocket
     ws_idle_timeout_s: float = 60.0  # longest wait for the client's next message → 4408
@@ -33,7 +31,6 @@ class ServerSettings:
     ws_max_messages_per_s: float = 100.0  # sustained client message rate → 4429
     ws_message_burst: int = 1000  # messages a client may send at once before the rate applies
     # admission and timeouts
-    first_audio_budget_s: float | None = None  # refuse (503 overloaded) when the expected first audio is later
     max_streams_per_client: int | None = None  # concurrent synthesis streams per client → 429
     request_timeout_s: float | None = 600.0  # arrival to last byte of one synthesis request → 504 / 4504
     # access
@@ -51,7 +48,6 @@ class ServerSettings:
         positive = {"max_upload_bytes": self.max_upload_bytes, "max_audio_s": self.max_audio_s,
                     "ws_idle_timeout_s": self.ws_idle_timeout_s, "ws_max_message_bytes": self.ws_max_message_bytes,
                     "ws_max_messages_per_s": self.ws_max_messages_per_s, "ws_message_burst": self.ws_message_burst,
-                    "max_text_chars": self.max_text_chars, "first_audio_budget_s": self.first_audio_budget_s,
                     "max_streams_per_client": self.max_streams_per_client,
                     "request_timeout_s": self.request_timeout_s, "requests_kept": self.requests_kept}
         for name, value in positive.items():
@@ -89,14 +85,13 @@ class ServerState:
         self.engine = engine
         self.settings = settings
         config = getattr(engine, "config", None)
-        self.admission = Admission(settings.first_audio_budget_s, settings.max_streams_per_client,
-                                   capacity=getattr(config, "max_streams", None))
+        self.admission = Admission(settings.max_streams_per_client)
         self.metrics = ServerMetrics(engine, self.admission)
         self.finished = FinishedRequests(settings.requests_kept)
         self.ready_event = threading.Event()  # set once warm-up finished (embedders and tests wait on it)
         self.warmup_error: BaseException | None = None
-        config_limit = getattr(config, "max_text_chars", None)
-        self.max_text_chars: int = settings.max_text_chars or config_limit or DEFAULT_MAX_TEXT_CHARS
+        # the engine's one limit (EngineConfig.max_text_chars), checked here too so the 400 comes early
+        self.max_text_chars: int = getattr(config, "max_text_chars", DEFAULT_MAX_TEXT_CHARS)
 
     @property
     def is_ready(self) -> bool:

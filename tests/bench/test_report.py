@@ -134,6 +134,10 @@ def test_summary_against_hand_computed_values() -> None:
     assert (s.underrun_requests, s.underruns, s.underrun_s) == (1, 2, pytest.approx(0.5))
     assert s.num_wrong_length == 1
     assert s.errors == {"boom": 1}
+    assert s.goodput == pytest.approx((4.0 + 2.0) / 4.0)  # accepted streams' audio only
+    assert s.first_audio_misses == 0 and s.deadline_misses == 2  # no deadline given: underruns only
+    strict = summarize(_records(), "c=2", "concurrency", 2, first_audio_deadline_s=0.2)
+    assert strict.first_audio_misses == 1 and strict.deadline_misses == 3  # 0.3 s > 0.2 s, plus two underruns
 
 
 def test_wrong_length_counts_both_directions() -> None:
@@ -154,6 +158,7 @@ def test_table_json_and_plot(tmp_path) -> None:
     table = format_table(summaries).splitlines()
     assert len(table) == 4 and table[0].count("|") == table[1].count("|") == table[2].count("|")
     assert "| c=2 | 4 | 2 | 1 | 1 | 200 / 200 / 280 / 298 |" in table[2]
+    assert table[2].endswith("| 1.50 | 2 (0 first) |")  # goodput, deadline misses
     results = build_results({"target": "tts"}, summaries, records)
     loaded = json.loads(write_json(tmp_path / "r.json", results).read_text())
     assert loaded["schema"] == "cosystream-bench/1"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -181,10 +180,11 @@ def test_short_requests_in_a_loaded_voice_are_prepared_on_the_event_loop(engine,
     monkeypatch.setattr(ae, "_build_request", recording)
     short = SynthesisParams(text=TEXTS[2], voice=voice, force_tokens=30, sampling=SamplingParams(seed=3))
     inline = engine.synthesize(short)
-    config = ae.config
-    monkeypatch.setattr(ae, "config", replace(config, inline_frontend_chars=0))  # 0: always the threads
-    threaded = engine.synthesize(short)
-    monkeypatch.setattr(ae, "config", config)
+    import cosystream.engine.async_engine as async_engine_module
+
+    with monkeypatch.context() as patch:
+        patch.setattr(async_engine_module, "INLINE_FRONTEND_CHARS", 0)  # 0: always the threads
+        threaded = engine.synthesize(short)
     engine.synthesize(SynthesisParams(text="x" * 401 + ".", voice=voice, force_tokens=10))  # too long to inline
     engine.synthesize(_params(fixture_dir, TEXTS[2], force_tokens=10))  # prompt audio to analyse
     with pytest.raises(BadInput, match="text"):  # bad input inline is refused as on a thread
@@ -211,12 +211,3 @@ def test_short_requests_in_a_loaded_voice_are_prepared_on_the_event_loop(engine,
     waiting.join(timeout=120)
     assert [name.startswith("frontend") for name in threads] == [False, True, True, True, False, True]
     np.testing.assert_array_equal(inline.pcm, threaded.pcm)
-
-
-def test_a_negative_inline_frontend_limit_is_refused_by_name():
-    from cosystream.config import EngineConfig
-
-    with pytest.raises(ValueError, match="inline_frontend_chars: must be >= 0, got -1"):
-        EngineConfig(inline_frontend_chars=-1)
-    assert EngineConfig(inline_frontend_chars=0).inline_frontend_chars == 0
-

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import math
 import threading
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -11,6 +11,7 @@ import pytest
 from engine_threads import synthesize_together
 
 from cosystream.config import EngineConfig
+from cosystream.engine.scheduler import EngineView, Plan, Preempt, Scheduler
 from cosystream.engine.sync_engine import Engine
 from cosystream.params import SamplingParams, SynthesisParams
 
@@ -37,14 +38,14 @@ def test_overlapped_concurrent_requests_equal_inline_ones(overlapped, engine, fi
         assert not isinstance(b, Exception), b
         assert a.num_chunks == b.num_chunks and a.times.num_tokens == b.times.num_tokens
         np.testing.assert_allclose(b.pcm, a.pcm, atol=5e-4, rtol=0)
-    assert overlapped.async_engine.core._in_flight is None
+    assert not overlapped.async_engine.core.batch_in_flight
 
 
 def test_overlap_is_on_by_default_on_cuda_only():
     assert EngineConfig(device="cuda").overlap and EngineConfig(device="cuda:1").overlap
     assert not EngineConfig(device="cpu").overlap
-    assert not EngineConfig(device="cuda", overlap_token2wav=False).overlap
-    assert EngineConfig(device="cpu", overlap_token2wav=True).overlap
+    assert not EngineConfig.from_kwargs(device="cuda", overlap_token2wav=False).overlap
+    assert EngineConfig.from_kwargs(device="cpu", overlap_token2wav=True).overlap
 
 
 def test_engine_calls_wait_for_the_batch_on_the_worker(overlapped):
@@ -57,7 +58,7 @@ def test_engine_calls_wait_for_the_batch_on_the_worker(overlapped):
 
     def probe() -> None:
         while not done.is_set():
-            seen.append(core.call(lambda: core._in_flight is None and not core._after_batch))
+            seen.append(core.call(lambda: not core.batch_in_flight))
 
     prober = threading.Thread(target=probe)
     prober.start()
@@ -70,15 +71,21 @@ def test_engine_calls_wait_for_the_batch_on_the_worker(overlapped):
     assert all(seen)
 
 
-class _AlwaysStop(threading.Event):
-    """A preemption flag that no batch clears: the worker hands back every phase after the first."""
+class _AlwaysPreempt(Scheduler):
+    """Voices every chunk in a phase of its own and asks the busy worker to stop after each phase, as for a
+    client about to run dry (so phases of official final passes pause after every Euler step, due or not):
+    preemption at its most."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        super().set()
+    @staticmethod
+    def phases(jobs):
+        return [[job] for phase in Scheduler.phases(jobs) for job in phase]
 
-    def clear(self) -> None:
-        pass
+    def preempt(self, view: EngineView) -> Preempt:
+        worker = view.worker
+        return Preempt.dry if worker is not None and worker.busy and not worker.dry_asked else Preempt.none
+
+    def wake_after_s(self, view: EngineView) -> float | None:
+        return 0.001  # the idle engine thread looks again soon, to ask before the worker's next step
 
 
 def test_batches_handed_back_after_every_phase_give_the_same_audio(overlapped, engine, fixture_dir, monkeypatch):
@@ -87,19 +94,8 @@ def test_batches_handed_back_after_every_phase_give_the_same_audio(overlapped, e
     engine.run(engine.async_engine.add_voice("fixture_inline2", str(fixture_dir / "prompt_24k.wav"),
                                              "Hello there. This is a short synthetic prompt."))
     core = overlapped.async_engine.core
-    # whole phases handed back (final passes paused between Euler steps: the test after this one)
-    monkeypatch.setattr(core, "pause_final_passes", False)
-    monkeypatch.setattr(core, "final_slack_s", 0.0)
-    flag = _AlwaysStop()
-    monkeypatch.setattr(core._chunks, "preempt", flag)
-    handed_back: list[int] = []
-    done = core._chunks_done
-
-    def counting(jobs, results, error, now, last=True, returned=()):
-        handed_back.append(len(returned))
-        return done(jobs, results, error, now, last, returned)
-
-    monkeypatch.setattr(core, "_chunks_done", counting)
+    monkeypatch.setattr(core, "scheduler", _AlwaysPreempt(core.scheduler.cost))
+    handed_back = core.stats()["token2wav_handed_back"]
     # forced lengths of several chunks each, different per request: batches mix first, later and final chunks
     params = [SynthesisParams(text=t, sampling=SamplingParams(greedy=True, seed=10 + i), force_tokens=60 + 30 * i)
               for i, t in enumerate(TEXTS)]
@@ -111,13 +107,13 @@ def test_batches_handed_back_after_every_phase_give_the_same_audio(overlapped, e
         # float32 sums over other batch compositions: these lengths differ from the inline path by up to
         # 1.0e-3 without any preemption too; a lost, repeated or misplaced chunk differs by ~0.1-1
         np.testing.assert_allclose(b.pcm, a.pcm, atol=2e-3, rtol=0)
-    assert any(n > 0 for n in handed_back)  # some batch really was cut short
-    assert core._in_flight is None and not core._returned
+    assert core.stats()["token2wav_handed_back"] > handed_back  # some batch really was cut short
+    assert not core.batch_in_flight and core.handed_back == 0
 
 
 def test_streams_opened_ahead_of_their_first_chunk_give_the_same_audio(model_dir, fixture_dir, tmp_path,
                                                                         monkeypatch):
-    """EngineConfig.open_ahead: a stream opened while its LM still decodes voices exactly as one opened with
+    """Tuning.open_ahead: a stream opened while its LM still decodes voices exactly as one opened with
     its first chunk. The pool exists on CUDA only, so a two-slot CPU pool stands in (three requests: one
     waits for a slot)."""
     from cosystream.engine.flow_runner import FlowRunner
@@ -136,7 +132,7 @@ def test_streams_opened_ahead_of_their_first_chunk_give_the_same_audio(model_dir
             real_opened = t2w.opened
             monkeypatch.setattr(t2w, "opened", lambda real=real_opened, seen=open_batches: (seen.append(1), real()))
             runs[ahead] = (synthesize_together(eng, params), len(open_batches))
-            assert t2w.pool.free == [0, 1] and eng.async_engine.core._in_flight is None
+            assert t2w.pool.free == [0, 1] and not eng.async_engine.core.batch_in_flight
         finally:
             eng.close()
     (with_ahead, opened_ahead), (without, opened_without) = runs[True], runs[False]
@@ -150,24 +146,25 @@ def test_streams_opened_ahead_of_their_first_chunk_give_the_same_audio(model_dir
 
 def test_final_passes_paused_after_every_euler_step_give_the_same_audio(model_dir, fixture_dir, tmp_path,
                                                                          monkeypatch):
-    """EngineConfig.pause_final_passes with a preemption flag that is always up: every phase of official
-    final passes stops after one Euler step and goes on in a later batch, while other batches (new streams
-    in the slots those passes gave back) run between its steps. The audio equals the engine's that runs
-    them whole. The pool exists on CUDA only, so a two-slot CPU pool stands in (three requests)."""
+    """Phases of official final passes pause between Euler steps when the worker is asked to make way: with
+    a scheduler that always asks, every such phase stops after one step and goes on in a later batch, while
+    other batches (new streams in the slots those passes gave back) run between its steps. The audio equals
+    the default scheduler's. The pool exists on CUDA only, so a two-slot CPU pool stands in (three requests)."""
     from cosystream.engine.flow_runner import FlowRunner
 
     params = [SynthesisParams(text=t, voice="v", force_tokens=40 + 20 * i, sampling=SamplingParams(greedy=True, seed=i))
               for i, t in enumerate(TEXTS[:3])]
     runs = {}
-    for pause in (True, False):
-        eng = Engine.from_pretrained(model_dir, voices_db=str(tmp_path / f"v{pause}.db"), max_streams=4,
-                                     overlap_token2wav=True, pause_final_passes=pause, final_slack_s=0)
+    for always in (True, False):
+        eng = Engine.from_pretrained(model_dir, voices_db=str(tmp_path / f"v{always}.db"), max_streams=4,
+                                     overlap_token2wav=True)
         try:
             eng.run(eng.async_engine.add_voice("v", str(fixture_dir / "prompt_24k.wav"), "Hello there."))
             core = eng.async_engine.core
             t2w = core.t2w
             t2w.pool = FlowRunner(t2w.flow, num_slots=2, max_frames=512, use_graphs=False)
-            monkeypatch.setattr(core._chunks, "preempt", _AlwaysStop())
+            if always:
+                monkeypatch.setattr(core, "scheduler", _AlwaysPreempt(core.scheduler.cost))
             paused: list[int] = []
             real_run = t2w.run
 
@@ -177,13 +174,13 @@ def test_final_passes_paused_after_every_euler_step_give_the_same_audio(model_di
                 return out
 
             monkeypatch.setattr(t2w, "run", run)
-            runs[pause] = (synthesize_together(eng, params), sum(paused))
-            assert t2w.pool.free == [0, 1] and core._in_flight is None and not core._returned
+            runs[always] = (synthesize_together(eng, params), sum(paused))
+            assert t2w.pool.free == [0, 1] and not core.batch_in_flight and core.handed_back == 0
         finally:
             eng.close()
-    (stepped, num_paused), (whole, none_paused) = runs[True], runs[False]
+    (stepped, num_paused), (whole, _) = runs[True], runs[False]
     # three streams' final passes, ten Euler steps each, at least one run per step
-    assert none_paused == 0 and num_paused >= 9
+    assert num_paused >= 9
     for a, b in zip(whole, stepped, strict=True):
         assert not isinstance(a, Exception) and not isinstance(b, Exception), (a, b)
         assert a.num_chunks == b.num_chunks >= 2
@@ -192,36 +189,46 @@ def test_final_passes_paused_after_every_euler_step_give_the_same_audio(model_di
         np.testing.assert_allclose(b.pcm, a.pcm, atol=2e-3, rtol=0)
 
 
+class _Buffered(Scheduler):
+    """Every client has 10 s of audio left (on the CPU the worker is slower than real time, so clients would
+    run dry), and counts the ready later chunks a batch leaves out."""
+
+    def __init__(self, hold_s: float) -> None:
+        super().__init__()
+        self.hold_s = hold_s
+        self.held = 0
+
+    @staticmethod
+    def later_deadline(first_audio_at_s: float, audio_sent_s: float) -> float:
+        return time.perf_counter() + 10.0
+
+    def plan(self, view: EngineView, returned=()) -> Plan:
+        plan = super().plan(view, returned)
+        if plan.phases:
+            planned = set(plan.new_keys)
+            self.held += sum(1 for s in view.streams if s.ready and not s.planned and not s.first
+                             and not s.next_final and s.key not in planned)
+        return plan
+
+
 def test_later_chunks_held_back_for_a_later_batch_give_the_same_audio(model_dir, fixture_dir, tmp_path,
                                                                        monkeypatch):
-    """EngineConfig.later_chunk_hold_s leaves later chunks with audio to spare out of the batches that first
-    chunks open; they go in a later batch. Which batch voices a chunk must not change its audio. On the CPU
-    the worker is slower than real time (every client runs dry), so every client is made to hold 10 s of
-    audio, and two LM rows for four requests let new first chunks open batches while others have later
-    chunks ready: those are then held while any LM decodes."""
-    import cosystream.engine.core as core_module
-
-    monkeypatch.setattr(core_module, "_buffered_audio_s", lambda req, now: -math.inf if req.is_first_chunk else 10.0)
+    """Later chunks with audio to spare stay out of the batches that first chunks open (Scheduler.hold_s);
+    they go in a later batch. Which batch voices a chunk must not change its audio. Two LM rows for four
+    requests let new first chunks open batches while others have later chunks ready."""
     params = [SynthesisParams(text=t, voice="v", force_tokens=120 + 30 * i,
                               sampling=SamplingParams(greedy=True, seed=i)) for i, t in enumerate(TEXTS)]
     runs = {}
     for hold in (1.0, 0.0):
         eng = Engine.from_pretrained(model_dir, voices_db=str(tmp_path / f"v{hold}.db"),
-                                     overlap_token2wav=True, later_chunk_hold_s=hold, max_streams=2)
+                                     overlap_token2wav=True, max_streams=2)
         try:
             eng.run(eng.async_engine.add_voice("v", str(fixture_dir / "prompt_24k.wav"), "Hello there."))
             core = eng.async_engine.core
-            held: list[int] = []
-            real = core._without_early_later_chunks
-
-            def counting(ready, now, due=(), real=real, held=held):
-                kept = real(ready, now, due)
-                held.append(len(ready) - len(kept))
-                return kept
-
-            monkeypatch.setattr(core, "_without_early_later_chunks", counting)
-            runs[hold] = (synthesize_together(eng, params), sum(held))
-            assert core._in_flight is None and not core._returned
+            scheduler = _Buffered(hold)
+            monkeypatch.setattr(core, "scheduler", scheduler)
+            runs[hold] = (synthesize_together(eng, params), scheduler.held)
+            assert not core.batch_in_flight and core.handed_back == 0
         finally:
             eng.close()
     (with_hold, num_held), (without, none_held) = runs[1.0], runs[0.0]

@@ -23,5 +23,5 @@ def test_engine_sets_the_switch_interval_and_restores_it(model_dir, tmp_path) ->
 
 def test_engine_config_refuses_a_non_positive_switch_interval() -> None:
     with pytest.raises(ValueError, match="gil_switch_interval_s: must be > 0"):
-        EngineConfig(gil_switch_interval_s=0)
-    assert EngineConfig(gil_switch_interval_s=None).gil_switch_interval_s is None
+        EngineConfig.from_kwargs(gil_switch_interval_s=0)
+    assert EngineConfig.from_kwargs(gil_switch_interval_s=None).gil_switch_interval_s is None

@@ -134,7 +134,7 @@ def test_flow_group_is_the_key_a_chunk_is_batched_under(models, load_fixture):
 
 
 def test_a_later_chunk_sharing_a_first_chunks_ode_gives_its_own_mel(models, load_fixture):
-    """A's second chunk and B's first chunk with equal windows run as one ODE call (a rider, EngineCore):
+    """A's second chunk and B's first chunk with equal windows run as one ODE call (a rider, Scheduler.riders):
     each mel is what it is alone."""
     f = load_fixture("stream")
     runner = Token2WavRunner(*models, EngineConfig())
@@ -162,7 +162,7 @@ def test_a_later_chunk_sharing_a_first_chunks_ode_gives_its_own_mel(models, load
 
 
 def test_a_voice_prompt_is_at_hand_in_memory_or_in_a_record_of_this_model(models, load_fixture):
-    """has_prompt tells the engine which new streams open without a flow pass (EngineCore._open_ahead puts
+    """has_prompt tells the engine which new streams open without a flow pass (the scheduler's open-ahead puts
     each of the others in a phase of its own)."""
     f = load_fixture("stream")
     runner = Token2WavRunner(*models, EngineConfig())

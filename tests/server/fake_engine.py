@@ -48,6 +48,7 @@ class FakeEngine:
     voices: dict[str, FakeVoice] = field(default_factory=lambda: {"alice": FakeVoice("alice", "hi")})
     num_waiting: int = 0  # requests held at the gate now
     aborted: list[str] = field(default_factory=list)
+    refuse: Exception | None = None  # raised by synthesize before any work (the engine's admission refusing)
 
     def __post_init__(self) -> None:
         self.gate.set()
@@ -55,6 +56,8 @@ class FakeEngine:
         self.core = SimpleNamespace(num_active=0, queue_depth=0, error=None)
 
     async def synthesize(self, params: SynthesisParams) -> AsyncIterator[AudioChunk]:
+        if self.refuse is not None:
+            raise self.refuse
         if params.voice is not None and params.voice not in self.voices and params.prompt_audio is None:
             raise UnknownVoice(f"voice: no voice named {params.voice!r}")
         self.num_waiting += 1

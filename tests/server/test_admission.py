@@ -1,4 +1,4 @@
-"""Admission control and request timeouts: the estimate, 503 over the budget, 429 per client, 504 on time-outs."""
+"""Admission control and request timeouts: the engine's 503 over the budget, 429 per client, 504 on time-outs."""
 
 from __future__ import annotations
 
@@ -13,46 +13,14 @@ from test_errors import assert_error
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from cosystream.outputs import StageTimes
+from cosystream.errors import Overloaded
 from cosystream.server.admission import Admission
 from cosystream.server.errors import ApiError
 from cosystream.server.state import ServerSettings
 
 
-def finished(first_audio_s: float, total_s: float, queue_s: float = 0.0) -> StageTimes:
-    return StageTimes(queue_s=queue_s, first_audio_s=first_audio_s, total_s=total_s)
-
-
-def test_the_estimate_is_service_first_audio_plus_the_wait_for_a_slot():
-    admission = Admission(budget_s=1.0, max_per_client=None, capacity=2)
-    assert admission.expected_first_audio_s() is None  # nothing measured yet
-    admission.observe(finished(first_audio_s=0.3, total_s=2.1, queue_s=0.1))  # queue time is not service
-    assert admission.expected_first_audio_s() == pytest.approx(0.2)
-    admission.admit("a")
-    admission.admit("b")  # both slots busy now: the next stream waits for one of them
-    assert admission.expected_wait_s() == pytest.approx(1 * 2.0 / 2)
-    assert admission.expected_first_audio_s() == pytest.approx(1.2)
-    with pytest.raises(ApiError) as refused:
-        admission.admit("c")
-    assert (refused.value.status, refused.value.code) == (503, "overloaded")
-    assert refused.value.headers() == {"Retry-After": "1"}
-    assert admission.num_in_flight == 2  # a refusal counts nothing
-    admission.release("a")
-    admission.admit("c")  # a slot is free again
-
-
-def test_an_idle_server_admits_even_over_budget_and_bad_timings_are_ignored():
-    admission = Admission(budget_s=0.1, max_per_client=None, capacity=4)
-    admission.observe(finished(first_audio_s=0.5, total_s=1.0))
-    admission.observe(finished(first_audio_s=float("nan"), total_s=float("inf")))
-    assert admission.service_first_audio_s.value == pytest.approx(0.5)
-    admission.admit("a")  # nothing in flight: refusing would help no one and the estimate would never update
-    with pytest.raises(ApiError):
-        admission.admit("b")
-
-
 def test_per_client_limit_counts_each_client_separately():
-    admission = Admission(budget_s=None, max_per_client=2, capacity=None)
+    admission = Admission(max_per_client=2)
     admission.admit("ip:1")
     admission.admit("ip:1")
     admission.admit("ip:2")
@@ -66,22 +34,26 @@ def test_per_client_limit_counts_each_client_separately():
     assert admission.num_in_flight == 0 and not admission.per_client
 
 
-def test_over_the_first_audio_budget_is_503_with_retry_after_and_it_recovers():
-    engine = FakeEngine(max_streams=1, times=finished(first_audio_s=0.1, total_s=2.0))
-    with fake_server(ServerSettings(first_audio_budget_s=0.5), engine) as server, server.client() as client:
-        assert client.post("/v1/tts", json=TTS).status_code == 200  # teaches the estimate
-        engine.gate.clear()
-        held = Held(server)
-        server.wait_until(lambda: engine.num_waiting == 1)
+def test_the_engine_s_admission_refusal_is_503_with_retry_after_on_http_and_websocket():
+    """The first-audio budget is the engine's (EngineConfig.first_audio_budget_s): its Overloaded reaches the
+    client as 503 overloaded with Retry-After, and the WebSocket obeys the same rule (4503)."""
+    engine = FakeEngine()
+    with fake_server(ServerSettings(), engine) as server, server.client() as client:
+        engine.refuse = Overloaded("overloaded: predicted first audio in 2.40 s, over the budget of 1 s",
+                                   retry_after_s=1.4)
         response = client.post("/v1/audio/speech", json={"input": "Hi.", "voice": "alice"})
         assert_error(response, 503, "overloaded")
-        assert response.headers["retry-after"] == "2"  # 0.1 + 1 * 2.0 s expected, 1.6 s over the budget
-        metrics = client.get("/metrics").text
-        assert "cosystream_admission_in_flight 1.0" in metrics
-        assert "cosystream_admission_expected_first_audio_seconds 2.1" in metrics
-        assert server.count("speech", "overloaded") == 1
-        engine.gate.set()
-        assert held.join().status_code == 200
+        assert response.headers["retry-after"] == "2" and "predicted first audio" in response.json()["error"]["message"]
+        with connect(server.ws_url + "/v1/tts/stream") as ws:
+            ws.send(json.dumps({"type": "start", "voice": "alice", "text": "Hi."}))
+            events = [json.loads(ws.recv(timeout=10)) for _ in range(2)]
+            with pytest.raises(ConnectionClosed):
+                ws.recv(timeout=10)
+        assert [e["type"] for e in events] == ["started", "error"]
+        assert events[1]["error"]["code"] == "overloaded" and ws.close_code == 4503
+        assert server.count("speech", "overloaded") == 1 and server.count("ws", "overloaded") == 1
+        assert server.state.admission.num_in_flight == 0  # a refused stream holds nothing
+        engine.refuse = None
         assert client.post("/v1/audio/speech", json={"input": "Hi.", "voice": "alice"}).status_code == 200
 
 

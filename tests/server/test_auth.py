@@ -12,7 +12,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from cosystream.cli import build_parser
-from cosystream.server.cli import settings_from_args
+from cosystream.server.cli import DEFAULT_FIRST_AUDIO_BUDGET_S, engine_kwargs_from_args, settings_from_args
 from cosystream.server.state import ServerSettings
 
 KEY, OTHER_KEY = "sk-test-1", "sk-test-2"
@@ -120,12 +120,15 @@ def test_serve_flags_and_environment_build_the_settings(tmp_path):
         "--ws-max-message-kb", "8", "--ws-max-messages-per-s", "20"])
     settings = settings_from_args(args, environ={"COSYSTREAM_API_KEYS": "sk-env1, sk-env2"})
     assert settings.api_keys == {"sk-flag", "sk-file", "sk-env1", "sk-env2"}
-    assert settings.first_audio_budget_s == 1.5 and settings.max_streams_per_client == 3
+    assert engine_kwargs_from_args(args)["first_audio_budget_s"] == 1.5 and settings.max_streams_per_client == 3
     assert settings.request_timeout_s is None  # 0 turns the timeout off
     assert settings.cors_origins == (ORIGIN,) and settings.auth_exempt_paths == ("/health", "/metrics")
     assert (settings.max_audio_s, settings.ws_max_message_bytes, settings.ws_max_messages_per_s) == (12, 8192, 20)
-    defaults = settings_from_args(build_parser().parse_args(["serve", "--model-dir", "m"]), environ={})
-    assert defaults == ServerSettings()  # the flags' defaults are the settings' defaults: auth, CORS, budget off
-    with pytest.raises(ValueError, match="first_audio_budget_s"):
-        settings_from_args(build_parser().parse_args(["serve", "--model-dir", "m", "--first-audio-budget-s", "-1"]),
-                           environ={})
+    default_args = build_parser().parse_args(["serve", "--model-dir", "m"])
+    assert settings_from_args(default_args, environ={}) == ServerSettings()  # the flags' defaults: auth, CORS off
+    assert engine_kwargs_from_args(default_args) == {"first_audio_budget_s": DEFAULT_FIRST_AUDIO_BUDGET_S}
+    for off in ("0", "off"):
+        args = build_parser().parse_args(["serve", "--model-dir", "m", "--first-audio-budget-s", off])
+        assert engine_kwargs_from_args(args)["first_audio_budget_s"] is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--model-dir", "m", "--first-audio-budget-s", "-1"])

@@ -39,6 +39,9 @@ def test_a_finished_request_moves_every_series(client):
         pytest.approx(5 / 25)
     assert value(after, "cosystream_active_streams", endpoint="tts") == 0
     assert ("cosystream_engine_num_active", ()) in after and ("cosystream_engine_queue_depth", ()) in after
+    # the scheduler's counters are there from the start (admission is off in this server: nothing refused)
+    assert ("cosystream_admission_total", (("decision", "refused"),)) in after
+    assert value(after, "cosystream_admission_total", decision="refused") == 0
 
 
 def test_rejected_requests_are_counted_by_code(client):
@@ -80,3 +83,23 @@ def test_engine_stat_keys_become_metric_name_safe_and_only_numbers_count():
                     "name": "x"}
 
     assert engine_stats(Engine()) == {"decode_slow_step_seconds_in_message_add": 0.5, "a_b_c": 2.0, "ok_key": 1.0}
+
+
+def test_scheduler_counters_carry_kind_and_stage_labels():
+    from cosystream.server.metrics import ServerMetrics
+
+    class Engine:
+        def stats(self) -> dict:
+            return {"deadline_misses_first_lm": 2.0, "deadline_miss_seconds_first_lm": 0.3,
+                    "deadline_misses_later_token2wav": 1.0, "deadline_miss_seconds_later_token2wav": 0.05,
+                    "admission_admitted": 7.0, "admission_refused": 3.0, "first_audio_predicted_seconds": 1.5,
+                    "first_audio_measured_seconds": 1.8, "first_audio_predictions": 7.0}
+
+    text = ServerMetrics(Engine()).render().decode()
+    samples = {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+               for family in text_string_to_metric_families(text) for sample in family.samples}
+    assert value(samples, "cosystream_deadline_misses_total", kind="first", stage="lm") == 2
+    assert value(samples, "cosystream_deadline_miss_seconds_total", kind="later", stage="token2wav") == 0.05
+    assert value(samples, "cosystream_admission_total", decision="refused") == 3
+    assert value(samples, "cosystream_first_audio_measured_seconds_total") == 1.8
+    assert value(samples, "cosystream_first_audio_predictions_total") == 7

@@ -1,0 +1,113 @@
+"""The contract between the engine core and a model family's runners (typed, structural).
+
+The core drives two runners: a speech LM runner (a static KV cache with a row per stream, one batched
+decode step at a time, launched ahead and read later) and a token-to-wave runner (token chunks of many
+streams to audio, each stream's state opened and released by the core). CosyVoice2's runners are
+`lm_runner.LMRunner` and `token2wav.Token2WavRunner`; another model family plugs in by providing the
+same methods. Nothing here imports torch's model code: the protocols name behaviour, not classes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from cosystream.engine.chunking import ChunkPlan
+
+# (pcm float32 at 24 kHz, flow seconds, vocoder seconds) of one chunk
+ChunkAudio = tuple[np.ndarray, float, float]
+
+
+class StageWatch(Protocol):
+    """Per-stage host and GPU seconds of the token-to-wave batches (engine/stopwatch.py)."""
+
+    def start(self) -> None: ...
+
+    def lap(self, stage: str, tag: str | None = None) -> None: ...
+
+    def stats(self) -> dict[str, float]: ...
+
+
+class SpeechLMRunner(Protocol):
+    """Rows of a static KV cache, one per stream; `launch` queues a decode step of rows [0, num_rows),
+    `collect` waits for its tokens (a row not marked active neither advances nor changes)."""
+
+    device: torch.device
+    max_slots: int
+    max_len: int
+
+    def set_row_sampling(self, slot: int, rs: Any) -> None: ...
+
+    def set_active(self, slot: int, active: bool) -> None: ...
+
+    def set_min_len(self, slot: int, min_len: int) -> None: ...
+
+    def override_last_token(self, slot: int, token: int) -> None: ...
+
+    def prefill(self, slot: int, embeds: torch.Tensor, start_pos: int = 0) -> int: ...
+
+    def prefill_many(self, items: list[tuple[int, torch.Tensor]]) -> list[int]: ...
+
+    def launch(self, num_rows: int, max_position: int) -> Any: ...
+
+    def collect(self, ticket: Any) -> list[int]: ...
+
+    def decode(self, num_rows: int, max_position: int) -> list[int]: ...
+
+    def capture_prefill(self, slot: int, max_positions: int = 512) -> int: ...
+
+    def capture_all(self, max_position: int | None = None) -> int: ...
+
+
+class SpeechLMDims(Protocol):
+    speech_token_size: int
+    fill_token: int
+    mix_ratio: Any
+
+
+class SpeechLMModel(Protocol):
+    """What the core reads of the LM itself: prompt embeddings (and the embeddings of streamed text)."""
+
+    dims: SpeechLMDims
+    llm_embedding: torch.nn.Embedding
+    text_embedding: Callable[[torch.Tensor], torch.Tensor]
+    speech_embedding: Callable[[torch.Tensor], torch.Tensor]
+
+    def embed_prompt(self, text_ids: torch.Tensor, prompt_speech_tokens: torch.Tensor,
+                     prompt_text_ids: torch.Tensor) -> torch.Tensor: ...
+
+
+class Token2WavRunner(Protocol):
+    """Token chunks of many streams to audio. A stream is opened (`start`) before its first chunk, in a
+    flow slot when the runner has a pool (`needs_slot`, `free_slots`); `run` voices a batch of chunks;
+    `release` gives a stream's slot back. Only one thread calls it at a time."""
+
+    watch: StageWatch
+    final_attention: str  # "full": a segment's last chunk is a whole-utterance pass that reads no slot
+
+    def start(self, inputs: Any, voice_key: str | None, key: Any = None, speed: float = 1.0,
+              max_target_tokens: int = 256, seed: int = 0, stored: dict | None = None) -> Any: ...
+
+    def run(self, jobs: Sequence[tuple[Any, list[int], ChunkPlan]],
+            should_stop: Callable[[], bool] | None = None) -> list[ChunkAudio] | None: ...
+
+    def opened(self) -> None: ...
+
+    def release(self, state: Any) -> None: ...
+
+    def can_start(self, inputs: Any, max_target_tokens: int) -> bool: ...
+
+    def needs_slot(self, inputs: Any, max_target_tokens: int) -> bool: ...
+
+    def free_slots(self) -> int | None: ...
+
+    def has_prompt(self, voice_key: str | None, stored: dict | None = None) -> bool: ...
+
+    def flow_group(self, st: Any, plan: ChunkPlan) -> Hashable | None: ...
+
+    def forget_voice(self, voice_key: str) -> None: ...
+
+    def slot_gauges(self) -> dict[str, float]: ...

@@ -1,0 +1,564 @@
+"""The engine's scheduling policy: one model of time, one cost model, decisions from both.
+
+Every stream has a playback deadline for its next chunk: a first chunk's is the request's arrival plus
+the first-audio target; a later chunk's is the moment the audio its client already has runs out (it
+plays from its first chunk on). `CostModel` predicts what the GPU's work takes (decode step, prefill,
+chunk phases by kind and size, official final passes), measured on this device: the decode step at
+warm-up, the rest from the first phases and then continuously.
+
+`Scheduler` is pure: it reads an `EngineView` (typed snapshots of every live stream and of the
+token-to-wave worker) and returns decisions; it holds no thread, lock, tensor or request. The engine
+core builds the views, applies the decisions and feeds the cost model its measurements.
+
+Policy, earliest deadline first within two classes (first chunks of new requests, then everything
+else), with the refinements that keep the GPU's batches full:
+
+* a batch opens when a chunk is urgent (a first chunk, a client within `URGENT_S` of its deadline, an
+  official final pass that is due, a stream whose end frees a flow slot others wait for); chunks with
+  audio to spare wait to share it, since a flow call costs nearly the same for one chunk as for sixteen;
+* ready first chunks wait (at most `FIRST_CHUNK_WAIT_S`) while another stream's first chunk is due
+  within that wait, so a burst's first chunks share one batch;
+* a batch runs in phases: clients about to run dry (`DRY_S`), first chunks, later chunks, official
+  final passes (due ones, then those that may pause, at most `FINAL_PHASE_STREAMS` a phase); later
+  chunks whose ODE has a first chunk's shape ride along with it (`RIDER_STREAMS` in the call);
+* a first chunk (or a client about to run dry) that becomes ready while a batch runs preempts the
+  worker after its running phase; phases of final passes pause between Euler steps for it;
+* decode steps pause while a first chunk is on the worker, unless another request still waits for its
+  first audio (the two share the GPU);
+* official final passes come due earliest deadline first, each costing the measured pass;
+* idle, the worker opens the flow streams of requests still decoding their first chunk (open-ahead);
+* admission: a new stream is admitted only when the predicted finish of its first chunk is within the
+  budget and no running stream that meets its deadline now would miss it with the newcomer's work.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import math
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+
+# A later chunk whose client has less audio left than this is urgent: it opens a batch. Long enough for
+# one batch of final passes to run ahead of it (a phase of 16 passes is a few hundred ms on an H100).
+URGENT_S = 0.6
+# ... less than this: its client is about to run dry: it preempts the worker, goes first in its batch
+# and pauses even due final passes.
+DRY_S = URGENT_S / 2
+# A batch opened by an urgent chunk leaves out later (not final) chunks with at least this much audio
+# left, unless they ride with a first chunk: they meet other streams' chunks in a fuller, later batch.
+HOLD_S = 1.5
+# Longest wait of ready first chunks for other first chunks due meanwhile (a burst's share one batch).
+FIRST_CHUNK_WAIT_S = 0.05
+# An official final pass is due (opens a batch, pauses only for a client about to run dry) when its
+# client's audio left, less the cost of the passes due before it, is under this.
+FINAL_SLACK_S = 2.0
+# Final passes per phase: a chunk that preempts the worker waits for one phase, not for 64 passes.
+FINAL_PHASE_STREAMS = 16
+# Streams in a first chunks' ODE call once later chunks of the same shape ride along.
+RIDER_STREAMS = 16
+# First-audio target of a stream's first chunk when admission has no budget (deadlines still order work).
+DEFAULT_FIRST_AUDIO_TARGET_S = 1.0
+# Longest Retry-After admission answers (a prediction may be unbounded: a queue nothing has measured yet).
+MAX_RETRY_AFTER_S = 60.0
+# Chunks waiting is worth it only while the batch is small against the largest batch.
+_SMALL_BATCH_SHARE = 4
+# Decode-step periods longer than this are idle gaps, not steps.
+_MAX_STEP_S = 0.05
+
+
+@dataclass(slots=True)
+class StreamView:
+    """One live request's stream as the scheduler sees it (a snapshot; times from time.perf_counter)."""
+
+    key: Hashable  # identifies the stream in decisions
+    arrival_s: float
+    first: bool  # its next chunk is the request's first
+    deadline_s: float  # playback deadline of its next chunk
+    ready: bool = False  # its next chunk has its tokens and could start now (open, or a slot to open in)
+    planned: bool = False  # its next chunk is on the worker or handed back by it
+    lm_decoding: bool = False  # the LM decodes one of its segments
+    decoding_audio: bool = False  # ... the segment being voiced
+    missing_tokens: int = 0  # tokens the next (non-final) chunk still needs
+    next_final: bool = False  # its next chunk is the official final pass
+    final_waits: bool = False  # ... and it could run now (LM done, not the first chunk)
+    lm_done: bool = False  # the LM finished the segment being voiced
+    opened: bool = False  # its token-to-wave stream is open
+    needs_slot: bool = False  # opening it takes a flow slot
+    ode_key: Hashable | None = None  # the ODE call its next chunk would share (None: none / unknown) ...
+    ode_key_of: Callable[[], Hashable | None] | None = None  # ... or how to learn it, asked only when needed
+    first_ready_s: float | None = None  # when its first chunk's tokens were all there
+    opens_ahead: bool = False  # its stream could open now, ahead of its first chunk
+    voice_at_hand: bool = True  # opening it copies a prompt state (False: builds one, a phase of its own)
+
+    def ode(self) -> Hashable | None:
+        """The ODE key (`ode_key`, or `ode_key_of()` once: asking the runner costs host time)."""
+        if self.ode_key_of is not None:
+            self.ode_key, self.ode_key_of = self.ode_key_of(), None
+        return self.ode_key
+
+    def audio_left_s(self, now: float) -> float:
+        """Audio the client has and has not played yet (-inf before its first chunk)."""
+        return -math.inf if self.first else self.deadline_s - now
+
+
+@dataclass(slots=True)
+class WorkerView:
+    """The token-to-wave worker: what it runs now and what the engine asked of it."""
+
+    busy: bool = False
+    first_keys: frozenset = frozenset()  # streams whose first chunk it runs
+    preempt_asked: bool = False
+    dry_asked: bool = False
+    started_s: float = 0.0  # when its batch was handed over
+    predicted_s: float = 0.0  # the cost model's prediction of that batch
+
+
+@dataclass(slots=True)
+class EngineView:
+    now: float
+    streams: Sequence[StreamView]
+    lm_decoding: bool = False  # any LM row decodes
+    free_flow_slots: int | None = None  # None: no slot pool (every stream opens at once)
+    max_batch: int = 64
+    official_finals: bool = True  # final chunks are whole-utterance passes (final_attention="full")
+    worker: WorkerView | None = None  # None: batches run inline on the engine thread
+    open_ahead: bool = True
+    free_lm_slots: int = 0
+    lm_slots: int = 1
+    lm_waiting: int = 0  # requests waiting for an LM slot
+    added: int = 0  # requests the engine had taken in when the view was made
+
+
+@dataclass(slots=True)
+class JobView:
+    """A chunk in a batch: planned now (from its stream's view) or handed back by the worker."""
+
+    key: Hashable
+    first: bool
+    final: bool
+    audio_left_s: float
+    opening: bool = False  # the batch opens its stream
+    due: bool = False  # an official final pass that is due: pauses only for a client about to run dry
+    pausable: bool = False  # an official final pass: its phase may pause between Euler steps
+
+
+@dataclass(slots=True)
+class Plan:
+    """What the idle worker runs now: `phases` of chunks (handed-back jobs among them), or `opens`: phases
+    of streams to open ahead of their first chunk. Both empty: nothing to run."""
+
+    phases: list[list[JobView]] = field(default_factory=list)
+    opens: list[list[Hashable]] = field(default_factory=list)
+
+    @property
+    def new_keys(self) -> list[Hashable]:
+        return [job.key for phase in self.phases for job in phase]
+
+
+class Preempt(enum.Enum):
+    none = "none"
+    first = "first"  # stop after the running phase (a phase of due final passes goes on)
+    dry = "dry"  # ... and a client is about to run dry: due final passes pause too
+
+
+@dataclass(slots=True)
+class Verdict:
+    admitted: bool
+    predicted_first_audio_s: float  # from the request's arrival
+    reason: str = ""
+    retry_after_s: float = 1.0
+
+
+@dataclass(slots=True)
+class Miss:
+    """A chunk delivered after its deadline."""
+
+    kind: str  # "first" | "later" | "final"
+    stage: str  # where the time went: "lm" (tokens came after the deadline) or "token2wav"
+    late_s: float
+
+
+class _Ewma:
+    def __init__(self, weight: float) -> None:
+        self.weight, self.value = weight, None
+
+    def observe(self, x: float) -> None:
+        if math.isfinite(x) and x >= 0:
+            self.value = x if self.value is None else self.value + self.weight * (x - self.value)
+
+
+class CostModel:
+    """Measured costs of the GPU's work on this device. Written by the engine thread only (the admission
+    path reads floats, which is safe in CPython)."""
+
+    def __init__(self) -> None:
+        self._step = _Ewma(0.2)
+        self._prefill = _Ewma(0.2)
+        self._lm_hold = _Ewma(0.1)  # seconds a segment holds its LM row
+        self._per_job: dict[str, _Ewma] = {}  # worker seconds per chunk, by phase kind
+        self._final_busy_s = 0.0
+        self._finals_done = 0.0
+
+    @property
+    def decode_step_s(self) -> float | None:
+        return self._step.value
+
+    def observe_step(self, period_s: float) -> None:
+        if period_s < _MAX_STEP_S:
+            self._step.observe(period_s)
+
+    def observe_prefill(self, seconds: float) -> None:
+        self._prefill.observe(seconds)
+
+    def observe_lm_hold(self, seconds: float) -> None:
+        self._lm_hold.observe(seconds)
+
+    def observe_phase(self, kind: str, jobs: int, seconds: float) -> None:
+        """A worker phase of `jobs` chunks of one kind ("first", "chunks", "final") took `seconds`; a paused
+        phase of final passes comes with jobs=0 (its time counts towards the passes that finish later)."""
+        if kind == "final":
+            self._final_busy_s = 0.9 * self._final_busy_s + seconds
+            self._finals_done = 0.9 * self._finals_done + jobs
+            return
+        if jobs > 0:
+            self._per_job.setdefault(kind, _Ewma(0.2)).observe(seconds / jobs)
+
+    def final_pass_s(self) -> float:
+        """Worker seconds per official final pass (0 before one was measured)."""
+        return self._final_busy_s / self._finals_done if self._finals_done > 0 else 0.0
+
+    def chunk_s(self, kind: str) -> float:
+        """Worker seconds per chunk in a phase of `kind` (0 before one was measured)."""
+        if kind == "final":
+            return self.final_pass_s()
+        value = self._per_job.get(kind)
+        if value is None or value.value is None:
+            other = self._per_job.get("first" if kind == "chunks" else "chunks")
+            return other.value if other is not None and other.value is not None else 0.0
+        return value.value
+
+    def prefill_s(self) -> float:
+        return self._prefill.value or 0.0
+
+    def lm_hold_s(self) -> float | None:
+        return self._lm_hold.value
+
+
+class Scheduler:
+    """Decisions from an EngineView and the cost model. `first_audio_target_s`: the first chunk's deadline
+    after arrival; `budget_s`: admission's limit on the predicted first audio (None: admit every stream)."""
+
+    # the policy's constants (module level, with why each has its value), per instance for tests
+    hold_s = HOLD_S
+    first_chunk_wait_s = FIRST_CHUNK_WAIT_S
+
+    def __init__(self, cost: CostModel | None = None, budget_s: float | None = None,
+                 first_audio_target_s: float | None = None) -> None:
+        self.cost = cost or CostModel()
+        self.budget_s = budget_s
+        self.first_audio_target_s = first_audio_target_s or budget_s or DEFAULT_FIRST_AUDIO_TARGET_S
+
+    # ------------------------------------------------------------------ deadlines
+    def first_deadline(self, arrival_s: float) -> float:
+        return arrival_s + self.first_audio_target_s
+
+    @staticmethod
+    def later_deadline(first_audio_at_s: float, audio_sent_s: float) -> float:
+        """When the client's audio runs out, if it plays from its first chunk on."""
+        return first_audio_at_s + audio_sent_s
+
+    def miss(self, *, first: bool, final: bool, deadline_s: float, delivered_s: float,
+             tokens_ready_s: float | None = None) -> Miss | None:
+        """The miss of a chunk delivered at `delivered_s` (None: in time)."""
+        late = delivered_s - deadline_s
+        if late <= 0:
+            return None
+        stage = "lm" if tokens_ready_s is not None and tokens_ready_s > deadline_s else "token2wav"
+        return Miss("first" if first else "final" if final else "later", stage, late)
+
+    # ------------------------------------------------------------------ the idle worker
+    def plan(self, view: EngineView, returned: Sequence[JobView] = ()) -> Plan:
+        """What the idle worker (or the engine thread, without one) runs now. Handed-back jobs always go."""
+        now = view.now
+        ready = sorted((s for s in view.streams if s.ready and not s.planned),
+                       key=lambda s: (not s.first, s.deadline_s))
+        ready = self._within_free_slots(view, ready, reserved=sum(job.opening for job in returned))
+        due = self.due_finals(view) if ready else set()
+        if not returned and (not ready or not self._worth_a_batch(view, ready, due)
+                             or self._first_chunks_due_soon(view, ready)):
+            return Plan(opens=self._opens(view))
+        ready = self._without_costly_finals(view, ready, due)
+        ready = self._without_early_later_chunks(view, ready, due)
+        if not ready and not returned:
+            return Plan(opens=self._opens(view))
+        if view.worker is not None:
+            ready = ready[:max(0, view.max_batch - len(returned))]  # the rest waits, plans untouched
+        # handed-back jobs were planned before: whether their final pass is due is judged anew
+        jobs = [replace(job, due=job.final and job.key in due) for job in returned]
+        jobs += [JobView(s.key, s.first, s.next_final, s.audio_left_s(now), opening=not s.opened,
+                         due=s.next_final and s.key in due, pausable=s.next_final) for s in ready]
+        return Plan(phases=self.phases(jobs))
+
+    @staticmethod
+    def phases(jobs: Sequence[JobView]) -> list[list[JobView]]:
+        """A batch's jobs in the order they are voiced and handed back: clients about to run dry, first
+        chunks, later chunks, final passes (due ones, then those that may pause, in phases of at most
+        FINAL_PHASE_STREAMS). Each phase's audio goes out when that phase is done, so a first chunk never
+        waits for the whole-utterance passes in its batch; the phases would not share a flow call anyway."""
+        order: list[list[JobView]] = [[], [], [], [], []]
+        for job in jobs:
+            if job.first:
+                order[1].append(job)
+            elif job.audio_left_s < DRY_S:
+                order[0].append(job)
+            elif job.final:
+                order[3 if job.due or not job.pausable else 4].append(job)
+            else:
+                order[2].append(job)
+        phases = [phase for phase in order[:3] if phase]
+        for finals in order[3:]:
+            phases += [finals[i:i + FINAL_PHASE_STREAMS] for i in range(0, len(finals), FINAL_PHASE_STREAMS)]
+        return phases
+
+    @staticmethod
+    def riders(phase_keys: Iterable[Hashable | None], phase_size: int,
+               candidates: Sequence[Hashable | None]) -> list[int]:
+        """Indices of the next phase's later chunks that join a phase of first chunks: those whose ODE key
+        (`candidates`, None: cannot ride) is one of the phase's, up to RIDER_STREAMS streams in the call.
+        Small ODE calls are launch-bound: the first chunks wait little longer and the worker saves a call."""
+        keys = {key for key in phase_keys if key is not None}
+        room = RIDER_STREAMS - phase_size
+        if not keys or room <= 0:
+            return []
+        return [i for i, key in enumerate(candidates) if key is not None and key in keys][:room]
+
+    def _opens(self, view: EngineView) -> list[list[Hashable]]:
+        """Streams to open ahead of their first chunk, while the worker idles: those of voices at hand in
+        one phase, each voice to build in a phase of its own (a chunk that turns urgent waits for one)."""
+        if not view.open_ahead or view.worker is None or not view.free_flow_slots:
+            return []
+        new = [s for s in sorted(view.streams, key=lambda s: s.arrival_s) if s.opens_ahead]
+        new = self._within_free_slots(view, new)[:view.max_batch]
+        at_hand = [s.key for s in new if s.voice_at_hand]
+        return ([at_hand] if at_hand else []) + [[s.key] for s in new if not s.voice_at_hand]
+
+    # ------------------------------------------------------------------ while the worker runs
+    def preempt(self, view: EngineView) -> Preempt:
+        """Should the busy worker hand back its unstarted phases? For a first chunk (unless it waits for
+        others of its burst anyway) or a client about to run dry that became ready after the batch was
+        planned."""
+        worker = view.worker
+        if worker is None or not worker.busy or worker.dry_asked:
+            return Preempt.none
+        now = view.now
+        urgent = [s for s in view.streams if s.ready and not s.planned
+                  and (s.first or s.audio_left_s(now) < DRY_S)]
+        urgent = self._within_free_slots(view, urgent)
+        if any(not s.first for s in urgent):
+            return Preempt.dry
+        if urgent and not worker.preempt_asked and not self._first_chunks_due_soon(view, urgent):
+            return Preempt.first
+        return Preempt.none
+
+    @staticmethod
+    def may_be_urgent(first: bool, audio_left_s: float) -> bool:
+        """Cheap pre-test for `preempt` (the core builds full views only of streams that pass it)."""
+        return first or audio_left_s < DRY_S
+
+    @staticmethod
+    def decode_paused(first_on_worker: bool, another_waits_for_first_audio: bool) -> bool:
+        """Decode steps pause while a new request's first chunk is on the worker (sharing the GPU slows it),
+        unless another request still decodes towards its own first audio."""
+        return first_on_worker and not another_waits_for_first_audio
+
+    def wake_after_s(self, view: EngineView) -> float | None:
+        """How long the idle engine thread may sleep while the worker runs: until the first client with a
+        ready chunk waiting behind the batch is about to run dry (then it must preempt). None: no limit."""
+        worker = view.worker
+        if worker is None or not worker.busy or worker.dry_asked:
+            return None
+        waits = [left - DRY_S for s in view.streams
+                 if s.ready and not s.planned and not s.first and (left := s.audio_left_s(view.now)) > DRY_S]
+        return min(waits) if waits else None
+
+    # ------------------------------------------------------------------ batching rules
+    @staticmethod
+    def _slots_short(view: EngineView) -> bool:
+        """Do more new streams wait to open than there are free slots?"""
+        if view.free_flow_slots is None:
+            return False
+        wanting = sum(1 for s in view.streams if not s.opened)
+        return wanting > view.free_flow_slots
+
+    @staticmethod
+    def _within_free_slots(view: EngineView, streams: list[StreamView], reserved: int = 0) -> list[StreamView]:
+        """No more new streams than free flow slots: each one
+        beyond would need a multi-GB cache of its own. `reserved`: streams handed-back jobs will open."""
+        if view.free_flow_slots is None:
+            return streams
+        free = max(0, view.free_flow_slots - reserved)
+        kept = []
+        for s in streams:
+            if not s.opened and s.needs_slot:
+                if free == 0:
+                    continue
+                free -= 1
+            kept.append(s)
+        return kept
+
+    @staticmethod
+    def _chunks_may_wait(view: EngineView, ready: list[StreamView]) -> bool:
+        """Could waiting make `ready` share a fuller batch? Only while the LM makes tokens, the batch is
+        small and another stream could bring a chunk to it."""
+        if not view.lm_decoding or len(ready) >= view.max_batch // _SMALL_BATCH_SHARE:
+            return False
+        taken = {s.key for s in ready}
+        return any(s.key not in taken for s in view.streams)
+
+    def _worth_a_batch(self, view: EngineView, ready: list[StreamView], due: set) -> bool:
+        """Does an urgent chunk open a batch now (or can nothing join by waiting)?"""
+        if not self._chunks_may_wait(view, ready):
+            return True
+        slots_short = self._slots_short(view)
+        for s in ready:
+            if s.audio_left_s(view.now) < URGENT_S or s.key in due:
+                return True
+            if slots_short and s.lm_done:
+                return True
+        return False
+
+    def _first_chunks_due_soon(self, view: EngineView, ready: list[StreamView]) -> bool:
+        """Do ready first chunks wait for another stream's first chunk due within what is left of
+        FIRST_CHUNK_WAIT_S since the oldest of them became ready (its missing tokens × the decode step)?"""
+        step_s = self.cost.decode_step_s
+        if step_s is None or self.first_chunk_wait_s <= 0:
+            return False
+        now = view.now
+        firsts = [s for s in ready if s.first]
+        if not firsts or any(not s.first and s.audio_left_s(now) < URGENT_S for s in ready):
+            return False
+        oldest = min(now if s.first_ready_s is None else s.first_ready_s for s in firsts)
+        left = self.first_chunk_wait_s - (now - oldest)
+        if left <= 0:
+            return False
+        waiting = {s.key for s in ready}
+        return any(s.first and s.decoding_audio and s.key not in waiting and s.missing_tokens > 0
+                   and s.missing_tokens * step_s <= left for s in view.streams)
+
+    def _without_costly_finals(self, view: EngineView, ready: list[StreamView], due: set) -> list[StreamView]:
+        """A batch that voices a first chunk leaves out official final passes that are not due, unless new
+        streams wait for the flow slots they would free."""
+        if not view.official_finals or not any(s.first for s in ready) or self._slots_short(view):
+            return ready
+        return [s for s in ready if s.first or not s.next_final or s.key in due]
+
+    def _without_early_later_chunks(self, view: EngineView, ready: list[StreamView], due: set) -> list[StreamView]:
+        """While the LM decodes and others could join, a later (not final) chunk with HOLD_S of audio or
+        more left stays out of the batch unless it rides with a first chunk's ODE call."""
+        if self.hold_s <= 0 or not self._chunks_may_wait(view, ready):
+            return ready
+        slots_short = self._slots_short(view)
+        rides = {key for s in ready if s.first and (key := s.ode()) is not None}
+        now = view.now
+
+        def goes(s: StreamView) -> bool:
+            if s.first or s.key in due or s.audio_left_s(now) < max(self.hold_s, URGENT_S) or s.next_final:
+                return True
+            return (slots_short and s.lm_done) or (bool(rides) and s.ode() in rides)
+
+        return [s for s in ready if goes(s)]
+
+    def due_finals(self, view: EngineView) -> set:
+        """Keys of the streams whose official final pass may not wait for a first chunk's batch: the k-th
+        to run dry is due when its audio left, less k measured passes, is under FINAL_SLACK_S (so are the
+        k-1 before it)."""
+        waiting = sorted((s.audio_left_s(view.now), i) for i, s in enumerate(view.streams) if s.final_waits)
+        slack = max(URGENT_S, FINAL_SLACK_S)
+        cost = self.cost.final_pass_s()
+        due = 0
+        for k, (left, _) in enumerate(waiting, start=1):
+            if left - k * cost < slack:
+                due = k
+        return {view.streams[i].key for _, i in waiting[:due]}
+
+    # ------------------------------------------------------------------ admission
+    def admit(self, view: EngineView | None, now: float, first_chunk_tokens: int, pending_new: int = 0) -> Verdict:
+        """Admit a new stream arriving at `now` whose first chunk needs `first_chunk_tokens` tokens?
+        `view`: the engine's latest published view; `pending_new`: streams admitted since it was made.
+        Admitted when the budget is off, when nothing runs, or when its predicted first audio is within the
+        budget and every running stream that meets its next deadline still does with the newcomer's work."""
+        if self.budget_s is None or view is None:
+            return Verdict(True, 0.0)
+        predicted, broken = self._predict(view, now, first_chunk_tokens, pending_new)
+        idle = not view.streams and pending_new == 0  # refusing would help no one
+        if idle or (predicted <= self.budget_s and broken == 0):
+            return Verdict(True, predicted)
+        retry = min(MAX_RETRY_AFTER_S, max(1.0, predicted - self.budget_s))
+        reason = (f"predicted first audio in {predicted:.2f} s, over the budget of {self.budget_s:g} s"
+                  if predicted > self.budget_s else
+                  f"admitting it would make {broken} running stream(s) miss their playback deadline")
+        return Verdict(False, predicted, reason, retry)
+
+    def _predict(self, view: EngineView, now: float, tokens: int, pending_new: int) -> tuple[float, int]:
+        """(predicted first audio of the newcomer from now, running streams it would make late)."""
+        cost, step_s = self.cost, self.cost.decode_step_s or 0.0
+        ahead = view.lm_waiting + pending_new + 1 - view.free_lm_slots
+        hold = cost.lm_hold_s()
+        if ahead <= 0:
+            lm_wait = 0.0
+        elif hold is None:  # it would queue for an LM row, and no stream has held one yet: no prediction
+            lm_wait = math.inf
+        else:
+            lm_wait = ahead * hold / max(1, view.lm_slots)
+        ready_at = now + lm_wait + cost.prefill_s() + tokens * step_s
+        jobs = self._next_chunks(view, now, step_s)
+        for _ in range(pending_new):  # admitted since the view: modelled as the newcomer
+            jobs.append((ready_at, 0, now + self.first_audio_target_s, cost.chunk_s("first"), None))
+        free_at = now
+        worker = view.worker
+        if worker is not None and worker.busy:
+            free_at = max(now, worker.started_s + worker.predicted_s)
+        before = _edf_finish(jobs, free_at)
+        new = (ready_at, 0, now + (self.budget_s or self.first_audio_target_s), cost.chunk_s("first"), "new")
+        after = _edf_finish(jobs + [new], free_at)
+        broken = sum(1 for key, (finish, deadline) in before.items()
+                     if key not in (None, "new") and finish <= deadline < after[key][0])
+        return after["new"][0] - now, broken
+
+    def _next_chunks(self, view: EngineView, now: float, step_s: float) -> list[tuple]:
+        """(ready at, class, deadline, cost, key) of every running stream's next chunk not yet on the worker."""
+        jobs = []
+        for s in view.streams:
+            if s.planned:
+                continue
+            if s.ready or s.final_waits:
+                ready_at = now
+            elif s.decoding_audio and s.missing_tokens > 0:
+                ready_at = now + s.missing_tokens * step_s
+            else:
+                continue
+            kind = "first" if s.first else "final" if s.next_final else "chunks"
+            jobs.append((ready_at, 0 if s.first else 1, s.deadline_s, self.cost.chunk_s(kind), s.key))
+        return jobs
+
+
+def _edf_finish(jobs: list[tuple], free_at: float) -> dict:
+    """Finish time and deadline of each job on one worker that runs, whenever it is free, the released
+    job of the highest class (first chunks) with the earliest deadline."""
+    pending = sorted(jobs, key=lambda j: j[0])
+    heap: list[tuple] = []
+    out: dict = {}
+    t, i, seq = free_at, 0, 0
+    while i < len(pending) or heap:
+        if not heap and pending[i][0] > t:
+            t = pending[i][0]
+        while i < len(pending) and pending[i][0] <= t:
+            ready_at, cls, deadline, cost, key = pending[i]
+            heapq.heappush(heap, (cls, deadline, seq, cost, key))
+            i, seq = i + 1, seq + 1
+        _, deadline, _, cost, key = heapq.heappop(heap)
+        t += cost
+        if key is not None:
+            out[key] = (t, deadline)
+    return out

@@ -1,0 +1,87 @@
+"""Admission from the engine's own scheduler, on the fixture model (CPU): a burst's excess is refused at
+once, the admitted streams keep their first-audio deadline; and the one text-length limit."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from cosystream.engine.scheduler import Scheduler
+from cosystream.engine.sync_engine import Engine
+from cosystream.errors import BadInput, Overloaded
+from cosystream.params import SamplingParams, SynthesisParams
+
+LONG = 300  # speech tokens per request: an LM row is held many times longer than a first chunk takes
+
+
+def _params(i: int) -> SynthesisParams:
+    return SynthesisParams(text="hello there, a short line.", voice="v", force_tokens=LONG,
+                           sampling=SamplingParams(greedy=True, seed=i))
+
+
+def _first_audio(eng: Engine, params: SynthesisParams, out: dict, key: int) -> None:
+    """Record when the request's first chunk came (or its refusal), from the call; then drain it."""
+    t0 = time.perf_counter()
+    try:
+        chunks = eng.stream(params)
+        next(chunks)
+        out[key] = ("audio", time.perf_counter() - t0)
+        for _ in chunks:
+            pass
+    except Overloaded as exc:
+        out[key] = ("refused", time.perf_counter() - t0, exc)
+
+
+@pytest.fixture(scope="module")
+def small(model_dir, fixture_dir, tmp_path_factory):
+    eng = Engine.from_pretrained(model_dir, voices_db=str(tmp_path_factory.mktemp("voices") / "v.db"),
+                                 max_streams=2, first_audio_budget_s=60.0, max_text_chars=200)
+    eng.run(eng.async_engine.add_voice("v", str(fixture_dir / "prompt_24k.wav"), "Hello there."))
+    yield eng
+    eng.close()
+
+
+def test_a_burst_beyond_the_lm_rows_is_refused_at_once_and_the_admitted_keep_their_first_audio(small):
+    core = small.async_engine.core
+    alone = small.synthesize(_params(0))  # teaches the cost model this machine's decode step, chunk, LM hold
+    budget = 2 * alone.times.first_audio_s
+    core.scheduler = Scheduler(core.scheduler.cost, budget_s=budget)
+    stats = core.stats()
+    out: dict = {}
+    threads = [threading.Thread(target=_first_audio, args=(small, _params(i), out, i)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    admitted = [v for v in out.values() if v[0] == "audio"]
+    refused = [v for v in out.values() if v[0] == "refused"]
+    assert len(out) == 8 and admitted and refused
+    # two LM rows, each held for a whole long utterance: a third stream would wait for one far past the budget
+    assert len(admitted) <= 3
+    # every refusal came before any admitted stream's first audio, with its reason and a retry hint
+    assert max(v[1] for v in refused) < min(v[1] for v in admitted)
+    assert all("overloaded" in str(v[2]) and v[2].retry_after_s >= 1 for v in refused)
+    # the admitted streams' first audio came within the budget, and the engine counted no first-chunk miss
+    assert all(v[1] <= budget for v in admitted), (budget, admitted)
+    after = core.stats()
+    assert after["admission_refused"] - stats["admission_refused"] == len(refused)
+    assert after["admission_admitted"] - stats["admission_admitted"] == len(admitted)
+    first_misses = sum(v for k, v in after.items() if k.startswith("deadline_misses_first_"))
+    assert first_misses == sum(v for k, v in stats.items() if k.startswith("deadline_misses_first_"))
+    assert after["first_audio_predictions"] - stats["first_audio_predictions"] == len(admitted)
+
+
+def test_one_text_limit_for_every_entry_point_of_the_engine(small):
+    with pytest.raises(BadInput, match="text: 201 characters, more than the limit of 200"):
+        small.synthesize(SynthesisParams(text="a" * 201, voice="v"))
+    with pytest.raises(BadInput, match="instruct_text: 201 characters"):
+        small.synthesize(SynthesisParams(text="hi.", voice="v", mode="instruct2", instruct_text="b" * 201))
+
+    async def pieces():
+        for _ in range(5):
+            yield "a" * 50
+
+    with pytest.raises(BadInput, match="more than the limit of 200"):
+        small.synthesize(SynthesisParams(text=pieces(), voice="v"))

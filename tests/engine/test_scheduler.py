@@ -1,0 +1,320 @@
+"""The scheduler through its public interface: fed engine views, checked decisions (no threads, no GPU)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from cosystream.engine import scheduler as sched
+from cosystream.engine.scheduler import CostModel, EngineView, JobView, Preempt, Scheduler, StreamView, WorkerView
+
+NOW = 100.0
+
+
+def _first(key: str, *, ready: bool = True, arrival: float = NOW - 0.1, missing: int = 0, **kw) -> StreamView:
+    s = Scheduler()
+    return StreamView(key=key, arrival_s=arrival, first=True, deadline_s=s.first_deadline(arrival), ready=ready,
+                      missing_tokens=missing, decoding_audio=not ready, lm_decoding=not ready,
+                      opened=kw.pop("opened", True), **kw)
+
+
+def _later(key: str, left_s: float, *, final: bool = False, lm_done: bool | None = None, **kw) -> StreamView:
+    done = final if lm_done is None else lm_done
+    return StreamView(key=key, arrival_s=NOW - 5, first=False, deadline_s=NOW + left_s, ready=kw.pop("ready", True),
+                      next_final=final, final_waits=final and done, lm_done=done, opened=True,
+                      lm_decoding=not done, decoding_audio=not done, **kw)
+
+
+def _view(*streams: StreamView, decoding: bool = False, worker: WorkerView | None = None, free_slots=None,
+          max_batch: int = 64, **kw) -> EngineView:
+    return EngineView(now=NOW, streams=list(streams), lm_decoding=decoding, free_flow_slots=free_slots,
+                      max_batch=max_batch, worker=worker if worker is not None else WorkerView(), **kw)
+
+
+def _keys(phases: list[list[JobView]]) -> list[list[str]]:
+    return [[job.key for job in phase] for phase in phases]
+
+
+def _cost(step_s: float | None = None, first_s: float | None = None, later_s: float | None = None,
+          final_s: float | None = None) -> CostModel:
+    cost = CostModel()
+    if step_s is not None:
+        cost.observe_step(step_s)
+    if first_s is not None:
+        cost.observe_phase("first", 1, first_s)
+    if later_s is not None:
+        cost.observe_phase("chunks", 1, later_s)
+    if final_s is not None:
+        cost.observe_phase("final", 1, final_s)
+    return cost
+
+
+# ------------------------------------------------------------------ deadlines and misses
+def test_deadlines_first_chunk_from_arrival_later_chunk_when_the_audio_runs_out():
+    s = Scheduler(budget_s=0.5)
+    assert s.first_deadline(10.0) == pytest.approx(10.5)
+    assert s.later_deadline(first_audio_at_s=10.2, audio_sent_s=3.0) == pytest.approx(13.2)
+    assert Scheduler().first_audio_target_s == sched.DEFAULT_FIRST_AUDIO_TARGET_S  # no budget: a target anyway
+    assert _later("a", 2.0).audio_left_s(NOW) == pytest.approx(2.0)
+    assert _first("b").audio_left_s(NOW) == -math.inf
+
+
+def test_a_miss_names_the_chunk_kind_the_stage_and_how_late():
+    s = Scheduler()
+    assert s.miss(first=True, final=False, deadline_s=1.0, delivered_s=0.9) is None
+    miss = s.miss(first=True, final=False, deadline_s=1.0, delivered_s=1.25, tokens_ready_s=1.1)
+    assert (miss.kind, miss.stage, miss.late_s) == ("first", "lm", pytest.approx(0.25))
+    miss = s.miss(first=False, final=True, deadline_s=1.0, delivered_s=1.5)
+    assert (miss.kind, miss.stage) == ("final", "token2wav")
+
+
+# ------------------------------------------------------------------ what a batch holds, in which order
+def test_first_chunks_go_ahead_of_later_ones_and_clients_about_to_run_dry_ahead_of_all():
+    view = _view(_later("old", 1.0), _first("new"), _later("dry", sched.DRY_S / 2), _later("fin", 1.5, final=True))
+    plan = Scheduler().plan(view)
+    assert _keys(plan.phases) == [["dry"], ["new"], ["old"], ["fin"]]
+    assert plan.phases[3][0].pausable and plan.phases[3][0].due  # within FINAL_SLACK_S of running dry
+
+
+def test_ready_chunks_are_taken_earliest_deadline_first_within_their_class():
+    view = _view(_later("late", 4.0), _later("soon", 0.9), _first("f2", arrival=NOW - 0.05),
+                 _later("mid", 2.0), _first("f1", arrival=NOW - 0.2), max_batch=3)
+    plan = Scheduler().plan(view)
+    assert sorted(plan.new_keys) == ["f1", "f2", "soon"]  # the batch's room: first chunks, then EDF
+    assert _keys(plan.phases)[0] == ["f1", "f2"]
+
+
+def test_handed_back_jobs_always_go_with_the_chunk_that_preempted_them():
+    back = JobView("back", first=False, final=False, audio_left_s=3.0)
+    plan = Scheduler().plan(_view(_first("new"), _later("back", 3.0, planned=True, ready=False)), [back])
+    assert _keys(plan.phases) == [["new"], ["back"]]
+    # handed back with nothing else ready: they still go
+    assert _keys(Scheduler().plan(_view(), [back]).phases) == [["back"]]
+    # a handed-back final pass is judged due anew, with the chunks ready now
+    fin = JobView("fin", first=False, final=True, audio_left_s=1.0, pausable=True)
+    plan = Scheduler().plan(_view(_first("new"), _later("fin", 1.0, final=True, planned=True, ready=False)), [fin])
+    assert _keys(plan.phases) == [["new"], ["fin"]] and plan.phases[1][0].due
+
+
+def test_chunks_with_audio_to_spare_wait_for_an_urgent_chunk_while_the_lm_decodes():
+    s = Scheduler()
+    relaxed = [_later("a", 3.0), _later("b", 2.0), _first("c", ready=False, missing=10)]
+    assert not s.plan(_view(*relaxed, decoding=True)).phases  # they wait to share a batch
+    assert s.plan(_view(*relaxed, decoding=False)).phases  # no LM running: nothing new would come
+    urgent = [*relaxed, _later("u", sched.URGENT_S / 2)]
+    assert sorted(s.plan(_view(*urgent, decoding=True)).new_keys) == ["u"]  # the others have HOLD_S left
+    alone = [_later("a", 3.0)]
+    assert s.plan(_view(*alone, decoding=True)).new_keys == ["a"]  # nobody else could join it
+
+
+def test_later_chunks_with_audio_to_spare_ride_only_on_a_first_chunks_ode_shape():
+    view = _view(_first("f", ode_key=("pool", 50)), _later("same", 5.0, ode_key=("pool", 50)),
+                 _later("other", 5.0, ode_key=("pool", 100)), _later("short", 1.0, ode_key=("pool", 100)),
+                 _first("x", ready=False, missing=30), decoding=True)
+    assert sorted(Scheduler().plan(view).new_keys) == ["f", "same", "short"]
+    no_hold = Scheduler()
+    no_hold.hold_s = 0.0
+    assert sorted(no_hold.plan(view).new_keys) == ["f", "other", "same", "short"]
+
+
+def test_the_ode_key_is_asked_of_the_runner_only_when_a_first_chunks_batch_is_formed():
+    asked: list[str] = []
+
+    def key_of(name: str, key: tuple):
+        return lambda: (asked.append(name), key)[1]
+
+    waiting = [_later("a", 5.0, ode_key_of=key_of("a", ("pool", 50))), _first("x", ready=False, missing=30)]
+    assert not Scheduler().plan(_view(*waiting, decoding=True)).phases and asked == []  # no batch: not asked
+    view = _view(_first("f", ode_key_of=key_of("f", ("pool", 50))), *waiting, decoding=True)
+    assert sorted(Scheduler().plan(view).new_keys) == ["a", "f"] and sorted(asked) == ["a", "f"]
+
+
+def test_riders_join_a_first_chunk_call_up_to_the_stream_limit():
+    assert Scheduler.riders([("k", 1)], 1, [("k", 1), None, ("k", 2), ("k", 1)]) == [0, 3]
+    assert Scheduler.riders([None], 1, [("k", 1)]) == []
+    full = Scheduler.riders([("k", 1)], sched.RIDER_STREAMS - 1, [("k", 1)] * 3)
+    assert full == [0]
+
+
+def test_a_burst_s_first_chunks_wait_briefly_for_one_due_within_the_wait():
+    cost = _cost(step_s=0.002)
+    s = Scheduler(cost)
+    soon = _first("soon", ready=False, missing=5)  # 10 ms away
+    ready = _first("ready", first_ready_s=NOW - 0.01)
+    assert not s.plan(_view(ready, soon, decoding=True)).phases
+    far = _first("far", ready=False, missing=100)  # 200 ms away: not worth the wait
+    assert s.plan(_view(ready, far, decoding=True)).new_keys == ["ready"]
+    waited = _first("ready", first_ready_s=NOW - sched.FIRST_CHUNK_WAIT_S)
+    assert s.plan(_view(waited, soon, decoding=True)).new_keys == ["ready"]  # the wait is over
+    assert Scheduler().plan(_view(ready, soon, decoding=True)).new_keys == ["ready"]  # no step measured yet
+
+
+# ------------------------------------------------------------------ official final passes
+def test_final_passes_come_due_earliest_deadline_first_with_the_measured_cost_before_them():
+    s = Scheduler(_cost(final_s=0.5))
+    lefts = {"a": 2.3, "b": 2.9, "c": 5.0}
+    view = _view(*(_later(k, v, final=True) for k, v in lefts.items()))
+    assert s.due_finals(view) == {"a", "b"}  # b: 2.9 - 2 passes = 1.9 < FINAL_SLACK_S
+    assert Scheduler().due_finals(view) == set()  # nothing measured: each by its own audio left only
+
+
+def test_a_first_chunk_batch_leaves_out_final_passes_that_are_not_due():
+    s = Scheduler(_cost(final_s=0.1))
+    view = _view(_first("new"), _later("due", 1.0, final=True), _later("later", 8.0, final=True))
+    plan = s.plan(view)
+    assert sorted(plan.new_keys) == ["due", "new"]
+    due_job = next(job for job in plan.phases[-1] if job.key == "due")
+    assert due_job.due and due_job.pausable
+    # unless new streams wait for the flow slots those passes free
+    short = _view(_first("new"), _later("later", 8.0, final=True), _first("x", ready=False, opened=False),
+                  free_slots=0)
+    assert "later" in s.plan(short).new_keys
+
+
+def test_final_passes_go_in_phases_of_bounded_size_due_ones_first():
+    jobs = [JobView(f"p{i}", first=False, final=True, audio_left_s=5.0, pausable=True)
+            for i in range(sched.FINAL_PHASE_STREAMS + 3)]
+    jobs.append(JobView("due", first=False, final=True, audio_left_s=1.0, due=True, pausable=True))
+    phases = Scheduler.phases(jobs)
+    assert [len(p) for p in phases] == [1, sched.FINAL_PHASE_STREAMS, 3]
+    assert phases[0][0].key == "due"
+
+
+# ------------------------------------------------------------------ flow slots and open-ahead
+def test_no_more_new_streams_than_free_flow_slots_oldest_first():
+    view = _view(*(_first(f"n{i}", arrival=NOW - 1 + i * 0.1, opened=False, needs_slot=True) for i in range(3)),
+                 free_slots=2)
+    assert Scheduler().plan(view).new_keys == ["n0", "n1"]
+    assert Scheduler().plan(_view(*view.streams, free_slots=3)).new_keys == ["n0", "n1", "n2"]
+
+
+def test_the_idle_worker_opens_streams_ahead_voices_at_hand_together_builds_alone():
+    streams = [_first(k, ready=False, missing=20, opened=False, needs_slot=True, opens_ahead=True,
+                      voice_at_hand=k != "build", arrival=NOW - i) for i, k in enumerate(["a", "build", "b"])]
+    plan = Scheduler().plan(_view(*streams, free_slots=4, decoding=True))
+    assert not plan.phases and plan.opens == [["b", "a"], ["build"]]
+    assert Scheduler().plan(_view(*streams, free_slots=1, decoding=True)).opens == [["b"]]
+    assert not Scheduler().plan(_view(*streams, free_slots=0, decoding=True)).opens
+    assert not Scheduler().plan(_view(*streams, free_slots=4, open_ahead=False)).opens
+    inline = EngineView(now=NOW, streams=streams, free_flow_slots=4, worker=None)
+    assert not Scheduler().plan(inline).opens  # without a worker, streams open with their first chunk
+
+
+# ------------------------------------------------------------------ while a batch runs
+def test_preemption_for_a_new_first_chunk_or_a_client_about_to_run_dry():
+    s = Scheduler()
+    busy = WorkerView(busy=True)
+    assert s.preempt(_view(_first("new"), worker=busy)) is Preempt.first
+    assert s.preempt(_view(_later("dry", sched.DRY_S / 2), worker=busy)) is Preempt.dry
+    assert s.preempt(_view(_later("fine", 1.0), worker=busy)) is Preempt.none
+    assert s.preempt(_view(_first("new"), worker=WorkerView(busy=True, preempt_asked=True))) is Preempt.none
+    assert s.preempt(_view(_first("new", planned=True, ready=False), worker=busy)) is Preempt.none
+    assert s.preempt(_view(_first("new"), worker=WorkerView())) is Preempt.none  # idle: nothing to preempt
+    # not while the new first chunk waits for another of its burst anyway
+    waits = Scheduler(_cost(step_s=0.002))
+    burst = _view(_first("new", first_ready_s=NOW), _first("soon", ready=False, missing=3), worker=busy)
+    assert waits.preempt(burst) is Preempt.none
+
+
+def test_decode_pauses_for_a_first_chunk_unless_another_request_waits_for_its_first_audio():
+    assert Scheduler.decode_paused(True, False)
+    assert not Scheduler.decode_paused(True, True)
+    assert not Scheduler.decode_paused(False, False)
+
+
+def test_the_idle_engine_wakes_when_a_client_behind_the_worker_is_about_to_run_dry():
+    s = Scheduler()
+    view = _view(_later("a", 1.0), _later("b", 0.7), _later("c", 0.1), worker=WorkerView(busy=True))
+    assert s.wake_after_s(view) == pytest.approx(0.7 - sched.DRY_S)  # c is dry already: preempt's business
+    assert s.wake_after_s(_view(_later("a", 1.0), worker=WorkerView())) is None
+    assert s.wake_after_s(_view(_later("a", 1.0), worker=WorkerView(busy=True, dry_asked=True))) is None
+
+
+# ------------------------------------------------------------------ fairness
+def test_edf_serves_every_stream_in_turn_when_the_worker_takes_two_chunks_at_a_time():
+    """Eight later streams, a batch of two: each batch delivers one second of audio to its streams. Earliest
+    deadline first serves them round-robin: no stream starves, none runs dry."""
+    left = {f"s{i}": 1.0 + 0.1 * i for i in range(8)}
+    served = dict.fromkeys(left, 0)
+    now = NOW
+    for _ in range(40):
+        view = EngineView(now=now, streams=[StreamView(k, NOW - 5, False, now + v, ready=True, opened=True)
+                                            for k, v in left.items()], max_batch=2, worker=WorkerView())
+        keys = Scheduler().plan(view).new_keys
+        assert len(keys) == 2
+        for k in left:
+            left[k] -= 0.2  # each batch takes 0.2 s of the clients' playback
+        for k in keys:
+            left[k] += 1.0
+            served[k] += 1
+        assert min(left.values()) > 0
+    assert max(served.values()) - min(served.values()) <= 1
+
+
+# ------------------------------------------------------------------ admission
+def test_admission_off_or_idle_admits():
+    assert Scheduler().admit(_view(_first("a")), NOW, 28).admitted  # no budget
+    assert Scheduler(_cost(step_s=1.0), budget_s=0.1).admit(_view(), NOW, 28).admitted  # nothing runs
+    assert Scheduler(budget_s=0.1).admit(None, NOW, 28).admitted  # no view yet
+
+
+def test_admission_predicts_the_first_audio_from_the_decode_step_and_the_chunks_ahead():
+    s = Scheduler(_cost(step_s=0.01, first_s=0.1, later_s=0.1), budget_s=1.0)
+    verdict = s.admit(_view(_later("a", 5.0, ready=False), free_lm_slots=4, lm_slots=8), NOW, 30)
+    assert verdict.admitted
+    assert verdict.predicted_first_audio_s == pytest.approx(30 * 0.01 + 0.1)
+    # twelve first chunks ahead of it, ready now (earlier deadlines): the worker is free at 1.2 s, then its own
+    crowd = [_first(f"f{i}", ready=True) for i in range(12)]
+    refused = s.admit(_view(*crowd, free_lm_slots=4, lm_slots=8), NOW, 30)
+    assert not refused.admitted and "budget" in refused.reason
+    assert refused.predicted_first_audio_s == pytest.approx(0.1 * 13)
+    assert refused.retry_after_s >= 1.0
+    # streams admitted since the view count as newcomers ahead of it
+    assert not s.admit(_view(_later("a", 5.0, ready=False), free_lm_slots=4, lm_slots=8), NOW, 30,
+                       pending_new=8).admitted
+
+
+def test_admission_waits_for_an_lm_slot_by_the_measured_hold_time():
+    cost = _cost(step_s=0.01, first_s=0.1)
+    cost.observe_lm_hold(4.0)
+    s = Scheduler(cost, budget_s=1.0)
+    full = _view(_later("a", 5.0, ready=False), free_lm_slots=0, lm_slots=2, lm_waiting=1)
+    verdict = s.admit(full, NOW, 30)
+    assert not verdict.admitted  # second in line for one of two slots held 4 s each: 4 s
+    assert verdict.predicted_first_audio_s == pytest.approx(2 * 4.0 / 2 + 0.4)
+
+
+def test_admission_before_any_stream_held_an_lm_row_admits_only_into_free_rows():
+    s = Scheduler(_cost(step_s=0.01), budget_s=1.0)  # warm-up measured the decode step only
+    running = _later("a", 5.0, ready=False)
+    assert s.admit(_view(running, free_lm_slots=2, lm_slots=2), NOW, 30, pending_new=1).admitted
+    refused = s.admit(_view(running, free_lm_slots=2, lm_slots=2), NOW, 30, pending_new=2)
+    assert not refused.admitted and refused.retry_after_s == sched.MAX_RETRY_AFTER_S
+
+
+def test_admission_refuses_a_stream_that_would_make_a_running_stream_late():
+    s = Scheduler(_cost(step_s=0.0, first_s=0.2, later_s=0.2), budget_s=1.0)
+    tight = _later("tight", 0.3)  # on time alone (0.2 s of work), late behind a new first chunk (0.4 s)
+    verdict = s.admit(_view(tight, free_lm_slots=4, lm_slots=4), NOW, 0)
+    assert not verdict.admitted and "1 running stream" in verdict.reason
+    assert verdict.predicted_first_audio_s <= 1.0  # its own first audio would have been in time
+    doomed = _later("doomed", 0.1)  # late whatever happens: not the newcomer's fault
+    assert s.admit(_view(doomed, free_lm_slots=4, lm_slots=4), NOW, 0).admitted
+    busy = WorkerView(busy=True, started_s=NOW, predicted_s=0.5)  # the worker's batch finishes first
+    late = s.admit(_view(_later("a", 9.0, ready=False), worker=busy, free_lm_slots=4, lm_slots=4), NOW, 0)
+    assert late.predicted_first_audio_s == pytest.approx(0.5 + 0.2)
+
+
+def test_the_cost_model_learns_each_kind_and_final_passes_from_paused_phases():
+    cost = CostModel()
+    assert cost.decode_step_s is None and cost.chunk_s("first") == 0.0 and cost.final_pass_s() == 0.0
+    cost.observe_step(0.004)
+    cost.observe_step(1.0)  # an idle gap, not a step
+    assert cost.decode_step_s == pytest.approx(0.004)
+    cost.observe_phase("chunks", 4, 0.2)
+    assert cost.chunk_s("chunks") == pytest.approx(0.05)
+    assert cost.chunk_s("first") == pytest.approx(0.05)  # unmeasured: the other chunk kind stands in
+    cost.observe_phase("final", 0, 0.3)  # paused between Euler steps: its time counts for the passes after
+    cost.observe_phase("final", 2, 0.1)
+    assert cost.final_pass_s() == pytest.approx((0.9 * 0.3 + 0.1) / 2)
