@@ -37,6 +37,7 @@ let animating = false;
 let recording = null;      // {blob, filename, duration}
 let recorder = null;
 let readyTimer = null;
+let starting = false;      // between Speak and the socket's creation (the audio context resumes)
 
 const player = new PcmPlayer();
 const wave = new Waveform($("wave"), SAMPLE_RATE);
@@ -214,6 +215,8 @@ function showErrors(form, error) {
   let slot = field ? form.querySelector(`.field-error[data-error-for="${CSS.escape(field)}"]`) : null;
   if (!slot) slot = form.querySelector('.field-error[data-error-for=""]');
   slot.textContent = error.message;
+  const details = slot.closest("details");
+  if (details) details.open = true;      // an error inside the closed Advanced section must be seen
   const input = slot.closest(".field")?.querySelector("input, select, textarea");
   if (input) input.classList.add("has-error");
 }
@@ -271,11 +274,14 @@ function resetRun(kind) {
     playbackStartMs: null,  // startedAt → scheduled playback start
     firstScheduledAt: null, // performance.now() when the first chunk was handed to the audio clock
     doneAt: null,           // performance.now() when the done event arrived
-    underruns: [],
+    underruns: [],          // {atS: audio position, gapMs}: chunks that came after the audio ran dry
+    schedule: [],           // {ctxStart, audioStart, duration} per chunk, on the AudioContext clock
+    waveSamples: 0,         // samples drawn on the waveform
     done: null,             // the server's done event
     error: null,            // {code, message, field}
     closeCode: null,
     serverOutcome: null,    // after Stop: the outcome GET /v1/requests/{id} reports
+    serverRecord: null,     // after Stop: that record (the server's timings of the stopped request)
     piecesSent: 0,
     textSent: "",
     endSent: false,
@@ -283,7 +289,7 @@ function resetRun(kind) {
 }
 
 async function startRun(kind) {
-  if (ws) return;
+  if (ws || starting) return;
   const form = $("speak-form");
   clearErrors(form);
   const options = startOptions();
@@ -295,8 +301,14 @@ async function startRun(kind) {
     options.text = text;
   }
   const clickedAt = performance.now();
-  await player.ensureContext();        // inside the click: browsers allow audio to start from a gesture
   resetRun(kind);
+  pg.status = "connecting";
+  starting = true;
+  try {
+    await player.ensureContext();      // inside the click: browsers allow audio to start from a gesture
+  } finally {
+    starting = false;
+  }
   player.reset(Math.max(0, Number($("extra-buffer").value) || 0) / 1000);
   wave.clear();
   pcmPieces = [];
@@ -305,7 +317,6 @@ async function startRun(kind) {
   liveLastValue = $("text").value;
   renderMetrics();
   renderStages();
-  pg.status = "connecting";
   if (kind === "speak") pg.startedAt = clickedAt;
   setRunning(true);
   setStatus("speak-status", "Connecting…");
@@ -352,7 +363,9 @@ function onAudio(bytes, arrivedAt) {
   pg.receivedSeconds = player.scheduledSeconds;
   pg.scheduledSeconds = player.scheduledSeconds;
   pg.underruns = player.underruns.map((u) => ({ ...u }));
+  pg.schedule = player.segments.map((seg) => ({ ...seg }));
   wave.addChunk(samples);
+  pg.waveSamples = wave.numSamples;
   wave.setUnderruns(pg.underruns);
   $("download-btn").disabled = false;
   if (pg.status === "streaming") setStatus("speak-status", "Playing while the rest is synthesised…");
@@ -420,19 +433,21 @@ async function stop() {
   if (!inFlight) { setStatus("speak-status", "Stopped playback."); return; }
   if (!requestId) { setStatus("speak-status", "Stopped before the server started the request."); return; }
   setStatus("speak-status", `Stopped. Asking the server about ${requestId}…`);
-  pg.serverOutcome = await finishedOutcome(requestId);
+  pg.serverRecord = await finishedRecord(requestId);
+  pg.serverOutcome = pg.serverRecord ? pg.serverRecord.outcome : null;
+  renderMetrics();
   const outcome = pg.serverOutcome;
   setStatus("speak-status", outcome
     ? `Stopped. The server ended ${requestId} as “${outcome}”.`
     : `Stopped. The server has no record of ${requestId} yet.`, outcome === "cancelled" ? "" : "error");
 }
 
-/** The outcome the server recorded for a finished request (it answers 404 while the request still runs). */
-async function finishedOutcome(requestId) {
+/** What the server recorded for a finished request (it answers 404 while the request still runs). */
+async function finishedRecord(requestId) {
   const deadline = performance.now() + CANCEL_CHECK_S * 1000;
   while (performance.now() < deadline) {
     const result = await api(`/v1/requests/${encodeURIComponent(requestId)}`);
-    if (result.ok) return result.data.outcome;
+    if (result.ok) return result.data;
     if (result.status !== 404) return null;
     await new Promise((r) => setTimeout(r, 150));
   }
@@ -535,7 +550,7 @@ function fmtMs(ms) {
 function renderMetrics() {
   $("m-first-audio").textContent = fmtMs(pg.firstAudioMs);
   $("m-lead").textContent = fmtMs(pg.leadMs);
-  const serverFirst = pg.done ? pg.done.server_first_audio_s : null;
+  const serverFirst = (pg.done || pg.serverRecord || {}).server_first_audio_s ?? null;
   $("m-server-first").textContent = serverFirst === null || serverFirst === undefined ? "–" : fmtMs(serverFirst * 1000);
   const rtf = pg.done && pg.done.times.rtf !== null ? `RTF ${pg.done.times.rtf.toFixed(2)} · ` : "";
   $("m-audio").textContent = pg.receivedSeconds ? `${pg.receivedSeconds.toFixed(2)} s` : "–";
