@@ -30,7 +30,8 @@ from cosystream.server.app import build_app
 from cosystream.server.state import ServerSettings
 from cosystream.testing.browser import chromium, missing_browser
 
-pytestmark = pytest.mark.browser
+# the browser fixture first: without Chromium the tests skip before the live server loads the model
+pytestmark = [pytest.mark.browser, pytest.mark.usefixtures("driver")]
 
 SAMPLE_RATE = 24000
 FIRST_HOP = 5  # speech tokens in the first chunk: a short first chunk, so later chunks follow it
@@ -59,7 +60,7 @@ window.WebSocket = class extends window.WebSocket {
 """
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def driver() -> Iterator[Any]:
     reason = missing_browser()
     if reason is not None:

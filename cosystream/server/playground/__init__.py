@@ -42,6 +42,9 @@ def public_paths(files: dict[str, bytes]) -> tuple[str, ...]:
 
 def install_playground(app: FastAPI, files: dict[str, bytes]) -> None:
     """Add GET routes for `/` and every asset, kept out of the OpenAPI schema (they are no API)."""
+    if INDEX not in files:  # a broken install: say so at start, not with a 404 at the first visit
+        raise FileNotFoundError(f"{INDEX} of the web playground is missing from the cosystream package "
+                                "(reinstall it, or serve with --no-playground)")
     router = APIRouter(include_in_schema=False)
     for path in public_paths(files):
         name = INDEX if path == "/" else path[len(ASSET_PREFIX):]
