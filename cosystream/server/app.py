@@ -27,6 +27,7 @@ from cosystream.server import native, openai_speech, websocket
 from cosystream.server.auth import install_access
 from cosystream.server.errors import ApiError, install_handlers
 from cosystream.server.metrics import CONTENT_TYPE
+from cosystream.server.playground import asset_files, install_playground, public_paths
 from cosystream.server.protocol import (
     EXTRA_SCHEMAS,
     ChunkEvent,
@@ -150,7 +151,12 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     app.state.server = ServerState(engine, settings)
     install_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_upload_bytes)
-    install_access(app, settings.api_keys, settings.auth_exempt_paths, settings.cors_origins)
+    exempt_paths = settings.auth_exempt_paths
+    if settings.playground:  # the page is public; the API calls it makes carry the user's key
+        playground_files = asset_files()
+        exempt_paths += public_paths(playground_files)
+        install_playground(app, playground_files)
+    install_access(app, settings.api_keys, exempt_paths, settings.cors_origins)
     for router in (openai_speech.router, native.router, websocket.router, ops):
         app.include_router(router)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]

@@ -40,6 +40,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                        help="any EngineConfig field, e.g. final_attention=chunk, flow_slots=28, flow_frames=832")
     serve.add_argument("--no-warmup", action="store_true", help="skip CUDA graph capture at start (debugging)")
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    serve.add_argument("--no-playground", action="store_true",
+                       help="do not serve the web playground at / (docs/playground.md)")
     _add_limit_flags(serve)
     _add_access_flags(serve)
     serve.set_defaults(handler=run_serve)
@@ -97,7 +99,8 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | os._E
         request_timeout_s=args.request_timeout_s or None, ws_max_message_bytes=int(args.ws_max_message_kb * 1024),
         ws_max_messages_per_s=args.ws_max_messages_per_s, api_keys=api_keys_from(args, environ),
         auth_exempt_paths=tuple(args.auth_exempt) if args.auth_exempt is not None else _DEFAULTS.auth_exempt_paths,
-        cors_origins=tuple(args.cors_origin), warmup=not args.no_warmup, requests_kept=args.requests_kept)
+        cors_origins=tuple(args.cors_origin), warmup=not args.no_warmup, requests_kept=args.requests_kept,
+        playground=not args.no_playground)
 
 
 def _budget(text: str) -> float | None:

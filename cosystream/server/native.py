@@ -28,7 +28,16 @@ from cosystream.server.inputs import (
     media_type,
 )
 from cosystream.server.openai_speech import AUDIO_RESPONSES
-from cosystream.server.protocol import ErrorResponse, FinishedRequest, SynthesisOptions, TTSRequest, Voice, VoiceList
+from cosystream.server.protocol import (
+    ErrorResponse,
+    FinishedRequest,
+    Speaker,
+    SpeakerList,
+    SynthesisOptions,
+    TTSRequest,
+    Voice,
+    VoiceList,
+)
 from cosystream.server.session import (
     NDJSON_MEDIA_TYPE,
     SSE_MEDIA_TYPE,
@@ -208,6 +217,14 @@ async def add_voice(request: Request, name: str = Form(..., min_length=1, max_le
 async def list_voices(request: Request) -> VoiceList:
     infos = await run_in_threadpool(get_state(request).engine.list_voices)  # SQLite read: off the loop
     return VoiceList(voices=[voice_out(info) for info in infos])
+
+
+@router.get("/v1/speakers", tags=["voices"], response_model=SpeakerList,
+            summary="The model's built-in speakers (spk2info.pt), for mode sft")
+async def list_speakers(request: Request) -> SpeakerList:
+    table = getattr(getattr(get_state(request).engine, "frontend", None), "speakers", None) or {}
+    return SpeakerList(speakers=[Speaker(name=name, zero_shot=getattr(entry, "prompt", None) is not None)
+                                 for name, entry in sorted(table.items())])
 
 
 @router.get("/v1/voices/{name}", tags=["voices"], response_model=Voice, responses=_VOICE_ERRORS,

@@ -215,6 +215,18 @@ class VoiceList(BaseModel):
     voices: list[Voice]
 
 
+class Speaker(BaseModel):
+    name: str
+    zero_shot: bool = Field(description="true: the entry holds a prompt, so it also works as `voice` (zero_shot, "
+                                        "cross_lingual, instruct2); false: sft only")
+
+
+class SpeakerList(BaseModel):
+    """The model's built-in speakers (spk2info.pt): `sft_speaker` values of mode sft. Empty: no sft."""
+
+    speakers: list[Speaker]
+
+
 class Health(BaseModel):
     status: Literal["ok", "starting"]
 

@@ -37,6 +37,7 @@ class ServerSettings:
     api_keys: frozenset[str] = frozenset()  # bearer tokens; empty: no authentication
     auth_exempt_paths: tuple[str, ...] = ("/health", "/ready")  # probes answer without a key
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API; empty: no CORS headers
+    playground: bool = True  # serve the web playground at / (docs/playground.md)
     # lifecycle
     warmup: bool = True  # run engine.warmup() in the background at startup; /ready answers 503 until done
     close_engine: bool = True  # the lifespan closes the engine at shutdown
