@@ -31,6 +31,7 @@ _ONNX_TO_TORCH_DTYPE = {
     9: torch.bool, 10: torch.float16, 11: torch.float64, 16: torch.bfloat16,
 }
 _FLOAT_ONNX_TYPES = {1, 10, 11, 16}
+MAX_CPU_NUMEL = 1024  # integer/boolean results up to this size stay on the CPU (shapes, lengths, small masks)
 
 Attrs = dict[str, Any]
 OpFn = Callable[["_Context", list[Any], Attrs], list[torch.Tensor]]
@@ -550,4 +551,11 @@ class TorchOnnxGraph:
             outs = OPS[node.op_type](self.ctx, args, node.attrs)
         for name, out in zip(node.outputs, outs, strict=False):
             if name:
-                values[name] = out
+                values[name] = self._settle(out)
+
+    def _settle(self, out: torch.Tensor) -> torch.Tensor:
+        """A CPU result larger than shape bookkeeping (a mask expanded to [B, T, T]) moves to the device, where
+        the work that reads it runs."""
+        if out.device.type == "cpu" and self.ctx.device.type != "cpu" and out.numel() > MAX_CPU_NUMEL:
+            return out.to(self.ctx.device)
+        return out

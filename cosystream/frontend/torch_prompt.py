@@ -187,27 +187,37 @@ class TorchPromptAnalyzer:
 
     def tokenize(self, wavs_16k: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """16 kHz waveforms [N_i] -> raw speech tokens, int32 [~N_i / 640] each (CPU)."""
-        feats = [whisper_log_mel(w.to(self.device, torch.float32)) for w in wavs_16k]
-        return [t.to("cpu", torch.int32) for t in self.tokenizer.run(feats)]
+        return [t.to("cpu", torch.int32) for t in self._tokens(wavs_16k)]
 
     def embed(self, wavs_16k: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """16 kHz waveforms -> CAM++ x-vectors, float32 [192] each (CPU)."""
-        feats = [speaker_features(w.to(self.device, torch.float32)).T for w in wavs_16k]
-        return [x.to("cpu", torch.float32).reshape(-1) for x in self.speaker.run(feats)]
+        return [x.to("cpu", torch.float32) for x in self._xvectors(wavs_16k)]
 
     def mels(self, wavs_24k: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Flow-rate waveforms -> prompt mels, float32 [M_i // hop, num_mels] each (CPU)."""
-        return [prompt_mel(w.to(self.device, torch.float32), self.mel_dims).cpu() for w in wavs_24k]
+        return [m.cpu() for m in self._mels(wavs_24k)]
 
     def analyse(self, prompts: Sequence[PromptAudio]) -> list[PromptAnalysis]:
         """The raw analysis of each prompt (align with `build_voice_prompt`), batched across the list."""
         if not prompts:
             return []
-        wavs_16k = [p.wav_16k.to(self.device, torch.float32, non_blocking=True) for p in prompts]
-        tokens = self.tokenize(wavs_16k)
-        xvectors = self.embed(wavs_16k)
-        mels = self.mels([p.wav_24k for p in prompts])
-        return [PromptAnalysis(t, m, x) for t, m, x in zip(tokens, mels, xvectors, strict=True)]
+        wavs_16k = [p.wav_16k.to(self.device, torch.float32) for p in prompts]
+        # everything is queued on the device before the first copy back waits for it
+        tokens, xvectors, mels = self._tokens(wavs_16k), self._xvectors(wavs_16k), self._mels(
+            [p.wav_24k for p in prompts])
+        return [PromptAnalysis(t.to("cpu", torch.int32), m.cpu(), x.to("cpu", torch.float32))
+                for t, m, x in zip(tokens, mels, xvectors, strict=True)]
+
+    def _tokens(self, wavs_16k: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        feats = [whisper_log_mel(w.to(self.device, torch.float32)) for w in wavs_16k]
+        return [t.reshape(-1) for t in self.tokenizer.run(feats)]
+
+    def _xvectors(self, wavs_16k: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        feats = [speaker_features(w.to(self.device, torch.float32)).T for w in wavs_16k]
+        return [x.reshape(-1) for x in self.speaker.run(feats)]
+
+    def _mels(self, wavs_24k: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return [prompt_mel(w.to(self.device, torch.float32), self.mel_dims) for w in wavs_24k]
 
 
 def _feature_channels(graph: BatchedGraph, axis: int) -> int:

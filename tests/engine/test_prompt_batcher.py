@@ -173,3 +173,20 @@ def test_uploaded_recordings_are_reused_by_content_and_bounded(engine, monkeypat
     assert len(analysed) == 3
     resolve(recordings[1])
     assert len(analysed) == 4 and len(ae._uploads) == 2
+
+
+def test_a_graph_the_torch_runner_cannot_run_keeps_the_onnx_analysis(frontend, checkpoint, monkeypatch, caplog):
+    from cosystream.engine import prompt_batcher
+    from cosystream.frontend.onnx_torch import UnsupportedGraph
+
+    def refuse(*args, **kwargs):
+        raise UnsupportedGraph("speech_tokenizer_v2.onnx: operators not supported by the torch runner: Loop")
+
+    monkeypatch.setattr(prompt_batcher.TorchPromptAnalyzer, "from_checkpoint", refuse)
+    batcher = PromptBatcher.for_engine(frontend, checkpoint, "cpu", use_torch=True)
+    assert not batcher.batched
+    assert "Loop" in caplog.text
+    recording = _speech(1.0, 11)
+    assert torch.equal(batcher.make_voice_prompt(recording).prompt_speech_tokens,
+                       frontend.make_voice_prompt(recording).prompt_speech_tokens)
+    batcher.close()
