@@ -38,21 +38,53 @@ OpFn = Callable[["_Context", list[Any], Attrs], list[torch.Tensor]]
 
 
 class _Context:
-    """Where float work happens and in which dtype."""
+    """Where float work happens and in which dtype.
+
+    Float scalars (graph constants such as 1/sqrt(d), the FSQ scale, a GELU's 0.5) stay float32 CPU
+    tensors: combined with a device tensor they act as exact scalars (torch computes in its op math type),
+    so bf16/fp16 runs do not round the constants themselves, and length arithmetic done in float stays
+    exact.
+    """
 
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         self.device = device
         self.dtype = dtype
 
+    def to_compute(self, t: torch.Tensor) -> torch.Tensor:
+        """On the device; floats in the compute dtype."""
+        return t.to(self.device, self.dtype if t.dtype.is_floating_point else None)
+
     def same_place(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Bring CPU helpers (scalars, masks) to the device where any operand already lives there."""
+        """Operands of one op on one device and, for floats, one dtype (the compute dtype wins over float32)."""
+        floats = {t.dtype for t in tensors if t.dtype.is_floating_point}
+        if len(floats) > 1:
+            tensors = [t.to(self.dtype) if t.dtype.is_floating_point else t for t in tensors]
         if any(t.device != torch.device("cpu") for t in tensors):
-            return [t.to(self.device) for t in tensors]
+            return [self.to_compute(t) for t in tensors]
         return list(tensors)
 
-    def cast_target(self, onnx_type: int) -> torch.dtype:
-        # a float cast keeps the compute dtype: the graph was exported in float32, the dtype is our choice
-        return self.dtype if onnx_type in _FLOAT_ONNX_TYPES else _ONNX_TO_TORCH_DTYPE[onnx_type]
+    def pair(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Operands of an elementwise arithmetic op. A one-element CPU operand meeting a device tensor becomes a
+        0-d CPU scalar (no copy to the device; torch's type promotion gives the device tensor's dtype, and the
+        result shape is unchanged since the other operand has at least its rank)."""
+        if a.device != b.device:
+            if _scalar_for(b, a):
+                return a, b.reshape(())
+            if _scalar_for(a, b):
+                return a.reshape(()), b
+        x, y = self.same_place([a, b])
+        return x, y
+
+    def cast_target(self, onnx_type: int, source: torch.Tensor) -> torch.dtype:
+        """A cast to float keeps the compute dtype on the device (the graph was exported in float32; the dtype is
+        our choice) and float32 on the CPU, where only shape and length arithmetic lives."""
+        if onnx_type in _FLOAT_ONNX_TYPES:
+            return self.dtype if source.device.type != "cpu" or source.dtype == self.dtype else torch.float32
+        return _ONNX_TO_TORCH_DTYPE[onnx_type]
+
+
+def _scalar_for(t: torch.Tensor, other: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.numel() == 1 and other.ndim >= t.ndim
 
 
 def _ints(t: torch.Tensor) -> list[int]:
@@ -65,7 +97,7 @@ def _axis(axis: int, ndim: int) -> int:
 
 def _binary(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> OpFn:
     def op(ctx: _Context, x: list[Any], attrs: Attrs) -> list[torch.Tensor]:
-        a, b = ctx.same_place(x)
+        a, b = ctx.pair(x[0], x[1])
         return [fn(a, b)]
     return op
 
@@ -81,20 +113,21 @@ def _div(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _mod(ctx: _Context, x: list[Any], attrs: Attrs) -> list[torch.Tensor]:
-    a, b = ctx.same_place(x)
+    a, b = ctx.pair(x[0], x[1])
     return [torch.fmod(a, b) if attrs.get("fmod", 0) else torch.remainder(a, b)]
 
 
 def _pow(ctx: _Context, x: list[Any], attrs: Attrs) -> list[torch.Tensor]:
-    a, b = ctx.same_place(x)
-    if b.numel() == 1 and float(b) == 2.0:
+    a, b = x
+    if b.numel() == 1 and b.device.type == "cpu" and float(b) == 2.0:
         return [a * a]  # the exact square, as onnxruntime computes it
-    return [torch.pow(a, b.to(a.dtype))]
+    a, b = ctx.pair(a, b)
+    return [torch.pow(a, b)]
 
 
 def _conv(ctx: _Context, x: list[Any], attrs: Attrs) -> list[torch.Tensor]:
-    inp, weight = x[0], x[1]
-    bias = x[2] if len(x) > 2 and x[2] is not None else None
+    inp, weight = x[0], ctx.to_compute(x[1])
+    bias = ctx.to_compute(x[2]) if len(x) > 2 and x[2] is not None else None
     dims = weight.ndim - 2
     if attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
         raise UnsupportedGraph("Conv: auto_pad is not supported")
@@ -118,14 +151,14 @@ def _matmul(ctx: _Context, x: list[Any], attrs: Attrs) -> list[torch.Tensor]:
 
 
 def _gemm(ctx: _Context, x: list[Any], attrs: Attrs) -> list[torch.Tensor]:
-    a, b = x[0], x[1]
+    a, b = ctx.same_place([x[0], x[1]])
     if attrs.get("transA", 0):
         a = a.T
     if attrs.get("transB", 0):
         b = b.T
     out = attrs.get("alpha", 1.0) * (a @ b)
     if len(x) > 2 and x[2] is not None:
-        out = out + attrs.get("beta", 1.0) * x[2]
+        out = out + attrs.get("beta", 1.0) * ctx.to_compute(x[2])
     return [out]
 
 
@@ -283,7 +316,7 @@ def _where(ctx: _Context, x: list[Any], attrs: Attrs) -> list[torch.Tensor]:
 
 
 def _cast(ctx: _Context, x: list[Any], attrs: Attrs) -> list[torch.Tensor]:
-    return [x[0].to(ctx.cast_target(attrs["to"]))]
+    return [x[0].to(ctx.cast_target(attrs["to"], x[0]))]
 
 
 def _softmax(ctx: _Context, x: list[Any], attrs: Attrs) -> list[torch.Tensor]:
@@ -295,19 +328,20 @@ def _log_softmax(ctx: _Context, x: list[Any], attrs: Attrs) -> list[torch.Tensor
 
 
 def _layer_norm(ctx: _Context, x: list[Any], attrs: Attrs) -> list[torch.Tensor]:
-    data, scale = x[0], x[1]
-    bias = x[2] if len(x) > 2 else None
+    data, scale = x[0], ctx.to_compute(x[1])
+    bias = ctx.to_compute(x[2]) if len(x) > 2 and x[2] is not None else None
     axis = _axis(attrs.get("axis", -1), data.ndim)
     return [F.layer_norm(data, data.shape[axis:], scale, bias, eps=attrs.get("epsilon", 1e-5))]
 
 
 def _batch_norm(ctx: _Context, x: list[Any], attrs: Attrs) -> list[torch.Tensor]:
-    data, scale, bias, mean, var = x[:5]
+    data, (scale, bias, mean, var) = x[0], (ctx.to_compute(t) for t in x[1:5])
     return [F.batch_norm(data, mean, var, scale, bias, training=False, eps=attrs.get("epsilon", 1e-5))]
 
 
 def _instance_norm(ctx: _Context, x: list[Any], attrs: Attrs) -> list[torch.Tensor]:
-    return [F.instance_norm(x[0], weight=x[1], bias=x[2], eps=attrs.get("epsilon", 1e-5))]
+    return [F.instance_norm(x[0], weight=ctx.to_compute(x[1]), bias=ctx.to_compute(x[2]),
+                            eps=attrs.get("epsilon", 1e-5))]
 
 
 def _pad(ctx: _Context, x: list[Any], attrs: Attrs) -> list[torch.Tensor]:
@@ -496,10 +530,11 @@ class TorchOnnxGraph:
         self._last_use = self._last_uses()
 
     def _place(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Floats go to the device in the compute dtype; integers and booleans stay on the CPU (shape math)."""
-        if tensor.dtype.is_floating_point:
+        """Float tensors go to the device in the compute dtype; float scalars (float32), integers and booleans
+        stay on the CPU (constants and shape math)."""
+        if tensor.dtype.is_floating_point and tensor.numel() > 1:
             return tensor.to(device=self.ctx.device, dtype=self.ctx.dtype)
-        return tensor
+        return tensor.to(torch.float32) if tensor.dtype.is_floating_point else tensor
 
     def _constant(self, node: _Node) -> torch.Tensor:
         attrs = node.attrs
@@ -557,5 +592,5 @@ class TorchOnnxGraph:
         """A CPU result larger than shape bookkeeping (a mask expanded to [B, T, T]) moves to the device, where
         the work that reads it runs."""
         if out.device.type == "cpu" and self.ctx.device.type != "cpu" and out.numel() > MAX_CPU_NUMEL:
-            return out.to(self.ctx.device)
+            return self.ctx.to_compute(out)
         return out

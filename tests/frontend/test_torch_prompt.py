@@ -152,3 +152,20 @@ def test_distinct_prompts_give_distinct_results(batched):
     assert not torch.equal(first.tokens, second.tokens)
     assert not torch.allclose(first.xvector, second.xvector)
     assert np.isfinite(first.mel.numpy()).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_official_graphs_run_on_another_device(fixture_set, dtype):
+    """The set's tokenizer and CAM++ graphs on "meta" (a device with shapes but no data, standing in for CUDA):
+    nothing reads a device value back for shape arithmetic, and the x-vector stays in the compute dtype."""
+    from cosystream.frontend.onnx_torch import TorchOnnxGraph
+
+    tokenizer = TorchOnnxGraph(fixture_set.tokenizer, "meta", dtype)
+    frames = 301
+    feats_name, length_name = tokenizer.input_names
+    out = tokenizer({feats_name: torch.randn(2, 128, frames),
+                     length_name: torch.tensor([frames, frames], dtype=torch.int32)})
+    assert tuple(out[tokenizer.output_names[0]].shape) == (2, -(-frames // 4))
+    speaker = TorchOnnxGraph(fixture_set.campplus, "meta", dtype)
+    xvector = speaker({speaker.input_names[0]: torch.randn(2, 200, 80)})[speaker.output_names[0]]
+    assert xvector.device.type == "meta" and xvector.dtype == dtype and xvector.shape[0] == 2

@@ -114,6 +114,26 @@ def test_operator_matches_onnxruntime(tmp_path, op, inputs, inits, attrs, num_ou
         np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize(("op", "inputs", "inits", "attrs", "num_outputs"), CASES,
+                         ids=[f"{case[0]}-{i}" for i, case in enumerate(CASES)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_operator_keeps_its_data_on_the_compute_device(tmp_path, op, inputs, inits, attrs, num_outputs, dtype):
+    """On a device other than the CPU ("meta" stands in for CUDA: it has shapes but no data), float work runs
+    there in the compute dtype while shape arithmetic stays on the CPU; reading a device value for a shape
+    would fail here."""
+    outputs = [f"y{i}" for i in range(num_outputs)]
+    node = helper.make_node(op, list(inputs) + list(inits), outputs, **attrs)
+    out_info = [helper.make_empty_tensor_value_info(name) for name in outputs]
+    path = _save(tmp_path, op, [node], [_value(k, v) for k, v in inputs.items()], out_info,
+                 [_init(k, v) for k, v in inits.items()])
+    expected = ort.InferenceSession(str(path)).run(None, inputs)
+    got = TorchOnnxGraph(path, "meta", dtype)({k: torch.from_numpy(v) for k, v in inputs.items()})
+    for name, want in zip(outputs, expected, strict=True):
+        assert tuple(got[name].shape) == want.shape
+        if want.dtype == np.float32 and got[name].numel() > 1:
+            assert got[name].device.type == "meta" and got[name].dtype == dtype
+
+
 def test_an_unsupported_operator_is_refused_at_load(tmp_path):
     node = helper.make_node("Einsum", ["a", "b"], ["y"], equation="ij,jk->ik")
     path = _save(tmp_path, "einsum", [node], [_value("a", _f(2, 3)), _value("b", _f(3, 2))],
