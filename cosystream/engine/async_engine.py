@@ -131,7 +131,8 @@ class AsyncEngine:
             if free and self._cheap_frontend(params):
                 req = self._build_request(params, emit)
         if req is None:
-            req = await loop.run_in_executor(self.pool, self._build_request, params, emit)
+            req = await loop.run_in_executor(self.prompt_batcher.pool_for(params, self.pool), self._build_request,
+                                             params, emit)
         req.emit = self._emit_or_abort(req.request_id, req.emit)
         req.times.frontend_s = loop.time() - t_submit
         req.t_submit -= req.times.frontend_s  # the request's clock starts at submission

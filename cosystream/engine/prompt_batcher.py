@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +29,7 @@ from cosystream.frontend import AudioInput, Frontend, VoicePrompt
 from cosystream.frontend.audio import PromptAudio
 from cosystream.frontend.onnx_torch import UnsupportedGraph
 from cosystream.frontend.torch_prompt import PromptAnalysis, TorchPromptAnalyzer
+from cosystream.params import SynthesisParams
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,11 @@ class PromptBatcher:
         self._stream = (torch.cuda.Stream(analyzer.device)
                         if analyzer is not None and analyzer.device.type == "cuda" else None)
         self._thread: threading.Thread | None = None
+        # Requests that bring a recording are prepared on these threads: each one mostly waits for its batch,
+        # so a burst needs as many threads as a batch holds (the engine's frontend pool is kept small).
+        self.executor: ThreadPoolExecutor | None = None
         if analyzer is not None:
+            self.executor = ThreadPoolExecutor(max_workers=max_batch, thread_name_prefix="prompt-frontend")
             self._thread = threading.Thread(target=self._serve, name="prompt-analysis", daemon=True)
             self._thread.start()
 
@@ -89,6 +94,12 @@ class PromptBatcher:
     def batched(self) -> bool:
         return self.analyzer is not None
 
+    def pool_for(self, params: SynthesisParams, default: Executor) -> Executor:
+        """Where to prepare a request: this batcher's threads when it brings a recording to analyse in a batch."""
+        if self.executor is not None and params.prompt_audio is not None:
+            return self.executor
+        return default
+
     def make_voice_prompt(self, audio: AudioInput, prompt_text: str = "") -> VoicePrompt:
         """What `Frontend.make_voice_prompt` returns, with the audio analysed in a batch when batching."""
         if self.analyzer is None:
@@ -109,6 +120,8 @@ class PromptBatcher:
     def close(self) -> None:
         """Stop the worker after the batches already queued; later submissions are refused."""
         self._closed = True
+        if self.executor is not None:
+            self.executor.shutdown(wait=False)
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join()

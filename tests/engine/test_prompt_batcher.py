@@ -190,3 +190,24 @@ def test_a_graph_the_torch_runner_cannot_run_keeps_the_onnx_analysis(frontend, c
     assert torch.equal(batcher.make_voice_prompt(recording).prompt_speech_tokens,
                        frontend.make_voice_prompt(recording).prompt_speech_tokens)
     batcher.close()
+
+
+def test_requests_with_a_recording_are_prepared_on_the_batchers_threads(frontend, checkpoint):
+    """The engine's frontend pool is small; requests that wait for a batch get threads of their own, as many as
+    a batch holds, so a burst of recordings can meet in one batch."""
+    default = ThreadPoolExecutor(1)
+    with_audio = SynthesisParams(text="x.", prompt_audio=b"RIFF", prompt_text="a prompt.")
+    registered = SynthesisParams(text="x.", voice="alice")
+    analyzer = GatedAnalyzer()
+    analyzer.release.set()
+    batched = PromptBatcher(frontend, analyzer, max_batch=5)  # type: ignore[arg-type]
+    plain = PromptBatcher.for_engine(frontend, checkpoint, "cpu")
+    try:
+        assert batched.pool_for(with_audio, default) is batched.executor
+        assert batched.executor is not None and batched.executor._max_workers == 5
+        assert batched.pool_for(registered, default) is default
+        assert plain.pool_for(with_audio, default) is default
+    finally:
+        batched.close()
+        plain.close()
+        default.shutdown()
