@@ -74,7 +74,7 @@ class BatchedGraph:
             lengths = [features[i].shape[-1] for i in members]
             for i, row in zip(members, self._call(stacked, lengths), strict=True):
                 results[i] = row
-        return [r for r in results if r is not None]
+        return _complete(results)
 
     def _run_padded(self, features: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         # longest first: a graph may size its output by the first length of the batch
@@ -87,7 +87,7 @@ class BatchedGraph:
         results: list[torch.Tensor | None] = [None] * len(features)
         for row, i in enumerate(order):
             results[i] = rows[row][: self.outputs_for(features[i].shape[-1])]
-        return [r for r in results if r is not None]
+        return _complete(results)
 
     def outputs_for(self, frames: int) -> int:
         assert self.frames_per_output is not None, "only padded graphs slice their rows"
@@ -152,6 +152,12 @@ class BatchedGraph:
         except (RuntimeError, ValueError, IndexError):
             return False
         return _same(rows[1], alone)
+
+
+def _complete(results: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    missing = [i for i, r in enumerate(results) if r is None]
+    assert not missing, f"no result for prompts {missing}"
+    return [r for r in results if r is not None]
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
