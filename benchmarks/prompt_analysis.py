@@ -74,6 +74,16 @@ def timed_ms(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(samples)
 
 
+def parts_ms(analyzer: TorchPromptAnalyzer, prompts: Sequence[PromptAudio], repeats: int) -> dict[str, float]:
+    """Per prompt, in the largest batch: speech tokens, x-vectors and prompt mels timed apart (each synchronised
+    by its copy back to the CPU), to show which part dominates."""
+    wavs_16k = [p.wav_16k for p in prompts]
+    wavs_24k = [p.wav_24k for p in prompts]
+    return {"tokens": timed_ms(lambda: analyzer.tokenize(wavs_16k), repeats) / len(prompts),
+            "xvector": timed_ms(lambda: analyzer.embed(wavs_16k), repeats) / len(prompts),
+            "mel": timed_ms(lambda: analyzer.mels(wavs_24k), repeats) / len(prompts)}
+
+
 def agreement(reference: Sequence[PromptAnalysis], results: Sequence[PromptAnalysis]) -> dict[str, float]:
     equal_tokens = total_tokens = prompts_equal = 0
     xvector_diff, cosine = 0.0, 1.0
@@ -107,6 +117,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             batch = prompts[:size]
             entry[f"batch{size}_ms_per_prompt"] = timed_ms(lambda a=analyzer, b=batch: a.analyse(b),
                                                            args.repeats) / size
+        entry["parts_ms_per_prompt"] = parts_ms(analyzer, prompts[:max(batch_sizes)], args.repeats)
         entry.update(agreement(reference, analyzer.analyse(prompts)))
         report["dtypes"][name] = entry
         del analyzer
@@ -118,7 +129,9 @@ def print_report(report: dict[str, Any]) -> None:
           f"ONNX on the CPU: {report['onnx_cpu_ms_per_prompt']:.1f} ms per prompt")
     for name, entry in report["dtypes"].items():
         times = ", ".join(f"{k.removesuffix('_ms_per_prompt')} {v:.2f}" for k, v in entry.items()
-                          if k.endswith("_ms_per_prompt"))
+                          if k.startswith("batch"))
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in entry["parts_ms_per_prompt"].items())
+        times += f" (largest batch: {parts})"
         print(f"  {name}: ms per prompt: {times}; modes {entry['tokenizer_batch_mode']}/{entry['speaker_batch_mode']}")
         print(f"    vs ONNX: tokens {entry['token_agreement']:.4%} equal, {entry['prompts_all_tokens_equal']}/"
               f"{entry['prompts']} prompts all equal; x-vector max |diff| {entry['xvector_max_abs_diff']:.2e}, "

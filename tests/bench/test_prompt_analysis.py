@@ -23,5 +23,6 @@ def test_prompt_analysis_benchmark_reports_times_and_agreement(fixture_dir, tmp_
         assert entry["batch1_ms_per_prompt"] > 0 and entry["batch3_ms_per_prompt"] > 0
         assert entry["tokenizer_batch_mode"] in ("padded", "same_length", "single")
         assert 0.0 <= entry["token_agreement"] <= 1.0
+        assert set(entry["parts_ms_per_prompt"]) == {"tokens", "xvector", "mel"}
     assert report["onnx_cpu_ms_per_prompt"] > 0
     assert "bfloat16" in capsys.readouterr().out
