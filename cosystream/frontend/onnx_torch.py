@@ -56,10 +56,13 @@ class _Context:
 
     def same_place(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Operands of one op on one device and, for floats, one dtype (the compute dtype wins over float32)."""
+        first = tensors[0]
+        if all(t.is_cpu == first.is_cpu and t.dtype == first.dtype for t in tensors):
+            return list(tensors)
         floats = {t.dtype for t in tensors if t.dtype.is_floating_point}
         if len(floats) > 1:
             tensors = [t.to(self.dtype) if t.dtype.is_floating_point else t for t in tensors]
-        if any(t.device != torch.device("cpu") for t in tensors):
+        if not all(t.is_cpu for t in tensors):
             return [self.to_compute(t) for t in tensors]
         return list(tensors)
 
@@ -67,7 +70,9 @@ class _Context:
         """Operands of an elementwise arithmetic op. A one-element CPU operand meeting a device tensor becomes a
         0-d CPU scalar (no copy to the device; torch's type promotion gives the device tensor's dtype, and the
         result shape is unchanged since the other operand has at least its rank)."""
-        if a.device != b.device:
+        if a.is_cpu == b.is_cpu and a.dtype == b.dtype:
+            return a, b
+        if a.is_cpu != b.is_cpu:
             if _scalar_for(b, a):
                 return a, b.reshape(())
             if _scalar_for(a, b):
@@ -79,12 +84,12 @@ class _Context:
         """A cast to float keeps the compute dtype on the device (the graph was exported in float32; the dtype is
         our choice) and float32 on the CPU, where only shape and length arithmetic lives."""
         if onnx_type in _FLOAT_ONNX_TYPES:
-            return self.dtype if source.device.type != "cpu" or source.dtype == self.dtype else torch.float32
+            return self.dtype if not source.is_cpu or source.dtype == self.dtype else torch.float32
         return _ONNX_TO_TORCH_DTYPE[onnx_type]
 
 
 def _scalar_for(t: torch.Tensor, other: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.numel() == 1 and other.ndim >= t.ndim
+    return t.is_cpu and t.numel() == 1 and other.ndim >= t.ndim
 
 
 def _ints(t: torch.Tensor) -> list[int]:
@@ -477,6 +482,13 @@ OPS: dict[str, OpFn] = {**_elementwise_ops(), **_shape_ops(), **_compute_ops()}
 SUPPORTED_OPS = frozenset(OPS) | {"Constant", "Split"}
 
 
+def _op_for(node: _Node) -> OpFn:
+    if node.op_type == "Split":
+        count = len(node.outputs)
+        return lambda ctx, x, attrs: _split(ctx, x, attrs, count)
+    return OPS[node.op_type]
+
+
 def _attribute_value(attr: Any) -> Any:
     from onnx import helper, numpy_helper
 
@@ -524,10 +536,27 @@ class TorchOnnxGraph:
         self.output_names = [o.name for o in graph.output]
         self.nodes = [_Node(n.op_type, list(n.input), list(n.output),
                             {a.name: _attribute_value(a) for a in n.attribute}, n.name) for n in graph.node]
+        # constants join the initialisers; the rest becomes a plan of (op, inputs, outputs, attributes, values
+        # to free after it), so a call does no per-node lookups beyond the op itself
+        self.constants = dict(self.initializers)
         for node in self.nodes:
             if node.op_type == "Constant":
-                node.attrs = {"value": self._constant(node)}
-        self._last_use = self._last_uses()
+                self.constants[node.outputs[0]] = self._constant(node)
+        self._plan = self._build_plan([n for n in self.nodes if n.op_type != "Constant"])
+
+    def _build_plan(self, nodes: list[_Node]) -> list[tuple[OpFn, tuple[str, ...], tuple[str, ...], Attrs,
+                                                           tuple[str, ...]]]:
+        last: dict[str, int] = {}
+        for index, node in enumerate(nodes):
+            for name in node.inputs:
+                if name and name not in self.constants:
+                    last[name] = index
+        keep = set(self.output_names)
+        plan = []
+        for index, node in enumerate(nodes):
+            frees = tuple(dict.fromkeys(n for n in node.inputs if last.get(n) == index and n not in keep))
+            plan.append((_op_for(node), tuple(node.inputs), tuple(node.outputs), node.attrs, frees))
+        return plan
 
     def _place(self, tensor: torch.Tensor) -> torch.Tensor:
         """Float tensors go to the device in the compute dtype; float scalars (float32), integers and booleans
@@ -548,18 +577,8 @@ class TorchOnnxGraph:
                 return self._place(torch.tensor(list(attrs[key]), dtype=dtype))
         raise UnsupportedGraph(f"{self.path.name}: Constant node {node.name!r} has no supported value")
 
-    def _last_uses(self) -> dict[str, int]:
-        """The index of the last node reading each value, so intermediates are freed as soon as possible."""
-        last: dict[str, int] = {}
-        for index, node in enumerate(self.nodes):
-            for name in node.inputs:
-                last[name] = index
-        for name in self.output_names:
-            last[name] = len(self.nodes)
-        return last
-
     def __call__(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        values: dict[str, torch.Tensor] = dict(self.initializers)
+        values: dict[str, torch.Tensor] = dict(self.constants)
         for name in self.input_names:
             if name not in inputs:
                 raise ValueError(f"{self.path.name}: missing input {name!r}")
@@ -567,30 +586,20 @@ class TorchOnnxGraph:
             if self.input_types.get(name) in _FLOAT_ONNX_TYPES:
                 tensor = tensor.to(device=self.ctx.device, dtype=self.ctx.dtype)
             values[name] = tensor
+        ctx, settle = self.ctx, self.ctx.device.type != "cpu"
         with torch.inference_mode():
-            for index, node in enumerate(self.nodes):
-                self._run_node(node, values)
-                for name in node.inputs:
-                    if self._last_use.get(name) == index and name not in self.initializers:
-                        values.pop(name, None)
+            for fn, names, outputs, attrs, frees in self._plan:
+                outs = fn(ctx, [values[name] if name else None for name in names], attrs)
+                for name, out in zip(outputs, outs, strict=False):
+                    if name:
+                        values[name] = self._settle(out) if settle else out
+                for name in frees:
+                    del values[name]
         return {name: values[name] for name in self.output_names}
-
-    def _run_node(self, node: _Node, values: dict[str, torch.Tensor]) -> None:
-        if node.op_type == "Constant":
-            values[node.outputs[0]] = node.attrs["value"]
-            return
-        args = [values[name] if name else None for name in node.inputs]
-        if node.op_type == "Split":
-            outs = _split(self.ctx, args, node.attrs, len(node.outputs))
-        else:
-            outs = OPS[node.op_type](self.ctx, args, node.attrs)
-        for name, out in zip(node.outputs, outs, strict=False):
-            if name:
-                values[name] = self._settle(out)
 
     def _settle(self, out: torch.Tensor) -> torch.Tensor:
         """A CPU result larger than shape bookkeeping (a mask expanded to [B, T, T]) moves to the device, where
         the work that reads it runs."""
-        if out.device.type == "cpu" and self.ctx.device.type != "cpu" and out.numel() > MAX_CPU_NUMEL:
+        if out.is_cpu and out.numel() > MAX_CPU_NUMEL:
             return self.ctx.to_compute(out)
         return out
