@@ -2,7 +2,8 @@
 and what bf16/fp16 change in the tokens and x-vectors against the ONNX (float32) results.
 
     python benchmarks/prompt_analysis.py --model-dir MODEL_DIR --device cuda \
-        [--seconds 6] [--batch-sizes 1,4,16] [--dtypes float32,bfloat16,float16] [--repeats 5] [--out FILE.json]
+        [--seconds 6] [--batch-sizes 1,4,16] [--dtypes float32,bfloat16,float16] [--speaker-threads 8] \
+        [--repeats 5] [--out FILE.json]
 
 Prompts are synthetic voiced signals of `--seconds` (each one a little longer than the one before,
 `--jitter-ms`, so every batch holds distinct lengths as real traffic does; 0 gives equal lengths) at
@@ -109,18 +110,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               "model_dir": str(args.model_dir), "dtypes": {}}
     report["onnx_cpu_ms_per_prompt"] = timed_ms(lambda: onnx_analysis(onnx_tok, onnx_spk, mel_dims, prompts[0]),
                                                 args.repeats)
-    for name in args.dtypes.split(","):
-        analyzer = TorchPromptAnalyzer(tokenizer_path, campplus_path, mel_dims, args.device, DTYPES[name])
+    variants = [(name, 0) for name in args.dtypes.split(",")]
+    if args.speaker_threads > 0:
+        variants += [(name, args.speaker_threads) for name in args.dtypes.split(",")]
+    for name, threads in variants:
+        analyzer = TorchPromptAnalyzer(tokenizer_path, campplus_path, mel_dims, args.device, DTYPES[name],
+                                       speaker_threads=threads)
         entry: dict[str, Any] = {"tokenizer_batch_mode": analyzer.tokenizer.mode,
-                                 "speaker_batch_mode": analyzer.speaker.mode}
+                                 "speaker_batch_mode": analyzer.speaker_mode}
         for size in batch_sizes:  # batch 1 is the unbatched analysis
             batch = prompts[:size]
             entry[f"batch{size}_ms_per_prompt"] = timed_ms(lambda a=analyzer, b=batch: a.analyse(b),
                                                            args.repeats) / size
         entry["parts_ms_per_prompt"] = parts_ms(analyzer, prompts[:max(batch_sizes)], args.repeats)
         entry.update(agreement(reference, analyzer.analyse(prompts)))
-        report["dtypes"][name] = entry
-        del analyzer
+        report["dtypes"][name if threads == 0 else f"{name}+campplus_cpu{threads}"] = entry
+        analyzer.close()
     return report
 
 
@@ -147,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rate", type=int, default=24000, help="sample rate of the synthetic recordings")
     p.add_argument("--batch-sizes", default="1,4,16")
     p.add_argument("--dtypes", default="float32,bfloat16,float16")
+    p.add_argument("--speaker-threads", type=int, default=8,
+                   help="also time CAM++ on onnxruntime on the CPU, this many prompts at once (0: skip)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", help="write the report as JSON here")
     return p

@@ -37,6 +37,9 @@ COLLECT_WINDOW_S = 0.002  # how long a batch stays open for prompts that arrive 
 MAX_BATCH = 16  # prompts per batch; a burst larger than this becomes several batches
 # float32 keeps the official tokens; benchmarks/prompt_analysis.py measures what bf16/fp16 change
 ANALYSIS_DTYPE = torch.float32
+# 0: CAM++ on the GPU; N > 0: CAM++ on onnxruntime on the CPU, N prompts at once, beside the GPU work
+# (benchmarks/prompt_analysis.py --speaker-threads measures which is faster for prompts of distinct lengths)
+SPEAKER_THREADS = 0
 
 
 @dataclass
@@ -84,7 +87,7 @@ class PromptBatcher:
         if not use_torch:
             return cls(frontend)
         try:
-            analyzer = TorchPromptAnalyzer.from_checkpoint(checkpoint, device, ANALYSIS_DTYPE)
+            analyzer = TorchPromptAnalyzer.from_checkpoint(checkpoint, device, ANALYSIS_DTYPE, SPEAKER_THREADS)
         except UnsupportedGraph as exc:
             log.warning("prompt analysis stays on onnxruntime: %s", exc)
             return cls(frontend)
@@ -125,6 +128,8 @@ class PromptBatcher:
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join()
+        if self.analyzer is not None:
+            self.analyzer.close()
         while True:  # a submission that raced with closing: its caller must not wait forever
             try:
                 job = self._queue.get_nowait()

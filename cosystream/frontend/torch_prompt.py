@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,7 @@ import torch
 from cosystream.checkpoint import Checkpoint, MelDims
 from cosystream.frontend.audio import PromptAudio, prompt_mel, speaker_features, whisper_log_mel
 from cosystream.frontend.onnx_torch import TorchOnnxGraph, UnsupportedGraph
+from cosystream.frontend.speaker import SpeakerEncoder
 
 BATCH_MODES = ("padded", "same_length", "single")
 PROBE_SEED = 20240538
@@ -172,24 +174,47 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 class TorchPromptAnalyzer:
     """Speech tokenizer (v2 or v3) + CAM++ + the three spectral front ends, in torch, for lists of prompts.
 
+    `speaker_threads` > 0 runs CAM++ on onnxruntime on the CPU instead, that many prompts at once, while
+    the device computes the tokens and mels: an option for a CAM++ graph that cannot batch prompts of
+    different lengths (its batch mode is measured), where one device call per prompt may cost more than
+    parallel CPU runs (benchmarks/prompt_analysis.py measures both).
+
     Not thread-safe: one caller at a time (the engine's prompt batcher owns one).
     """
 
     def __init__(self, speech_tokenizer: str | Path, campplus: str | Path, mel_dims: MelDims,
-                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> None:
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 speaker_threads: int = 0) -> None:
         self.device = torch.device(device)
         self.dtype = dtype
         self.mel_dims = mel_dims
         self.tokenizer = BatchedGraph(TorchOnnxGraph(speech_tokenizer, self.device, dtype), sequence_axis=2)
-        self.speaker = BatchedGraph(TorchOnnxGraph(campplus, self.device, dtype), sequence_axis=1)
         self.tokenizer.probe_batching(channels=_feature_channels(self.tokenizer, axis=1))
-        self.speaker.probe_batching(channels=_feature_channels(self.speaker, axis=2))
+        self.speaker: BatchedGraph | None = None
+        self._cpu_speaker: SpeakerEncoder | None = None
+        self._speaker_pool: ThreadPoolExecutor | None = None
+        if speaker_threads > 0:
+            self._cpu_speaker = SpeakerEncoder(campplus)
+            self._speaker_pool = ThreadPoolExecutor(speaker_threads, thread_name_prefix="campplus")
+        else:
+            self.speaker = BatchedGraph(TorchOnnxGraph(campplus, self.device, dtype), sequence_axis=1)
+            self.speaker.probe_batching(channels=_feature_channels(self.speaker, axis=2))
 
     @classmethod
     def from_checkpoint(cls, checkpoint: Checkpoint, device: str | torch.device = "cpu",
-                        dtype: torch.dtype = torch.float32) -> TorchPromptAnalyzer:
+                        dtype: torch.dtype = torch.float32, speaker_threads: int = 0) -> TorchPromptAnalyzer:
         files = checkpoint.files
-        return cls(files.speech_tokenizer, files.campplus, checkpoint.hparams.mel, device, dtype)
+        return cls(files.speech_tokenizer, files.campplus, checkpoint.hparams.mel, device, dtype, speaker_threads)
+
+    @property
+    def speaker_mode(self) -> str:
+        """How CAM++ runs: a batch mode of BATCH_MODES on the device, or on the CPU."""
+        return self.speaker.mode if self.speaker is not None else "onnxruntime_cpu"
+
+    def close(self) -> None:
+        """Stop the CPU speaker threads, if any."""
+        if self._speaker_pool is not None:
+            self._speaker_pool.shutdown(wait=False)
 
     def tokenize(self, wavs_16k: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """16 kHz waveforms [N_i] -> raw speech tokens, int32 [~N_i / 640] each (CPU)."""
@@ -197,6 +222,8 @@ class TorchPromptAnalyzer:
 
     def embed(self, wavs_16k: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """16 kHz waveforms -> CAM++ x-vectors, float32 [192] each (CPU)."""
+        if self._speaker_pool is not None:
+            return [f.result() for f in self._cpu_xvectors(wavs_16k)]
         return [x.to("cpu", torch.float32) for x in self._xvectors(wavs_16k)]
 
     def mels(self, wavs_24k: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -207,18 +234,24 @@ class TorchPromptAnalyzer:
         """The raw analysis of each prompt (align with `build_voice_prompt`), batched across the list."""
         if not prompts:
             return []
+        on_cpu = self._cpu_xvectors([p.wav_16k for p in prompts]) if self._speaker_pool is not None else None
         wavs_16k = [p.wav_16k.to(self.device, torch.float32) for p in prompts]
         # everything is queued on the device before the first copy back waits for it
-        tokens, xvectors, mels = self._tokens(wavs_16k), self._xvectors(wavs_16k), self._mels(
-            [p.wav_24k for p in prompts])
+        tokens, mels = self._tokens(wavs_16k), self._mels([p.wav_24k for p in prompts])
+        xvectors = [f.result() for f in on_cpu] if on_cpu is not None else self._xvectors(wavs_16k)
         return [PromptAnalysis(t.to("cpu", torch.int32), m.cpu(), x.to("cpu", torch.float32))
                 for t, m, x in zip(tokens, mels, xvectors, strict=True)]
+
+    def _cpu_xvectors(self, wavs_16k: Sequence[torch.Tensor]) -> list[Future]:
+        assert self._speaker_pool is not None and self._cpu_speaker is not None
+        return [self._speaker_pool.submit(self._cpu_speaker.embed, w.cpu()) for w in wavs_16k]
 
     def _tokens(self, wavs_16k: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         feats = [whisper_log_mel(w.to(self.device, torch.float32)) for w in wavs_16k]
         return [t.reshape(-1) for t in self.tokenizer.run(feats)]
 
     def _xvectors(self, wavs_16k: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        assert self.speaker is not None
         feats = [speaker_features(w.to(self.device, torch.float32)).T for w in wavs_16k]
         return [x.reshape(-1) for x in self.speaker.run(feats)]
 

@@ -12,7 +12,7 @@ def test_prompt_analysis_benchmark_reports_times_and_agreement(fixture_dir, tmp_
     out = tmp_path / "report.json"
     args = bench.build_parser().parse_args(
         ["--model-dir", str(fixture_dir / "model"), "--device", "cpu", "--seconds", "1", "--batch-sizes", "1,3",
-         "--dtypes", "float32,bfloat16", "--repeats", "1", "--out", str(out)])
+         "--dtypes", "float32,bfloat16", "--speaker-threads", "2", "--repeats", "1", "--out", str(out)])
     report = bench.run(args)
     bench.print_report(report)
     out.write_text(json.dumps(report))
@@ -25,4 +25,7 @@ def test_prompt_analysis_benchmark_reports_times_and_agreement(fixture_dir, tmp_
         assert 0.0 <= entry["token_agreement"] <= 1.0
         assert set(entry["parts_ms_per_prompt"]) == {"tokens", "xvector", "mel"}
     assert report["onnx_cpu_ms_per_prompt"] > 0
+    hybrid = report["dtypes"]["float32+campplus_cpu2"]
+    assert hybrid["speaker_batch_mode"] == "onnxruntime_cpu" and hybrid["prompts_all_tokens_equal"] == 3
+    assert hybrid["xvector_max_abs_diff"] == 0.0  # the same onnxruntime session and features as the reference
     assert "bfloat16" in capsys.readouterr().out

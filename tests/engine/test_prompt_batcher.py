@@ -37,6 +37,9 @@ class GatedAnalyzer:
         self.fail_on = fail_on
         self.device = torch.device("cpu")
 
+    def close(self) -> None:
+        self.release.set()
+
     def analyse(self, prompts: list[PromptAudio]) -> list[PromptAnalysis]:
         self.batches.append(len(prompts))
         self.started.set()

@@ -169,3 +169,16 @@ def test_the_official_graphs_run_on_another_device(fixture_set, dtype):
     speaker = TorchOnnxGraph(fixture_set.campplus, "meta", dtype)
     xvector = speaker({speaker.input_names[0]: torch.randn(2, 200, 80)})[speaker.output_names[0]]
     assert xvector.device.type == "meta" and xvector.dtype == dtype and xvector.shape[0] == 2
+
+
+def test_campplus_on_cpu_threads_beside_the_device_work(fixture_set, prompts, batched):
+    """speaker_threads > 0: CAM++ on onnxruntime (the official path) in parallel; tokens and mels unchanged."""
+    hybrid = TorchPromptAnalyzer(fixture_set.tokenizer, fixture_set.campplus, fixture_set.mel_dims, speaker_threads=2)
+    try:
+        assert hybrid.speaker_mode == "onnxruntime_cpu"
+        onnx_speaker = SpeakerEncoder(fixture_set.campplus)
+        for prompt, result, reference in zip(prompts, hybrid.analyse(prompts), batched, strict=True):
+            assert torch.equal(result.xvector, onnx_speaker.embed(prompt.wav_16k))
+            assert torch.equal(result.tokens, reference.tokens) and torch.equal(result.mel, reference.mel)
+    finally:
+        hybrid.close()
