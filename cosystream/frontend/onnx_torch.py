@@ -92,6 +92,13 @@ def _scalar_for(t: torch.Tensor, other: torch.Tensor) -> bool:
     return t.is_cpu and t.numel() == 1 and other.ndim >= t.ndim
 
 
+def torch_dtype(onnx_type: int) -> torch.dtype:
+    """The torch dtype of an ONNX tensor element type."""
+    if onnx_type not in _ONNX_TO_TORCH_DTYPE:
+        raise UnsupportedGraph(f"ONNX element type {onnx_type} is not supported")
+    return _ONNX_TO_TORCH_DTYPE[onnx_type]
+
+
 def _ints(t: torch.Tensor) -> list[int]:
     return [int(v) for v in t.reshape(-1).tolist()]
 

@@ -26,7 +26,7 @@ import torch
 
 from cosystream.checkpoint import Checkpoint, MelDims
 from cosystream.frontend.audio import PromptAudio, prompt_mel, speaker_features, whisper_log_mel
-from cosystream.frontend.onnx_torch import TorchOnnxGraph, UnsupportedGraph
+from cosystream.frontend.onnx_torch import TorchOnnxGraph, UnsupportedGraph, torch_dtype
 from cosystream.frontend.speaker import SpeakerEncoder
 
 BATCH_MODES = ("padded", "same_length", "single")
@@ -58,6 +58,8 @@ class BatchedGraph:
         names = graph.input_names
         self.feature_name = names[0]  # PARITY: the official frontend addresses the inputs by position
         self.length_name = names[1] if len(names) > 1 else None
+        # the declared type of the length input (int32 in the released tokenizers)
+        self.length_dtype = torch_dtype(graph.input_types.get(self.length_name, 6)) if self.length_name else torch.int32
         self.output_name = graph.output_names[0]
         self.frames_per_output: int | None = None  # set by the probe for graphs with a length input
         self.mode = "single"
@@ -100,7 +102,7 @@ class BatchedGraph:
         feats = batch if self.sequence_axis == 2 else batch.transpose(1, 2)
         inputs = {self.feature_name: feats}
         if self.length_name is not None:
-            inputs[self.length_name] = torch.tensor(lengths, dtype=torch.int32)
+            inputs[self.length_name] = torch.tensor(lengths, dtype=self.length_dtype)
         out = self.graph(inputs)[self.output_name]
         if batch.shape[0] == 1 and (out.ndim < 2 or out.shape[0] != 1):  # a graph that flattens its output
             return [out.reshape(-1)]
