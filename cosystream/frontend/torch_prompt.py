@@ -16,8 +16,9 @@ padding. Results are CPU tensors, equal to the unbatched ones.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,6 +159,24 @@ class BatchedGraph:
         return _same(rows[1], alone)
 
 
+@contextlib.contextmanager
+def ieee_float32(active: bool) -> Iterator[None]:
+    """No TF32 in float32 convolutions and matmuls while active. cuDNN convolutions use TF32 by default
+    (about 1e-3 relative error), enough to move a value across an FSQ rounding boundary and change a token;
+    the official tokens are computed in IEEE float32. The flags are process-wide, so they are lowered only
+    for the analysis and restored after it (the engine's float32 kernels outside captured graphs run in
+    IEEE float32 meanwhile: slower, never less exact)."""
+    if not active:
+        yield
+        return
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
 def _complete(results: list[torch.Tensor | None]) -> list[torch.Tensor]:
     missing = [i for i, r in enumerate(results) if r is None]
     assert not missing, f"no result for prompts {missing}"
@@ -191,7 +210,8 @@ class TorchPromptAnalyzer:
         self.dtype = dtype
         self.mel_dims = mel_dims
         self.tokenizer = BatchedGraph(TorchOnnxGraph(speech_tokenizer, self.device, dtype), sequence_axis=2)
-        self.tokenizer.probe_batching(channels=_feature_channels(self.tokenizer, axis=1))
+        with self._exact():
+            self.tokenizer.probe_batching(channels=_feature_channels(self.tokenizer, axis=1))
         self.speaker: BatchedGraph | None = None
         self._cpu_speaker: SpeakerEncoder | None = None
         self._speaker_pool: ThreadPoolExecutor | None = None
@@ -200,7 +220,8 @@ class TorchPromptAnalyzer:
             self._speaker_pool = ThreadPoolExecutor(speaker_threads, thread_name_prefix="campplus")
         else:
             self.speaker = BatchedGraph(TorchOnnxGraph(campplus, self.device, dtype), sequence_axis=1)
-            self.speaker.probe_batching(channels=_feature_channels(self.speaker, axis=2))
+            with self._exact():
+                self.speaker.probe_batching(channels=_feature_channels(self.speaker, axis=2))
 
     @classmethod
     def from_checkpoint(cls, checkpoint: Checkpoint, device: str | torch.device = "cpu",
@@ -218,31 +239,38 @@ class TorchPromptAnalyzer:
         if self._speaker_pool is not None:
             self._speaker_pool.shutdown(wait=False)
 
+    def _exact(self) -> contextlib.AbstractContextManager[None]:
+        return ieee_float32(self.dtype == torch.float32 and self.device.type == "cuda")
+
     def tokenize(self, wavs_16k: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """16 kHz waveforms [N_i] -> raw speech tokens, int32 [~N_i / 640] each (CPU)."""
-        return [t.to("cpu", torch.int32) for t in self._tokens(wavs_16k)]
+        with self._exact():
+            return [t.to("cpu", torch.int32) for t in self._tokens(wavs_16k)]
 
     def embed(self, wavs_16k: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """16 kHz waveforms -> CAM++ x-vectors, float32 [192] each (CPU)."""
         if self._speaker_pool is not None:
             return [f.result() for f in self._cpu_xvectors(wavs_16k)]
-        return [x.to("cpu", torch.float32) for x in self._xvectors(wavs_16k)]
+        with self._exact():
+            return [x.to("cpu", torch.float32) for x in self._xvectors(wavs_16k)]
 
     def mels(self, wavs_24k: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Flow-rate waveforms -> prompt mels, float32 [M_i // hop, num_mels] each (CPU)."""
-        return [m.cpu() for m in self._mels(wavs_24k)]
+        with self._exact():
+            return [m.cpu() for m in self._mels(wavs_24k)]
 
     def analyse(self, prompts: Sequence[PromptAudio]) -> list[PromptAnalysis]:
         """The raw analysis of each prompt (align with `build_voice_prompt`), batched across the list."""
         if not prompts:
             return []
         on_cpu = self._cpu_xvectors([p.wav_16k for p in prompts]) if self._speaker_pool is not None else None
-        wavs_16k = [p.wav_16k.to(self.device, torch.float32) for p in prompts]
-        # everything is queued on the device before the first copy back waits for it
-        tokens, mels = self._tokens(wavs_16k), self._mels([p.wav_24k for p in prompts])
-        xvectors = [f.result() for f in on_cpu] if on_cpu is not None else self._xvectors(wavs_16k)
-        return [PromptAnalysis(t.to("cpu", torch.int32), m.cpu(), x.to("cpu", torch.float32))
-                for t, m, x in zip(tokens, mels, xvectors, strict=True)]
+        with self._exact():
+            wavs_16k = [p.wav_16k.to(self.device, torch.float32) for p in prompts]
+            # everything is queued on the device before the first copy back waits for it
+            tokens, mels = self._tokens(wavs_16k), self._mels([p.wav_24k for p in prompts])
+            xvectors = [f.result() for f in on_cpu] if on_cpu is not None else self._xvectors(wavs_16k)
+            return [PromptAnalysis(t.to("cpu", torch.int32), m.cpu(), x.to("cpu", torch.float32))
+                    for t, m, x in zip(tokens, mels, xvectors, strict=True)]
 
     def _cpu_xvectors(self, wavs_16k: Sequence[torch.Tensor]) -> list[Future]:
         assert self._speaker_pool is not None and self._cpu_speaker is not None

@@ -182,3 +182,18 @@ def test_campplus_on_cpu_threads_beside_the_device_work(fixture_set, prompts, ba
             assert torch.equal(result.tokens, reference.tokens) and torch.equal(result.mel, reference.mel)
     finally:
         hybrid.close()
+
+
+def test_float32_analysis_runs_without_tf32_and_restores_the_flags():
+    from cosystream.frontend.torch_prompt import ieee_float32
+
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        with ieee_float32(True):
+            assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
+        assert torch.backends.cudnn.allow_tf32 and torch.backends.cuda.matmul.allow_tf32
+        with ieee_float32(False):
+            assert torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
