@@ -224,3 +224,65 @@ def test_a_graph_fixed_to_batch_one_runs_prompt_by_prompt(tmp_path):
     feats = [torch.from_numpy(_f(80, t)) for t in (30, 30, 12)]
     for f, row in zip(feats, graph.run(feats), strict=True):
         torch.testing.assert_close(row, f.mean(dim=1))
+
+
+def _masked_tokenizer(tmp_path: Path, channels: int = 8) -> Path:
+    """A whisper-style tokenizer in miniature: feats [B, 128, T] and feats_length [B]; each of two stride-2
+    convs reads its input multiplied by the length mask (as the released encoder does), so padding never
+    reaches a valid frame; argmax codes cut to ceil(feats_length[0] / 4)."""
+    nodes, inits = [], [_init("zero", np.array(0, np.int64)), _init("one", np.array(1, np.int64)),
+                        _init("two", np.array(2, np.int64)), _init("axis1", np.array([1], np.int64)),
+                        _init("axis2", np.array([2], np.int64)), _init("first", np.array([0], np.int64)),
+                        _init("w1", _f(channels, 128, 3)), _init("w2", _f(channels, channels, 3))]
+    nodes.append(helper.make_node("Cast", ["feats_length"], ["len0"], to=TensorProto.INT64))
+
+    def masked(x: str, lengths: str, out: str) -> None:
+        nodes.extend([
+            helper.make_node("Shape", [x], [f"{out}_shape"]),
+            helper.make_node("Gather", [f"{out}_shape", "two"], [f"{out}_frames"], axis=0),
+            helper.make_node("Range", ["zero", f"{out}_frames", "one"], [f"{out}_range"]),
+            helper.make_node("Unsqueeze", [lengths, "axis1"], [f"{out}_len_col"]),
+            helper.make_node("Less", [f"{out}_range", f"{out}_len_col"], [f"{out}_keep"]),
+            helper.make_node("Cast", [f"{out}_keep"], [f"{out}_keepf"], to=TensorProto.FLOAT),
+            helper.make_node("Unsqueeze", [f"{out}_keepf", "axis1"], [f"{out}_mask"]),
+            helper.make_node("Mul", [x, f"{out}_mask"], [out]),
+        ])
+
+    def halve(lengths: str, out: str) -> None:  # ceil(len / 2) of a stride-2 conv with kernel 3, pad 1
+        nodes.extend([helper.make_node("Add", [lengths, "one"], [f"{out}_up"]),
+                      helper.make_node("Div", [f"{out}_up", "two"], [out])])
+
+    masked("feats", "len0", "x0")
+    nodes.append(helper.make_node("Conv", ["x0", "w1"], ["c1"], strides=[2], pads=[1, 1]))
+    nodes.append(helper.make_node("Relu", ["c1"], ["r1"]))
+    halve("len0", "len1")
+    masked("r1", "len1", "x1")
+    nodes.append(helper.make_node("Conv", ["x1", "w2"], ["c2"], strides=[2], pads=[1, 1]))
+    halve("len1", "len2")
+    nodes.extend([helper.make_node("ArgMax", ["c2"], ["codes"], axis=1, keepdims=0),
+                  helper.make_node("Gather", ["len2", "first"], ["n_out"], axis=0),
+                  helper.make_node("Slice", ["codes", "first", "n_out", "axis1"], ["indices"])])
+    feats = helper.make_tensor_value_info("feats", TensorProto.FLOAT, [1, 128, "T"])
+    length = helper.make_tensor_value_info("feats_length", TensorProto.INT32, [1])
+    out = helper.make_tensor_value_info("indices", TensorProto.INT64, [1, "N"])
+    return _save(tmp_path, "masked", nodes, [feats, length], [out], inits)
+
+
+def test_a_length_masked_encoder_batches_prompts_of_any_length(tmp_path):
+    path = _masked_tokenizer(tmp_path)
+    graph = BatchedGraph(TorchOnnxGraph(path), sequence_axis=2)
+    assert graph.probe_batching(channels=128) == "padded"
+    assert graph.frames_per_output == 4
+    session = ort.InferenceSession(str(path))
+    feats = [torch.from_numpy(_f(128, t)) for t in (53, 120, 121, 66, 67)]
+    for f, row in zip(feats, graph.run(feats), strict=True):
+        want = session.run(None, {"feats": f[None].numpy(), "feats_length": np.array([f.shape[1]], np.int32)})[0]
+        np.testing.assert_array_equal(row.numpy(), want[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_length_masked_encoder_keeps_its_masks_arithmetic_off_the_device(tmp_path, dtype):
+    """On "meta" (standing in for CUDA) the length masks are built on the CPU and meet the device tensors there."""
+    graph = TorchOnnxGraph(_masked_tokenizer(tmp_path), "meta", dtype)
+    out = graph({"feats": torch.randn(3, 128, 90), "feats_length": torch.tensor([90, 61, 7], dtype=torch.int32)})
+    assert tuple(out["indices"].shape) == (3, -(-90 // 4))
