@@ -32,6 +32,7 @@ from cosystream.engine.chunking import ChunkPlanner
 from cosystream.engine.core import EngineCore
 from cosystream.engine.lm_runner import LMRunner, RowSampling
 from cosystream.engine.loader import load_flow, load_hift, load_llm
+from cosystream.engine.prompt_batcher import PromptBatcher
 from cosystream.engine.request import RequestState, Segment
 from cosystream.engine.token2wav import Token2WavRunner
 from cosystream.engine.voices import VoiceInfo, VoiceStore, check_voice_name, default_db_path
@@ -58,6 +59,8 @@ class AsyncEngine:
         self.hparams = ckpt.hparams
         device, dtype = torch.device(config.device), _DTYPES[config.dtype]
         self.frontend = Frontend(ckpt, device=config.device)
+        # prompt recordings are analysed on the GPU in batches when the engine runs on CUDA (ONNX on the CPU)
+        self.prompt_batcher = PromptBatcher.for_engine(self.frontend, ckpt, config.device)
         self.voices = VoiceStore(config.voices_db or default_db_path())
         self.lm = load_llm(ckpt, device, dtype)
         lm_runner = LMRunner(self.lm, config.max_streams, config.max_len, use_graphs=config.cuda_graphs,
@@ -108,6 +111,7 @@ class AsyncEngine:
     def close(self) -> None:
         self.core.stop()
         self.pool.shutdown(wait=False)
+        self.prompt_batcher.close()
         sys.setswitchinterval(self._switch_interval)
         if self.config.tuning.gc_freeze:
             gc.unfreeze()  # the engine's cycles become collectable again
@@ -133,7 +137,8 @@ class AsyncEngine:
                 if free and self._cheap_frontend(params):
                     req = self._build_request(params, emit)
             if req is None:
-                req = await loop.run_in_executor(self.pool, self._build_request, params, emit)
+                req = await loop.run_in_executor(self.prompt_batcher.pool_for(params, self.pool),
+                                                 self._build_request, params, emit)
         except BaseException:
             self._not_submitted += 1
             raise
@@ -310,7 +315,7 @@ class AsyncEngine:
             if prompt is not None:
                 self._uploads.move_to_end(key)
                 return prompt, key
-        prompt = self.frontend.make_voice_prompt(params.prompt_audio, params.prompt_text)
+        prompt = self.prompt_batcher.make_voice_prompt(params.prompt_audio, params.prompt_text)
         if key is not None:
             with self._uploads_lock:
                 self._uploads[key] = prompt
@@ -354,7 +359,7 @@ class AsyncEngine:
         if name in self.voices:
             raise VoiceExists(f"name: a voice named {name!r} already exists (delete it first)")
         loop = asyncio.get_running_loop()
-        prompt = await loop.run_in_executor(self.pool, self.frontend.make_voice_prompt, audio, prompt_text)
+        prompt = await loop.run_in_executor(self.pool, self.prompt_batcher.make_voice_prompt, audio, prompt_text)
         return await loop.run_in_executor(self.pool, lambda: self.voices.add(name, prompt, prompt_text))
 
     async def delete_voice(self, name: str) -> None:

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from cosystream.checkpoint import Checkpoint
 from cosystream.errors import BadInput, UnknownVoice
-from cosystream.frontend.audio import AudioInput, load_speech, prepare_prompt_audio, prompt_mel, to_16k
+from cosystream.frontend.audio import AudioInput, PromptAudio, load_speech, prepare_prompt_audio, prompt_mel, to_16k
 from cosystream.frontend.prompt import (
     MODES,
     BuiltinSpeaker,
@@ -36,6 +37,9 @@ from cosystream.frontend.speaker import SpeakerEncoder
 from cosystream.frontend.speech_tokenizer import SpeechTokenizer
 from cosystream.frontend.text import TextNormalizer
 from cosystream.frontend.tokenizer import END_OF_PROMPT, TextTokenizer
+
+if TYPE_CHECKING:
+    from cosystream.frontend.torch_prompt import PromptAnalysis
 
 __all__ = ["Frontend", "VoicePrompt", "ModelInputs", "BuiltinSpeaker", "AudioInput", "MODES"]
 
@@ -97,18 +101,24 @@ class Frontend:
 
     # voices
 
-    def make_voice_prompt(self, audio: AudioInput, prompt_text: str = "") -> VoicePrompt:
+    def make_voice_prompt(self, audio: AudioInput, prompt_text: str = "",
+                          analyse: Callable[[PromptAudio], PromptAnalysis] | None = None) -> VoicePrompt:
         """Analyse a prompt recording once: speech tokens, mel, x-vector and the transcript's ids.
 
         `audio` is a path, the file's bytes, or (samples [N] or [N, C], sample_rate). The
         transcript is normalised like the official `inference_zero_shot` does (split=False);
-        leave it empty for a voice used only cross-lingually or by instruction.
+        leave it empty for a voice used only cross-lingually or by instruction. `analyse`
+        replaces the ONNX analysis of the checked audio (the engine's batched GPU analysis).
         """
         _check_text_length(prompt_text, "prompt_text")
         prompt_audio = prepare_prompt_audio(audio, self.mel_dims.sampling_rate)
-        raw_tokens = self.speech_tokenizer.tokenize(prompt_audio.wav_16k)
-        raw_mel = prompt_mel(prompt_audio.wav_24k, self.mel_dims)
-        xvector = self.speaker_encoder.embed(prompt_audio.wav_16k)
+        if analyse is not None:
+            analysis = analyse(prompt_audio)
+            raw_tokens, raw_mel, xvector = analysis.tokens, analysis.mel, analysis.xvector
+        else:
+            raw_tokens = self.speech_tokenizer.tokenize(prompt_audio.wav_16k)
+            raw_mel = prompt_mel(prompt_audio.wav_24k, self.mel_dims)
+            xvector = self.speaker_encoder.embed(prompt_audio.wav_16k)
         text_ids = self.encode_text(self.normalize(prompt_text, split=False)[0]) if prompt_text else []
         return build_voice_prompt(text_ids, raw_tokens, raw_mel, xvector, self.token_mel_ratio)
 

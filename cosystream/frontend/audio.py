@@ -193,13 +193,26 @@ def kaldi_mel_banks(n_mels: int = FBANK_N_MELS, sample_rate: int = TOKENIZER_SAM
 
 # features
 
+@lru_cache(maxsize=16)
+def _window(size: int, periodic: bool, power: float, device: torch.device) -> torch.Tensor:
+    """A Hann window (raised to `power`) made once per device: the GPU path never copies it per call."""
+    window = torch.hann_window(size, periodic=periodic, device=device)
+    return window if power == 1.0 else window.pow(power)
+
+
+@lru_cache(maxsize=16)
+def _device_filterbank(device: torch.device, kind: str, *args: float | int | None) -> torch.Tensor:
+    bank = slaney_mel_filterbank(*args) if kind == "slaney" else kaldi_mel_banks(*args)  # type: ignore[arg-type]
+    return bank.to(device)
+
+
 def whisper_log_mel(wav_16k: torch.Tensor) -> torch.Tensor:
-    """Speech-tokenizer input: [N] 16 kHz samples -> [128, N // 160] scaled log10 mel."""
-    window = torch.hann_window(WHISPER_N_FFT)
+    """Speech-tokenizer input: [N] 16 kHz samples -> [128, N // 160] scaled log10 mel (on the samples' device)."""
+    window = _window(WHISPER_N_FFT, True, 1.0, wav_16k.device)
     stft = torch.stft(wav_16k, WHISPER_N_FFT, WHISPER_HOP, window=window, center=True,
                       pad_mode="reflect", return_complex=True)
     power = stft[..., :-1].abs() ** 2  # PARITY: whisper drops the last frame
-    mel = slaney_mel_filterbank(TOKENIZER_SAMPLE_RATE, WHISPER_N_FFT, WHISPER_N_MELS) @ power
+    mel = _device_filterbank(wav_16k.device, "slaney", TOKENIZER_SAMPLE_RATE, WHISPER_N_FFT, WHISPER_N_MELS) @ power
     log_mel = torch.clamp(mel, min=1e-10).log10()
     log_mel = torch.maximum(log_mel, log_mel.max() - WHISPER_DYNAMIC_RANGE)
     return (log_mel + 4.0) / 4.0
@@ -217,10 +230,10 @@ def kaldi_fbank(wav_16k: torch.Tensor) -> torch.Tensor:
     frames = frames - frames.mean(dim=1, keepdim=True)
     previous = torch.cat([frames[:, :1], frames[:, :-1]], dim=1)  # the first sample is its own predecessor
     frames = frames - FBANK_PREEMPHASIS * previous
-    window = torch.hann_window(FBANK_FRAME, periodic=False).pow(FBANK_POVEY_POWER)
+    window = _window(FBANK_FRAME, False, FBANK_POVEY_POWER, wav_16k.device)
     frames = torch.nn.functional.pad(frames * window, (0, FBANK_N_FFT - FBANK_FRAME))
     power = torch.fft.rfft(frames).abs().pow(2.0)  # [T, 257]
-    energies = power @ kaldi_mel_banks().T
+    energies = power @ _device_filterbank(wav_16k.device, "kaldi", FBANK_N_MELS, TOKENIZER_SAMPLE_RATE).T
     return torch.clamp(energies, min=torch.finfo(torch.float32).eps).log()
 
 
@@ -234,12 +247,13 @@ def prompt_mel(wav_24k: torch.Tensor, dims: MelDims) -> torch.Tensor:
     """Flow prompt mel (Matcha `mel_spectrogram`): [M] 24 kHz samples -> [M // hop, num_mels], natural log."""
     pad = (dims.n_fft - dims.hop_size) // 2
     padded = torch.nn.functional.pad(wav_24k[None, None], (pad, pad), mode="reflect")[0, 0]
-    window = torch.hann_window(dims.win_size)
+    window = _window(dims.win_size, True, 1.0, wav_24k.device)
     stft = torch.stft(padded, dims.n_fft, hop_length=dims.hop_size, win_length=dims.win_size, window=window,
                       center=dims.center, pad_mode="reflect", normalized=False, onesided=True,
                       return_complex=True)
     magnitude = torch.sqrt(stft.real.pow(2) + stft.imag.pow(2) + MATCHA_MAG_EPS)
-    basis = slaney_mel_filterbank(dims.sampling_rate, dims.n_fft, dims.num_mels, dims.fmin, dims.fmax)
+    basis = _device_filterbank(wav_24k.device, "slaney", dims.sampling_rate, dims.n_fft, dims.num_mels,
+                               dims.fmin, dims.fmax)
     mel = basis @ magnitude
     return torch.log(torch.clamp(mel, min=MATCHA_LOG_FLOOR)).T.contiguous()
 

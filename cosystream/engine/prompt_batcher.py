@@ -1,0 +1,190 @@
+"""PromptBatcher: the analysis of prompt recordings sent with requests, batched on the GPU.
+
+Frontend threads call `make_voice_prompt` as they would call the frontend's. On a CUDA device the
+checked audio goes to one worker thread that runs `TorchPromptAnalyzer` on everything that has
+arrived: the first prompt opens a batch, which takes whatever else arrives within
+`COLLECT_WINDOW_S` (up to `MAX_BATCH`), and prompts that arrive while the worker is busy form the
+next batch. Waiting is on a queue (no sleeping, no polling). Decoding, resampling and the
+transcript stay on the calling thread, so they run in parallel with the GPU work.
+
+On the CPU, or where the torch runner cannot run the model's graphs, the frontend's ONNX
+analysis is used unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from cosystream.checkpoint import Checkpoint
+from cosystream.errors import CosyStreamError
+from cosystream.frontend import AudioInput, Frontend, VoicePrompt
+from cosystream.frontend.audio import PromptAudio
+from cosystream.frontend.onnx_torch import UnsupportedGraph
+from cosystream.frontend.torch_prompt import PromptAnalysis, TorchPromptAnalyzer
+from cosystream.params import SynthesisParams
+
+log = logging.getLogger(__name__)
+
+COLLECT_WINDOW_S = 0.002  # how long a batch stays open for prompts that arrive together
+MAX_BATCH = 16  # prompts per batch; a burst larger than this becomes several batches
+# float32 keeps the official tokens; benchmarks/prompt_analysis.py measures what bf16/fp16 change
+ANALYSIS_DTYPE = torch.float32
+# 0: CAM++ on the GPU; N > 0: CAM++ on onnxruntime on the CPU, N prompts at once, beside the GPU work
+# (benchmarks/prompt_analysis.py --speaker-threads measures which is faster for prompts of distinct lengths)
+SPEAKER_THREADS = 0
+
+
+@dataclass
+class _Job:
+    prompt: PromptAudio
+    future: Future = field(default_factory=Future)
+
+
+@dataclass
+class BatcherStats:
+    batches: int = 0
+    prompts: int = 0
+    largest_batch: int = 0
+
+
+class PromptBatcher:
+    """`make_voice_prompt(audio, text)` for the engine: batched torch analysis, or the frontend's own."""
+
+    def __init__(self, frontend: Frontend, analyzer: TorchPromptAnalyzer | None = None,
+                 collect_window_s: float = COLLECT_WINDOW_S, max_batch: int = MAX_BATCH) -> None:
+        self.frontend = frontend
+        self.analyzer = analyzer
+        self.collect_window_s = collect_window_s
+        self.max_batch = max_batch
+        self.stats = BatcherStats()
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._closed = False
+        self._stream = (torch.cuda.Stream(analyzer.device)
+                        if analyzer is not None and analyzer.device.type == "cuda" else None)
+        self._thread: threading.Thread | None = None
+        # Requests that bring a recording are prepared on these threads: each one mostly waits for its batch,
+        # so a burst needs as many threads as a batch holds (the engine's frontend pool is kept small).
+        self.executor: ThreadPoolExecutor | None = None
+        if analyzer is not None:
+            self.executor = ThreadPoolExecutor(max_workers=max_batch, thread_name_prefix="prompt-frontend")
+            self._thread = threading.Thread(target=self._serve, name="prompt-analysis", daemon=True)
+            self._thread.start()
+
+    @classmethod
+    def for_engine(cls, frontend: Frontend, checkpoint: Checkpoint, device: str,
+                   use_torch: bool | None = None) -> PromptBatcher:
+        """Torch analysis on CUDA devices (or when `use_torch`), else the frontend's ONNX analysis."""
+        if use_torch is None:
+            use_torch = torch.device(device).type == "cuda"
+        if not use_torch:
+            return cls(frontend)
+        try:
+            analyzer = TorchPromptAnalyzer.from_checkpoint(checkpoint, device, ANALYSIS_DTYPE, SPEAKER_THREADS)
+        except UnsupportedGraph as exc:
+            log.warning("prompt analysis stays on onnxruntime: %s", exc)
+            return cls(frontend)
+        return cls(frontend, analyzer)
+
+    @property
+    def batched(self) -> bool:
+        return self.analyzer is not None
+
+    def pool_for(self, params: SynthesisParams, default: Executor) -> Executor:
+        """Where to prepare a request: this batcher's threads when it brings a recording to analyse in a batch."""
+        if self.executor is not None and params.prompt_audio is not None:
+            return self.executor
+        return default
+
+    def make_voice_prompt(self, audio: AudioInput, prompt_text: str = "") -> VoicePrompt:
+        """What `Frontend.make_voice_prompt` returns, with the audio analysed in a batch when batching."""
+        if self.analyzer is None:
+            return self.frontend.make_voice_prompt(audio, prompt_text)
+        return self.frontend.make_voice_prompt(audio, prompt_text, analyse=self.analyse)
+
+    def analyse(self, prompt: PromptAudio) -> PromptAnalysis:
+        """Blocking: the analysis of one checked prompt, computed with whatever arrives with it."""
+        return self.submit(prompt).result()
+
+    def submit(self, prompt: PromptAudio) -> Future:
+        if self._closed or self.analyzer is None:
+            raise CosyStreamError("prompt analysis: the batcher is closed")
+        job = _Job(prompt)
+        self._queue.put(job)
+        return job.future
+
+    def close(self) -> None:
+        """Stop the worker after the batches already queued; later submissions are refused."""
+        self._closed = True
+        if self.executor is not None:
+            self.executor.shutdown(wait=False)
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+        if self.analyzer is not None:
+            self.analyzer.close()
+        while True:  # a submission that raced with closing: its caller must not wait forever
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                job.future.set_exception(CosyStreamError("prompt analysis: the engine is closing"))
+
+    # ------------------------------------------------------------------ worker
+    def _serve(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            batch, stop = self._collect(first)
+            self._run(batch)
+            if stop:
+                return
+
+    def _collect(self, first: _Job) -> tuple[list[_Job], bool]:
+        """The opened batch plus what arrives within the window (or is already waiting); True on shutdown."""
+        batch = [first]
+        deadline = time.monotonic() + self.collect_window_s
+        while len(batch) < self.max_batch:
+            remaining = deadline - time.monotonic()
+            try:
+                job = self._queue.get(timeout=remaining) if remaining > 0 else self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is None:
+                return batch, True
+            batch.append(job)
+        return batch, False
+
+    def _run(self, batch: Sequence[_Job]) -> None:
+        try:
+            results = self._analyse([job.prompt for job in batch])
+        except Exception as exc:  # one bad prompt must not fail the others: retry each alone
+            if len(batch) > 1:
+                for job in batch:
+                    self._run([job])
+            else:
+                batch[0].future.set_exception(exc)
+            return
+        self.stats.batches += 1
+        self.stats.prompts += len(batch)
+        self.stats.largest_batch = max(self.stats.largest_batch, len(batch))
+        for job, result in zip(batch, results, strict=True):
+            job.future.set_result(result)
+
+    def _analyse(self, prompts: list[PromptAudio]) -> list[PromptAnalysis]:
+        assert self.analyzer is not None
+        if self._stream is None:
+            return self.analyzer.analyse(prompts)
+        # its own stream: the engine thread's LM and flow work on the default stream is not serialised behind it
+        with torch.cuda.stream(self._stream):
+            return self.analyzer.analyse(prompts)
+

@@ -1,0 +1,299 @@
+"""Prompt analysis with torch on any device, batched: speech tokens, CAM++ x-vector and the flow's prompt mel.
+
+The same analysis as `Frontend.make_voice_prompt` (spec/frontend.md §4-§6), for a list of prompts at
+once: the three spectral front ends run on the device, and the two official ONNX models run through
+`TorchOnnxGraph` (the exact graphs, in torch) in as few calls as their graphs allow:
+
+* `padded`: prompts of any lengths in one call, zero-padded, with the per-prompt lengths as the
+  graph's length input (the speech tokenizer's `feats_length`);
+* `same_length`: one call per group of prompts with the same number of frames;
+* `single`: one call per prompt.
+
+Which mode a graph allows is measured when it is loaded, not assumed (`probe_batching`): the graph
+must give each prompt of a batch the result it gives that prompt alone, with loud noise in the
+padding. Results are CPU tensors, equal to the unbatched ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cosystream.checkpoint import Checkpoint, MelDims
+from cosystream.frontend.audio import PromptAudio, prompt_mel, speaker_features, whisper_log_mel
+from cosystream.frontend.onnx_torch import TorchOnnxGraph, UnsupportedGraph, torch_dtype
+from cosystream.frontend.speaker import SpeakerEncoder
+
+BATCH_MODES = ("padded", "same_length", "single")
+PROBE_SEED = 20240538
+PROBE_FRAMES = (61, 64, 67, 130)  # feature lengths the probe runs: several residues mod 4 and one longer
+PROBE_PAD_STD = 8.0  # padding noise far outside the features' range, so a graph that reads it shows it
+PROBE_FLOAT_TOL = 1e-3  # relative: batched float outputs (x-vectors) vs the same prompt alone
+
+
+@dataclass(frozen=True, eq=False)
+class PromptAnalysis:
+    """One prompt's raw analysis, before alignment (CPU tensors)."""
+
+    tokens: torch.Tensor  # int32 [P'], 25 Hz speech tokens
+    mel: torch.Tensor  # float32 [F', num_mels], the flow's prompt mel
+    xvector: torch.Tensor  # float32 [192], CAM++ output (not normalised)
+
+
+class BatchedGraph:
+    """An ONNX side model with one float sequence input (+ an optional int length input), run batched.
+
+    `sequence_axis` is the time axis of the float input in the graph's layout ([1, 128, T] for the
+    speech tokenizer: 2; [1, T, 80] for CAM++: 1).
+    """
+
+    def __init__(self, graph: TorchOnnxGraph, sequence_axis: int) -> None:
+        self.graph = graph
+        self.sequence_axis = sequence_axis
+        names = graph.input_names
+        self.feature_name = names[0]  # PARITY: the official frontend addresses the inputs by position
+        self.length_name = names[1] if len(names) > 1 else None
+        # the declared type of the length input (int32 in the released tokenizers)
+        self.length_dtype = torch_dtype(graph.input_types.get(self.length_name, 6)) if self.length_name else torch.int32
+        self.output_name = graph.output_names[0]
+        self.frames_per_output: int | None = None  # set by the probe for graphs with a length input
+        self.mode = "single"
+
+    def run(self, features: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Per-prompt features [C, T_i] (feature axis first) -> one output row per prompt."""
+        if self.mode == "padded" and len(features) > 1:
+            return self._run_padded(features)
+        groups: dict[int, list[int]] = {}
+        for index, feats in enumerate(features):
+            key = feats.shape[-1] if self.mode == "same_length" else index
+            groups.setdefault(key, []).append(index)
+        results: list[torch.Tensor | None] = [None] * len(features)
+        for members in groups.values():
+            stacked = torch.stack([features[i] for i in members])
+            lengths = [features[i].shape[-1] for i in members]
+            for i, row in zip(members, self._call(stacked, lengths), strict=True):
+                results[i] = row
+        return _complete(results)
+
+    def _run_padded(self, features: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        # longest first: a graph may size its output by the first length of the batch
+        order = sorted(range(len(features)), key=lambda i: -features[i].shape[-1])
+        longest = features[order[0]].shape[-1]
+        batch = features[order[0]].new_zeros(len(features), features[order[0]].shape[0], longest)
+        for row, i in enumerate(order):
+            batch[row, :, : features[i].shape[-1]] = features[i]
+        rows = self._call(batch, [features[i].shape[-1] for i in order])
+        results: list[torch.Tensor | None] = [None] * len(features)
+        for row, i in enumerate(order):
+            results[i] = rows[row][: self.outputs_for(features[i].shape[-1])]
+        return _complete(results)
+
+    def outputs_for(self, frames: int) -> int:
+        assert self.frames_per_output is not None, "only padded graphs slice their rows"
+        return math.ceil(frames / self.frames_per_output)
+
+    def _call(self, batch: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
+        """batch [B, C, T] -> B output rows (the graph's own output shape, batch axis dropped)."""
+        feats = batch if self.sequence_axis == 2 else batch.transpose(1, 2)
+        inputs = {self.feature_name: feats}
+        if self.length_name is not None:
+            inputs[self.length_name] = torch.tensor(lengths, dtype=self.length_dtype)
+        out = self.graph(inputs)[self.output_name]
+        if batch.shape[0] == 1 and (out.ndim < 2 or out.shape[0] != 1):  # a graph that flattens its output
+            return [out.reshape(-1)]
+        if out.shape[0] != batch.shape[0]:
+            raise RuntimeError(f"{self.graph.path.name}: {out.shape[0]} output rows for a batch of {batch.shape[0]}")
+        return list(out.unbind(0))
+
+    # -------------------------------------------------------------- probing
+    def probe_batching(self, channels: int) -> str:
+        """Measure which batch mode reproduces the single-prompt results; sets and returns `mode`."""
+        gen = torch.Generator().manual_seed(PROBE_SEED)
+        device, dtype = self.graph.ctx.device, torch.float32
+        feats = [torch.randn(channels, t, generator=gen).to(device, dtype) for t in PROBE_FRAMES]
+        self.mode = "single"
+        alone = [self._call(f[None], [f.shape[-1]])[0] for f in feats]
+        paddable = self.length_name is not None and self._output_rate(feats, alone)
+        if paddable and self._padding_ignored(feats, alone, gen):
+            self.mode = "padded"
+        elif self._same_length_ok(feats[0], alone[0], gen):
+            self.mode = "same_length"
+        return self.mode
+
+    def _output_rate(self, feats: list[torch.Tensor], alone: list[torch.Tensor]) -> bool:
+        """A padded batch needs each prompt's output length: the graph must give ceil(T / r) outputs."""
+        if any(out.ndim != 1 for out in alone):
+            return False
+        longest = max(range(len(feats)), key=lambda i: feats[i].shape[-1])
+        rate = round(feats[longest].shape[-1] / max(alone[longest].shape[0], 1))
+        if rate < 1 or any(out.shape[0] != math.ceil(f.shape[-1] / rate) for f, out in zip(feats, alone, strict=True)):
+            return False
+        self.frames_per_output = rate
+        return True
+
+    def _padding_ignored(self, feats: list[torch.Tensor], alone: list[torch.Tensor], gen: torch.Generator) -> bool:
+        try:
+            order = sorted(range(len(feats)), key=lambda i: -feats[i].shape[-1])
+            longest = feats[order[0]].shape[-1]
+            noise = PROBE_PAD_STD * torch.randn(len(feats), feats[0].shape[0], longest, generator=gen)
+            batch = noise.to(feats[0].device)
+            for row, i in enumerate(order):
+                batch[row, :, : feats[i].shape[-1]] = feats[i]
+            rows = self._call(batch, [feats[i].shape[-1] for i in order])
+            return all(_same(rows[row][: alone[i].shape[0]], alone[i]) for row, i in enumerate(order))
+        except (RuntimeError, ValueError, IndexError):  # the graph cannot take this batch at all
+            return False
+
+    def _same_length_ok(self, feats: torch.Tensor, alone: torch.Tensor, gen: torch.Generator) -> bool:
+        other = torch.randn(feats.shape, generator=gen).to(feats.device)
+        try:
+            rows = self._call(torch.stack([other, feats]), [feats.shape[-1]] * 2)
+        except (RuntimeError, ValueError, IndexError):
+            return False
+        return _same(rows[1], alone)
+
+
+@contextlib.contextmanager
+def ieee_float32(active: bool) -> Iterator[None]:
+    """No TF32 in float32 convolutions and matmuls while active. cuDNN convolutions use TF32 by default
+    (about 1e-3 relative error), enough to move a value across an FSQ rounding boundary and change a token;
+    the official tokens are computed in IEEE float32. The flags are process-wide, so they are lowered only
+    for the analysis and restored after it (the engine's float32 kernels outside captured graphs run in
+    IEEE float32 meanwhile: slower, never less exact)."""
+    if not active:
+        yield
+        return
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def _complete(results: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    missing = [i for i, r in enumerate(results) if r is None]
+    assert not missing, f"no result for prompts {missing}"
+    return [r for r in results if r is not None]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape:
+        return False
+    if not a.dtype.is_floating_point:
+        return bool(torch.equal(a, b))
+    scale = float(b.float().abs().max()) or 1.0
+    return float((a.float() - b.float()).abs().max()) <= PROBE_FLOAT_TOL * scale
+
+
+class TorchPromptAnalyzer:
+    """Speech tokenizer (v2 or v3) + CAM++ + the three spectral front ends, in torch, for lists of prompts.
+
+    `speaker_threads` > 0 runs CAM++ on onnxruntime on the CPU instead, that many prompts at once, while
+    the device computes the tokens and mels: an option for a CAM++ graph that cannot batch prompts of
+    different lengths (its batch mode is measured), where one device call per prompt may cost more than
+    parallel CPU runs (benchmarks/prompt_analysis.py measures both).
+
+    Not thread-safe: one caller at a time (the engine's prompt batcher owns one).
+    """
+
+    def __init__(self, speech_tokenizer: str | Path, campplus: str | Path, mel_dims: MelDims,
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 speaker_threads: int = 0) -> None:
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.mel_dims = mel_dims
+        self.tokenizer = BatchedGraph(TorchOnnxGraph(speech_tokenizer, self.device, dtype), sequence_axis=2)
+        with self._exact():
+            self.tokenizer.probe_batching(channels=_feature_channels(self.tokenizer, axis=1))
+        self.speaker: BatchedGraph | None = None
+        self._cpu_speaker: SpeakerEncoder | None = None
+        self._speaker_pool: ThreadPoolExecutor | None = None
+        if speaker_threads > 0:
+            self._cpu_speaker = SpeakerEncoder(campplus)
+            self._speaker_pool = ThreadPoolExecutor(speaker_threads, thread_name_prefix="campplus")
+        else:
+            self.speaker = BatchedGraph(TorchOnnxGraph(campplus, self.device, dtype), sequence_axis=1)
+            with self._exact():
+                self.speaker.probe_batching(channels=_feature_channels(self.speaker, axis=2))
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: Checkpoint, device: str | torch.device = "cpu",
+                        dtype: torch.dtype = torch.float32, speaker_threads: int = 0) -> TorchPromptAnalyzer:
+        files = checkpoint.files
+        return cls(files.speech_tokenizer, files.campplus, checkpoint.hparams.mel, device, dtype, speaker_threads)
+
+    @property
+    def speaker_mode(self) -> str:
+        """How CAM++ runs: a batch mode of BATCH_MODES on the device, or on the CPU."""
+        return self.speaker.mode if self.speaker is not None else "onnxruntime_cpu"
+
+    def close(self) -> None:
+        """Stop the CPU speaker threads, if any."""
+        if self._speaker_pool is not None:
+            self._speaker_pool.shutdown(wait=False)
+
+    def _exact(self) -> contextlib.AbstractContextManager[None]:
+        return ieee_float32(self.dtype == torch.float32 and self.device.type == "cuda")
+
+    def tokenize(self, wavs_16k: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """16 kHz waveforms [N_i] -> raw speech tokens, int32 [~N_i / 640] each (CPU)."""
+        with self._exact():
+            return [t.to("cpu", torch.int32) for t in self._tokens(wavs_16k)]
+
+    def embed(self, wavs_16k: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """16 kHz waveforms -> CAM++ x-vectors, float32 [192] each (CPU)."""
+        if self._speaker_pool is not None:
+            return [f.result() for f in self._cpu_xvectors(wavs_16k)]
+        with self._exact():
+            return [x.to("cpu", torch.float32) for x in self._xvectors(wavs_16k)]
+
+    def mels(self, wavs_24k: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Flow-rate waveforms -> prompt mels, float32 [M_i // hop, num_mels] each (CPU)."""
+        with self._exact():
+            return [m.cpu() for m in self._mels(wavs_24k)]
+
+    def analyse(self, prompts: Sequence[PromptAudio]) -> list[PromptAnalysis]:
+        """The raw analysis of each prompt (align with `build_voice_prompt`), batched across the list."""
+        if not prompts:
+            return []
+        on_cpu = self._cpu_xvectors([p.wav_16k for p in prompts]) if self._speaker_pool is not None else None
+        with self._exact():
+            wavs_16k = [p.wav_16k.to(self.device, torch.float32) for p in prompts]
+            # everything is queued on the device before the first copy back waits for it
+            tokens, mels = self._tokens(wavs_16k), self._mels([p.wav_24k for p in prompts])
+            xvectors = [f.result() for f in on_cpu] if on_cpu is not None else self._xvectors(wavs_16k)
+            return [PromptAnalysis(t.to("cpu", torch.int32), m.cpu(), x.to("cpu", torch.float32))
+                    for t, m, x in zip(tokens, mels, xvectors, strict=True)]
+
+    def _cpu_xvectors(self, wavs_16k: Sequence[torch.Tensor]) -> list[Future]:
+        assert self._speaker_pool is not None and self._cpu_speaker is not None
+        return [self._speaker_pool.submit(self._cpu_speaker.embed, w.cpu()) for w in wavs_16k]
+
+    def _tokens(self, wavs_16k: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        feats = [whisper_log_mel(w.to(self.device, torch.float32)) for w in wavs_16k]
+        return [t.reshape(-1) for t in self.tokenizer.run(feats)]
+
+    def _xvectors(self, wavs_16k: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        assert self.speaker is not None
+        feats = [speaker_features(w.to(self.device, torch.float32)).T for w in wavs_16k]
+        return [x.reshape(-1) for x in self.speaker.run(feats)]
+
+    def _mels(self, wavs_24k: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return [prompt_mel(w.to(self.device, torch.float32), self.mel_dims) for w in wavs_24k]
+
+
+def _feature_channels(graph: BatchedGraph, axis: int) -> int:
+    """The feature size of the graph's float input, read from the ONNX input shape."""
+    shape = graph.graph.input_shapes.get(graph.feature_name, [])
+    size = shape[axis] if len(shape) > axis else None
+    if not isinstance(size, int):
+        raise UnsupportedGraph(f"{graph.graph.path.name}: input {graph.feature_name!r} has no fixed feature size "
+                               f"on axis {axis}")
+    return size

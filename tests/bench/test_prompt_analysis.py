@@ -1,0 +1,31 @@
+"""benchmarks/prompt_analysis.py runs on the CPU with a fixture model and reports what it measured."""
+
+from __future__ import annotations
+
+import json
+
+from benchmark_scripts import import_benchmark
+
+
+def test_prompt_analysis_benchmark_reports_times_and_agreement(fixture_dir, tmp_path, capsys):
+    bench = import_benchmark("prompt_analysis")
+    out = tmp_path / "report.json"
+    args = bench.build_parser().parse_args(
+        ["--model-dir", str(fixture_dir / "model"), "--device", "cpu", "--seconds", "1", "--batch-sizes", "1,3",
+         "--dtypes", "float32,bfloat16", "--speaker-threads", "2", "--repeats", "1", "--out", str(out)])
+    report = bench.run(args)
+    bench.print_report(report)
+    out.write_text(json.dumps(report))
+    fp32 = report["dtypes"]["float32"]
+    assert fp32["prompts"] == 3 and fp32["prompts_all_tokens_equal"] == 3 and fp32["token_agreement"] == 1.0
+    assert fp32["xvector_max_abs_diff"] < 1e-4
+    for entry in report["dtypes"].values():
+        assert entry["batch1_ms_per_prompt"] > 0 and entry["batch3_ms_per_prompt"] > 0
+        assert entry["tokenizer_batch_mode"] in ("padded", "same_length", "single")
+        assert 0.0 <= entry["token_agreement"] <= 1.0
+        assert set(entry["parts_ms_per_prompt"]) == {"tokens", "xvector", "mel"}
+    assert report["onnx_cpu_ms_per_prompt"] > 0
+    hybrid = report["dtypes"]["float32+campplus_cpu2"]
+    assert hybrid["speaker_batch_mode"] == "onnxruntime_cpu" and hybrid["prompts_all_tokens_equal"] == 3
+    assert hybrid["xvector_max_abs_diff"] == 0.0  # the same onnxruntime session and features as the reference
+    assert "bfloat16" in capsys.readouterr().out

@@ -1,0 +1,216 @@
+"""PromptBatcher (engine/prompt_batcher.py): prompts that arrive together are analysed together, results
+equal the frontend's own analysis, failures stay with their prompt; and the engine's cache of uploaded
+recordings is bounded."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+
+from cosystream.engine import async_engine
+from cosystream.engine.prompt_batcher import PromptBatcher
+from cosystream.errors import CosyStreamError
+from cosystream.frontend import Frontend
+from cosystream.frontend.audio import PromptAudio
+from cosystream.frontend.torch_prompt import PromptAnalysis
+from cosystream.params import SynthesisParams
+
+
+def _speech(seconds: float, seed: int, rate: int = 16000) -> tuple[np.ndarray, int]:
+    t = np.arange(int(seconds * rate)) / rate
+    rng = np.random.default_rng(seed)
+    wav = 0.3 * np.sin(2 * np.pi * (110 + 40 * seed) * t) * (0.6 + 0.4 * np.sin(2 * np.pi * 3 * t))
+    return (wav + rng.normal(0, 0.01, t.shape)).astype(np.float32), rate
+
+
+class GatedAnalyzer:
+    """Records each batch; the first batch waits for `release`, so later prompts pile up behind it."""
+
+    def __init__(self, fail_on: float | None = None) -> None:
+        self.batches: list[int] = []
+        self.release = threading.Event()
+        self.started = threading.Event()
+        self.fail_on = fail_on
+        self.device = torch.device("cpu")
+
+    def close(self) -> None:
+        self.release.set()
+
+    def analyse(self, prompts: list[PromptAudio]) -> list[PromptAnalysis]:
+        self.batches.append(len(prompts))
+        self.started.set()
+        self.release.wait(timeout=10)
+        if self.fail_on is not None and any(float(p.wav_16k[0]) == self.fail_on for p in prompts):
+            raise RuntimeError("bad prompt")
+        return [PromptAnalysis(tokens=torch.tensor([len(p.wav_16k)], dtype=torch.int32),
+                               mel=torch.zeros(2, 80), xvector=torch.full((192,), float(p.wav_16k[0])))
+                for p in prompts]
+
+
+def _prompt(first: float, n: int = 1600) -> PromptAudio:
+    wav = torch.zeros(n)
+    wav[0] = first
+    return PromptAudio(wav_16k=wav, wav_24k=torch.zeros(n * 3 // 2))
+
+
+def test_prompts_arriving_while_the_worker_is_busy_form_one_batch(frontend):
+    analyzer = GatedAnalyzer()
+    batcher = PromptBatcher(frontend, analyzer, collect_window_s=0.0, max_batch=8)  # type: ignore[arg-type]
+    try:
+        first = batcher.submit(_prompt(1.0))
+        assert analyzer.started.wait(timeout=10)
+        later = [batcher.submit(_prompt(float(i), n=1600 + i)) for i in range(2, 6)]
+        analyzer.release.set()
+        assert float(first.result(timeout=10).xvector[0]) == 1.0
+        for i, future in enumerate(later, start=2):
+            result = future.result(timeout=10)
+            assert float(result.xvector[0]) == float(i) and int(result.tokens[0]) == 1600 + i  # its own result
+        assert analyzer.batches == [1, 4]
+        assert (batcher.stats.batches, batcher.stats.prompts, batcher.stats.largest_batch) == (2, 5, 4)
+    finally:
+        batcher.close()
+
+
+def test_max_batch_splits_a_burst(frontend):
+    analyzer = GatedAnalyzer()
+    batcher = PromptBatcher(frontend, analyzer, collect_window_s=0.0, max_batch=2)  # type: ignore[arg-type]
+    try:
+        first = batcher.submit(_prompt(1.0))
+        assert analyzer.started.wait(timeout=10)
+        later = [batcher.submit(_prompt(float(i))) for i in range(2, 7)]
+        analyzer.release.set()
+        for future in [first, *later]:
+            future.result(timeout=10)
+        assert analyzer.batches == [1, 2, 2, 1]
+    finally:
+        batcher.close()
+
+
+def test_a_failing_prompt_fails_alone(frontend):
+    analyzer = GatedAnalyzer(fail_on=3.0)
+    batcher = PromptBatcher(frontend, analyzer, collect_window_s=0.0)  # type: ignore[arg-type]
+    try:
+        first = batcher.submit(_prompt(1.0))
+        assert analyzer.started.wait(timeout=10)
+        good, bad, other = (batcher.submit(_prompt(v)) for v in (2.0, 3.0, 4.0))
+        analyzer.release.set()
+        assert float(first.result(timeout=10).xvector[0]) == 1.0
+        assert float(good.result(timeout=10).xvector[0]) == 2.0
+        assert float(other.result(timeout=10).xvector[0]) == 4.0
+        with pytest.raises(RuntimeError, match="bad prompt"):
+            bad.result(timeout=10)
+        assert float(batcher.analyse(_prompt(5.0)).xvector[0]) == 5.0  # still serving
+    finally:
+        batcher.close()
+
+
+def test_closed_batcher_refuses_new_prompts(frontend):
+    analyzer = GatedAnalyzer()
+    analyzer.release.set()
+    batcher = PromptBatcher(frontend, analyzer)  # type: ignore[arg-type]
+    batcher.close()
+    with pytest.raises(CosyStreamError, match="closed"):
+        batcher.submit(_prompt(1.0))
+
+
+@pytest.fixture(scope="module")
+def frontend(checkpoint) -> Frontend:
+    return Frontend(checkpoint)
+
+
+def test_torch_batched_voice_prompts_equal_the_onnx_ones(frontend, checkpoint):
+    """The real torch analysis (forced on the CPU) through the batcher, from several threads at once."""
+    batcher = PromptBatcher.for_engine(frontend, checkpoint, "cpu", use_torch=True)
+    assert batcher.batched
+    recordings = [_speech(s, seed) for seed, s in enumerate((1.3, 2.1, 2.1, 0.9))]
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            voices = list(pool.map(lambda r: batcher.make_voice_prompt(r, "a prompt."), recordings))
+    finally:
+        batcher.close()
+    assert batcher.stats.prompts == len(recordings)
+    for recording, voice in zip(recordings, voices, strict=True):
+        want = frontend.make_voice_prompt(recording, "a prompt.")
+        assert torch.equal(voice.prompt_speech_tokens, want.prompt_speech_tokens)
+        assert torch.equal(voice.prompt_text_ids, want.prompt_text_ids)
+        torch.testing.assert_close(voice.prompt_mel, want.prompt_mel, atol=1e-5, rtol=0)
+        torch.testing.assert_close(voice.xvector, want.xvector, atol=1e-4, rtol=1e-4)
+
+
+def test_cpu_engines_keep_the_onnx_analysis(frontend, checkpoint):
+    batcher = PromptBatcher.for_engine(frontend, checkpoint, "cpu")
+    assert not batcher.batched
+    recording = _speech(1.0, 9)
+    assert torch.equal(batcher.make_voice_prompt(recording).prompt_speech_tokens,
+                       frontend.make_voice_prompt(recording).prompt_speech_tokens)
+    batcher.close()
+
+
+def test_uploaded_recordings_are_reused_by_content_and_bounded(engine, monkeypatch):
+    """The engine keeps the analyses of recordings sent with requests, keyed by content, at most
+    _MAX_UPLOADS of them, the least recently used dropped first."""
+    ae = engine.async_engine
+    analysed: list[int] = []
+    real = ae.prompt_batcher.make_voice_prompt
+    monkeypatch.setattr(ae.prompt_batcher, "make_voice_prompt",
+                        lambda audio, text: analysed.append(len(analysed)) or real(audio, text))
+    monkeypatch.setattr(async_engine, "_MAX_UPLOADS", 2)
+    ae._uploads.clear()
+    recordings = [_speech(0.8, seed) for seed in range(3)]
+
+    def resolve(recording):
+        return ae._resolve_voice(SynthesisParams(text="x.", prompt_audio=recording, prompt_text="a prompt."))
+
+    first, key_a = resolve(recordings[0])
+    again, key_again = resolve(recordings[0])
+    assert again is first and key_again == key_a and len(analysed) == 1  # seen before: reused
+    resolve(recordings[1])
+    resolve(recordings[0])  # most recent again
+    resolve(recordings[2])  # evicts recordings[1], the least recently used
+    assert len(ae._uploads) == 2 and len(analysed) == 3
+    resolve(recordings[0])
+    assert len(analysed) == 3
+    resolve(recordings[1])
+    assert len(analysed) == 4 and len(ae._uploads) == 2
+
+
+def test_a_graph_the_torch_runner_cannot_run_keeps_the_onnx_analysis(frontend, checkpoint, monkeypatch, caplog):
+    from cosystream.engine import prompt_batcher
+    from cosystream.frontend.onnx_torch import UnsupportedGraph
+
+    def refuse(*args, **kwargs):
+        raise UnsupportedGraph("speech_tokenizer_v2.onnx: operators not supported by the torch runner: Loop")
+
+    monkeypatch.setattr(prompt_batcher.TorchPromptAnalyzer, "from_checkpoint", refuse)
+    batcher = PromptBatcher.for_engine(frontend, checkpoint, "cpu", use_torch=True)
+    assert not batcher.batched
+    assert "Loop" in caplog.text
+    recording = _speech(1.0, 11)
+    assert torch.equal(batcher.make_voice_prompt(recording).prompt_speech_tokens,
+                       frontend.make_voice_prompt(recording).prompt_speech_tokens)
+    batcher.close()
+
+
+def test_requests_with_a_recording_are_prepared_on_the_batchers_threads(frontend, checkpoint):
+    """The engine's frontend pool is small; requests that wait for a batch get threads of their own, as many as
+    a batch holds, so a burst of recordings can meet in one batch."""
+    default = ThreadPoolExecutor(1)
+    with_audio = SynthesisParams(text="x.", prompt_audio=b"RIFF", prompt_text="a prompt.")
+    registered = SynthesisParams(text="x.", voice="alice")
+    analyzer = GatedAnalyzer()
+    analyzer.release.set()
+    batched = PromptBatcher(frontend, analyzer, max_batch=5)  # type: ignore[arg-type]
+    plain = PromptBatcher.for_engine(frontend, checkpoint, "cpu")
+    try:
+        assert batched.pool_for(with_audio, default) is batched.executor
+        assert batched.executor is not None and batched.executor._max_workers == 5
+        assert batched.pool_for(registered, default) is default
+        assert plain.pool_for(with_audio, default) is default
+    finally:
+        batched.close()
+        plain.close()
+        default.shutdown()
