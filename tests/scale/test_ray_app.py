@@ -1,0 +1,179 @@
+"""The Ray Serve application on the CPU fixture model: two replicas behind Ray's proxy (docs/scaling.md).
+
+One Ray cluster and one application for the module (the engine loads once per replica). The tests show
+requests spread over both replicas, a voice registered once and used on both, and a replica killed mid-stream:
+its stream fails cleanly, the other replica's stream completes, Ray restarts it, readiness follows and the
+restarted replica serves the voice again. Requests use `force_tokens`, so audio lengths are exact.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from cosystream.testing.audio import tone_wav
+
+try:
+    import ray
+    from ray import serve
+except ImportError:  # the optional extra: CI installs it and must not skip
+    if os.environ.get("CI", "").lower() == "true":
+        raise
+    pytest.skip("ray[serve] is not installed (pip install cosystream[ray])", allow_module_level=True)
+
+from cosystream.scale.ray_app import APP_NAME, REPLICA_HEADER, ReplicaSpec, build_application  # noqa: E402
+from cosystream.server.state import ServerSettings  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+SAMPLES_PER_TOKEN = 960
+VOICE = "bob"
+VOICE_TEXT = "Hello there, this is my voice."
+REPLICA = REPLICA_HEADER.decode()
+RECOVERY_TIMEOUT_S = 150
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def base_url(model_dir, tmp_path_factory) -> Iterator[str]:
+    port = _free_port()
+    ray.init(num_cpus=4, object_store_memory=80 * 1024 * 1024, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        voices_db = tmp_path_factory.mktemp("ray_voices") / "voices.db"
+        spec = ReplicaSpec(model_dir=str(model_dir), device="cpu", voice_store="file", voices_db=str(voices_db),
+                           engine_kwargs={"max_streams": 4}, settings=ServerSettings(warmup=False),
+                           log_level="warning")
+        serve.run(build_application(spec, num_replicas=2, num_cpus=1), name=APP_NAME, route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _client(base_url: str) -> httpx.Client:
+    return httpx.Client(base_url=base_url, timeout=60)
+
+
+def _speak(client: httpx.Client, tokens: int, voice: str = VOICE) -> httpx.Response:
+    return client.post("/v1/tts", json={"text": "Hi there.", "voice": voice, "response_format": "pcm",
+                                        "force_tokens": tokens, "seed": 1})
+
+
+def _replicas(client: httpx.Client) -> dict[str, dict]:
+    response = client.get("/v1/replicas")
+    assert response.status_code == 200, response.text
+    return {r["replica"]: r for r in response.json()["replicas"]}
+
+
+def _wait_all_running(client: httpx.Client, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        response = client.get("/ready")
+        if response.status_code == 200 and response.json()["status"] == "ok" and len(_replicas(client)) == 2:
+            return response.json()
+        time.sleep(0.5)
+    raise AssertionError(f"the application did not recover in {timeout_s} s: {client.get('/ready').text}")
+
+
+def _spread(client: httpx.Client, tokens: int, replicas: set[str], rounds: int = 6) -> dict[str, int]:
+    """Concurrent pairs of requests until every replica in `replicas` served one; replica → requests served."""
+    served: dict[str, int] = {}
+    with ThreadPoolExecutor(2) as pool:
+        for _ in range(rounds):
+            for response in pool.map(lambda _: _speak(client, tokens), range(2)):
+                assert response.status_code == 200, response.text
+                assert len(response.content) == 2 * SAMPLES_PER_TOKEN * tokens
+                served[response.headers[REPLICA]] = served.get(response.headers[REPLICA], 0) + 1
+            if replicas <= served.keys():
+                break
+    return served
+
+
+def test_voice_registered_once_is_used_on_every_replica(base_url: str) -> None:
+    with _client(base_url) as client:
+        assert _wait_all_running(client, 120)["replicas_running"] == 2
+        replicas = set(_replicas(client))
+        assert len(replicas) == 2
+        response = client.post("/v1/voices", data={"name": VOICE, "prompt_text": VOICE_TEXT},
+                               files={"prompt_wav": ("bob.wav", tone_wav(), "audio/wav")})
+        assert response.status_code == 201, response.text
+        registered_on = response.headers[REPLICA]
+        # requests spread over both replicas, each using the voice registered through one of them
+        served = _spread(client, tokens=4, replicas=replicas)
+        assert served.keys() == replicas, served
+        for replica in replicas:  # every replica now holds the voice's prompt in memory
+            assert VOICE in _replicas(client)[replica]["load"]["voices"], (replica, registered_on)
+        # one /metrics for the application: every replica's samples, labelled
+        metrics = client.get("/metrics").text
+        for replica in replicas:
+            assert f'replica="{replica}"' in metrics
+        # deleting it through one replica removes it everywhere at once
+        assert client.delete(f"/v1/voices/{VOICE}").status_code == 204
+        for _ in range(4):
+            response = _speak(client, tokens=2)
+            assert response.status_code == 400 and response.json()["error"]["code"] == "unknown_voice", response.text
+        response = client.post("/v1/voices", data={"name": VOICE, "prompt_text": VOICE_TEXT},
+                               files={"prompt_wav": ("bob.wav", tone_wav(), "audio/wav")})
+        assert response.status_code == 201, response.text
+
+
+def test_killed_replica_fails_its_stream_and_the_app_recovers(base_url: str) -> None:
+    with _client(base_url) as client:
+        _wait_all_running(client, 120)
+        replicas = _replicas(client)
+        long_tokens = 400
+        with ThreadPoolExecutor(2) as pool:
+            # two long streams, one per replica (the router spreads concurrent streams)
+            streams = [client.stream("POST", "/v1/tts", json={"text": "Hi there.", "voice": VOICE,
+                                                              "response_format": "pcm", "force_tokens": long_tokens})
+                       for _ in range(2)]
+            opened = [s.__enter__() for s in streams]
+            try:
+                assert {r.status_code for r in opened} == {200}
+                assert {r.headers[REPLICA] for r in opened} == set(replicas), "streams not spread"
+                victim, survivor = opened
+                chunks = [victim.iter_bytes(), survivor.iter_bytes()]
+                first = [next(it) for it in chunks]  # both are streaming
+                os.kill(replicas[victim.headers[REPLICA]]["pid"], signal.SIGKILL)
+                t_kill = time.monotonic()
+
+                def drain(index: int) -> tuple[int, BaseException | None]:
+                    n = len(first[index])
+                    try:
+                        for data in chunks[index]:
+                            n += len(data)
+                    except httpx.HTTPError as exc:
+                        return n, exc
+                    return n, None
+
+                (victim_bytes, victim_error), (survivor_bytes, survivor_error) = pool.map(drain, range(2))
+            finally:
+                for s in streams:
+                    s.__exit__(None, None, None)
+        full = 2 * SAMPLES_PER_TOKEN * long_tokens
+        # the killed replica's stream ends with a transport error, never as a short "complete" response
+        assert victim_error is not None and victim_bytes < full, (victim_bytes, victim_error)
+        assert time.monotonic() - t_kill < 60
+        # the other replica's stream is untouched
+        assert survivor_error is None and survivor_bytes == full
+        # Ray restarts the replica; readiness says degraded, then ok; the new replica serves the stored voice
+        recovered = _wait_all_running(client, RECOVERY_TIMEOUT_S)
+        assert recovered["replicas_running"] == 2
+        now = set(_replicas(client))
+        assert len(now) == 2 and now != set(replicas)
+        served = _spread(client, tokens=4, replicas=now)
+        assert served.keys() == now, served
