@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 import signal
 import tempfile
 import threading
@@ -48,6 +49,7 @@ from cosystream import errors as cosy_errors
 from cosystream.scale.load import LoadReport, merge_metrics, rank_replicas, report_from_server
 from cosystream.server.errors import ApiError
 from cosystream.server.metrics import CONTENT_TYPE
+from cosystream.server.session import request_id_override
 from cosystream.server.state import ServerSettings
 
 log = logging.getLogger("cosystream.server")
@@ -55,6 +57,8 @@ log = logging.getLogger("cosystream.server")
 APP_NAME = "cosystream"
 DEPLOYMENT_NAME = "CosyStream"
 REPLICA_HEADER = b"x-cosystream-replica"
+REQUEST_ID_HEADER = b"x-request-id"  # set by Ray's proxy on the way in, returned by it on the way out
+REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9_.:-]{1,64}")  # ids the app adopts (GET /v1/requests/{id} takes them)
 VOICE_STORE_ACTOR = "cosystream_voice_store"
 VOICE_STORE_NAMESPACE = "cosystream"
 VOICE_BROADCAST_TIMEOUT_S = 1.0  # a registration answers once every replica dropped its copy, or after this
@@ -175,8 +179,11 @@ class _VoiceAnnouncingEngine:
             await self._announce(name)  # also after a failed delete: another replica may have removed it
 
 
-class _ReplicaHeader:
-    """ASGI wrapper: every HTTP response and WebSocket accept names the replica that served it."""
+class _ReplicaHeaders:
+    """ASGI wrapper: every HTTP response and WebSocket accept names the replica that served it, and a request
+    keeps one id. Ray's proxy returns its own `x-request-id` (the one it logs) on every response, so the app
+    adopts that id (request_id_override) and its own X-Request-Id header is left out: clients see one id, the
+    one GET /v1/requests/{id}, the `done` event and the log line carry."""
 
     def __init__(self, app: ASGIApp, replica_id: str) -> None:
         self.app = app
@@ -185,13 +192,22 @@ class _ReplicaHeader:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
+        proxy_id = dict(scope.get("headers", [])).get(REQUEST_ID_HEADER, b"").decode("latin-1")
+        adopted = REQUEST_ID_PATTERN.fullmatch(proxy_id) is not None
 
         async def named_send(message: Message) -> None:
             if message["type"] in ("http.response.start", "websocket.accept"):
-                message = {**message, "headers": [*message.get("headers", []), self.header]}
+                headers = message.get("headers", [])
+                if adopted:
+                    headers = [(k, v) for k, v in headers if k.lower() != REQUEST_ID_HEADER]
+                message = {**message, "headers": [*headers, self.header]}
             await send(message)
 
-        await self.app(scope, receive, named_send)
+        token = request_id_override.set(proxy_id if adopted else None)
+        try:
+            await self.app(scope, receive, named_send)
+        finally:
+            request_id_override.reset(token)
 
 
 def _noop() -> None:
@@ -236,7 +252,7 @@ class CosyStreamReplica:
         log.info("event=replica_ready replica=%s pid=%d device=%s", self.replica_id, os.getpid(), self.device)
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
-        return _ReplicaHeader(self.server_app, self.replica_id)
+        return _ReplicaHeaders(self.server_app, self.replica_id)
 
     # -------------------------------------------------------- what Ray asks of a replica
     def record_routing_stats(self) -> dict[str, Any]:

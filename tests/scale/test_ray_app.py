@@ -8,6 +8,7 @@ restarted replica serves the voice again. Requests use `force_tokens`, so audio 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -17,6 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
 
 from cosystream.testing.audio import tone_wav
 
@@ -89,18 +92,41 @@ def _wait_all_running(client: httpx.Client, timeout_s: float) -> dict:
     raise AssertionError(f"the application did not recover in {timeout_s} s: {client.get('/ready').text}")
 
 
-def _spread(client: httpx.Client, tokens: int, replicas: set[str], rounds: int = 6) -> dict[str, int]:
-    """Concurrent pairs of requests until every replica in `replicas` served one; replica → requests served."""
-    served: dict[str, int] = {}
+def _spread(client: httpx.Client, tokens: int, replicas: set[str], rounds: int = 6) -> dict[str, list[str]]:
+    """Concurrent pairs of requests until every replica in `replicas` served one; replica → request ids."""
+    served: dict[str, list[str]] = {}
     with ThreadPoolExecutor(2) as pool:
         for _ in range(rounds):
             for response in pool.map(lambda _: _speak(client, tokens), range(2)):
                 assert response.status_code == 200, response.text
                 assert len(response.content) == 2 * SAMPLES_PER_TOKEN * tokens
-                served[response.headers[REPLICA]] = served.get(response.headers[REPLICA], 0) + 1
+                request_id = response.headers["x-request-id"]
+                assert "," not in request_id  # one id: the proxy's, adopted by the app
+                served.setdefault(response.headers[REPLICA], []).append(request_id)
             if replicas <= served.keys():
                 break
     return served
+
+
+def _ws_session(base_url: str, tokens: int) -> tuple[str, int, list[dict]]:
+    """One WebSocket request in text pieces: (replica that served it, audio bytes, JSON events)."""
+    audio, events = 0, []
+    with connect("ws" + base_url[len("http"):] + "/v1/tts/stream", open_timeout=60) as ws:
+        replica = ws.response.headers[REPLICA]
+        ws.send(json.dumps({"type": "start", "voice": VOICE, "response_format": "pcm", "force_tokens": tokens}))
+        for piece in ("Hello ", "there."):
+            ws.send(json.dumps({"type": "text", "text": piece}))
+        ws.send(json.dumps({"type": "end"}))
+        try:
+            while True:
+                message = ws.recv(timeout=60)
+                if isinstance(message, bytes):
+                    audio += len(message)
+                else:
+                    events.append(json.loads(message))
+        except ConnectionClosed:
+            pass
+    return replica, audio, events
 
 
 def test_voice_registered_once_is_used_on_every_replica(base_url: str) -> None:
@@ -115,6 +141,14 @@ def test_voice_registered_once_is_used_on_every_replica(base_url: str) -> None:
         # requests spread over both replicas, each using the voice registered through one of them
         served = _spread(client, tokens=4, replicas=replicas)
         assert served.keys() == replicas, served
+        for ids in served.values():  # a request's stage times, whichever replica answers the lookup
+            found = client.get(f"/v1/requests/{ids[0]}")
+            assert found.status_code == 200 and found.json()["outcome"] == "ok", found.text
+        assert client.get("/v1/requests/req_unknown").status_code == 404
+        # a WebSocket session, on one replica from start to done
+        replica, audio_bytes, events = _ws_session(base_url, tokens=3)
+        assert replica in replicas and audio_bytes == 2 * SAMPLES_PER_TOKEN * 3
+        assert events[0]["type"] == "started" and events[-1]["type"] == "done", events[-1]
         for replica in replicas:  # every replica now holds the voice's prompt in memory
             assert VOICE in _replicas(client)[replica]["load"]["voices"], (replica, registered_on)
         # one /metrics for the application: every replica's samples, labelled
