@@ -243,6 +243,7 @@ class CosyStreamReplica:
             # before the constructor returns: Ray routes to a replica only once it is constructed
             await loop.run_in_executor(None, engine.warmup)
         self.engine = engine
+        self._deployment_id = (context.app_name, context.deployment)
         self.peers = serve.get_deployment_handle(context.deployment, context.app_name)
         settings = dataclasses.replace(spec.settings, warmup=False)  # warmed up above
         self.server_app = build_app(_VoiceAnnouncingEngine(engine, self._announce_voice_change), settings)
@@ -339,7 +340,7 @@ class CosyStreamReplica:
 
     async def _ready(self) -> JSONResponse:
         self.state.check_ready()  # this replica serves: the application does
-        running, target = await run_in_threadpool(_replica_counts)
+        running, target = await run_in_threadpool(_replica_counts, *self._deployment_id)
         status = "ok" if running >= target else "degraded"
         return JSONResponse({"status": status, "replicas_running": running, "replicas_target": target})
 
@@ -358,9 +359,9 @@ class CosyStreamReplica:
         return JSONResponse({"replicas": described})
 
 
-def _replica_counts() -> tuple[int, int]:
+def _replica_counts(app_name: str, deployment: str) -> tuple[int, int]:
     """(running, target) replicas of the deployment, as the Serve controller sees them."""
-    status = serve.status().applications[APP_NAME].deployments[DEPLOYMENT_NAME]
+    status = serve.status().applications[app_name].deployments[deployment]
     states = {str(getattr(k, "value", k)): n for k, n in status.replica_states.items()}
     running = states.get("RUNNING", 0)
     target = sum(n for state, n in states.items() if state not in ("STOPPING",))

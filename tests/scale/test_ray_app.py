@@ -211,3 +211,23 @@ def test_killed_replica_fails_its_stream_and_the_app_recovers(base_url: str) -> 
         assert len(now) == 2 and now != set(replicas)
         served = _spread(client, tokens=4, replicas=now)
         assert served.keys() == now, served
+
+
+def test_example_config_builds_the_application(tmp_path) -> None:
+    """examples/ray_serve.yaml names an importable builder whose arguments it accepts (no cluster needed)."""
+    import importlib
+    from pathlib import Path
+
+    import yaml
+
+    config = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "ray_serve.yaml").read_text())
+    (application,) = config["applications"]
+    module, name = application["import_path"].split(":")
+    builder = getattr(importlib.import_module(module), name)
+    args = {**application["args"], "model_dir": str(tmp_path)}
+    deployment = builder(args)._bound_deployment
+    assert deployment.name == "CosyStream"
+    assert deployment.num_replicas == application["args"]["num_replicas"]
+    spec = deployment.init_args[0]
+    assert spec.voice_store == "actor" and spec.engine_kwargs == application["args"]["config"]
+    assert spec.settings.first_audio_budget_s == application["args"]["first_audio_budget_s"]
