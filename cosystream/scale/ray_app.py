@@ -2,7 +2,7 @@
 
     cosystream serve --model-dir DIR --replicas 2                                  # a local Ray cluster
     serve run cosystream.scale.ray_app:app_builder model_dir=DIR num_replicas=4   # an existing cluster
-    serve run benchmarks/scale_ray_config.yaml                                   # the same, from a config
+    serve run examples/ray_serve.yaml                                            # the same, from a config
 
 Each replica of the deployment `CosyStream` builds the engine and the unchanged FastAPI app (server/app.py)
 and is the application's ASGI ingress, so Ray's proxy carries every HTTP request and WebSocket straight to one

@@ -15,12 +15,14 @@ import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
+from cosystream.engine.voices import VoiceStore
 from cosystream.testing.audio import tone_wav
 
 try:
@@ -50,14 +52,19 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def base_url(model_dir, tmp_path_factory) -> Iterator[str]:
+def voices_db(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("ray_voices") / "voices.db"
+
+
+@pytest.fixture(scope="module")
+def base_url(model_dir, voices_db: Path) -> Iterator[str]:
     port = _free_port()
     ray.init(num_cpus=4, object_store_memory=80 * 1024 * 1024, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        voices_db = tmp_path_factory.mktemp("ray_voices") / "voices.db"
-        spec = ReplicaSpec(model_dir=str(model_dir), device="cpu", voice_store="file", voices_db=str(voices_db),
+        # the store a multi-machine cluster uses (a named actor on the head node); "file" is a plain VoiceStore
+        spec = ReplicaSpec(model_dir=str(model_dir), device="cpu", voice_store="actor", voices_db=str(voices_db),
                            engine_kwargs={"max_streams": 4}, settings=ServerSettings(warmup=False),
                            log_level="warning")
         serve.run(build_application(spec, num_replicas=2, num_cpus=1), name=APP_NAME, route_prefix="/")
@@ -129,7 +136,7 @@ def _ws_session(base_url: str, tokens: int) -> tuple[str, int, list[dict]]:
     return replica, audio, events
 
 
-def test_voice_registered_once_is_used_on_every_replica(base_url: str) -> None:
+def test_voice_registered_once_is_used_on_every_replica(base_url: str, voices_db: Path) -> None:
     with _client(base_url) as client:
         assert _wait_all_running(client, 120)["replicas_running"] == 2
         replicas = set(_replicas(client))
@@ -138,6 +145,8 @@ def test_voice_registered_once_is_used_on_every_replica(base_url: str) -> None:
                                files={"prompt_wav": ("bob.wav", tone_wav(), "audio/wav")})
         assert response.status_code == 201, response.text
         registered_on = response.headers[REPLICA]
+        with VoiceStore(voices_db) as store:  # in the cluster's one store file: it outlives every replica
+            assert VOICE in store
         # requests spread over both replicas, each using the voice registered through one of them
         served = _spread(client, tokens=4, replicas=replicas)
         assert served.keys() == replicas, served
@@ -216,7 +225,6 @@ def test_killed_replica_fails_its_stream_and_the_app_recovers(base_url: str) -> 
 def test_example_config_builds_the_application(tmp_path) -> None:
     """examples/ray_serve.yaml names an importable builder whose arguments it accepts (no cluster needed)."""
     import importlib
-    from pathlib import Path
 
     import yaml
 
