@@ -17,7 +17,8 @@ replica (a WebSocket session lives on the replica that accepted it). What the re
   GET /v1/requests/{id} finds the request on whichever replica served it, GET /v1/replicas lists them;
   every response names its replica in `X-Cosystream-Replica`;
 * faults: `check_health` fails when the engine loop stopped or does not answer in time, so Ray takes the
-  replica out of routing and restarts it.
+  replica out of routing and restarts it; a stream whose replica died ends with an `error` event, sent by
+  the proxy middleware of scale/proxy.py.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cosystream import errors as cosy_errors
 from cosystream.scale.load import LoadReport, merge_metrics, rank_replicas, report_from_server
+from cosystream.scale.proxy import CALLBACK_ENV as PROXY_CALLBACK_ENV
+from cosystream.scale.proxy import CALLBACK_PATH as PROXY_CALLBACK_PATH
 from cosystream.server.errors import ApiError
 from cosystream.server.metrics import CONTENT_TYPE
 from cosystream.server.session import request_id_override
@@ -482,11 +485,12 @@ def serve_replicas(spec: ReplicaSpec, num_replicas: int, host: str, port: int, r
                    ready: threading.Event | None = None) -> None:
     """Start (or join, with `ray_address`) a Ray cluster, deploy `num_replicas` replicas and serve until
     interrupted (SIGINT/SIGTERM), then tear the application down."""
-    if ray_address:
-        num_gpus, num_cpus, resources = (1.0 if spec.device != "cpu" else 0.0), 1.0, {}
+    if ray_address:  # its proxies run with the environment of `ray start` (docs/scaling.md)
+        num_gpus, num_cpus = (1.0 if spec.device != "cpu" else 0.0), 1.0
         ray.init(address=ray_address, log_to_driver=False)
     else:
         num_gpus, num_cpus, resources = local_resources(num_replicas, spec.device)
+        os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK_PATH)  # inherited by the proxy Ray starts
         ray.init(include_dashboard=False, log_to_driver=False, **resources)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -33,6 +33,9 @@ except ImportError:  # the optional extra: CI installs it and must not skip
         raise
     pytest.skip("ray[serve] is not installed (pip install cosystream[ray])", allow_module_level=True)
 
+from cosystream.scale.proxy import CALLBACK_ENV as PROXY_CALLBACK_ENV  # noqa: E402
+from cosystream.scale.proxy import CALLBACK_PATH as PROXY_CALLBACK_PATH  # noqa: E402
+from cosystream.scale.proxy import LOST_CODE  # noqa: E402
 from cosystream.scale.ray_app import APP_NAME, REPLICA_HEADER, ReplicaSpec, build_application  # noqa: E402
 from cosystream.server.state import ServerSettings  # noqa: E402
 
@@ -59,6 +62,7 @@ def voices_db(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def base_url(model_dir, voices_db: Path) -> Iterator[str]:
     port = _free_port()
+    os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK_PATH)  # the proxy Ray starts inherits it
     ray.init(num_cpus=4, object_store_memory=80 * 1024 * 1024, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
     try:
@@ -189,40 +193,32 @@ def test_killed_replica_fails_its_stream_and_the_app_recovers(base_url: str) -> 
         _wait_all_running(client, 120)
         replicas = _replicas(client)
         long_tokens = 400
-        with ThreadPoolExecutor(2) as pool:
-            # two long streams, one per replica (the router spreads concurrent streams)
-            streams = [client.stream("POST", "/v1/tts", json={"text": "Hi there.", "voice": VOICE,
-                                                              "response_format": "pcm", "force_tokens": long_tokens})
-                       for _ in range(2)]
-            opened = [s.__enter__() for s in streams]
-            try:
-                assert {r.status_code for r in opened} == {200}
-                assert {r.headers[REPLICA] for r in opened} == set(replicas), "streams not spread"
-                victim, survivor = opened
-                chunks = [victim.iter_bytes(), survivor.iter_bytes()]
-                first = [next(it) for it in chunks]  # both are streaming
-                os.kill(replicas[victim.headers[REPLICA]]["pid"], signal.SIGKILL)
-                t_kill = time.monotonic()
-
-                def drain(index: int) -> tuple[int, BaseException | None]:
-                    n = len(first[index])
-                    try:
-                        for data in chunks[index]:
-                            n += len(data)
-                    except httpx.HTTPError as exc:
-                        return n, exc
-                    return n, None
-
-                (victim_bytes, victim_error), (survivor_bytes, survivor_error) = pool.map(drain, range(2))
-            finally:
-                for s in streams:
-                    s.__exit__(None, None, None)
-        full = 2 * SAMPLES_PER_TOKEN * long_tokens
-        # the killed replica's stream ends with a transport error, never as a short "complete" response
-        assert victim_error is not None and victim_bytes < full, (victim_bytes, victim_error)
+        body = {"text": "Hi there.", "voice": VOICE, "response_format": "pcm", "force_tokens": long_tokens}
+        # two long streams on the two replicas (the router spreads concurrent streams): events, and raw audio
+        events_stream = client.stream("POST", "/v1/tts?events=ndjson", json=body)
+        raw_stream = client.stream("POST", "/v1/tts", json=body)
+        victim, survivor = events_stream.__enter__(), raw_stream.__enter__()
+        try:
+            assert victim.status_code == survivor.status_code == 200
+            assert {victim.headers[REPLICA], survivor.headers[REPLICA]} == set(replicas), "streams not spread"
+            lines, audio = victim.iter_lines(), survivor.iter_bytes()
+            first_event, first_audio = json.loads(next(lines)), next(audio)  # both are streaming
+            assert first_event["type"] == "audio"
+            os.kill(replicas[victim.headers[REPLICA]]["pid"], signal.SIGKILL)
+            t_kill = time.monotonic()
+            with ThreadPoolExecutor(1) as pool:
+                rest_of_audio = pool.submit(lambda: first_audio + b"".join(audio))
+                events = [first_event, *(json.loads(line) for line in lines if line)]
+                survivor_bytes = len(rest_of_audio.result(timeout=120))
+        finally:
+            events_stream.__exit__(None, None, None)
+            raw_stream.__exit__(None, None, None)
+        # the killed replica's event stream ends with an error event (sent by the proxy), promptly
+        assert events[-1]["type"] == "error" and events[-1]["error"]["code"] == LOST_CODE, events[-1]
+        assert all(e["type"] == "audio" for e in events[:-1])
         assert time.monotonic() - t_kill < 60
         # the other replica's stream is untouched
-        assert survivor_error is None and survivor_bytes == full
+        assert survivor_bytes == 2 * SAMPLES_PER_TOKEN * long_tokens
         # readiness says degraded while Ray restarts the replica, then ok; the new replica serves the stored voice
         _wait_status(client, "degraded", 30)
         recovered = _wait_all_running(client, RECOVERY_TIMEOUT_S)
