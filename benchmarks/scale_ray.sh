@@ -15,6 +15,9 @@
 #   an open loop at twice that rate for 20 s on a server restarted with --first-audio-budget-s $BUDGET_S:
 #     accepted p99 against the budget (refusals are 503 overloaded and counted apart).
 # Results: $OUT/<part>_*.json (bench JSON), $OUT/<part>_summary.txt.
+if [ "${1:-}" = stash ]; then  # a part of the wheels only: nothing else is needed yet
+  exec bash benchmarks/scale_ray_wheels.sh stash
+fi
 source benchmarks/gpu_prep.sh || exit 1
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site_ray:$PYTHONPATH
@@ -68,9 +71,6 @@ PY
 }
 
 case "${1:-}" in
-stash)
-  bash benchmarks/scale_ray_wheels.sh stash
-  ;;
 single)
   bash benchmarks/scale_ray_wheels.sh install || exit 1
   stamp "single-process server"

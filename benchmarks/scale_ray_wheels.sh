@@ -16,7 +16,8 @@ RAY_VERSION=${RAY_VERSION:-2.60.0}
 HAVE="aiohttp aiohappyeyeballs aiosignal annotated_types anyio attrs certifi charset_normalizer click cloudpickle
 filelock frozenlist fsspec grpcio h11 httpcore httpx idna jinja2 markupsafe msgpack multidict numpy packaging pillow
 prometheus_client propcache protobuf psutil pyyaml requests setuptools typing_extensions urllib3 uvloop wrapt yarl
-pydantic pydantic_core starlette fastapi uvicorn typing_inspection"
+pydantic pydantic_core starlette fastapi uvicorn typing_inspection httptools websockets"
+# (the last line: cosystream's own dependencies, carried in .whl by benchmarks/fetch_wheels.sh)
 PART_MB=${PART_MB:-24}
 
 case "${1:-}" in
