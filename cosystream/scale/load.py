@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 REPLICA_LABEL = "replica"
+MAX_REPORTED_VOICES = 256  # a report names at most this many held voices (it travels every reporting period)
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,8 @@ def report_from_server(state: Any, voices: Iterable[str] = ()) -> LoadReport:
     admission = state.admission
     return LoadReport(ready=state.is_ready and state.engine_error() is None, in_flight=admission.num_in_flight,
                       capacity=admission.capacity, service_first_audio_s=admission.service_first_audio_s.value,
-                      service_s=admission.service_s.value, budget_s=admission.budget_s, voices=tuple(voices))
+                      service_s=admission.service_s.value, budget_s=admission.budget_s,
+                      voices=tuple(voices)[:MAX_REPORTED_VOICES])
 
 
 def rank_replicas(loads: Mapping[Hashable, LoadReport | None], routed_here: Mapping[Hashable, int] | None = None,
