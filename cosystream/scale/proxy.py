@@ -1,4 +1,5 @@
-"""A middleware for Ray Serve's HTTP proxy: a stream whose replica died ends with an `error` event.
+"""Middlewares for Ray Serve's HTTP proxy: a stream whose replica died ends with an `error` event, and a
+request's voice reaches the router.
 
 When a replica dies mid-stream, Ray's proxy just stops: the response is left unfinished. For raw audio
 that is the right ending (the client sees an incomplete transfer, never a short "complete" file), but an
@@ -8,7 +9,12 @@ behind it ended without finishing an event stream or closing a WebSocket, sends 
 (`replica_lost`, 503: retrying reaches a live replica) and ends the response properly; a WebSocket is closed
 with 4503.
 
-Ray loads it from the proxy's environment: RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=
+The router picks a replica before the request body is read, so it cannot see which voice a request names.
+`VoiceHint` reads small JSON bodies of the synthesis endpoints in the proxy (they are read there anyway),
+and passes their `voice` on as Ray's multiplexed model id, which the router sees in the request's metadata
+(`EngineAwareRouter` prefers replicas holding that voice); the body then goes on unchanged.
+
+Ray loads them from the proxy's environment: RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=
 cosystream.scale.proxy:proxy_middlewares (`cosystream serve --replicas` sets it; on a cluster, set it where
 `ray start` runs on each node). Plain ASGI: no Ray import.
 """
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from typing import Any
 
 from starlette.middleware import Middleware
@@ -97,6 +104,55 @@ class StreamEndGuard:
                 await send({"type": "websocket.close", "code": 4000 + LOST_STATUS, "reason": LOST_CODE})
 
 
+VOICE_HINT_HEADER = b"serve_multiplexed_model_id"  # Ray's proxy copies it into the request's metadata
+VOICE_HINT_PATHS = ("/v1/tts", "/v1/audio/speech")
+VOICE_HINT_MAX_BYTES = 64 * 1024  # larger bodies (uploads) go through unread
+_VOICE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+class VoiceHint:
+    """Passes the `voice` of a small JSON synthesis request to the router (see the module docstring)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not self._worth_reading(scope):
+            return await self.app(scope, receive, send)
+        messages: list[Message] = []
+        while True:  # the body, which the replica would fetch from this proxy anyway
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                break
+        voice = _voice_of(b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request"))
+        if voice is not None:
+            scope = {**scope, "headers": [*scope["headers"], (VOICE_HINT_HEADER, voice.encode())]}
+
+        async def replay() -> Message:
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)
+
+    @staticmethod
+    def _worth_reading(scope: Scope) -> bool:
+        if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in VOICE_HINT_PATHS:
+            return False
+        headers = dict(scope.get("headers", []))
+        if VOICE_HINT_HEADER in headers or not headers.get(b"content-type", b"").startswith(b"application/json"):
+            return False
+        length = headers.get(b"content-length", b"")
+        return length.isdigit() and int(length) <= VOICE_HINT_MAX_BYTES
+
+
+def _voice_of(body: bytes) -> str | None:
+    try:
+        voice = json.loads(body).get("voice")
+    except (ValueError, AttributeError):  # not JSON, or not an object: the app answers it
+        return None
+    return voice if isinstance(voice, str) and _VOICE_NAME.fullmatch(voice) else None
+
+
 def proxy_middlewares() -> list[Middleware]:
     """What RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH names: the proxy's extra middlewares."""
-    return [Middleware(StreamEndGuard)]
+    return [Middleware(VoiceHint), Middleware(StreamEndGuard)]

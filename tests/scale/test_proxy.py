@@ -77,4 +77,45 @@ def test_an_unclosed_websocket_gets_an_error_event_and_close_4503() -> None:
 def test_ray_gets_starlette_middlewares() -> None:
     from starlette.middleware import Middleware
 
-    assert all(isinstance(m, Middleware) for m in proxy_middlewares())
+    assert len(proxy_middlewares()) == 2 and all(isinstance(m, Middleware) for m in proxy_middlewares())
+
+
+def _hinted(body: bytes, path: str = "/v1/tts", content_type: bytes = b"application/json") -> tuple[dict, bytes]:
+    """(the scope the proxy app gets, the body it reads) for one request through VoiceHint."""
+    from cosystream.scale.proxy import VoiceHint
+
+    seen: dict = {}
+    chunks = [body[:5], body[5:]]
+
+    async def receive() -> dict:
+        chunk = chunks.pop(0)
+        return {"type": "http.request", "body": chunk, "more_body": bool(chunks)}
+
+    async def app(scope, receive, send) -> None:
+        data = b""
+        while True:
+            message = await receive()
+            data += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        seen["scope"], seen["body"] = scope, data
+
+    async def send(message: dict) -> None:
+        pass
+
+    headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
+    scope = {"type": "http", "method": "POST", "path": path, "headers": headers}
+    asyncio.run(VoiceHint(app)(scope, receive, send))
+    return seen["scope"], seen["body"]
+
+
+def test_the_voice_of_a_json_request_reaches_the_router_and_the_body_is_unchanged() -> None:
+    from cosystream.scale.proxy import VOICE_HINT_HEADER
+
+    body = json.dumps({"text": "Hello.", "voice": "anna"}).encode()
+    scope, seen_body = _hinted(body)
+    assert dict(scope["headers"])[VOICE_HINT_HEADER] == b"anna" and seen_body == body
+    for other in (_hinted(b"{not json"), _hinted(json.dumps({"voice": "bad name!"}).encode()),
+                  _hinted(body, path="/v1/voices"), _hinted(body, content_type=b"multipart/form-data")):
+        assert VOICE_HINT_HEADER not in dict(other[0]["headers"])
+    assert _hinted(b"{not json")[1] == b"{not json"  # passed on for the app to refuse
