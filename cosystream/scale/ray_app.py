@@ -9,8 +9,9 @@ and is the application's ASGI ingress, so Ray's proxy carries every HTTP request
 replica (a WebSocket session lives on the replica that accepted it). What the replica adds around the app:
 
 * routing: it publishes a `LoadReport` (scale/load.py) through Ray's `record_routing_stats`; the deployment's
-  `EngineAwareRouter` ranks replicas by whether they can meet the first-audio budget and by expected first
-  audio; the chosen replica's own admission refuses at once (503 overloaded) when even it cannot;
+  `EngineAwareRouter` ranks replicas by whether they can meet the first-audio budget, then by the request's
+  voice (found by the proxy middleware of scale/proxy.py) and by load; the chosen replica's own admission
+  refuses at once (503 overloaded) when even it cannot;
 * voices: every replica reads one store (a shared SQLite file, or a named actor on the head node), and a
   registration or deletion through any replica is broadcast to all, which drop and reload their copy;
 * one place to read: /metrics merges every replica's metrics (label `replica`), /ready reports the cluster,
