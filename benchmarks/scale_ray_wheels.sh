@@ -8,7 +8,7 @@
 #   bash benchmarks/scale_ray_wheels.sh install  # there, after the last: join the ray wheel, install everything
 #                                                # into /tmp/site_ray (then PYTHONPATH=/tmp/site_ray:$PYTHONPATH)
 # PART_MB (default 24) plus the working tree (git ls-files: about 36 MB) must stay under 64 MiB.
-# .whl_ray/ is git-ignored through .git/info/exclude ("fetch" adds it); wheels are never committed.
+# .whl_ray/ is git-ignored (.gitignore); wheels are never committed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RAY_VERSION=${RAY_VERSION:-2.60.0}
@@ -22,8 +22,6 @@ PART_MB=${PART_MB:-24}
 
 case "${1:-}" in
 fetch)
-  exclude=$(git rev-parse --git-path info/exclude)
-  grep -qx "/.whl_ray/" "$exclude" 2>/dev/null || echo "/.whl_ray/" >> "$exclude"
   rm -rf .whl_ray && mkdir -p .whl_ray/all
   PLAT=()
   for n in 17 24 27 28 31 34 35; do PLAT+=(--platform "manylinux_2_${n}_x86_64"); done
