@@ -371,6 +371,20 @@ class AsyncEngine:
             self._voice_caches.pop(key, None)
             await loop.run_in_executor(self.pool, self.core.call, self.token2wav.forget_voice, key)
 
+    async def drop_cached_voice(self, name: str) -> None:
+        """Forget what this process holds in memory for `name` (its prompt, its flow prompt cache), not the
+        stored voice: another process registered, replaced or deleted it, so the next request reads the store."""
+        self._voice_prompts.pop(name, None)
+        key = self._voice_keys.pop(name, None)
+        if key is not None:
+            self._voice_caches.pop(key, None)
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self.pool, self.core.call, self.token2wav.forget_voice, key)
+
+    def cached_voices(self) -> list[str]:
+        """Registered voices whose prompt features this process holds in memory."""
+        return list(self._voice_prompts)
+
     def stats(self) -> dict[str, float]:
         return {**self.core.stats(), **accounting.gauges(self)}
 

@@ -44,6 +44,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                        help="do not serve the web playground at / (docs/playground.md)")
     _add_limit_flags(serve)
     _add_access_flags(serve)
+    _add_scale_flags(serve)
     serve.set_defaults(handler=run_serve)
     return serve
 
@@ -81,6 +82,17 @@ def _add_access_flags(serve: argparse.ArgumentParser) -> None:
                         help="a path that needs no key (repeatable; default: /health and /ready)")
     access.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                         help="allow browser calls from this origin, e.g. https://app.example.com, or * (repeatable)")
+
+
+def _add_scale_flags(serve: argparse.ArgumentParser) -> None:
+    scale = serve.add_argument_group("several GPUs (Ray Serve; pip install cosystream[ray]; docs/scaling.md)")
+    scale.add_argument("--replicas", type=int, default=None, metavar="N",
+                       help="run N engine replicas, one per GPU (CPU: one process each), behind Ray Serve's proxy")
+    scale.add_argument("--ray-address", default=None, metavar="ADDR",
+                       help="with --replicas: join this Ray cluster (e.g. auto) instead of starting a local one")
+    scale.add_argument("--voice-store", default="file", choices=("file", "actor"),
+                       help="with --replicas: voices in one SQLite file every replica opens (one machine), or "
+                            "behind a named actor on the head node (several machines)")
 
 
 def api_keys_from(args: argparse.Namespace, environ: dict[str, str] | os._Environ = os.environ) -> frozenset[str]:
@@ -134,11 +146,46 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"cosystream serve: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    if args.replicas is not None:
+        return _run_replicas(args, engine_kwargs)
     try:
         settings = settings_from_args(args)
         serve(args.model_dir, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
               voices_db=args.voices_db, settings=settings, log_level=args.log_level, **engine_kwargs)
     except (CosyStreamError, ValueError, TypeError, OSError) as exc:  # bad model dir or setting: one line
+        print(f"cosystream serve: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    return 0
+
+
+def _run_replicas(args: argparse.Namespace, engine_kwargs: dict) -> int:
+    """`serve --replicas N`: the same server, N engine replicas on Ray Serve (cosystream/scale/ray_app.py)."""
+    try:
+        from cosystream.scale.ray_app import ReplicaSpec, serve_replicas
+    except ImportError as exc:
+        print(f"cosystream serve: error: --replicas needs Ray Serve ({exc}); pip install 'cosystream[ray]'",
+              file=sys.stderr)
+        return EXIT_USAGE
+    from cosystream.server.app import configure_logging
+
+    try:
+        if args.replicas < 1:
+            raise ValueError(f"--replicas: must be at least 1, got {args.replicas}")
+        if not Path(args.model_dir).is_dir():
+            raise ValueError(f"--model-dir: no such directory: {args.model_dir}")
+        voices_db = args.voices_db
+        if voices_db is not None:
+            voices_db = str(Path(voices_db).expanduser().resolve())
+        elif args.voice_store == "file":  # every replica opens the file this machine's default names
+            from cosystream.engine.voices import default_db_path
+
+            voices_db = str(default_db_path())
+        spec = ReplicaSpec(model_dir=str(Path(args.model_dir).resolve()), device=args.device, dtype=args.dtype,
+                           voice_store=args.voice_store, voices_db=voices_db, engine_kwargs=engine_kwargs,
+                           settings=settings_from_args(args), log_level=args.log_level)
+        configure_logging(args.log_level)
+        serve_replicas(spec, args.replicas, args.host, args.port, ray_address=args.ray_address)
+    except (CosyStreamError, ValueError, TypeError, OSError) as exc:
         print(f"cosystream serve: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     return 0

@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from contextvars import ContextVar
 from typing import Any
 
 import anyio
@@ -37,8 +38,13 @@ NDJSON_MEDIA_TYPE = "application/x-ndjson"
 _SEND_GRACE_S = 1.0  # after the request timeout, before a response stuck on a non-reading client is cut
 
 
+# An id chosen by whoever runs the app for the request being handled (the Ray Serve replica adopts the id its
+# proxy already returns to the client in X-Request-Id, scale/ray_app.py); None: a fresh one per request.
+request_id_override: ContextVar[str | None] = ContextVar("request_id_override", default=None)
+
+
 def new_request_id() -> str:
-    return "req_" + uuid.uuid4().hex[:16]
+    return request_id_override.get() or "req_" + uuid.uuid4().hex[:16]
 
 
 def log_event(event: str, **fields: Any) -> None:

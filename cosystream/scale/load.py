@@ -1,0 +1,153 @@
+"""What one engine replica reports for routing, how the router ranks replicas, and how /metrics is merged.
+
+Plain Python (no Ray import), so the routing policy is tested without a cluster.
+
+A replica reports a `LoadReport`: its admission figures (server/admission.py), whether it is ready, and the
+voices whose prompt features it holds in memory. The engine may supply this itself through an optional
+`load_report()` method (the hook a scheduler with its own estimate implements); without one the report is
+derived from the server's admission control, which measures the engine's own timings.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Hashable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+
+REPLICA_LABEL = "replica"
+MAX_REPORTED_VOICES = 256  # a report names at most this many held voices (it travels every reporting period)
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """One replica's view of its own load, as `record_routing_stats` publishes it (JSON-safe via as_dict)."""
+
+    ready: bool = True
+    in_flight: int = 0  # synthesis streams admitted and not finished
+    capacity: int | None = None  # concurrent LM slots (EngineConfig.max_streams)
+    service_first_audio_s: float | None = None  # recent first audio without queueing (None: no data yet)
+    service_s: float | None = None  # recent whole-request time without queueing
+    budget_s: float | None = None  # the replica's first-audio budget (--first-audio-budget-s)
+    voices: tuple[str, ...] = field(default_factory=tuple)  # registered voices held in memory
+
+    def expected_first_audio_s(self, in_flight: int | None = None) -> float | None:
+        """The first audio a new stream can expect with `in_flight` streams ahead (the admission formula of
+        server/admission.py: a free slot costs the service first audio, a full engine adds the wait for
+        `in_flight - capacity + 1` slots, each freeing after service_s / capacity on average)."""
+        if self.service_first_audio_s is None:
+            return None
+        n = self.in_flight if in_flight is None else in_flight
+        wait_s = 0.0
+        if self.capacity and self.service_s is not None:
+            wait_s = max(0, n - self.capacity + 1) * self.service_s / self.capacity
+        return self.service_first_audio_s + wait_s
+
+    def fits_budget(self, in_flight: int | None = None) -> bool:
+        """Whether a new stream would be admitted here: no budget, no data yet, an idle replica, or an
+        expected first audio within the budget (the same rule as Admission.admit)."""
+        n = self.in_flight if in_flight is None else in_flight
+        expected_s = self.expected_first_audio_s(n)
+        return self.budget_s is None or expected_s is None or n == 0 or expected_s <= self.budget_s
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"ready": self.ready, "in_flight": self.in_flight, "capacity": self.capacity,
+                "service_first_audio_s": self.service_first_audio_s, "service_s": self.service_s,
+                "budget_s": self.budget_s, "voices": list(self.voices)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> LoadReport | None:
+        """The report a replica published, or None when it has published none yet (or an unreadable one)."""
+        if not data:
+            return None
+        try:
+            return cls(ready=bool(data.get("ready", True)), in_flight=int(data.get("in_flight", 0)),
+                       capacity=_positive_int(data.get("capacity")),
+                       service_first_audio_s=_finite(data.get("service_first_audio_s")),
+                       service_s=_finite(data.get("service_s")), budget_s=_finite(data.get("budget_s")),
+                       voices=tuple(str(v) for v in data.get("voices", ())))
+        except (TypeError, ValueError):
+            return None
+
+
+def _finite(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def _positive_int(value: Any) -> int | None:
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def report_from_server(state: Any, voices: Iterable[str] = ()) -> LoadReport:
+    """A replica's report from its server state: the engine's own `load_report()` when it has one, else the
+    server's admission figures."""
+    engine_report = getattr(state.engine, "load_report", None)
+    if callable(engine_report):
+        return engine_report()
+    admission = state.admission
+    return LoadReport(ready=state.is_ready and state.engine_error() is None, in_flight=admission.num_in_flight,
+                      capacity=admission.capacity, service_first_audio_s=admission.service_first_audio_s.value,
+                      service_s=admission.service_s.value, budget_s=admission.budget_s,
+                      voices=tuple(voices)[:MAX_REPORTED_VOICES])
+
+
+def rank_replicas(loads: Mapping[Hashable, LoadReport | None], routed_here: Mapping[Hashable, int] | None = None,
+                  voice: str | None = None) -> list[Hashable]:
+    """Replica ids, best first, for one new stream.
+
+    `routed_here` counts the streams this router sent to each replica that are still open: the published
+    reports are up to one reporting period old, so a replica's load is the larger of the two counts.
+    Order: ready replicas before unready ones; those that can meet the first-audio budget before those that
+    cannot; among those that can, replicas holding `voice` first, then the least loaded (streams per LM slot),
+    then the lowest expected first audio; replicas that cannot meet it follow by expected first audio, so when
+    none can, the request goes to the one closest to its budget, whose admission refuses it at once
+    (503 overloaded with Retry-After). Ties go in random order, so idle replicas share the work. A replica
+    without a report yet ranks as idle and ready.
+    """
+    routed_here = routed_here or {}
+
+    def key(replica: Hashable) -> tuple:
+        load = loads.get(replica) or LoadReport()
+        n = max(load.in_flight, routed_here.get(replica, 0))
+        expected_s = load.expected_first_audio_s(n)
+        fits = load.fits_budget(n)
+        holds_voice = voice is not None and voice in load.voices
+        expected = expected_s if expected_s is not None else 0.0
+        if fits:
+            return (not load.ready, False, not holds_voice, n / (load.capacity or 1), expected, random.random())
+        return (not load.ready, True, False, expected, n / (load.capacity or 1), random.random())
+
+    return sorted(loads, key=key)
+
+
+# ---------------------------------------------------------------- /metrics across replicas
+
+class _Families(Collector):
+    def __init__(self, families: list) -> None:
+        self.families = families
+
+    def collect(self):  # noqa: ANN201 (prometheus_client's Metric objects)
+        return iter(self.families)
+
+
+def merge_metrics(texts: Mapping[str, str]) -> bytes:
+    """Each replica's Prometheus text (replica id → text) as one exposition, every sample labelled
+    `replica="<id>"`: families keep one HELP/TYPE and hold the samples of every replica. Sum over the label
+    for totals (`sum without (replica) (...)`)."""
+    merged: dict[str, Any] = {}
+    for replica, text in sorted(texts.items()):
+        for family in text_string_to_metric_families(text):
+            samples = [sample._replace(labels={REPLICA_LABEL: replica, **sample.labels}) for sample in family.samples]
+            target = merged.setdefault(family.name, family)
+            if target is family:
+                target.samples = samples
+            else:
+                target.samples.extend(samples)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(list(merged.values())))
+    return generate_latest(registry)

@@ -1,0 +1,512 @@
+"""cosystream on Ray Serve: one engine replica per GPU behind Ray's HTTP proxy, the same HTTP API.
+
+    cosystream serve --model-dir DIR --replicas 2                                  # a local Ray cluster
+    serve run cosystream.scale.ray_app:app_builder model_dir=DIR num_replicas=4   # an existing cluster
+    serve run examples/ray_serve.yaml                                            # the same, from a config
+
+Each replica of the deployment `CosyStream` builds the engine and the unchanged FastAPI app (server/app.py)
+and is the application's ASGI ingress, so Ray's proxy carries every HTTP request and WebSocket straight to one
+replica (a WebSocket session lives on the replica that accepted it). What the replica adds around the app:
+
+* routing: it publishes a `LoadReport` (scale/load.py) through Ray's `record_routing_stats`; the deployment's
+  `EngineAwareRouter` ranks replicas by whether they can meet the first-audio budget, then by the request's
+  voice (found by the proxy middleware of scale/proxy.py) and by load; the chosen replica's own admission
+  refuses at once (503 overloaded) when even it cannot;
+* voices: every replica reads one store (a shared SQLite file, or a named actor on the head node), and a
+  registration or deletion through any replica is broadcast to all, which drop and reload their copy;
+* one place to read: /metrics merges every replica's metrics (label `replica`), /ready reports the cluster,
+  GET /v1/requests/{id} finds the request on whichever replica served it, GET /v1/replicas lists them;
+  every response names its replica in `X-Cosystream-Replica`;
+* faults: `check_health` fails when the engine loop stopped or does not answer in time, so Ray takes the
+  replica out of routing and restarts it; a stream whose replica died ends with an `error` event, sent by
+  the proxy middleware of scale/proxy.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import re
+import signal
+import tempfile
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from starlette.concurrency import run_in_threadpool
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from cosystream import errors as cosy_errors
+from cosystream.scale.load import LoadReport, merge_metrics, rank_replicas, report_from_server
+from cosystream.scale.proxy import CALLBACK_ENV as PROXY_CALLBACK_ENV
+from cosystream.scale.proxy import CALLBACK_PATH as PROXY_CALLBACK_PATH
+from cosystream.server.errors import ApiError
+from cosystream.server.metrics import CONTENT_TYPE
+from cosystream.server.session import request_id_override
+from cosystream.server.state import ServerSettings
+
+log = logging.getLogger("cosystream.server")
+
+APP_NAME = "cosystream"
+DEPLOYMENT_NAME = "CosyStream"
+REPLICA_HEADER = b"x-cosystream-replica"
+REQUEST_ID_HEADER = b"x-request-id"  # set by Ray's proxy on the way in, returned by it on the way out
+REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9_.:-]{1,64}")  # ids the app adopts (GET /v1/requests/{id} takes them)
+VOICE_STORE_ACTOR = "cosystream_voice_store"
+VOICE_STORE_NAMESPACE = "cosystream"
+VOICE_BROADCAST_TIMEOUT_S = 1.0  # a registration answers once every replica dropped its copy, or after this
+PEER_CALL_TIMEOUT_S = 5.0  # /metrics, /v1/requests/{id}, /v1/replicas: how long to wait for the other replicas
+ROUTING_STATS_PERIOD_S = 0.5  # how often each replica publishes its LoadReport
+PRELOADED_VOICES = 256  # a starting replica loads the prompts of the most recently changed voices
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """What every replica builds: the engine's arguments and the server's settings (picklable)."""
+
+    model_dir: str
+    device: str | None = None  # None: cuda when Ray gave the replica a GPU, else cpu
+    dtype: str | None = None  # None: bfloat16 on GPU, float32 on CPU
+    voice_store: str = "file"  # "file": voices_db on a filesystem every replica sees; "actor": on the head node
+    voices_db: str | None = None  # None: $COSYSTREAM_HOME/voices.db (of the head node for "actor")
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields
+    settings: ServerSettings = field(default_factory=ServerSettings)
+    health_timeout_s: float = 10.0  # the engine loop must answer a no-op within this
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.voice_store not in ("file", "actor"):
+            raise ValueError(f"voice_store: expected 'file' or 'actor', got {self.voice_store!r}")
+
+
+# ---------------------------------------------------------------- the voice store for several machines
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
+class VoiceStoreActor:
+    """The voice database of a cluster: one SQLite file on the head node, read and written through this named
+    actor (replicas on other machines cannot share one SQLite file: its locks do not work across hosts).
+    Failures travel back as (class name, message), re-raised as the same cosystream error by the client."""
+
+    def __init__(self, path: str | None) -> None:
+        from cosystream.engine.voices import VoiceStore
+
+        self.store = VoiceStore(path)
+
+    def call(self, method: str, *args: Any) -> tuple[str, Any]:
+        try:
+            if method == "contains":
+                return "ok", args[0] in self.store
+            return "ok", getattr(self.store, method)(*args)
+        except cosy_errors.CosyStreamError as exc:
+            return "error", (type(exc).__name__, str(exc))
+
+    def path(self) -> str:
+        return str(self.store.path)
+
+
+def voice_store_actor(path: str | None) -> Any:
+    """The cluster's voice store actor, started on the head node by whichever replica asks first."""
+    return VoiceStoreActor.options(name=VOICE_STORE_ACTOR, namespace=VOICE_STORE_NAMESPACE, get_if_exists=True,
+                                   lifetime="detached", resources={"node:__internal_head__": 0.001}).remote(path)
+
+
+class RemoteVoiceStore:
+    """VoiceStore's interface over the store actor (engine/voices.py), used by each replica's engine."""
+
+    def __init__(self, actor: Any, timeout_s: float = 30.0) -> None:
+        self.actor = actor
+        self.timeout_s = timeout_s
+        self.path = Path(ray.get(actor.path.remote(), timeout=timeout_s))
+
+    def _call(self, method: str, *args: Any) -> Any:
+        status, value = ray.get(self.actor.call.remote(method, *args), timeout=self.timeout_s)
+        if status == "error":
+            name, message = value
+            raise getattr(cosy_errors, name, cosy_errors.CosyStreamError)(message)
+        return value
+
+    def add(self, name: str, prompt: Any, prompt_text: str, extras: Any = None) -> Any:
+        return self._call("add", name, prompt, prompt_text, extras)
+
+    def get(self, name: str) -> Any:
+        return self._call("get", name)
+
+    def list(self) -> Any:
+        return self._call("list")
+
+    def delete(self, name: str) -> None:
+        self._call("delete", name)
+
+    def set_extras(self, name: str, extras: Any) -> None:
+        self._call("set_extras", name, extras)
+
+    def __contains__(self, name: object) -> bool:
+        return bool(self._call("contains", name))
+
+    def close(self) -> None:
+        pass  # the actor outlives replicas
+
+
+# ---------------------------------------------------------------- the replica
+
+class _VoiceAnnouncingEngine:
+    """The engine as the app sees it, except that registering or deleting a voice is announced to every
+    replica (which drop their in-memory copy) before the request answers."""
+
+    def __init__(self, engine: Any, announce: Any) -> None:
+        self._engine = engine
+        self._announce = announce
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    async def add_voice(self, name: str, audio: Any, prompt_text: str) -> Any:
+        info = await self._engine.add_voice(name, audio, prompt_text)
+        await self._announce(name)
+        return info
+
+    async def delete_voice(self, name: str) -> None:
+        try:
+            await self._engine.delete_voice(name)
+        finally:
+            await self._announce(name)  # also after a failed delete: another replica may have removed it
+
+
+class _ReplicaHeaders:
+    """ASGI wrapper: every HTTP response and WebSocket accept names the replica that served it, and a request
+    keeps one id. Ray's proxy returns its own `x-request-id` (the one it logs) on every response, so the app
+    adopts that id (request_id_override) and its own X-Request-Id header is left out: clients see one id, the
+    one GET /v1/requests/{id}, the `done` event and the log line carry."""
+
+    def __init__(self, app: ASGIApp, replica_id: str) -> None:
+        self.app = app
+        self.header = (REPLICA_HEADER, replica_id.encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        proxy_id = dict(scope.get("headers", [])).get(REQUEST_ID_HEADER, b"").decode("latin-1")
+        adopted = REQUEST_ID_PATTERN.fullmatch(proxy_id) is not None
+
+        async def named_send(message: Message) -> None:
+            if message["type"] in ("http.response.start", "websocket.accept"):
+                headers = message.get("headers", [])
+                if adopted:
+                    headers = [(k, v) for k, v in headers if k.lower() != REQUEST_ID_HEADER]
+                message = {**message, "headers": [*headers, self.header]}
+            await send(message)
+
+        token = request_id_override.set(proxy_id if adopted else None)
+        try:
+            await self.app(scope, receive, named_send)
+        finally:
+            request_id_override.reset(token)
+
+
+def _noop() -> None:
+    return None
+
+
+@serve.ingress()
+class CosyStreamReplica:
+    """One engine and the unchanged server app; Ray Serve's ASGI ingress for every route."""
+
+    async def __init__(self, spec: ReplicaSpec) -> None:
+        from cosystream.engine.async_engine import AsyncEngine
+        from cosystream.server.app import build_app, configure_logging
+
+        configure_logging(spec.log_level)
+        context = serve.get_replica_context()
+        self.replica_id: str = context.replica_id.unique_id
+        self.spec = spec
+        self.device = spec.device or ("cuda" if ray.get_gpu_ids() else "cpu")
+        dtype = spec.dtype or ("float32" if self.device == "cpu" else "bfloat16")
+        voices_db = spec.voices_db
+        remote_store = None
+        if spec.voice_store == "actor":
+            remote_store = RemoteVoiceStore(voice_store_actor(spec.voices_db))
+            voices_db = str(Path(tempfile.mkdtemp(prefix="cosystream_replica_")) / "unused_voices.db")
+        loop = asyncio.get_running_loop()
+        engine = await loop.run_in_executor(None, lambda: AsyncEngine.from_pretrained(
+            spec.model_dir, device=self.device, dtype=dtype, voices_db=voices_db, **spec.engine_kwargs))
+        if remote_store is not None:
+            engine.voices.close()
+            engine.voices = remote_store
+        if spec.settings.warmup:
+            # before the constructor returns: Ray routes to a replica only once it is constructed
+            await loop.run_in_executor(None, engine.warmup)
+        self.engine = engine
+        self._deployment_id = (context.app_name, context.deployment)
+        self.peers = serve.get_deployment_handle(context.deployment, context.app_name)
+        settings = dataclasses.replace(spec.settings, warmup=False)  # warmed up above
+        self.server_app = build_app(_VoiceAnnouncingEngine(engine, self._announce_voice_change), settings)
+        self.state = self.server_app.state.server
+        self._add_cluster_routes(self.server_app)
+        await loop.run_in_executor(engine.pool, self._preload_voices)
+        log.info("event=replica_ready replica=%s pid=%d device=%s", self.replica_id, os.getpid(), self.device)
+
+    def __serve_build_asgi_app__(self) -> ASGIApp:
+        return _ReplicaHeaders(self.server_app, self.replica_id)
+
+    # -------------------------------------------------------- what Ray asks of a replica
+    def record_routing_stats(self) -> dict[str, Any]:
+        """The LoadReport the router ranks replicas by (published every ROUTING_STATS_PERIOD_S)."""
+        return report_from_server(self.state, self.engine.cached_voices()).as_dict()
+
+    async def check_health(self) -> None:
+        """Raise when the engine loop stopped or does not run a no-op within health_timeout_s (a wedged GPU):
+        Ray then stops routing to this replica and replaces it."""
+        self.state.check_alive()
+        timeout_s = self.spec.health_timeout_s
+        loop = asyncio.get_running_loop()
+        ping = loop.run_in_executor(None, lambda: self.engine.core.call(_noop, timeout_s=timeout_s))
+        await asyncio.wait_for(ping, timeout_s)
+
+    # -------------------------------------------------------- calls between replicas (handle.broadcast)
+    async def voice_changed(self, name: str) -> str:
+        """Another replica registered or deleted `name`: drop this replica's copy, then load the stored one
+        (if any), so the next request here uses what the store holds now."""
+        await self.engine.drop_cached_voice(name)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self.engine.pool, self._load_voice, name)
+        return self.replica_id
+
+    def metrics_text(self) -> tuple[str, str]:
+        return self.replica_id, self.state.metrics.render().decode()
+
+    def finished_request(self, request_id: str) -> dict[str, Any] | None:
+        record = self.state.finished.get(request_id)
+        return None if record is None else record.model_dump(mode="json")
+
+    def describe(self) -> dict[str, Any]:
+        return {"replica": self.replica_id, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+                "device": self.device, "load": self.record_routing_stats()}
+
+    # -------------------------------------------------------- helpers
+    def _load_voice(self, name: str) -> None:
+        with contextlib.suppress(cosy_errors.CosyStreamError):  # deleted: nothing to hold
+            self.engine.voice_prompt(name)
+
+    def _preload_voices(self) -> None:
+        recent = sorted(self.engine.list_voices(), key=lambda info: info.updated_at, reverse=True)
+        for info in recent[:PRELOADED_VOICES]:
+            self._load_voice(info.name)
+
+    async def _announce_voice_change(self, name: str) -> None:
+        response = self.peers.broadcast("voice_changed", name)
+        try:
+            results = await asyncio.wait_for(response.results_async(return_exceptions=True),
+                                             VOICE_BROADCAST_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            log.warning("event=voice_broadcast_slow name=%s", name)
+            return
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:  # a replica that is going away: it starts again with an empty cache
+            log.warning("event=voice_broadcast_failed name=%s errors=%r", name, failed)
+
+    async def _peer_results(self, method: str, *args: Any) -> list[Any]:
+        """Every live replica's answer to `method` (this one's included); failures are left out."""
+        response = self.peers.broadcast(method, *args)
+        results = await asyncio.wait_for(response.results_async(return_exceptions=True), PEER_CALL_TIMEOUT_S)
+        return [r for r in results if not isinstance(r, BaseException)]
+
+    def _add_cluster_routes(self, app: FastAPI) -> None:
+        """Routes that answer for the whole application rather than this replica. They come before the app's own
+        routes of the same paths and sit behind its middleware (API keys, body limit) like every route."""
+        num_routes = len(app.router.routes)
+        app.add_api_route("/metrics", self._metrics, methods=["GET"], tags=["ops"], include_in_schema=True,
+                          summary="Prometheus metrics of every replica, each sample labelled `replica`")
+        app.add_api_route("/ready", self._ready, methods=["GET"], tags=["ops"],
+                          summary="Readiness of the application: 200 while a replica serves (status degraded "
+                                  "while fewer than all are running), 503 otherwise")
+        app.add_api_route("/v1/requests/{request_id}", self._finished_request, methods=["GET"], tags=["native"],
+                          summary="A finished request's stage times, from whichever replica served it")
+        app.add_api_route("/v1/replicas", self._replicas, methods=["GET"], tags=["ops"],
+                          summary="Every live replica: id, process, node, device and its load report")
+        routes = app.router.routes
+        routes[:] = routes[num_routes:] + routes[:num_routes]  # matched first, so they shadow the app's own
+        app.openapi_schema = None
+
+    async def _metrics(self) -> Response:
+        texts = dict(await self._peer_results("metrics_text"))
+        return Response(merge_metrics(texts), media_type=CONTENT_TYPE)
+
+    async def _ready(self) -> JSONResponse:
+        self.state.check_ready()  # this replica serves: the application does
+        running, target = await run_in_threadpool(_replica_counts, *self._deployment_id)
+        status = "ok" if running >= target else "degraded"
+        return JSONResponse({"status": status, "replicas_running": running, "replicas_target": target})
+
+    async def _finished_request(self, request_id: str) -> JSONResponse:
+        local = self.finished_request(request_id)
+        if local is None:
+            found = [r for r in await self._peer_results("finished_request", request_id) if r is not None]
+            local = found[0] if found else None
+        if local is None:
+            raise ApiError(404, "request_not_found", f"request {request_id!r} is unknown, still running, or no "
+                           "longer kept by any replica", field="request_id")
+        return JSONResponse(local)
+
+    async def _replicas(self) -> JSONResponse:
+        described = sorted(await self._peer_results("describe"), key=lambda d: d["replica"])
+        return JSONResponse({"replicas": described})
+
+
+def _replica_counts(app_name: str, deployment: str) -> tuple[int, int]:
+    """(running, target) replicas of the deployment, as the Serve controller sees them."""
+    status = serve.status().applications[app_name].deployments[deployment]
+    states = {str(getattr(k, "value", k)): n for k, n in status.replica_states.items()}
+    running = states.get("RUNNING", 0)
+    target = sum(n for state, n in states.items() if state not in ("STOPPING",))
+    return running, max(target, running)
+
+
+# ---------------------------------------------------------------- the router
+
+class EngineAwareRouter(RequestRouter):
+    """Ranks replicas by their published LoadReports (scale/load.rank_replicas) corrected by the streams this
+    router itself sent and that are still open. Runs in every caller of the deployment: Ray's HTTP proxies."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._open: Counter[ReplicaID] = Counter()
+        self._replica_of: dict[str, ReplicaID] = {}
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        loads = {r.replica_id: LoadReport.from_dict(r.routing_stats) for r in candidate_replicas}
+        # the request's voice, when the proxy's VoiceHint (scale/proxy.py) found one in its body
+        voice = pending_request.metadata.multiplexed_model_id or None if pending_request is not None else None
+        return [[by_id[replica_id]] for replica_id in rank_replicas(loads, self._open, voice=voice)]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        self._open[replica_id] += 1
+        self._replica_of[pending_request.metadata.internal_request_id] = replica_id
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        if self._replica_of.pop(internal_request_id, None) is None:
+            return
+        self._open[replica_id] -= 1
+        if self._open[replica_id] <= 0:
+            del self._open[replica_id]
+
+
+# ---------------------------------------------------------------- the application
+
+def build_application(spec: ReplicaSpec, num_replicas: int, num_gpus: float = 0.0, num_cpus: float = 1.0,
+                      max_ongoing_requests: int = 1024, health_check_period_s: float = 2.0,
+                      health_check_timeout_s: float | None = None) -> Any:
+    """The bound Serve application: `num_replicas` replicas of `spec`, each with `num_gpus` GPUs (1: one GPU
+    each) or, without GPUs, `num_cpus` CPUs. max_ongoing_requests is far above any engine's slots on purpose:
+    the engine's admission decides when a replica is full, not Ray's queue."""
+    if num_replicas < 1:
+        raise ValueError(f"num_replicas: must be at least 1, got {num_replicas}")
+    actor_options: dict[str, Any] = {"num_gpus": num_gpus} if num_gpus > 0 else {"num_cpus": num_cpus}
+    router = RequestRouterConfig(request_router_class=EngineAwareRouter,
+                                 request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+                                 request_routing_stats_timeout_s=max(ROUTING_STATS_PERIOD_S, 5.0))
+    deployment = serve.deployment(CosyStreamReplica, name=DEPLOYMENT_NAME).options(
+        num_replicas=num_replicas, ray_actor_options=actor_options, max_ongoing_requests=max_ongoing_requests,
+        health_check_period_s=health_check_period_s,
+        health_check_timeout_s=health_check_timeout_s or spec.health_timeout_s + 5.0,
+        request_router_config=router)
+    return deployment.bind(spec)
+
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def app_builder(args: dict[str, Any]) -> Any:
+    """`serve run cosystream.scale.ray_app:app_builder model_dir=DIR [key=value ...]` or a config's `args`.
+
+    Keys: model_dir (required), num_replicas (1), num_gpus (1 per replica when the cluster has GPUs, else 0),
+    num_cpus (1, CPU replicas), device, dtype, voice_store (actor; file for one host), voices_db,
+    max_streams, first_audio_budget_s, max_streams_per_client, warmup (true), config (FIELD=VALUE,... or a
+    mapping of EngineConfig fields), health_timeout_s (10), log_level (info). API keys: $COSYSTREAM_API_KEYS.
+    """
+    from cosystream.config import config_overrides
+
+    args = dict(args)
+    if "model_dir" not in args:
+        raise ValueError("model_dir: required (the CosyVoice2 model directory, on every node)")
+    engine_kwargs: dict[str, Any] = {}
+    config = args.get("config")
+    if isinstance(config, dict):
+        engine_kwargs.update(config)
+    elif config:
+        engine_kwargs.update(config_overrides([c for c in str(config).split(",") if c]))
+    if args.get("max_streams") is not None:
+        engine_kwargs["max_streams"] = int(args["max_streams"])
+    keys = frozenset(k.strip() for k in os.environ.get("COSYSTREAM_API_KEYS", "").split(",") if k.strip())
+    settings = ServerSettings(
+        first_audio_budget_s=_float_or_none(args.get("first_audio_budget_s")),
+        max_streams_per_client=int(args["max_streams_per_client"]) if args.get("max_streams_per_client") else None,
+        warmup=str(args.get("warmup", "true")).lower() in _TRUE, api_keys=keys)
+    spec = ReplicaSpec(model_dir=str(args["model_dir"]), device=args.get("device"), dtype=args.get("dtype"),
+                       voice_store=str(args.get("voice_store", "actor")), voices_db=args.get("voices_db"),
+                       engine_kwargs=engine_kwargs, settings=settings,
+                       health_timeout_s=float(args.get("health_timeout_s", 10.0)),
+                       log_level=str(args.get("log_level", "info")))
+    num_gpus = args.get("num_gpus")
+    if num_gpus is None:
+        num_gpus = 1.0 if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+    return build_application(spec, int(args.get("num_replicas", 1)), num_gpus=float(num_gpus),
+                             num_cpus=float(args.get("num_cpus", 1.0)))
+
+
+def _float_or_none(value: Any) -> float | None:
+    return None if value in (None, "", "none", "None") else float(value)
+
+
+# ---------------------------------------------------------------- `cosystream serve --replicas N`
+
+def local_resources(num_replicas: int, device: str | None) -> tuple[float, float, dict[str, Any]]:
+    """(num_gpus, num_cpus) per replica and ray.init's resources for a local cluster on this machine."""
+    import torch
+
+    gpus = torch.cuda.device_count() if device in (None, "cuda") else 0
+    if gpus:
+        if num_replicas > gpus:
+            raise ValueError(f"--replicas: {num_replicas} replicas need {num_replicas} GPUs, this machine has {gpus}")
+        return 1.0, 0.0, {"num_gpus": gpus}
+    return 0.0, 1.0, {"num_cpus": max(os.cpu_count() or 1, num_replicas + 1)}
+
+
+def serve_replicas(spec: ReplicaSpec, num_replicas: int, host: str, port: int, ray_address: str | None = None,
+                   ready: threading.Event | None = None) -> None:
+    """Start (or join, with `ray_address`) a Ray cluster, deploy `num_replicas` replicas and serve until
+    interrupted (SIGINT/SIGTERM), then tear the application down."""
+    if ray_address:  # its proxies run with the environment of `ray start` (docs/scaling.md)
+        num_gpus, num_cpus = (1.0 if spec.device != "cpu" else 0.0), 1.0
+        ray.init(address=ray_address, log_to_driver=False)
+    else:
+        num_gpus, num_cpus, resources = local_resources(num_replicas, spec.device)
+        os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK_PATH)  # inherited by the proxy Ray starts
+        ray.init(include_dashboard=False, log_to_driver=False, **resources)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(build_application(spec, num_replicas, num_gpus=num_gpus, num_cpus=num_cpus), name=APP_NAME,
+                  route_prefix="/")
+        log.info("event=ray_app_ready replicas=%d url=http://%s:%d", num_replicas, host, port)
+        if ready is not None:
+            ready.set()
+        while not stop.wait(1.0):  # a timed wait: signal handlers run between waits
+            pass
+    finally:
+        serve.shutdown()
+        ray.shutdown()

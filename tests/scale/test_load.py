@@ -1,0 +1,68 @@
+"""The routing policy and the /metrics merge of the Ray application (scale/load.py), without a cluster."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cosystream.scale.load import LoadReport, merge_metrics, rank_replicas
+
+
+def test_expected_first_audio_follows_the_admission_formula() -> None:
+    load = LoadReport(in_flight=6, capacity=4, service_first_audio_s=0.1, service_s=2.0, budget_s=1.0)
+    # 6 in flight on 4 slots: the new stream waits for 6 - 4 + 1 = 3 slots, each freeing after 2.0 / 4 s
+    assert load.expected_first_audio_s() == 0.1 + 3 * 2.0 / 4
+    assert load.expected_first_audio_s(3) == 0.1  # a free slot: no wait
+    assert not load.fits_budget() and load.fits_budget(3)
+    assert LoadReport().expected_first_audio_s() is None and LoadReport().fits_budget()
+    assert LoadReport.from_dict(load.as_dict()) == load
+    assert LoadReport.from_dict({}) is None and LoadReport.from_dict({"in_flight": "many"}) is None
+
+
+def test_ranking_prefers_ready_then_within_budget_then_voice_then_least_loaded() -> None:
+    base = {"capacity": 4, "service_first_audio_s": 0.1, "service_s": 2.0, "budget_s": 1.0}
+    loads = {
+        "dead": LoadReport(ready=False, in_flight=0, **base),
+        "busy": LoadReport(in_flight=3, **base),
+        "idle": LoadReport(in_flight=0, **base),
+        "full": LoadReport(in_flight=8, **base),  # expected 0.1 + 5 * 0.5 s: over the budget
+        "fuller": LoadReport(in_flight=12, **base),
+        "voice": LoadReport(in_flight=2, voices=("anna",), **base),
+    }
+    assert rank_replicas(loads) == ["idle", "voice", "busy", "full", "fuller", "dead"]
+    assert rank_replicas(loads, voice="anna") == ["voice", "idle", "busy", "full", "fuller", "dead"]
+    # streams this router sent that the (older) reports do not show yet count too
+    assert rank_replicas(loads, routed_here={"idle": 4}) == ["voice", "busy", "idle", "full", "fuller", "dead"]
+    assert rank_replicas(loads, routed_here={"idle": 10})[:2] == ["voice", "busy"]
+    # when none can meet the budget, the one closest to it comes first (its admission then refuses at once)
+    over = {k: v for k, v in loads.items() if k in ("full", "fuller")}
+    assert rank_replicas(over) == ["full", "fuller"]
+
+
+def test_idle_replicas_share_the_work() -> None:
+    loads = {"a": LoadReport(), "b": LoadReport(), "c": None}  # c has not reported yet: idle and ready
+    firsts = {rank_replicas(loads)[0] for _ in range(200)}
+    assert firsts == {"a", "b", "c"}
+
+
+def _exposition(requests: float, latency_s: list[float]) -> str:
+    registry = CollectorRegistry()
+    counter = Counter("cosystream_requests", "finished requests", ["endpoint"], registry=registry)
+    counter.labels("tts").inc(requests)
+    histogram = Histogram("cosystream_first_audio_seconds", "first audio", buckets=(0.1, 1.0), registry=registry)
+    for value in latency_s:
+        histogram.observe(value)
+    return generate_latest(registry).decode()
+
+
+def test_merged_metrics_label_every_sample_with_its_replica() -> None:
+    texts = {"r1": _exposition(3, [0.05, 0.5]), "r2": _exposition(5, [2.0])}
+    merged = {f.name: f for f in text_string_to_metric_families(merge_metrics(texts).decode())}
+    requests = {s.labels["replica"]: s.value for s in merged["cosystream_requests"].samples
+                if s.name == "cosystream_requests_total"}
+    assert requests == {"r1": 3.0, "r2": 5.0}
+    counts = {s.labels["replica"]: s.value for s in merged["cosystream_first_audio_seconds"].samples
+              if s.name == "cosystream_first_audio_seconds_count"}
+    assert counts == {"r1": 2.0, "r2": 1.0}
+    text = merge_metrics(texts).decode()
+    assert text.count("# TYPE cosystream_requests_total counter") == 1  # one family, both replicas' samples

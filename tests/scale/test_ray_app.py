@@ -1,0 +1,281 @@
+"""The Ray Serve application on the CPU fixture model: two replicas behind Ray's proxy (docs/scaling.md).
+
+One Ray cluster and one application for the module (the engine loads once per replica). The tests show
+requests spread over both replicas, a voice registered once and used on both, and a replica killed mid-stream:
+its stream fails cleanly, the other replica's stream completes, Ray restarts it, readiness follows and the
+restarted replica serves the voice again. Requests use `force_tokens`, so audio lengths are exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
+
+from cosystream.engine.voices import VoiceStore
+from cosystream.testing.audio import tone_wav
+
+try:
+    import ray
+    from ray import serve
+except ImportError:  # the optional extra: CI installs it and must not skip
+    if os.environ.get("CI", "").lower() == "true":
+        raise
+    pytest.skip("ray[serve] is not installed (pip install cosystream[ray])", allow_module_level=True)
+
+from cosystream.scale.proxy import CALLBACK_ENV as PROXY_CALLBACK_ENV  # noqa: E402
+from cosystream.scale.proxy import CALLBACK_PATH as PROXY_CALLBACK_PATH  # noqa: E402
+from cosystream.scale.proxy import LOST_CODE  # noqa: E402
+from cosystream.scale.ray_app import APP_NAME, REPLICA_HEADER, ReplicaSpec, build_application  # noqa: E402
+from cosystream.server.state import ServerSettings  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+SAMPLES_PER_TOKEN = 960
+VOICE = "bob"
+VOICE_TEXT = "Hello there, this is my voice."
+REPLICA = REPLICA_HEADER.decode()
+RECOVERY_TIMEOUT_S = 150
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def voices_db(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("ray_voices") / "voices.db"
+
+
+@pytest.fixture(scope="module")
+def base_url(model_dir, voices_db: Path) -> Iterator[str]:
+    port = _free_port()
+    os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK_PATH)  # the proxy Ray starts inherits it
+    ray.init(num_cpus=4, object_store_memory=80 * 1024 * 1024, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        # the store a multi-machine cluster uses (a named actor on the head node); "file" is a plain VoiceStore
+        spec = ReplicaSpec(model_dir=str(model_dir), device="cpu", voice_store="actor", voices_db=str(voices_db),
+                           engine_kwargs={"max_streams": 4}, settings=ServerSettings(warmup=False),
+                           log_level="warning")
+        serve.run(build_application(spec, num_replicas=2, num_cpus=1), name=APP_NAME, route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _client(base_url: str) -> httpx.Client:
+    return httpx.Client(base_url=base_url, timeout=60)
+
+
+def _speak(client: httpx.Client, tokens: int, voice: str = VOICE) -> httpx.Response:
+    return client.post("/v1/tts", json={"text": "Hi there.", "voice": voice, "response_format": "pcm",
+                                        "force_tokens": tokens, "seed": 1})
+
+
+def _replicas(client: httpx.Client) -> dict[str, dict]:
+    response = client.get("/v1/replicas")
+    assert response.status_code == 200, response.text
+    return {r["replica"]: r for r in response.json()["replicas"]}
+
+
+def _wait_all_running(client: httpx.Client, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        response = client.get("/ready")
+        if response.status_code == 200 and response.json()["status"] == "ok" and len(_replicas(client)) == 2:
+            return response.json()
+        time.sleep(0.5)
+    raise AssertionError(f"the application did not recover in {timeout_s} s: {client.get('/ready').text}")
+
+
+def _wait_status(client: httpx.Client, status: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        response = client.get("/ready")
+        if response.status_code == 200 and response.json()["status"] == status:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"/ready never said {status!r} in {timeout_s} s: {client.get('/ready').text}")
+
+
+def _spread(client: httpx.Client, tokens: int, replicas: set[str], rounds: int = 6) -> dict[str, list[str]]:
+    """Concurrent pairs of requests until every replica in `replicas` served one; replica → request ids."""
+    served: dict[str, list[str]] = {}
+    with ThreadPoolExecutor(2) as pool:
+        for _ in range(rounds):
+            for response in pool.map(lambda _: _speak(client, tokens), range(2)):
+                assert response.status_code == 200, response.text
+                assert len(response.content) == 2 * SAMPLES_PER_TOKEN * tokens
+                request_id = response.headers["x-request-id"]
+                assert "," not in request_id  # one id: the proxy's, adopted by the app
+                served.setdefault(response.headers[REPLICA], []).append(request_id)
+            if replicas <= served.keys():
+                break
+    return served
+
+
+def _ws_session(base_url: str, tokens: int) -> tuple[str, int, list[dict]]:
+    """One WebSocket request in text pieces: (replica that served it, audio bytes, JSON events)."""
+    audio, events = 0, []
+    with connect("ws" + base_url[len("http"):] + "/v1/tts/stream", open_timeout=60) as ws:
+        replica = ws.response.headers[REPLICA]
+        ws.send(json.dumps({"type": "start", "voice": VOICE, "response_format": "pcm", "force_tokens": tokens}))
+        for piece in ("Hello ", "there."):
+            ws.send(json.dumps({"type": "text", "text": piece}))
+        ws.send(json.dumps({"type": "end"}))
+        try:
+            while True:
+                message = ws.recv(timeout=60)
+                if isinstance(message, bytes):
+                    audio += len(message)
+                else:
+                    events.append(json.loads(message))
+        except ConnectionClosed:
+            pass
+    return replica, audio, events
+
+
+def test_voice_registered_once_is_used_on_every_replica(base_url: str, voices_db: Path) -> None:
+    with _client(base_url) as client:
+        assert _wait_all_running(client, 120)["replicas_running"] == 2
+        replicas = set(_replicas(client))
+        assert len(replicas) == 2
+        response = client.post("/v1/voices", data={"name": VOICE, "prompt_text": VOICE_TEXT},
+                               files={"prompt_wav": ("bob.wav", tone_wav(), "audio/wav")})
+        assert response.status_code == 201, response.text
+        registered_on = response.headers[REPLICA]
+        with VoiceStore(voices_db) as store:  # in the cluster's one store file: it outlives every replica
+            assert VOICE in store
+        # requests spread over both replicas, each using the voice registered through one of them
+        served = _spread(client, tokens=4, replicas=replicas)
+        assert served.keys() == replicas, served
+        for ids in served.values():  # a request's stage times, whichever replica answers the lookup
+            found = client.get(f"/v1/requests/{ids[0]}")
+            assert found.status_code == 200 and found.json()["outcome"] == "ok", found.text
+        assert client.get("/v1/requests/req_unknown").status_code == 404
+        # a WebSocket session, on one replica from start to done
+        replica, audio_bytes, events = _ws_session(base_url, tokens=3)
+        assert replica in replicas and audio_bytes == 2 * SAMPLES_PER_TOKEN * 3
+        assert events[0]["type"] == "started" and events[-1]["type"] == "done", events[-1]
+        for replica in replicas:  # every replica now holds the voice's prompt in memory
+            assert VOICE in _replicas(client)[replica]["load"]["voices"], (replica, registered_on)
+        # one /metrics for the application: every replica's samples, labelled
+        metrics = client.get("/metrics").text
+        for replica in replicas:
+            assert f'replica="{replica}"' in metrics
+        # deleting it through one replica removes it everywhere at once
+        assert client.delete(f"/v1/voices/{VOICE}").status_code == 204
+        for _ in range(4):
+            response = _speak(client, tokens=2)
+            assert response.status_code == 400 and response.json()["error"]["code"] == "unknown_voice", response.text
+        response = client.post("/v1/voices", data={"name": VOICE, "prompt_text": VOICE_TEXT},
+                               files={"prompt_wav": ("bob.wav", tone_wav(), "audio/wav")})
+        assert response.status_code == 201, response.text
+
+
+def test_killed_replica_fails_its_stream_and_the_app_recovers(base_url: str) -> None:
+    with _client(base_url) as client:
+        _wait_all_running(client, 120)
+        replicas = _replicas(client)
+        long_tokens = 400
+        body = {"text": "Hi there.", "voice": VOICE, "response_format": "pcm", "force_tokens": long_tokens}
+        # two long streams on the two replicas (the router spreads concurrent streams): events, and raw audio
+        events_stream = client.stream("POST", "/v1/tts?events=ndjson", json=body)
+        raw_stream = client.stream("POST", "/v1/tts", json=body)
+        victim, survivor = events_stream.__enter__(), raw_stream.__enter__()
+        try:
+            assert victim.status_code == survivor.status_code == 200
+            assert {victim.headers[REPLICA], survivor.headers[REPLICA]} == set(replicas), "streams not spread"
+            lines, audio = victim.iter_lines(), survivor.iter_bytes()
+            first_event, first_audio = json.loads(next(lines)), next(audio)  # both are streaming
+            assert first_event["type"] == "audio"
+            os.kill(replicas[victim.headers[REPLICA]]["pid"], signal.SIGKILL)
+            t_kill = time.monotonic()
+            with ThreadPoolExecutor(1) as pool:
+                rest_of_audio = pool.submit(lambda: first_audio + b"".join(audio))
+                events = [first_event, *(json.loads(line) for line in lines if line)]
+                survivor_bytes = len(rest_of_audio.result(timeout=120))
+        finally:
+            events_stream.__exit__(None, None, None)
+            raw_stream.__exit__(None, None, None)
+        # the killed replica's event stream ends with an error event (sent by the proxy), promptly
+        assert events[-1]["type"] == "error" and events[-1]["error"]["code"] == LOST_CODE, events[-1]
+        assert all(e["type"] == "audio" for e in events[:-1])
+        assert time.monotonic() - t_kill < 60
+        # the other replica's stream is untouched
+        assert survivor_bytes == 2 * SAMPLES_PER_TOKEN * long_tokens
+        # readiness says degraded while Ray restarts the replica, then ok; the new replica serves the stored voice
+        _wait_status(client, "degraded", 30)
+        recovered = _wait_all_running(client, RECOVERY_TIMEOUT_S)
+        assert recovered["replicas_running"] == 2
+        now = set(_replicas(client))
+        assert len(now) == 2 and now != set(replicas)
+        served = _spread(client, tokens=4, replicas=now)
+        assert served.keys() == now, served
+
+
+def test_example_config_builds_the_application(tmp_path) -> None:
+    """examples/ray_serve.yaml names an importable builder whose arguments it accepts (no cluster needed)."""
+    import importlib
+
+    import yaml
+
+    config = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "ray_serve.yaml").read_text())
+    (application,) = config["applications"]
+    module, name = application["import_path"].split(":")
+    builder = getattr(importlib.import_module(module), name)
+    args = {**application["args"], "model_dir": str(tmp_path)}
+    deployment = builder(args)._bound_deployment
+    assert deployment.name == "CosyStream"
+    assert deployment.num_replicas == application["args"]["num_replicas"]
+    spec = deployment.init_args[0]
+    assert spec.voice_store == "actor" and spec.engine_kwargs == application["args"]["config"]
+    assert spec.settings.first_audio_budget_s == application["args"]["first_audio_budget_s"]
+
+
+class _Core:
+    """An engine core whose thread takes `delay_s` to reach a message (0: a healthy loop)."""
+
+    def __init__(self, delay_s: float, error: BaseException | None = None) -> None:
+        self.delay_s = delay_s
+        self.error = error
+
+    def call(self, fn, timeout_s: float):  # noqa: ANN001, ANN201 (EngineCore.call's shape)
+        time.sleep(self.delay_s)  # a wedged thread answers late, whatever the caller's timeout
+        return fn()
+
+
+def test_health_check_fails_for_a_stopped_or_wedged_engine() -> None:
+    """Ray takes a replica out of routing when check_health raises (here without a cluster)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from cosystream.scale.ray_app import CosyStreamReplica
+    from cosystream.server.errors import ApiError
+    from cosystream.server.state import ServerState
+
+    def replica(core: _Core) -> SimpleNamespace:
+        engine = SimpleNamespace(core=core)
+        return SimpleNamespace(spec=SimpleNamespace(health_timeout_s=0.3), engine=engine,
+                               state=ServerState(engine, ServerSettings()))
+
+    asyncio.run(CosyStreamReplica.check_health(replica(_Core(0.0))))  # healthy: returns
+    with pytest.raises(asyncio.TimeoutError):  # the engine thread does not get to the no-op in time
+        asyncio.run(CosyStreamReplica.check_health(replica(_Core(1.0))))
+    with pytest.raises(ApiError, match="engine stopped"):  # the engine loop ended
+        asyncio.run(CosyStreamReplica.check_health(replica(_Core(0.0, error=RuntimeError("CUDA error")))))
