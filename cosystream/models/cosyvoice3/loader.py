@@ -47,7 +47,10 @@ def load_cv3_hift(ckpt: Checkpoint, device: torch.device | str = "cpu", dtype: t
     model = CausalHiFT(hp.hift)
     model.f0_predictor.double()
     check_and_load(model, load_hift_state(ckpt.files.hift, hp.hift), "hift.pt")
+    f0_state = {k: v.clone() for k, v in model.f0_predictor.state_dict().items()}
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    model.f0_predictor.double()  # PARITY: the official casts the F0 predictor to float64 in place
+    # PARITY: the official casts the F0 predictor (weight norm included) to float64 in place; the float64
+    # weights folded above are restored after the move, not re-widened from the model dtype.
+    model.f0_predictor.double().load_state_dict(f0_state)
     model.init_noise(noise_seconds)
     return model
