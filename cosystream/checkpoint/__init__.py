@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from cosystream.checkpoint.cosyvoice3 import CV3HParams, load_hparams_cv3
 from cosystream.checkpoint.hparams import (
+    CV3HParams,
     EncoderDims,
     EstimatorDims,
     FlowDims,
@@ -21,6 +21,7 @@ from cosystream.checkpoint.hparams import (
     LLMDims,
     MelDims,
     load_hparams,
+    load_hparams_cv3,
 )
 from cosystream.checkpoint.layout import ModelFiles, locate_model_files
 from cosystream.checkpoint.weights import check_and_load, fold_weight_norm, load_state_dict

@@ -12,7 +12,7 @@ from cosystream.models.qwen2 import SpeechLM, convert_official_state
 def _require_cosyvoice2(ckpt: Checkpoint) -> None:
     if ckpt.family != "cosyvoice2":
         raise CheckpointError(f"{ckpt.files.yaml.name}: the CosyVoice2 runners cannot load a {ckpt.family} model "
-                              "(use cosystream.models.cosyvoice3.loader)")
+                              "(use cosystream.engine.cv3_loader)")
 
 
 def load_llm(ckpt: Checkpoint, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cosystream.checkpoint.cosyvoice3 import DiTDims
+from cosystream.checkpoint.hparams import DiTDims
 
 _LN_EPS = 1e-6
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cosystream.checkpoint.cosyvoice3 import CV3FlowDims
+from cosystream.checkpoint.hparams import CV3FlowDims
 from cosystream.models.cfm import build_noise_table, cosine_schedule
 from cosystream.models.cosyvoice3.dit import DiT, DiTCache, commit
 

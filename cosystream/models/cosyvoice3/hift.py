@@ -17,8 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cosystream.checkpoint.cosyvoice3 import CausalHiftDims
-from cosystream.checkpoint.weights import load_state_dict
+from cosystream.checkpoint.hparams import CausalHiftDims
 from cosystream.models.hift import Snake, istft, stft
 
 NOISE_SECONDS = 300  # PARITY: SineGen2 draws rand(1, 300·24000, 9) at construction
@@ -309,36 +308,3 @@ class HiftStream:
         if keep_from > self.first and self.mel is not None:
             self.mel = self.mel[:, :, keep_from - self.first:]
             self.first = keep_from
-
-
-def load_hift_state(path, dims: CausalHiftDims) -> dict[str, torch.Tensor]:  # noqa: ANN001
-    """hift.pt with `generator.` removed and weight norms folded: in float64 for the F0 predictor (the
-    official casts that module, parametrisation included, to float64), float32 elsewhere."""
-    from cosystream.checkpoint.weights import fold_weight_norm
-
-    raw = {k.replace("generator.", ""): v for k, v in load_state_dict(path).items()}
-    f0 = {k: v.double() for k, v in raw.items() if k.startswith("f0_predictor.")}
-    rest = {k: v for k, v in raw.items() if not k.startswith("f0_predictor.")}
-    out = fold_weight_norm(rest)
-    out.update(_fold_double(f0))
-    return out
-
-
-def _fold_double(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    g_suffix, v_suffix = ".parametrizations.weight.original0", ".parametrizations.weight.original1"
-    for key, value in state.items():
-        if key.endswith(g_suffix):
-            stem = key[: -len(g_suffix)]
-            v = state.get(stem + v_suffix)
-            if v is None:
-                out[key] = value  # the strict load names it
-                continue
-            norm = v.flatten(1).norm(dim=1).view(-1, *([1] * (v.dim() - 1)))
-            out[stem + ".weight"] = v * (value / norm)
-        elif key.endswith(v_suffix):
-            if state.get(key[: -len(v_suffix)] + g_suffix) is None:
-                out[key] = value
-        else:
-            out[key] = value
-    return out

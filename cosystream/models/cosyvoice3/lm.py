@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cosystream.checkpoint.cosyvoice3 import EXTRA_SPEECH_IDS
-from cosystream.checkpoint.hparams import LLMDims
+from cosystream.checkpoint.hparams import EXTRA_SPEECH_IDS, LLMDims
 from cosystream.errors import CheckpointError
 from cosystream.models.qwen2 import _LAYER_KEYS, _QWEN, SpeechLM
 

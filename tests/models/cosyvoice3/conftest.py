@@ -81,7 +81,7 @@ def cv3_checkpoint(cv3_model_dir: Path):
 
 @pytest.fixture(scope="session")
 def cv3_lm(cv3_checkpoint):
-    from cosystream.models.cosyvoice3.loader import load_cv3_llm
+    from cosystream.engine.cv3_loader import load_cv3_llm
 
     return load_cv3_llm(cv3_checkpoint)
 
@@ -89,7 +89,7 @@ def cv3_lm(cv3_checkpoint):
 @pytest.fixture(scope="session")
 def cv3_flow(cv3_checkpoint, cv3_load):
     """The flow with the set's stored exact prefix of the seed-0 CFM noise table."""
-    from cosystream.models.cosyvoice3.loader import load_cv3_flow
+    from cosystream.engine.cv3_loader import load_cv3_flow
 
     flow = load_cv3_flow(cv3_checkpoint)
     flow.decoder.set_noise_table(cv3_load("cfm_rand_noise_prefix")["rand_noise_prefix"])
@@ -105,6 +105,6 @@ def longest_vocoder_seconds(manifest: dict) -> float:
 
 @pytest.fixture(scope="session")
 def cv3_hift(cv3_checkpoint, cv3_manifest):
-    from cosystream.models.cosyvoice3.loader import load_cv3_hift
+    from cosystream.engine.cv3_loader import load_cv3_hift
 
     return load_cv3_hift(cv3_checkpoint, noise_seconds=longest_vocoder_seconds(cv3_manifest))

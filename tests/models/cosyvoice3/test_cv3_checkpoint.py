@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from cosystream.checkpoint import load_checkpoint
-from cosystream.checkpoint.cosyvoice3 import CV3HParams
+from cosystream.checkpoint.hparams import CV3HParams
+from cosystream.engine.cv3_loader import load_cv3_flow, load_cv3_hift, load_cv3_llm
 from cosystream.engine.loader import load_flow
 from cosystream.errors import CheckpointError
-from cosystream.models.cosyvoice3.loader import load_cv3_flow, load_cv3_hift, load_cv3_llm
 
 
 def _linked_copy(src: Path, dst: Path, skip: str | None = None) -> Path:
