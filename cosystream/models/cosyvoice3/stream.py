@@ -102,15 +102,22 @@ class Token2WavStream:
 
     def push(self, tokens: torch.Tensor, call: ChunkCall) -> ChunkOutput:
         """tokens [1, ≥ call.num_tokens] generated tokens; returns this call's new mel and samples."""
+        mel = self.new_mel(tokens, call)
+        return ChunkOutput(mel=mel, wav=self.vocode(mel, call.finalize))
+
+    def vocode(self, mel: torch.Tensor, finalize: bool) -> torch.Tensor:
+        """The new samples [1, n] of this chunk's new mel frames."""
+        return self.hift_stream.push(mel, finalize)
+
+    def new_mel(self, tokens: torch.Tensor, call: ChunkCall) -> torch.Tensor:
+        """The chunk's new mel frames [1, 80, m] (from 2·token_offset)."""
         tokens = tokens[:, :call.num_tokens]
         if call.finalize and self.final_full_attention:
             # PARITY: the official last call uses stream=False: full attention over every frame.
             mel = self.flow.inference(tokens, self.prompt_token, self.prompt_feat, self.embedding,
                                       streaming=False, finalize=True)
-            mel = mel[:, :, self.flow.ratio * call.token_offset:]
-        else:
-            mel = self.flow_stream.push(tokens, call.token_offset, call.finalize)
-        return ChunkOutput(mel=mel, wav=self.hift_stream.push(mel, call.finalize))
+            return mel[:, :, self.flow.ratio * call.token_offset:]
+        return self.flow_stream.push(tokens, call.token_offset, call.finalize)
 
 
 def synthesize_offline(flow: CV3Flow, hift: CausalHiFT, tokens: torch.Tensor, prompt_token: torch.Tensor,
