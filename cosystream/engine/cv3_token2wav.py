@@ -11,6 +11,7 @@ requests, not yet batched across requests (no flow pool, no CUDA graphs).
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 
 from cosystream.engine.chunking import ChunkPlan
 from cosystream.engine.stopwatch import Stopwatch
-from cosystream.models.cosyvoice3.flow import CV3Flow
+from cosystream.models.cosyvoice3.flow import CV3Flow, PromptBlocks, encode_prompt_blocks
 from cosystream.models.cosyvoice3.hift import CausalHiFT
 from cosystream.models.cosyvoice3.stream import ChunkCall, Token2WavStream
 
@@ -46,7 +47,8 @@ class CV3Token2WavRunner:
     pool = None  # no flow pool: every stream keeps its own caches
     overflow_started = 0
 
-    def __init__(self, flow: CV3Flow, hift: CausalHiFT, final_attention: str = "full") -> None:
+    def __init__(self, flow: CV3Flow, hift: CausalHiFT, final_attention: str = "full",
+                 max_voice_caches: int = 16) -> None:
         if final_attention not in ("full", "chunk"):
             raise ValueError(f"final_attention: 'full' or 'chunk', got {final_attention!r}")
         self.flow, self.hift = flow, hift
@@ -54,24 +56,40 @@ class CV3Token2WavRunner:
         self.device = flow.input_embedding.weight.device
         self.watch = Stopwatch(self.device)
         self.on_new_voice_cache: Callable[[str, dict[str, torch.Tensor]], None] | None = None
+        # a registered voice's target-independent prompt blocks, encoded once (LRU)
+        self.voice_caches: OrderedDict[str, PromptBlocks] = OrderedDict()
+        self.max_voice_caches = max_voice_caches
 
     # ------------------------------------------------------------------ per-request state
     def start(self, inputs: Any, voice_key: str | None, key: Any = None, speed: float = 1.0,
               max_target_tokens: int = 256, seed: int = 0, stored: dict | None = None) -> CV3Token2WavState:
         """A new stream from a segment's `ModelInputs` (flow prompt tokens, prompt mel, x-vector).
 
-        seed and max_target_tokens are accepted for the runner contract: CosyVoice3's source noise is the
-        model's fixed table (indexed by sample), and the caches grow as chunks arrive.
+        A registered voice (`voice_key`) reuses its encoded prompt blocks. seed and max_target_tokens are
+        accepted for the runner contract: CosyVoice3's source noise is the model's fixed table (indexed by
+        sample), and the caches grow as chunks arrive.
         """
-        del voice_key, max_target_tokens, seed, stored
+        del max_target_tokens, seed, stored
         dev = self.device
-        stream = Token2WavStream(
-            self.flow, self.hift,
-            prompt_token=inputs.flow_prompt_speech_tokens.to(dev, torch.long).view(1, -1),
-            prompt_feat=inputs.prompt_mel.to(dev).view(1, -1, inputs.prompt_mel.shape[-1]),
-            embedding=inputs.xvector.to(dev).view(1, -1),
-            final_full_attention=self.final_attention == "full")
+        prompt_token = inputs.flow_prompt_speech_tokens.to(dev, torch.long).view(1, -1)
+        prompt_feat = inputs.prompt_mel.to(dev).view(1, -1, inputs.prompt_mel.shape[-1])
+        embedding = inputs.xvector.to(dev).view(1, -1)
+        blocks = self._prompt_blocks(voice_key, prompt_token, prompt_feat, embedding) if voice_key else None
+        stream = Token2WavStream(self.flow, self.hift, prompt_token, prompt_feat, embedding,
+                                 final_full_attention=self.final_attention == "full", prompt_blocks=blocks)
         return CV3Token2WavState(stream=stream, key=key, speed=speed)
+
+    @torch.inference_mode()
+    def _prompt_blocks(self, voice_key: str, prompt_token: torch.Tensor, prompt_feat: torch.Tensor,
+                       embedding: torch.Tensor) -> PromptBlocks:
+        if voice_key in self.voice_caches:
+            self.voice_caches.move_to_end(voice_key)
+            return self.voice_caches[voice_key]
+        blocks = encode_prompt_blocks(self.flow, prompt_token, prompt_feat, embedding)
+        self.voice_caches[voice_key] = blocks
+        while len(self.voice_caches) > self.max_voice_caches:
+            self.voice_caches.popitem(last=False)
+        return blocks
 
     def opened(self) -> None:
         self.watch.settle()
@@ -80,11 +98,11 @@ class CV3Token2WavRunner:
         state.finished = True
 
     def has_prompt(self, voice_key: str | None, stored: dict[str, torch.Tensor] | None = None) -> bool:
-        """Nothing is cached per voice yet: a stream is ready as soon as it starts."""
-        return True
+        """Whether a stream in this voice starts without encoding its prompt blocks first."""
+        return voice_key is None or voice_key in self.voice_caches
 
     def forget_voice(self, voice_key: str) -> None:
-        del voice_key
+        self.voice_caches.pop(voice_key, None)
 
     def can_start(self, inputs: Any, max_target_tokens: int) -> bool:
         return True

@@ -144,6 +144,40 @@ class CV3Flow(nn.Module):
 
 
 @dataclass
+class PromptBlocks:
+    """A voice's prompt frames that no target token can change, encoded once: per Euler step, the DiT
+    keys/values and conv tails of the complete attention blocks among them. Shared read-only by every
+    stream in that voice (`commit` appends by concatenation, never in place)."""
+
+    caches: list[DiTCache]
+    frames: int
+
+
+def encode_prompt_blocks(flow: CV3Flow, prompt_token: torch.Tensor, prompt_feat: torch.Tensor,
+                         embedding: torch.Tensor) -> PromptBlocks:
+    """Run the DiT over the prompt's complete blocks whose token features do not depend on the target.
+
+    A frame of token t sees tokens up to t + L (the pre-look-ahead), so frames of tokens [0, P − L) are
+    fixed by the prompt alone; the blocks entirely inside them are computed and kept.
+    """
+    dev = flow.input_embedding.weight.device
+    block = flow.decoder.estimator.dims.static_chunk_size
+    fixed_frames = flow.ratio * max(prompt_token.shape[1] - flow.dims.pre_lookahead_len, 0)
+    frames = (fixed_frames // block) * block
+    caches = [DiTCache() for _ in flow.decoder.t_steps]
+    if frames == 0:
+        return PromptBlocks(caches=caches, frames=0)
+    feat = prompt_feat.to(dev, flow.spk_embed_affine_layer.weight.dtype)
+    mu = flow.token_features(prompt_token.to(dev), finalize=False)[:, :, :frames]
+    spks = flow.project_speaker(embedding.to(dev))
+    flow.decoder.sample(mu, spks, flow.conditions(feat, frames), streaming=True, caches=caches)
+    for cache, pending in zip(caches, flow.decoder.pending, strict=True):
+        commit(cache, pending, frames)
+    flow.decoder.pending = []
+    return PromptBlocks(caches=caches, frames=frames)
+
+
+@dataclass
 class FlowStreamState:
     caches: list[DiTCache]
     spks: torch.Tensor
@@ -159,14 +193,17 @@ class FlowStream:
     """
 
     def __init__(self, flow: CV3Flow, prompt_token: torch.Tensor, prompt_feat: torch.Tensor,
-                 embedding: torch.Tensor) -> None:
+                 embedding: torch.Tensor, prompt_blocks: PromptBlocks | None = None) -> None:
+        """prompt_blocks: the voice's encoded prompt blocks (`encode_prompt_blocks` of the same prompt),
+        so that the first chunk starts after them."""
         self.flow = flow
         dev = flow.input_embedding.weight.device
         self.prompt_token = prompt_token.to(dev)
         self.prompt_feat = prompt_feat.to(dev, flow.spk_embed_affine_layer.weight.dtype)
         self.prompt_frames = prompt_feat.shape[1]
-        self.state = FlowStreamState(caches=[DiTCache() for _ in flow.decoder.t_steps],
-                                     spks=flow.project_speaker(embedding.to(dev)))
+        caches = ([DiTCache(list(c.keys), list(c.values), c.tail1, c.tail2, c.length) for c in prompt_blocks.caches]
+                  if prompt_blocks is not None else [DiTCache() for _ in flow.decoder.t_steps])
+        self.state = FlowStreamState(caches=caches, spks=flow.project_speaker(embedding.to(dev)))
 
     @property
     def block(self) -> int:

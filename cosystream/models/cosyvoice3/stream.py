@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cosystream.models.cosyvoice3.flow import CV3Flow, FlowStream
+from cosystream.models.cosyvoice3.flow import CV3Flow, FlowStream, PromptBlocks
 from cosystream.models.cosyvoice3.hift import CausalHiFT, HiftStream
 
 TOKEN_HOP = 25  # PARITY: CosyVoice3Model.token_hop_len (must match the training chunk size)
@@ -93,8 +93,9 @@ class Token2WavStream:
     computing only what was not computed before (see the module docstring)."""
 
     def __init__(self, flow: CV3Flow, hift: CausalHiFT, prompt_token: torch.Tensor, prompt_feat: torch.Tensor,
-                 embedding: torch.Tensor, final_full_attention: bool = True) -> None:
-        self.flow_stream = FlowStream(flow, prompt_token, prompt_feat, embedding)
+                 embedding: torch.Tensor, final_full_attention: bool = True,
+                 prompt_blocks: PromptBlocks | None = None) -> None:
+        self.flow_stream = FlowStream(flow, prompt_token, prompt_feat, embedding, prompt_blocks)
         self.hift_stream = HiftStream(hift)
         self.final_full_attention = final_full_attention
         self.flow = flow

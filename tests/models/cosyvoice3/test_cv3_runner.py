@@ -32,7 +32,9 @@ def test_runner_with_the_engine_planner_reproduces_the_official_chunks(cv3_flow,
     inputs = _inputs(e2e, src)
     tokens = e2e[f"{mode}_speech_tokens"][0].tolist()
     runner = CV3Token2WavRunner(cv3_flow, cv3_hift)
-    state = runner.start(inputs, voice_key=None)
+    assert not runner.has_prompt("voice-a")
+    state = runner.start(inputs, voice_key="voice-a")  # a registered voice: its prompt blocks are encoded once
+    assert runner.has_prompt("voice-a")
     planner = ChunkPlanner(ChunkSchedule(), inputs.flow_prompt_speech_tokens.numel(),
                            block=cv3_flow.decoder.estimator.dims.static_chunk_size // cv3_flow.ratio)
     i = 0
@@ -45,6 +47,8 @@ def test_runner_with_the_engine_planner_reproduces_the_official_chunks(cv3_flow,
         np.testing.assert_allclose(pcm, e2e[f"{mode}_call{i}_yield"][0].numpy(), rtol=0, atol=AUDIO_ATOL)
         i += 1
     assert i == len(run["schedule"])
+    runner.forget_voice("voice-a")
+    assert not runner.has_prompt("voice-a")
     with pytest.raises(RuntimeError, match="finished"):
         runner.run([(state, tokens, ChunkPlan(i, 0, len(tokens), len(tokens), is_final=True))])
 

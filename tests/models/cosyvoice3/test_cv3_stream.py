@@ -119,3 +119,37 @@ def test_persisted_hop_quirk_can_be_replayed():
     and the first chunk is hop + pad + 3 tokens; each request here starts at 25 unless told otherwise."""
     assert StreamSchedule(76, first_hop=100).next_call(500, done=False).num_tokens == 100 + 24 + 3
     assert StreamSchedule(76).next_call(500, done=False).num_tokens == 25 + 24 + 3
+
+
+def test_encoded_prompt_blocks_are_reused_and_change_nothing(cv3_flow, cv3_hift, cv3_load, cv3_manifest):
+    """A voice's target-independent prompt blocks, encoded once, serve two requests: same official chunks,
+    and the first chunk's DiT starts after them."""
+    from cosystream.models.cosyvoice3.flow import encode_prompt_blocks
+
+    e2e = cv3_load("e2e")
+    prompt_token, prompt_feat, embedding = _prompt(e2e, cv3_manifest, "zero_shot")
+    with torch.no_grad():
+        blocks = encode_prompt_blocks(cv3_flow, prompt_token, prompt_feat, embedding)
+    block = cv3_flow.decoder.estimator.dims.static_chunk_size
+    assert blocks.frames == block * (cv3_flow.ratio * (prompt_token.shape[1] - cv3_flow.dims.pre_lookahead_len)
+                                     // block) > 0
+    frames_seen: list[int] = []
+    hook = cv3_flow.decoder.estimator.register_forward_hook(lambda m, a, o: frames_seen.append(a[0].shape[2]))
+    try:
+        for mode in ("zero_shot", "vc_long"):
+            run = cv3_manifest["e2e"][mode]
+            tokens = e2e[f"{mode}_speech_tokens"]
+            stream = Token2WavStream(cv3_flow, cv3_hift, prompt_token, prompt_feat, embedding, prompt_blocks=blocks)
+            schedule = StreamSchedule(prompt_token.shape[1])
+            with torch.no_grad():
+                for i, official in enumerate(run["schedule"]):
+                    frames_seen.clear()
+                    out = stream.push(tokens, schedule.next_call(tokens.shape[1], done=True))
+                    if i == 0 and not official["finalize"]:
+                        lookahead = cv3_flow.dims.pre_lookahead_len
+                        total = cv3_flow.ratio * (prompt_token.shape[1] + official["n_tokens"] - lookahead)
+                        assert set(frames_seen) == {total - blocks.frames}
+                    torch.testing.assert_close(out.mel, e2e[f"{mode}_call{i}_flow_mel_new"], rtol=0, atol=MEL_ATOL)
+                    torch.testing.assert_close(out.wav, e2e[f"{mode}_call{i}_yield"], rtol=0, atol=AUDIO_ATOL)
+    finally:
+        hook.remove()
