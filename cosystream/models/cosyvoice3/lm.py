@@ -57,6 +57,11 @@ class CosyVoice3LM(SpeechLM):
         `speech_token_size`, which in CosyVoice3 is SOS (6561), not EOS (6562)."""
         return self.dims.speech_token_size
 
+    def special_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The SOS and TASK embeddings [d] (rows of the speech embedding; CosyVoice2 has `llm_embedding`)."""
+        weight = self.speech_embedding.weight
+        return weight[self.sos], weight[self.task_id]
+
     def is_stop(self, token: int) -> bool:
         """Any id from `speech_token_size` upwards ends decoding."""
         return token >= self.dims.speech_token_size
