@@ -153,3 +153,23 @@ def test_encoded_prompt_blocks_are_reused_and_change_nothing(cv3_flow, cv3_hift,
                     torch.testing.assert_close(out.wav, e2e[f"{mode}_call{i}_yield"], rtol=0, atol=AUDIO_ATOL)
     finally:
         hook.remove()
+
+
+def test_block_causal_last_chunk_equals_the_whole_sequence_streaming_call(cv3_flow, cv3_hift, cv3_load,
+                                                                           cv3_manifest):
+    """final_full_attention=False: every chunk, the last included, is what one whole-sequence
+    `inference(streaming=True, finalize)` gives for its frames (the Triton runtime's final call)."""
+    mode = "vc_long"
+    e2e, run = cv3_load("e2e"), cv3_manifest["e2e"][mode]
+    prompt_token, prompt_feat, embedding = _prompt(e2e, cv3_manifest, mode)
+    tokens = e2e[f"{mode}_speech_tokens"]
+    stream = Token2WavStream(cv3_flow, cv3_hift, prompt_token, prompt_feat, embedding, final_full_attention=False)
+    schedule = StreamSchedule(prompt_token.shape[1])
+    mels = []
+    with torch.no_grad():
+        while (call := schedule.next_call(tokens.shape[1], done=True)) is not None:
+            mels.append(stream.push(tokens, call).mel)
+        whole = cv3_flow.inference(tokens, prompt_token, prompt_feat, embedding, streaming=True, finalize=True)
+    torch.testing.assert_close(torch.cat(mels, dim=2), whole, rtol=0, atol=MEL_ATOL)
+    official_last = e2e[f"{mode}_call{len(run['schedule']) - 1}_flow_mel_new"]
+    assert (mels[-1] - official_last).abs().max() > MEL_ATOL  # the official last chunk uses full attention
