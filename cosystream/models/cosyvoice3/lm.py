@@ -62,6 +62,21 @@ class CosyVoice3LM(SpeechLM):
         weight = self.speech_embedding.weight
         return weight[self.sos], weight[self.task_id]
 
+    def bistream_prompt(self, prompt_text_ids: torch.Tensor, prompt_speech_tokens: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Text-streaming prompt (official `inference_bistream`, CosyVoice3 branch): (prefix [n, d] fed right
+        after SOS = the prompt text up to and including `<|endofprompt|>`, the rest of the prompt text
+        [m, d] that joins the 5:15 interleave, the prompt speech [P, d]). ValueError without the marker."""
+        ids = prompt_text_ids.flatten().to(torch.long)
+        where = (ids == ENDOFPROMPT_ID).nonzero()
+        if where.numel() == 0:
+            raise ValueError("<|endofprompt|> not detected in CosyVoice3 prompt_text: text streaming needs it "
+                             "in the prompt text (the instruction or the system prefix)")
+        cut = int(where[0]) + 1
+        dev = self.text_embedding.weight.device
+        return (self.text_embedding(ids[:cut].to(dev)), self.text_embedding(ids[cut:].to(dev)),
+                self.speech_embedding(prompt_speech_tokens.flatten().to(dev, torch.long)))
+
     def is_stop(self, token: int) -> bool:
         """Any id from `speech_token_size` upwards ends decoding."""
         return token >= self.dims.speech_token_size

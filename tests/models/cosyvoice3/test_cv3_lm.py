@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from cosystream.models.cosyvoice3.lm import (
+    ENDOFPROMPT_ID,
     MAX_SILENT_RUN,
     SILENT_TOKENS,
     SilentTokenFilter,
@@ -170,3 +171,31 @@ def test_silent_token_filter_drops_runs_longer_than_five():
     filt = SilentTokenFilter()
     kept = [t for t in stream if filt.keep(t)]
     assert kept == [silent] * MAX_SILENT_RUN + [100] + [silent] * 2
+
+
+def test_bistream_prompt_starts_with_the_system_prefix(cv3_lm, cv3_load):
+    """Text streaming: SOS, then the prompt text through `<|endofprompt|>` outside the interleave, then groups
+    of 5 text (rest of the prompt text first) and 15 prompt speech embeddings (official inference_bistream)."""
+    from cosystream.engine.bistream import BistreamState, Feed
+
+    e2e = cv3_load("e2e")
+    prompt_text = e2e["zero_shot_in_prompt_text"][0]
+    speech = e2e["zero_shot_in_llm_prompt_speech_token"][0]
+    cut = prompt_text.tolist().index(ENDOFPROMPT_ID) + 1
+    with torch.no_grad():
+        prefix, rest, speech_emb = cv3_lm.bistream_prompt(prompt_text, speech)
+        sos, task = cv3_lm.special_rows()
+        state = BistreamState(sos, task, rest, speech_emb, cv3_lm.fill, cv3_lm.dims.mix_ratio, prefix=prefix)
+        text = cv3_lm.text_embedding(e2e["zero_shot_in_text"][0].long())
+        state.add_text(text)
+    fed = list(state.pending)
+    assert state.next_feed() is Feed.extend  # with enough text every prompt speech group is paired
+    assert torch.equal(fed[0], cv3_lm.speech_embedding.weight[cv3_lm.sos])
+    n_text, n_speech = cv3_lm.dims.mix_ratio
+    assert all(torch.equal(a, b) for a, b in zip(fed[1:1 + cut], prefix, strict=True))
+    first_group = fed[1 + cut:1 + cut + n_text]
+    assert all(torch.equal(a, b) for a, b in zip(first_group, rest[:n_text], strict=True))
+    speech_group = fed[1 + cut + n_text:1 + cut + n_text + n_speech]
+    assert all(torch.equal(a, b) for a, b in zip(speech_group, speech_emb[:n_speech], strict=True))
+    with pytest.raises(ValueError, match="endofprompt"):
+        cv3_lm.bistream_prompt(prompt_text[cut:], speech)
