@@ -16,7 +16,7 @@ from torch import nn
 
 from cosystream.checkpoint.hparams import CV3FlowDims
 from cosystream.models.cfm import build_noise_table, cosine_schedule
-from cosystream.models.cosyvoice3.dit import DiT, DiTCache, commit
+from cosystream.models.cosyvoice3.dit import DiT, DiTCache, DiTPending, commit
 
 
 class PreLookaheadLayer(nn.Module):
@@ -74,22 +74,29 @@ class CV3CFM(nn.Module):
         # PARITY: v = (1 + λ)·v_c − λ·v_u, x += dt·v in float32
         return x + dt * ((1.0 + self.cfg_rate) * v[0:1] - self.cfg_rate * v[1:2])
 
-    def sample(self, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor, streaming: bool,
-               caches: list[DiTCache] | None = None, start: int = 0) -> torch.Tensor:
-        """Integrate frames [start, start + n) from the noise table: mu, cond [1, 80, n], spks [1, 80]
-        -> x1 [1, 80, n] float32. With `caches` (one per Euler step) the estimator attends to the cached
-        frames [0, start) too; the caller commits what it wants kept (`pending` of the last call)."""
+    def sample(self, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor, streaming: bool) -> torch.Tensor:
+        """Whole-sequence integration from frame 0: mu, cond [1, 80, F], spks [1, 80] -> x1 [1, 80, F] float32."""
+        return self.sample_frames(mu, spks, cond, streaming)[0]
+
+    def sample_frames(self, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor, streaming: bool,
+                      caches: list[DiTCache] | None = None, start: int = 0
+                      ) -> tuple[torch.Tensor, list[DiTPending]]:
+        """Integrate frames [start, start + n) from the noise table: mu, cond [1, 80, n], spks [1, 80] ->
+        (x1 [1, 80, n] float32, what each Euler step's estimator computed, when `caches` are given). With
+        `caches` (one per step) the estimator also attends to the cached frames [0, start); the caller
+        `commit`s what it keeps."""
         mu_in, spks_in, cond_in = self.cfg_rows(mu, spks, cond)
         x = self.noise(start, mu.shape[2])
-        self.pending = []
+        pendings = []
         for k, (t, dt) in enumerate(zip(self.t_steps, self.dt_steps, strict=True)):
             t_in = torch.full((2,), t, device=x.device, dtype=torch.float32)
             rows = x.expand(2, -1, -1).to(mu_in.dtype)
             cache = caches[k] if caches is not None else None
             v, pending = self.estimator(rows, mu_in, spks_in, cond_in, t_in, streaming, cache)
-            self.pending.append(pending)
+            if caches is not None:  # without caches nothing is kept (a full pass's keys would be large)
+                pendings.append(pending)
             x = self.euler(x, v, dt)
-        return x
+        return x, pendings
 
 
 class CV3Flow(nn.Module):
@@ -170,10 +177,10 @@ def encode_prompt_blocks(flow: CV3Flow, prompt_token: torch.Tensor, prompt_feat:
     feat = prompt_feat.to(dev, flow.spk_embed_affine_layer.weight.dtype)
     mu = flow.token_features(prompt_token.to(dev), finalize=False)[:, :, :frames]
     spks = flow.project_speaker(embedding.to(dev))
-    flow.decoder.sample(mu, spks, flow.conditions(feat, frames), streaming=True, caches=caches)
-    for cache, pending in zip(caches, flow.decoder.pending, strict=True):
+    _, pendings = flow.decoder.sample_frames(mu, spks, flow.conditions(feat, frames), streaming=True,
+                                             caches=caches)
+    for cache, pending in zip(caches, pendings, strict=True):
         commit(cache, pending, frames)
-    flow.decoder.pending = []
     return PromptBlocks(caches=caches, frames=frames)
 
 
@@ -181,7 +188,6 @@ def encode_prompt_blocks(flow: CV3Flow, prompt_token: torch.Tensor, prompt_feat:
 class FlowStreamState:
     caches: list[DiTCache]
     spks: torch.Tensor
-    emitted_frames: int = 0  # absolute frames (prompt included) already returned
 
 
 class FlowStream:
@@ -221,10 +227,9 @@ class FlowStream:
             raise ValueError(f"FlowStream: frames from {first_new} requested, but frames before {start} are "
                              "committed (token_offset went backwards)")
         cond = flow.conditions(self.prompt_feat, total - start, start)
-        mel = flow.decoder.sample(mu[:, :, start:], st.spks, cond, streaming=True, caches=st.caches, start=start)
+        mel, pendings = flow.decoder.sample_frames(mu[:, :, start:], st.spks, cond, streaming=True, caches=st.caches,
+                                                   start=start)
         complete = (total // self.block) * self.block if not finalize else total
-        for cache, pending in zip(st.caches, flow.decoder.pending, strict=True):
+        for cache, pending in zip(st.caches, pendings, strict=True):
             commit(cache, pending, complete - start)
-        flow.decoder.pending = []
-        st.emitted_frames = total
         return mel[:, :, first_new - start:].float()
