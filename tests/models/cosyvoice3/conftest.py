@@ -87,12 +87,20 @@ def cv3_lm(cv3_checkpoint):
 
 
 @pytest.fixture(scope="session")
-def cv3_flow(cv3_checkpoint, cv3_load):
-    """The flow with the set's stored exact prefix of the seed-0 CFM noise table."""
+def cv3_noise_table(cv3_dir: Path) -> torch.Tensor | None:
+    """The set's stored exact prefix of the seed-0 CFM noise table, or None when the set stores none (the
+    generated table is then used; fixtures README: its bits may differ by < 3e-6 across CPU kernels)."""
+    path = cv3_dir / "cfm_rand_noise_prefix.safetensors"
+    return load_file(str(path))["rand_noise_prefix"] if path.is_file() else None
+
+
+@pytest.fixture(scope="session")
+def cv3_flow(cv3_checkpoint, cv3_noise_table):
     from cosystream.engine.cv3_loader import load_cv3_flow
 
     flow = load_cv3_flow(cv3_checkpoint)
-    flow.decoder.set_noise_table(cv3_load("cfm_rand_noise_prefix")["rand_noise_prefix"])
+    if cv3_noise_table is not None:
+        flow.decoder.set_noise_table(cv3_noise_table)
     return flow
 
 

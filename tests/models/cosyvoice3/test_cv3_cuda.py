@@ -56,14 +56,15 @@ def test_bf16_decode_distributions_close_to_the_official(cv3_checkpoint, cv3_loa
 
 
 @pytest.mark.parametrize("mode", ["zero_shot", "vc_long"])
-def test_float32_cuda_stream_matches_the_official_chunks(cv3_checkpoint, cv3_load, cv3_manifest, mode,
-                                                         monkeypatch):
+def test_float32_cuda_stream_matches_the_official_chunks(cv3_checkpoint, cv3_load, cv3_manifest, cv3_noise_table,
+                                                         mode, monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # float32 convolutions, as on the CPU
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     e2e, run = cv3_load("e2e"), cv3_manifest["e2e"][mode]
     src = run.get("prompt_inputs_from", mode)
     flow = load_cv3_flow(cv3_checkpoint, "cuda")
-    flow.decoder.set_noise_table(cv3_load("cfm_rand_noise_prefix")["rand_noise_prefix"])
+    if cv3_noise_table is not None:
+        flow.decoder.set_noise_table(cv3_noise_table)
     hift = load_cv3_hift(cv3_checkpoint, "cuda", noise_seconds=max(c["hift_in_frames"] for c in run["schedule"]) / 50
                          + 1)
     prompt = [e2e[f"{src}_in_{k}"].cuda() for k in ("flow_prompt_speech_token", "prompt_speech_feat",
