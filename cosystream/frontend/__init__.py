@@ -146,9 +146,7 @@ class Frontend:
     def inputs_cross_lingual(self, text: str, prompt: VoicePrompt) -> ModelInputs:
         """CosyVoice3: a segment without `<|endofprompt|>` gets the system prefix in front (the official
         example writes it into the target text; prefixing the normalised segment keeps normalisation)."""
-        if self.family == "cosyvoice3" and END_OF_PROMPT not in text:
-            text = CV3_SYSTEM_PROMPT + END_OF_PROMPT + text
-        return cross_lingual_inputs(self.encode_text(text), prompt)
+        return cross_lingual_inputs(self.encode_text(self._with_system_prompt(text)), prompt)
 
     def inputs_instruct2(self, text: str, instruct: str, prompt: VoicePrompt) -> ModelInputs:
         """The instruction is tokenised verbatim (not normalised), ending in `<|endofprompt|>`.
@@ -169,8 +167,15 @@ class Frontend:
         return instruct2_inputs(self.encode_text(text), self.encode_text(instruct), prompt)
 
     def inputs_sft(self, text: str, speaker: str) -> ModelInputs:
-        """A speaker of `spk2info.pt`; zero-shot entries work too, through their x-vector."""
-        return sft_inputs(self.encode_text(text), self._speaker(speaker).xvector)
+        """A speaker of `spk2info.pt`; zero-shot entries work too, through their x-vector.
+        CosyVoice3: the segment gets the system prefix as in cross-lingual (its LM needs `<|endofprompt|>`)."""
+        return sft_inputs(self.encode_text(self._with_system_prompt(text)), self._speaker(speaker).xvector)
+
+    def _with_system_prompt(self, text: str) -> str:
+        """CosyVoice3 without a prompt transcript: the system prefix in front of a segment lacking the marker."""
+        if self.family == "cosyvoice3" and END_OF_PROMPT not in text:
+            return CV3_SYSTEM_PROMPT + END_OF_PROMPT + text
+        return text
 
     def inputs_vc(self, source: AudioInput, prompt: VoicePrompt) -> ModelInputs:
         """Re-voice `source` (0.5-30 s of speech) with the prompt's voice."""

@@ -99,3 +99,21 @@ def test_cross_lingual_and_instruct2_get_endofprompt(frontend, prompt_wav):
     inputs = frontend.inputs_instruct2(segment, "Please speak slowly.", voice)
     assert inputs.prompt_text_ids.tolist() == frontend.encode_text(
         f"{CV3_SYSTEM_PROMPT} Please speak slowly.{END_OF_PROMPT}")
+
+
+def test_sft_speaker_of_spk2info_gets_endofprompt(cv3_checkpoint, cv3_model_dir, tmp_path):
+    """A `spk2info.pt` beside a CosyVoice3 model gives sft voices; their text carries the system prefix the LM
+    requires (the official inference_sft would fail its `<|endofprompt|>` assertion)."""
+    from cosystream.checkpoint import load_checkpoint
+
+    model = tmp_path / "model"
+    for path in cv3_model_dir.rglob("*"):
+        if path.is_file():
+            (model / path.relative_to(cv3_model_dir)).parent.mkdir(parents=True, exist_ok=True)
+            (model / path.relative_to(cv3_model_dir)).symlink_to(path)
+    xvector = torch.randn(1, 192)
+    torch.save({"speaker-a": {"embedding": xvector}}, model / "spk2info.pt")
+    frontend = Frontend(load_checkpoint(model))
+    inputs = frontend.inputs_sft("Good morning.", "speaker-a")
+    assert inputs.text_ids.tolist() == frontend.encode_text(CV3_SYSTEM_PROMPT + END_OF_PROMPT + "Good morning.")
+    assert torch.equal(inputs.xvector, xvector[0])
