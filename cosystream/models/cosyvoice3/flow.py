@@ -150,6 +150,13 @@ class CV3Flow(nn.Module):
         return mel[:, :, feat.shape[1]:].float()
 
 
+def cache_bytes_per_frame(dims: CV3FlowDims, dtype: torch.dtype) -> int:
+    """Bytes a `FlowStream` keeps per committed frame: keys and values of every layer, for both CFG rows,
+    at every Euler step (the conv tails are a constant 2·30 frames per step and row)."""
+    d = dims.dit
+    return dims.n_timesteps * d.depth * 2 * 2 * d.heads * d.dim_head * torch.finfo(dtype).bits // 8
+
+
 @dataclass
 class PromptBlocks:
     """A voice's prompt frames that no target token can change, encoded once: per Euler step, the DiT

@@ -173,3 +173,18 @@ def test_block_causal_last_chunk_equals_the_whole_sequence_streaming_call(cv3_fl
     torch.testing.assert_close(torch.cat(mels, dim=2), whole, rtol=0, atol=MEL_ATOL)
     official_last = e2e[f"{mode}_call{len(run['schedule']) - 1}_flow_mel_new"]
     assert (mels[-1] - official_last).abs().max() > MEL_ATOL  # the official last chunk uses full attention
+
+
+def test_cache_bytes_per_frame_counts_what_the_stream_keeps(cv3_flow, cv3_hift, cv3_load, cv3_manifest):
+    from cosystream.models.cosyvoice3.flow import cache_bytes_per_frame
+
+    e2e = cv3_load("e2e")
+    prompt_token, prompt_feat, embedding = _prompt(e2e, cv3_manifest, "vc_long")
+    tokens = e2e["vc_long_speech_tokens"]
+    stream = Token2WavStream(cv3_flow, cv3_hift, prompt_token, prompt_feat, embedding)
+    call = StreamSchedule(prompt_token.shape[1]).next_call(tokens.shape[1], done=False)
+    with torch.no_grad():
+        stream.push(tokens, call)
+    caches = stream.flow_stream.state.caches
+    kept = sum(t.numel() * t.element_size() for c in caches for t in (*c.keys, *c.values))
+    assert kept == caches[0].length * cache_bytes_per_frame(cv3_flow.dims, torch.float32) > 0
