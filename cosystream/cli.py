@@ -84,6 +84,7 @@ def _run_say(args: argparse.Namespace) -> int:
 def _add_make_random_model(sub) -> None:
     p = sub.add_parser("make-random-model", help="write a random-weight model dir in the official layout")
     p.add_argument("out", help="output directory (created)")
+    p.add_argument("--family", default="cosyvoice2", choices=["cosyvoice2", "cosyvoice3"])
     p.add_argument("--size", default="tiny", choices=["tiny", "0.5b"])
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_run_make_random_model)
@@ -91,12 +92,15 @@ def _add_make_random_model(sub) -> None:
 
 def _run_make_random_model(args: argparse.Namespace) -> int:
     from cosystream.testing.random_model import random_checkpoint
+    from cosystream.testing.random_model_cv3 import random_checkpoint_cv3
 
+    write = random_checkpoint_cv3 if args.family == "cosyvoice3" else random_checkpoint
     try:
-        out = random_checkpoint(args.out, args.size, args.seed)
+        out = write(args.out, args.size, args.seed)
     except FileExistsError as e:
         raise CosyStreamError(f"OUT: {e}") from e
-    print(f"wrote a random {args.size} CosyVoice2 model to {out}")
+    name = "CosyVoice3" if args.family == "cosyvoice3" else "CosyVoice2"
+    print(f"wrote a random {args.size} {name} model to {out}")
     return 0
 
 

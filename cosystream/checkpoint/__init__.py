@@ -1,4 +1,4 @@
-"""Open an official CosyVoice2 model directory: layout, hyper-parameters and state dicts.
+"""Open an official CosyVoice2 or CosyVoice3 model directory: layout, hyper-parameters and state dicts.
 
     ckpt = load_checkpoint("pretrained_models/CosyVoice2-0.5B")
     ckpt.hparams.llm.hidden_size, ckpt.llm_state(), ckpt.flow_state(), ckpt.hift_state()
@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from cosystream.checkpoint.hparams import (
+    CV3HParams,
     EncoderDims,
     EstimatorDims,
     FlowDims,
@@ -20,13 +21,14 @@ from cosystream.checkpoint.hparams import (
     LLMDims,
     MelDims,
     load_hparams,
+    load_hparams_cv3,
 )
 from cosystream.checkpoint.layout import ModelFiles, locate_model_files
 from cosystream.checkpoint.weights import check_and_load, fold_weight_norm, load_state_dict
 
 __all__ = [
     "Checkpoint", "load_checkpoint", "check_and_load", "HParams", "LLMDims", "FlowDims", "HiftDims",
-    "MelDims", "EncoderDims", "EstimatorDims", "ModelFiles",
+    "MelDims", "EncoderDims", "EstimatorDims", "ModelFiles", "CV3HParams",
 ]
 
 
@@ -35,7 +37,12 @@ class Checkpoint:
     """A validated model directory; state dicts are read lazily (they are large)."""
 
     files: ModelFiles
-    hparams: HParams
+    hparams: HParams | CV3HParams
+
+    @property
+    def family(self) -> str:
+        """"cosyvoice2" or "cosyvoice3" (chosen by the yaml's file name)."""
+        return self.files.family
 
     def llm_state(self) -> dict[str, torch.Tensor]:
         return load_state_dict(self.files.llm)
@@ -51,4 +58,5 @@ class Checkpoint:
 
 def load_checkpoint(model_dir: str | Path) -> Checkpoint:
     files = locate_model_files(model_dir)
-    return Checkpoint(files=files, hparams=load_hparams(files.yaml, files.tokenizer_dir / "config.json"))
+    read = load_hparams_cv3 if files.family == "cosyvoice3" else load_hparams
+    return Checkpoint(files=files, hparams=read(files.yaml, files.tokenizer_dir / "config.json"))

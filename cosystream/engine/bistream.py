@@ -28,12 +28,14 @@ class Feed(enum.Enum):
 
 class BistreamState:
     def __init__(self, sos: torch.Tensor, task_id: torch.Tensor, prompt_text: torch.Tensor,
-                 prompt_speech: torch.Tensor, fill_token: int, mix_ratio: tuple[int, int] = (5, 15)) -> None:
-        """sos/task_id [d]; prompt_text [Lp, d], prompt_speech [P, d] embeddings."""
+                 prompt_speech: torch.Tensor, fill_token: int, mix_ratio: tuple[int, int] = (5, 15),
+                 prefix: torch.Tensor | None = None) -> None:
+        """sos/task_id [d]; prompt_text [Lp, d], prompt_speech [P, d] embeddings; prefix [n, d]: fed right
+        after SOS, outside the 5:15 interleave (CosyVoice3: the prompt text up to `<|endofprompt|>`)."""
         self.text_per_group, self.speech_per_group = mix_ratio
         self.fill_token = fill_token
         self.task_id = task_id
-        self.pending: list[torch.Tensor] = [sos]
+        self.pending: list[torch.Tensor] = [sos, *(prefix if prefix is not None else [])]
         self.text_buf: deque[torch.Tensor] = deque(prompt_text)
         self.sp_buf: deque[torch.Tensor] = deque(prompt_speech)
         self.out: list[int] = []  # every generated id, FILL included (the RAS window sees FILL)

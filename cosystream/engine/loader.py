@@ -5,11 +5,19 @@ from __future__ import annotations
 import torch
 
 from cosystream.checkpoint import Checkpoint, check_and_load
+from cosystream.errors import CheckpointError
 from cosystream.models.qwen2 import SpeechLM, convert_official_state
+
+
+def _require_cosyvoice2(ckpt: Checkpoint) -> None:
+    if ckpt.family != "cosyvoice2":
+        raise CheckpointError(f"{ckpt.files.yaml.name}: the CosyVoice2 runners cannot load a {ckpt.family} model "
+                              "(use cosystream.engine.cv3_loader)")
 
 
 def load_llm(ckpt: Checkpoint, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
              ) -> SpeechLM:
+    _require_cosyvoice2(ckpt)
     dims = ckpt.hparams.llm
     with torch.device("meta"):
         model = SpeechLM(dims)
@@ -21,6 +29,7 @@ def load_llm(ckpt: Checkpoint, device: torch.device | str = "cpu", dtype: torch.
 def load_flow(ckpt: Checkpoint, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
     from cosystream.models.flow import Flow
 
+    _require_cosyvoice2(ckpt)
     model = Flow(ckpt.hparams.flow)
     check_and_load(model, ckpt.flow_state(), "flow.pt")
     noise = model.decoder.rand_noise.clone()
@@ -35,6 +44,7 @@ def load_flow(ckpt: Checkpoint, device: torch.device | str = "cpu", dtype: torch
 def load_hift(ckpt: Checkpoint, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
     from cosystream.models.hift import HiFTGenerator
 
+    _require_cosyvoice2(ckpt)
     model = HiFTGenerator(ckpt.hparams.hift)
     check_and_load(model, ckpt.hift_state(), "hift.pt")
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)

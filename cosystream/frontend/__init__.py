@@ -43,10 +43,13 @@ if TYPE_CHECKING:
 
 __all__ = ["Frontend", "VoicePrompt", "ModelInputs", "BuiltinSpeaker", "AudioInput", "MODES"]
 
+# CosyVoice3's system prefix: `CosyVoice3LM` needs `<|endofprompt|>` in the prompt or target text
+# (spec/cosyvoice3.md §3.2); the official examples put this sentence before it.
+CV3_SYSTEM_PROMPT = "You are a helpful assistant."
 
 
 class Frontend:
-    """Text normalisation, tokenisation and prompt analysis for one CosyVoice2 model directory.
+    """Text normalisation, tokenisation and prompt analysis for one CosyVoice2 or CosyVoice3 model directory.
 
     Thread-safe: the engine may call it from a thread pool. `device` ("cpu" or "cuda[:N]") only
     selects the onnxruntime provider of the speech tokenizer and CAM++; every tensor returned
@@ -55,9 +58,10 @@ class Frontend:
 
     def __init__(self, checkpoint: Checkpoint, device: str = "cpu") -> None:
         files = checkpoint.files
+        self.family = files.family
         self.mel_dims = checkpoint.hparams.mel
         self.token_mel_ratio = checkpoint.hparams.token_mel_ratio
-        self.tokenizer = TextTokenizer(files.tokenizer_dir)
+        self.tokenizer = TextTokenizer(files.tokenizer_dir, files.family)
         self.speech_tokenizer = SpeechTokenizer(files.speech_tokenizer, device)
         self.speaker_encoder = SpeakerEncoder(files.campplus, device)
         self.speakers: dict[str, BuiltinSpeaker] = load_spk2info(files.spk2info) if files.spk2info else {}
@@ -109,8 +113,13 @@ class Frontend:
         transcript is normalised like the official `inference_zero_shot` does (split=False);
         leave it empty for a voice used only cross-lingually or by instruction. `analyse`
         replaces the ONNX analysis of the checked audio (the engine's batched GPU analysis).
+        CosyVoice3: a transcript without `<|endofprompt|>` gets the system prefix
+        "You are a helpful assistant.<|endofprompt|>" (the official example's prompt text); the official
+        `text_normalize` then leaves the whole text unnormalised, as it does for any `<|...|>` markup.
         """
         _check_text_length(prompt_text, "prompt_text")
+        if self.family == "cosyvoice3" and prompt_text.strip() and END_OF_PROMPT not in prompt_text:
+            prompt_text = CV3_SYSTEM_PROMPT + END_OF_PROMPT + prompt_text
         prompt_audio = prepare_prompt_audio(audio, self.mel_dims.sampling_rate)
         if analyse is not None:
             analysis = analyse(prompt_audio)
@@ -144,25 +153,38 @@ class Frontend:
         return zero_shot_inputs(self.encode_text(text), prompt)
 
     def inputs_cross_lingual(self, text: str, prompt: VoicePrompt) -> ModelInputs:
-        return cross_lingual_inputs(self.encode_text(text), prompt)
+        """CosyVoice3: a segment without `<|endofprompt|>` gets the system prefix in front (the official
+        example writes it into the target text; prefixing the normalised segment keeps normalisation)."""
+        return cross_lingual_inputs(self.encode_text(self._with_system_prompt(text)), prompt)
 
     def inputs_instruct2(self, text: str, instruct: str, prompt: VoicePrompt) -> ModelInputs:
         """The instruction is tokenised verbatim (not normalised), ending in `<|endofprompt|>`.
 
         Deviation: the official code leaves a missing `<|endofprompt|>` missing; the model was
-        trained with it, so we append it.
+        trained with it, so we append it. CosyVoice3 instructions start with the system sentence
+        ("You are a helpful assistant. <instruction><|endofprompt|>"); it is put in front when absent.
         """
         _check_text_length(instruct, "instruct")
         instruct = instruct.strip()
         if not instruct:
             raise BadInput("instruct: empty instruction")
+        if self.family == "cosyvoice3" and END_OF_PROMPT not in instruct and not instruct.startswith(
+                CV3_SYSTEM_PROMPT):
+            instruct = f"{CV3_SYSTEM_PROMPT} {instruct}"
         if not instruct.endswith(END_OF_PROMPT):
             instruct += END_OF_PROMPT
         return instruct2_inputs(self.encode_text(text), self.encode_text(instruct), prompt)
 
     def inputs_sft(self, text: str, speaker: str) -> ModelInputs:
-        """A speaker of `spk2info.pt`; zero-shot entries work too, through their x-vector."""
-        return sft_inputs(self.encode_text(text), self._speaker(speaker).xvector)
+        """A speaker of `spk2info.pt`; zero-shot entries work too, through their x-vector.
+        CosyVoice3: the segment gets the system prefix as in cross-lingual (its LM needs `<|endofprompt|>`)."""
+        return sft_inputs(self.encode_text(self._with_system_prompt(text)), self._speaker(speaker).xvector)
+
+    def _with_system_prompt(self, text: str) -> str:
+        """CosyVoice3 without a prompt transcript: the system prefix in front of a segment lacking the marker."""
+        if self.family == "cosyvoice3" and END_OF_PROMPT not in text:
+            return CV3_SYSTEM_PROMPT + END_OF_PROMPT + text
+        return text
 
     def inputs_vc(self, source: AudioInput, prompt: VoicePrompt) -> ModelInputs:
         """Re-voice `source` (0.5-30 s of speech) with the prompt's voice."""

@@ -1,4 +1,4 @@
-"""Prompt speech tokens: whisper log-mel through `speech_tokenizer_v2.onnx` (spec/frontend.md §4, checkpoints.md §7)."""
+"""Prompt speech tokens: whisper log-mel through the speech tokenizer ONNX, v2 or v3 (spec/frontend.md §4)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,67 @@
+"""The CosyVoice3 token-to-wave runner driven by the engine's own chunk planner, against the official chunks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cosystream.config import ChunkSchedule
+from cosystream.engine.chunking import ChunkPlan, ChunkPlanner
+from cosystream.engine.cv3_token2wav import CV3Token2WavRunner
+from cosystream.frontend.prompt import ModelInputs
+
+AUDIO_ATOL = 5e-3  # README §C3: e2e streamed audio per call
+
+pytestmark = pytest.mark.parity
+
+
+def _inputs(e2e: dict, src: str) -> ModelInputs:
+    return ModelInputs(mode="zero_shot", text_ids=e2e[f"{src}_in_text"][0] if f"{src}_in_text" in e2e else
+                       torch.zeros(0, dtype=torch.int32),
+                       xvector=e2e[f"{src}_in_flow_embedding"][0],
+                       flow_prompt_speech_tokens=e2e[f"{src}_in_flow_prompt_speech_token"][0],
+                       prompt_mel=e2e[f"{src}_in_prompt_speech_feat"][0])
+
+
+@pytest.mark.parametrize("mode", ["zero_shot", "vc_long"])
+def test_runner_with_the_engine_planner_reproduces_the_official_chunks(cv3_flow, cv3_hift, cv3_load,
+                                                                        cv3_manifest, mode):
+    e2e, run = cv3_load("e2e"), cv3_manifest["e2e"][mode]
+    src = run.get("prompt_inputs_from", mode)
+    inputs = _inputs(e2e, src)
+    tokens = e2e[f"{mode}_speech_tokens"][0].tolist()
+    runner = CV3Token2WavRunner(cv3_flow, cv3_hift)
+    assert not runner.has_prompt("voice-a")
+    state = runner.start(inputs, voice_key="voice-a")  # a registered voice: its prompt blocks are encoded once
+    assert runner.has_prompt("voice-a")
+    planner = ChunkPlanner(ChunkSchedule(), inputs.flow_prompt_speech_tokens.numel(),
+                           block=cv3_flow.decoder.estimator.dims.static_chunk_size // cv3_flow.ratio)
+    i = 0
+    while (plan := planner.next_plan(len(tokens), done=True)) is not None:
+        official = run["schedule"][i]
+        assert (plan.token_end, plan.offset, plan.is_final) == (official["n_tokens"], official["token_offset"],
+                                                                official["finalize"])
+        [(pcm, flow_s, vocoder_s)] = runner.run([(state, tokens, plan)])
+        assert flow_s >= 0 and vocoder_s >= 0
+        np.testing.assert_allclose(pcm, e2e[f"{mode}_call{i}_yield"][0].numpy(), rtol=0, atol=AUDIO_ATOL)
+        i += 1
+    assert i == len(run["schedule"])
+    runner.forget_voice("voice-a")
+    assert not runner.has_prompt("voice-a")
+    with pytest.raises(RuntimeError, match="finished"):
+        runner.run([(state, tokens, ChunkPlan(i, 0, len(tokens), len(tokens), is_final=True))])
+
+
+def test_speed_needs_a_non_streaming_request(cv3_flow, cv3_hift, cv3_load):
+    e2e = cv3_load("e2e")
+    runner = CV3Token2WavRunner(cv3_flow, cv3_hift)
+    tokens = e2e["zero_shot_speech_tokens"][0].tolist()
+    planner = ChunkPlanner(ChunkSchedule(), e2e["zero_shot_in_flow_prompt_speech_token"].shape[1])
+    state = runner.start(_inputs(e2e, "zero_shot"), None, speed=1.5)
+    with pytest.raises(ValueError, match="speed"):
+        runner.run([(state, tokens, planner.next_plan(len(tokens), done=True))])
+    offline = ChunkPlanner(ChunkSchedule(), 10, stream=False).next_plan(len(tokens), done=True)
+    state = runner.start(_inputs(e2e, "zero_shot"), None, speed=1.5)
+    [(pcm, _, _)] = runner.run([(state, tokens, offline)])
+    assert pcm.shape[0] == 480 * int(2 * len(tokens) / 1.5)
