@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parents[1]
+KERNEL_TESTS = REPO / "tests" / "kernels"
 SHIPPED = REPO / "tests" / "fixtures"  # the golden sets shipped with the repository (tests/fixtures/README.md)
 DEFAULT_SET = SHIPPED / "cosyvoice2-tiny"
 DEFAULT_SET_CV3 = SHIPPED / "cosyvoice3-tiny"
@@ -54,6 +55,17 @@ def noise_prefix_file(set_dir: Path) -> Path:
     if not shipped:
         raise FileNotFoundError(f"{NOISE_PREFIX_FILE}: neither in {set_dir} nor in a set under {SHIPPED}")
     return max(shipped, key=lambda p: load_file(str(p))["rand_noise_prefix"].shape[-1])
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Without a GPU the kernel tests that take a `device` run Triton's CPU interpreter, minutes per test:
+    they are `slow` there (on a GPU they take seconds and stay in the default run)."""
+    if torch.cuda.is_available():
+        return
+    for item in items:
+        if "device" in getattr(item, "fixturenames", ()) and Path(str(item.fspath)).is_relative_to(KERNEL_TESTS):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
