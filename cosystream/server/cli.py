@@ -37,6 +37,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     _add_limit_flags(serve)
     _add_access_flags(serve)
+    _add_openai_flags(serve)
     serve.set_defaults(handler=run_serve)
     return serve
 
@@ -73,6 +74,26 @@ def _add_access_flags(serve: argparse.ArgumentParser) -> None:
                         help="allow browser calls from this origin, e.g. https://app.example.com, or * (repeatable)")
 
 
+def _add_openai_flags(serve: argparse.ArgumentParser) -> None:
+    openai = serve.add_argument_group("OpenAI clients (/v1/audio/speech)")
+    openai.add_argument("--default-voice", default=None, metavar="VOICE",
+                        help="registered voice that speaks OpenAI's voice names (alloy, echo, nova, ...) when no "
+                             "voice of that name is registered")
+    openai.add_argument("--voice-alias", action="append", default=[], metavar="NAME=VOICE",
+                        help="a request's voice NAME speaks in registered VOICE, e.g. alloy=alice (repeatable)")
+
+
+def voice_aliases_from(values: list[str]) -> tuple[tuple[str, str], ...]:
+    """(name, voice) pairs from --voice-alias NAME=VOICE values; ValueError naming the flag for a bad one."""
+    pairs = []
+    for value in values:
+        name, sep, voice = value.partition("=")
+        if not sep or not name.strip() or not voice.strip():
+            raise ValueError(f"--voice-alias: expected NAME=VOICE, got {value!r}")
+        pairs.append((name.strip(), voice.strip()))
+    return tuple(pairs)
+
+
 def api_keys_from(args: argparse.Namespace, environ: dict[str, str] | os._Environ = os.environ) -> frozenset[str]:
     keys = [*args.api_key, *environ.get(API_KEYS_ENV, "").split(",")]
     if args.api_keys_file:
@@ -89,7 +110,8 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | os._E
         request_timeout_s=args.request_timeout_s or None, ws_max_message_bytes=int(args.ws_max_message_kb * 1024),
         ws_max_messages_per_s=args.ws_max_messages_per_s, api_keys=api_keys_from(args, environ),
         auth_exempt_paths=tuple(args.auth_exempt) if args.auth_exempt is not None else _DEFAULTS.auth_exempt_paths,
-        cors_origins=tuple(args.cors_origin), warmup=not args.no_warmup, requests_kept=args.requests_kept)
+        cors_origins=tuple(args.cors_origin), warmup=not args.no_warmup, requests_kept=args.requests_kept,
+        default_voice=args.default_voice, voice_aliases=voice_aliases_from(args.voice_alias))
 
 
 def run_serve(args: argparse.Namespace) -> int:
