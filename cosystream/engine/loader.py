@@ -5,9 +5,11 @@ from __future__ import annotations
 import torch
 
 from cosystream.checkpoint import Checkpoint, check_and_load
+from cosystream.engine.load_log import logged_load
 from cosystream.models.qwen2 import SpeechLM, convert_official_state
 
 
+@logged_load("speech LM (llm.pt)")
 def load_llm(ckpt: Checkpoint, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
              ) -> SpeechLM:
     dims = ckpt.hparams.llm
@@ -18,6 +20,7 @@ def load_llm(ckpt: Checkpoint, device: torch.device | str = "cpu", dtype: torch.
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
+@logged_load("flow (flow.pt)")
 def load_flow(ckpt: Checkpoint, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
     from cosystream.models.flow import Flow
 
@@ -32,6 +35,7 @@ def load_flow(ckpt: Checkpoint, device: torch.device | str = "cpu", dtype: torch
     return model
 
 
+@logged_load("vocoder (hift.pt)")
 def load_hift(ckpt: Checkpoint, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
     from cosystream.models.hift import HiFTGenerator
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from cosystream.config import config_overrides
@@ -18,14 +19,19 @@ MIB = 1024 * 1024
 EXIT_USAGE = 2  # as argparse and `cosystream voices`
 API_KEYS_ENV = "COSYSTREAM_API_KEYS"  # comma-separated; keeps keys out of the process list
 _DEFAULTS = ServerSettings()
+# the default model (cosystream.checkpoint.hub.DEFAULT_MODEL_ID; the server layer does not import checkpoint)
+DEFAULT_MODEL = "FunAudioLLM/CosyVoice2-0.5B"
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `serve`; it sets `handler(args) -> exit status` like the other sub-commands."""
     serve = subparsers.add_parser("serve", help="run the HTTP/WebSocket server (OpenAI-compatible speech API)")
-    serve.add_argument("--model-dir", required=True, help="CosyVoice2 model directory (official layout)")
-    serve.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 for every interface)")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--model-dir", "--model", dest="model_dir", default=DEFAULT_MODEL, metavar="DIR_OR_ID",
+                       help="a model directory (official layout) or a hub id, downloaded once into the Hugging "
+                            "Face cache (default: %(default)s)")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="bind address; 0.0.0.0 for every interface (default: %(default)s)")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
     serve.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
     serve.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                        help="default: bfloat16 on GPU, float32 on CPU")
@@ -114,6 +120,12 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | os._E
         default_voice=args.default_voice, voice_aliases=voice_aliases_from(args.voice_alias))
 
 
+def model_name(model: str) -> str:
+    """What GET /v1/models calls the model: a hub id as given, a directory by its name."""
+    path = Path(model).expanduser()
+    return path.resolve().name if path.is_dir() else model
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from cosystream.server.app import serve
 
@@ -124,7 +136,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"cosystream serve: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        settings = settings_from_args(args)
+        settings = replace(settings_from_args(args), model_id=model_name(args.model_dir))
         serve(args.model_dir, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
               voices_db=args.voices_db, settings=settings, log_level=args.log_level, **engine_kwargs)
     except (CosyStreamError, ValueError, TypeError, OSError) as exc:  # bad model dir or setting: one line
