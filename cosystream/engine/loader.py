@@ -6,6 +6,7 @@ import torch
 
 from cosystream.checkpoint import Checkpoint, check_and_load
 from cosystream.engine.load_log import logged_load
+from cosystream.engine.meta_init import weights_left_uninitialized
 from cosystream.models.qwen2 import SpeechLM, convert_official_state
 
 
@@ -13,7 +14,7 @@ from cosystream.models.qwen2 import SpeechLM, convert_official_state
 def load_llm(ckpt: Checkpoint, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
              ) -> SpeechLM:
     dims = ckpt.hparams.llm
-    with torch.device("meta"):
+    with torch.device("meta"), weights_left_uninitialized():  # no torch._dynamo/Triton import (meta_init.py)
         model = SpeechLM(dims)
     model = model.to_empty(device="cpu")
     check_and_load(model, convert_official_state(ckpt.llm_state(), dims), "llm.pt")
