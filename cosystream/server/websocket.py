@@ -148,8 +148,6 @@ def _num_bytes(message: dict, max_bytes: int) -> int:
     return len(text) if 4 * len(text) <= max_bytes else len(text.encode())
 
 
-
-
 _CANCEL_GRACE_S = 2.0
 
 
