@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Path, Request
 from pydantic import BaseModel, Field
 
 from cosystream.server.errors import ApiError
@@ -19,6 +19,8 @@ router = APIRouter(tags=["OpenAI-compatible"])
 
 DEFAULT_FAMILY = "cosyvoice2"
 OWNER = "cosystream"
+MAX_MODEL_ID_CHARS = 256
+MODEL_ID_PATH = Path(..., min_length=1, max_length=MAX_MODEL_ID_CHARS, description="a model id, or its family")
 
 
 class ModelCard(BaseModel):
@@ -55,9 +57,10 @@ async def list_models(request: Request) -> ModelList:
     return ModelList(data=[model_card(get_state(request))])
 
 
-@router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses={404: {"model": ErrorResponse}},
+@router.get("/v1/models/{model_id:path}", response_model=ModelCard,
+            responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}},
             summary="One model by id (OpenAI models.retrieve)")
-async def get_model(model_id: str, request: Request) -> ModelCard:
+async def get_model(request: Request, model_id: str = MODEL_ID_PATH) -> ModelCard:
     card = model_card(get_state(request))
     if model_id not in (card.id, card.family):
         raise ApiError(404, "not_found", f"model: no model {model_id!r} here; GET /v1/models lists it",
