@@ -96,7 +96,8 @@ def has_inputs(operation: Any) -> bool:
     return bool(len(operation.body) or len(operation.path_parameters) or len(operation.query))
 
 
-@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
+@pytest.mark.parametrize("mode", [pytest.param(GenerationMode.POSITIVE, marks=pytest.mark.slow),  # ~30 s of CPU
+                                  GenerationMode.NEGATIVE])
 def test_http_api_against_its_openapi_schema(fuzz_app, mode):
     app, base_url = fuzz_app
     schema = schemathesis.openapi.from_dict(app.openapi())
