@@ -57,7 +57,7 @@ def run_add(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from cosystream.checkpoint import load_checkpoint
-    from cosystream.checkpoint.hub import resolve_model
+    from cosystream.checkpoint.hub import DEFAULT_MODEL_ID, is_model_id, resolve_model
     from cosystream.cli import show_progress_logs
     from cosystream.engine.load_log import loading
     from cosystream.engine.voices import VoiceStore, check_voice_name
@@ -65,7 +65,9 @@ def run_add(args: argparse.Namespace) -> int:
     from cosystream.frontend import Frontend
 
     check_voice_name(args.name)
-    if not Path(args.prompt_wav).is_file():  # before the slow load
+    if not Path(args.model_dir).expanduser().is_dir() and not is_model_id(args.model_dir):  # before the slow load
+        raise CosyStreamError(f"model: no directory {args.model_dir}, and it is not a model id like {DEFAULT_MODEL_ID}")
+    if not Path(args.prompt_wav).is_file():
         raise CosyStreamError(f"prompt_wav: no such file: {args.prompt_wav}")
     with VoiceStore(args.db) as store:
         if args.name in store:  # before the slow analysis

@@ -61,8 +61,14 @@ def test_say_checks_the_cheap_inputs_before_loading(tmp_path, model_dir, capsys,
     assert "--output" in capsys.readouterr().err
 
 
-def test_voices_add_checks_the_recording_before_loading(tmp_path, capsys):
-    code = main(["voices", "add", "alice", "--model-dir", str(tmp_path / "not_loaded"), "--db", str(tmp_path / "v.db"),
+def test_voices_add_checks_the_recording_before_loading(tmp_path, model_dir, capsys, monkeypatch):
+    import cosystream.checkpoint
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the recording was checked")
+
+    monkeypatch.setattr(cosystream.checkpoint, "load_checkpoint", no_load)
+    code = main(["voices", "add", "alice", "--model-dir", str(model_dir), "--db", str(tmp_path / "v.db"),
                  "--prompt-wav", str(tmp_path / "missing.wav"), "--prompt-text", "hi"])
     err = capsys.readouterr().err
     assert code == 2 and "--prompt-wav" in err and "missing.wav" in err
