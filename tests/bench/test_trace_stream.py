@@ -22,6 +22,7 @@ def _events(text: str) -> list[tuple[float, str, str]]:
             re.findall(r"^\s*([\d.]+) ms\s+(\w+)\s+(.*)$", text, flags=re.MULTILINE)]
 
 
+@pytest.mark.slow  # ~9 s: a benchmark script end to end
 def test_a_lone_request_timeline(trace_stream, model_dir: Path, capsys) -> None:
     args = argparse.Namespace(model_dir=str(model_dir), device="cpu", dtype="float32", requests=1, warmup=0,
                               first_hop=None, token_marks="28,78,178,250", config=[])

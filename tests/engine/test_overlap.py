@@ -81,6 +81,7 @@ class _AlwaysStop(threading.Event):
         pass
 
 
+@pytest.mark.slow  # ~9 s: every phase
 def test_batches_handed_back_after_every_phase_give_the_same_audio(overlapped, engine, fixture_dir, monkeypatch):
     """Preemption at its most: each batch runs one phase and hands the rest back to open the next one.
     No chunk may be lost, run twice or out of order, and the audio stays the inline path's."""
@@ -192,6 +193,7 @@ def test_final_passes_paused_after_every_euler_step_give_the_same_audio(model_di
         np.testing.assert_allclose(b.pcm, a.pcm, atol=2e-3, rtol=0)
 
 
+@pytest.mark.slow  # ~14 s: many schedules
 def test_later_chunks_held_back_for_a_later_batch_give_the_same_audio(model_dir, fixture_dir, tmp_path,
                                                                        monkeypatch):
     """EngineConfig.later_chunk_hold_s leaves later chunks with audio to spare out of the batches that first

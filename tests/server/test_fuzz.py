@@ -96,8 +96,8 @@ def has_inputs(operation: Any) -> bool:
     return bool(len(operation.body) or len(operation.path_parameters) or len(operation.query))
 
 
-@pytest.mark.parametrize("mode", [pytest.param(GenerationMode.POSITIVE, marks=pytest.mark.slow),  # ~30 s of CPU
-                                  GenerationMode.NEGATIVE])
+@pytest.mark.slow  # a fuzzer: ~10-30 s of CPU per mode
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
 def test_http_api_against_its_openapi_schema(fuzz_app, mode):
     app, base_url = fuzz_app
     schema = schemathesis.openapi.from_dict(app.openapi())
@@ -199,6 +199,7 @@ def check_ws_session(events: list[dict], close_code: int | None) -> None:
         assert all(e["type"] != "error" for e in events), events
 
 
+@pytest.mark.slow  # a fuzzer: ~10-15 s
 def test_websocket_random_frames(fuzz_app, live):
     app, base_url = fuzz_app
     url = "ws" + base_url[len("http"):] + "/v1/tts/stream"
