@@ -116,6 +116,7 @@ def test_batches_handed_back_after_every_phase_give_the_same_audio(overlapped, e
     assert core._in_flight is None and not core._returned
 
 
+@pytest.mark.slow  # ~7 s: several schedules
 def test_streams_opened_ahead_of_their_first_chunk_give_the_same_audio(model_dir, fixture_dir, tmp_path,
                                                                         monkeypatch):
     """EngineConfig.open_ahead: a stream opened while its LM still decodes voices exactly as one opened with
@@ -149,6 +150,7 @@ def test_streams_opened_ahead_of_their_first_chunk_give_the_same_audio(model_dir
         np.testing.assert_allclose(b.pcm, a.pcm, atol=5e-4, rtol=0)
 
 
+@pytest.mark.slow  # ~8 s: every Euler step
 def test_final_passes_paused_after_every_euler_step_give_the_same_audio(model_dir, fixture_dir, tmp_path,
                                                                          monkeypatch):
     """EngineConfig.pause_final_passes with a preemption flag that is always up: every phase of official
