@@ -6,6 +6,7 @@ Every user error prints one line naming the file or flag and exits with status 2
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 from pathlib import Path
@@ -14,10 +15,60 @@ from cosystream.errors import CosyStreamError
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model-dir", required=True, help="an official CosyVoice2 model directory")
+    add_model_flag(p)
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: bfloat16 on CUDA, float32 on CPU")
+
+
+def add_model_flag(p: argparse.ArgumentParser) -> None:
+    from cosystream.checkpoint.hub import DEFAULT_MODEL_ID
+
+    p.add_argument("--model-dir", "--model", dest="model_dir", default=DEFAULT_MODEL_ID, metavar="DIR_OR_ID",
+                   help="a model directory (official layout) or a hub id, downloaded once into the Hugging Face "
+                        "cache (default: %(default)s)")
+
+
+def show_progress_logs() -> None:
+    """Print the engine's loading lines (what loads, how long it took) on stderr while a command runs."""
+    logger = logging.getLogger("cosystream")
+    if not logger.handlers:
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("%(relativeCreated)7.0f ms  %(message)s"))
+        logger.addHandler(handler)
+    if logger.level == logging.NOTSET or logger.level > logging.INFO:
+        logger.setLevel(logging.INFO)
+
+
+class _StderrHandler(logging.Handler):
+    """Writes to whatever sys.stderr is at the time (a handler holding the stream would outlive a redirect)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            print(self.format(record), file=sys.stderr)
+        except Exception:
+            self.handleError(record)
+
+
+def _check_say_inputs(args: argparse.Namespace) -> None:
+    """What can be checked in a second, before the model load: the model name, the files and the voice."""
+    from cosystream.checkpoint.hub import DEFAULT_MODEL_ID, is_model_id
+
+    if not Path(args.model_dir).expanduser().is_dir() and not is_model_id(args.model_dir):
+        raise CosyStreamError(f"--model-dir: no directory {args.model_dir}, and it is not a model id like "
+                              f"{DEFAULT_MODEL_ID}")
+    if args.prompt_wav and not Path(args.prompt_wav).is_file():
+        raise CosyStreamError(f"--prompt-wav: no such file: {args.prompt_wav}")
+    out_dir = Path(args.output).expanduser().resolve().parent
+    if not out_dir.is_dir():
+        raise CosyStreamError(f"-o/--output: no directory {out_dir} to write {args.output} in")
+    if args.voice:
+        from cosystream.engine.voices import VoiceStore
+
+        with VoiceStore(getattr(args, "db", None)) as store:
+            if args.voice not in store:
+                raise CosyStreamError(f"--voice: no voice named {args.voice!r} in {store.path} "
+                                      "(see `cosystream voices list`)")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -56,8 +107,8 @@ def _run_say(args: argparse.Namespace) -> int:
     from cosystream.engine.sync_engine import Engine
     from cosystream.params import Mode, SamplingParams, SynthesisParams
 
-    if args.prompt_wav and not Path(args.prompt_wav).is_file():
-        raise CosyStreamError(f"--prompt-wav: no such file: {args.prompt_wav}")
+    _check_say_inputs(args)
+    show_progress_logs()
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(args.model_dir, **_engine_kwargs(args))
     print(f"loaded in {time.perf_counter() - t0:.1f} s")
@@ -66,10 +117,13 @@ def _run_say(args: argparse.Namespace) -> int:
                              sampling=SamplingParams(seed=args.seed), force_tokens=args.force_tokens)
     try:
         pieces, times = [], None
+        t_start = time.perf_counter()
         for chunk in engine.stream(params):
             pieces.append(chunk.pcm)
             if args.stream:
-                print(f"chunk {chunk.index}: {chunk.pcm.shape[0] / chunk.sample_rate:.2f} s of audio")
+                arrived_ms = (time.perf_counter() - t_start) * 1000
+                print(f"chunk {chunk.index}: {chunk.pcm.shape[0] / chunk.sample_rate:.2f} s of audio, "
+                      f"arrived {arrived_ms:.0f} ms after the request")
             times = chunk.times or times
         sf.write(args.output, np.concatenate(pieces), 24000, subtype="PCM_16")
     finally:

@@ -23,17 +23,19 @@ MAX_LISTED_TEXT = 48  # characters of the transcript shown by `list`
 
 # Fields named in BadInput messages -> the flag the user typed.
 _FLAG_OF_FIELD = {"prompt_wav": "--prompt-wav", "prompt_text": "--prompt-text", "db": "--db", "name": "NAME",
-                  "voice": "NAME"}
+                  "voice": "NAME", "model": "--model-dir"}
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `voices` and its sub-commands; each sets `handler(args) -> exit status`."""
+    from cosystream.cli import add_model_flag
+
     voices = subparsers.add_parser("voices", help="register, list and delete prompt voices")
     commands = voices.add_subparsers(dest="voices_command", required=True, metavar="{add,list,delete}")
 
     add = commands.add_parser("add", help="analyse a prompt recording and store it under NAME")
     add.add_argument("name", metavar="NAME", help="1-64 characters from A-Z a-z 0-9 _ . -")
-    add.add_argument("--model-dir", required=True, help="CosyVoice2 model directory (official layout)")
+    add_model_flag(add)
     add.add_argument("--prompt-wav", required=True, help="prompt recording: wav/flac/mp3/ogg, 0.5-30 s")
     add.add_argument("--prompt-text", required=True, help="transcript of the recording ('' for none)")
     add.add_argument("--device", default="cpu", help="onnxruntime device for the prompt models (cpu, cuda:N)")
@@ -52,20 +54,34 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run_add(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from cosystream.checkpoint import load_checkpoint
+    from cosystream.checkpoint.hub import DEFAULT_MODEL_ID, is_model_id, resolve_model
+    from cosystream.cli import show_progress_logs
+    from cosystream.engine.load_log import loading
     from cosystream.engine.voices import VoiceStore, check_voice_name
     from cosystream.errors import CheckpointError, VoiceExists
     from cosystream.frontend import Frontend
 
     check_voice_name(args.name)
+    if not Path(args.model_dir).expanduser().is_dir() and not is_model_id(args.model_dir):  # before the slow load
+        raise CosyStreamError(f"model: no directory {args.model_dir}, and it is not a model id like {DEFAULT_MODEL_ID}")
+    if not Path(args.prompt_wav).is_file():
+        raise CosyStreamError(f"prompt_wav: no such file: {args.prompt_wav}")
     with VoiceStore(args.db) as store:
         if args.name in store:  # before the slow analysis
             raise VoiceExists(f"name: a voice named {args.name!r} already exists in {store.path}")
+        show_progress_logs()
         try:
-            checkpoint = load_checkpoint(args.model_dir)
+            with loading(f"checkpoint {args.model_dir} (yaml, files)"):
+                checkpoint = load_checkpoint(resolve_model(args.model_dir))
         except CheckpointError as exc:
             raise CheckpointError(f"--model-dir: {exc}") from None
-        prompt = Frontend(checkpoint, device=args.device).make_voice_prompt(args.prompt_wav, args.prompt_text)
+        with loading("frontend (tokenizer, ONNX speaker and speech-token models)"):
+            frontend = Frontend(checkpoint, device=args.device)
+        with loading(f"prompt analysis of {args.prompt_wav}"):
+            prompt = frontend.make_voice_prompt(args.prompt_wav, args.prompt_text)
         info = store.add(args.name, prompt, args.prompt_text)
         print(f"added voice {info.name!r} ({info.prompt_seconds:.1f} s of prompt) to {store.path}")
     return 0

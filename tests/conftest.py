@@ -18,18 +18,54 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_SET = REPO.parent / "shared" / "fixtures" / "cosyvoice2-tiny"
+KERNEL_TESTS = REPO / "tests" / "kernels"
+SHIPPED = REPO / "tests" / "fixtures"  # the golden sets shipped with the repository (tests/fixtures/README.md)
+DEFAULT_SET = SHIPPED / "cosyvoice2-tiny"
+DEFAULT_SET_CV3 = SHIPPED / "cosyvoice3-tiny"
+NOISE_PREFIX_FILE = "cfm_rand_noise_prefix.safetensors"
 
 
 def fixture_set_dir() -> Path:
+    """The CosyVoice2 set the tests run on: $COSYSTREAM_FIXTURES, else the shipped one."""
     return Path(os.environ.get("COSYSTREAM_FIXTURES", str(DEFAULT_SET))).resolve()
 
 
+def fixture_set_dir_cv3() -> Path:
+    """The CosyVoice3 set: $COSYSTREAM_FIXTURES_CV3, else the shipped one."""
+    return Path(os.environ.get("COSYSTREAM_FIXTURES_CV3", str(DEFAULT_SET_CV3))).resolve()
+
+
 def _materialize_script(set_dir: Path) -> Path:
-    for candidate in (set_dir.parent / "materialize.py", REPO.parent / "shared" / "fixtures" / "materialize.py"):
+    for candidate in (set_dir.parent / "materialize.py", SHIPPED / "materialize.py"):
         if candidate.is_file():
             return candidate
-    raise FileNotFoundError(f"materialize.py not found beside {set_dir} or in ../shared/fixtures")
+    raise FileNotFoundError(f"materialize.py not found beside {set_dir} or in {SHIPPED}")
+
+
+def noise_prefix_file(set_dir: Path) -> Path:
+    """The set's stored CFM noise prefix, else the longest shipped one.
+
+    The fixtures README lets a set store no prefix: the table is the same seed-0 draw for every model, and
+    the shipped sets store exact prefixes of it (tests/models/test_flow.py checks the recipe against them).
+    """
+    own = set_dir / NOISE_PREFIX_FILE
+    if own.is_file():
+        return own
+    shipped = list(SHIPPED.glob(f"*/{NOISE_PREFIX_FILE}"))
+    if not shipped:
+        raise FileNotFoundError(f"{NOISE_PREFIX_FILE}: neither in {set_dir} nor in a set under {SHIPPED}")
+    return max(shipped, key=lambda p: load_file(str(p))["rand_noise_prefix"].shape[-1])
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Without a GPU the kernel tests that take a `device` run Triton's CPU interpreter, minutes per test:
+    they are `slow` there (on a GPU they take seconds and stay in the default run)."""
+    if torch.cuda.is_available():
+        return
+    for item in items:
+        if "device" in getattr(item, "fixturenames", ()) and Path(str(item.fspath)).is_relative_to(KERNEL_TESTS):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
@@ -37,7 +73,8 @@ def fixture_dir() -> Path:
     """The fixture set directory (read-only); fails loudly when it is absent."""
     d = fixture_set_dir()
     if not (d / "weights.json").is_file():
-        pytest.fail(f"fixture set not found at {d} (set COSYSTREAM_FIXTURES)")
+        pytest.fail(f"fixture set not found at {d} (COSYSTREAM_FIXTURES names another set; the shipped sets "
+                    f"are in {SHIPPED})")
     return d
 
 
@@ -82,5 +119,5 @@ def checkpoint(model_dir: Path):
 
 @pytest.fixture(scope="session")
 def cfm_noise(fixture_dir: Path) -> torch.Tensor:
-    """The stored exact prefix of the official CFM noise table (spec/flow.md §4)."""
-    return load_file(str(fixture_dir / "cfm_rand_noise_prefix.safetensors"))["rand_noise_prefix"]
+    """An exact stored prefix of the official CFM noise table (spec/flow.md §4): the set's, else a shipped one."""
+    return load_file(str(noise_prefix_file(fixture_dir)))["rand_noise_prefix"]

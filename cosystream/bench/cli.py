@@ -85,7 +85,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--no-register-voice", action="store_true",
                    help="do not POST the workload's prompt_wav to /v1/voices before starting")
     p.add_argument("--out", default="bench_results.json", help="JSON with every request and the summaries")
-    p.add_argument("--plot", default=None, help="PNG of first-audio percentiles and aggregate RTF per level")
+    p.add_argument("--plot", default=None,
+                   help="PNG of first-audio percentiles and x realtime (audio s per wall s) per level")
     p.add_argument("--procs", type=int, default=1,
                    help="client processes a level's streams (or arrivals) are split over, so the client's own "
                         "CPU is not part of what it measures at high concurrency (warm-up: in this process)")

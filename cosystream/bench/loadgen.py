@@ -162,7 +162,7 @@ async def run_benchmark(send: SendFn, plans: Sequence[LevelPlan], stop: asyncio.
 def _level_line(s: LevelSummary) -> str:
     p50 = f"{s.first_audio_s['p50'] * 1000:.0f} ms" if s.first_audio_s else "-"
     return (f"{s.level}: {s.num_ok}/{s.num_requests} ok, {s.num_errors} errors, {s.num_refused} refused, "
-            f"first audio p50 {p50}, aggregate RTF {s.aggregate_rtf:.2f}, goodput {s.goodput:.2f} audio s/s, "
+            f"first audio p50 {p50}, {s.aggregate_rtf:.2f}x realtime in all, goodput {s.goodput:.2f} audio s/s, "
             f"{s.deadline_misses} deadline misses ({s.first_audio_misses} first audio), "
             f"{s.underrun_requests} with underruns"
             + (f", {s.num_wrong_length} with audio length != forced length" if s.num_wrong_length else "")

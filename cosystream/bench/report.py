@@ -256,9 +256,11 @@ def _num(stats: dict[str, float] | None, key: str, fmt: str = ".3f") -> str:
 
 
 def format_table(summaries: Sequence[LevelSummary]) -> str:
-    """A markdown table, one row per level (first-audio in ms, total in s)."""
+    """A markdown table, one row per level (first-audio in ms, total in s). `RTF p50` is a request's synthesis
+    time / its audio time (< 1: faster than real time); `x realtime` is the level's audio seconds per wall second
+    across all its requests (> 1: faster than real time), so the two never read as the same quantity."""
     head = ("| level | reqs | ok | err | refused | first audio avg / p50 / p90 / p99 ms | total p50 / p99 s "
-            "| RTF p50 | agg RTF | req/s | underrun reqs | underrun s | goodput s/s | deadline misses |")
+            "| RTF p50 | x realtime | req/s | underrun reqs | underrun s | goodput s/s | deadline misses |")
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for s in summaries:
         fa = s.first_audio_s

@@ -26,11 +26,14 @@ import numpy as np
 import torch
 
 from cosystream.checkpoint import load_checkpoint
+from cosystream.checkpoint.hub import resolve_model
 from cosystream.config import EngineConfig
 from cosystream.engine import accounting
 from cosystream.engine.chunking import ChunkPlanner
 from cosystream.engine.core import EngineCore
+from cosystream.engine.devices import with_device_defaults
 from cosystream.engine.lm_runner import LMRunner, RowSampling
+from cosystream.engine.load_log import loading
 from cosystream.engine.loader import load_flow, load_hift, load_llm
 from cosystream.engine.prompt_batcher import PromptBatcher
 from cosystream.engine.request import RequestState, Segment
@@ -55,10 +58,12 @@ INLINE_FRONTEND_CHARS = 400
 class AsyncEngine:
     def __init__(self, model_dir: str | Path, config: EngineConfig) -> None:
         self.config = config
-        self.checkpoint = ckpt = load_checkpoint(model_dir)
+        with loading(f"checkpoint {model_dir} (yaml, files)"):
+            self.checkpoint = ckpt = load_checkpoint(model_dir)
         self.hparams = ckpt.hparams
         device, dtype = torch.device(config.device), _DTYPES[config.dtype]
-        self.frontend = Frontend(ckpt, device=config.device)
+        with loading("frontend (tokenizer, text normaliser, ONNX speaker and speech-token models)"):
+            self.frontend = Frontend(ckpt, device=config.device)
         # prompt recordings are analysed on the GPU in batches when the engine runs on CUDA (ONNX on the CPU)
         self.prompt_batcher = PromptBatcher.for_engine(self.frontend, ckpt, config.device)
         self.voices = VoiceStore(config.voices_db or default_db_path())
@@ -105,8 +110,10 @@ class AsyncEngine:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, **kwargs: Any) -> AsyncEngine:
-        """Any EngineConfig field may be given as a keyword; an unknown one raises TypeError."""
-        return cls(model_dir, EngineConfig.from_kwargs(**kwargs))
+        """`model_dir`: a model directory or a hub id such as FunAudioLLM/CosyVoice2-0.5B (downloaded once, see
+        cosystream.checkpoint.hub). Any EngineConfig field may be given as a keyword; an unknown one raises
+        TypeError. Without `device`, cuda when there is one, else cpu (dtype: bfloat16 on cuda, float32 on cpu)."""
+        return cls(resolve_model(model_dir), EngineConfig.from_kwargs(**with_device_defaults(kwargs)))
 
     def close(self) -> None:
         self.core.stop()

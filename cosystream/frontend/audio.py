@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -80,6 +81,9 @@ def load_audio(source: AudioInput, field: str = "prompt_wav",
     return _check_decoded(torch.from_numpy(frames.T.copy()).mean(dim=0), sample_rate, field)
 
 
+_OPENING = re.compile(r"^Error opening (?:<[^>]*>|'.*'|\".*\"|\S+): ")
+
+
 def _decode_file(source: str | Path | bytes, field: str, max_seconds: float | None) -> tuple[np.ndarray, int]:
     name = "uploaded audio" if isinstance(source, bytes) else str(source)
     if not isinstance(source, bytes) and not Path(source).is_file():
@@ -91,7 +95,13 @@ def _decode_file(source: str | Path | bytes, field: str, max_seconds: float | No
                                f"(maximum {max_seconds:.0f} s)")
             return audio.read(dtype="float32", always_2d=True), int(audio.samplerate)
     except (RuntimeError, TypeError) as exc:  # libsndfile errors; TypeError for headerless formats
-        raise BadInput(f"{field}: {name}: not a readable audio file (wav/flac/mp3/ogg): {exc}") from None
+        raise BadInput(f"{field}: {name}: not a readable audio file (wav/flac/mp3/ogg): {_reason(exc)}") from None
+
+
+def _reason(exc: Exception) -> str:
+    """libsndfile's reason without its "Error opening <what>: " prefix, which names an in-memory upload by its
+    object repr (<_io.BytesIO object at 0x...>); the message names the field and file itself."""
+    return _OPENING.sub("", str(exc)).strip() or type(exc).__name__
 
 
 def _check_decoded(data: torch.Tensor, sample_rate: int, field: str) -> tuple[torch.Tensor, int]:

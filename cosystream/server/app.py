@@ -23,7 +23,7 @@ from fastapi.openapi.utils import get_openapi
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cosystream.server import native, openai_speech, websocket
+from cosystream.server import models, native, openai_speech, websocket
 from cosystream.server.auth import install_access
 from cosystream.server.errors import ApiError, install_handlers
 from cosystream.server.metrics import CONTENT_TYPE
@@ -47,7 +47,7 @@ log = logging.getLogger("cosystream.server")
 
 DESCRIPTION = """Streaming CosyVoice2 text-to-speech.
 
-* `POST /v1/audio/speech`: OpenAI-compatible; works with the OpenAI SDK.
+* `POST /v1/audio/speech`: OpenAI-compatible; works with the OpenAI SDK. `GET /v1/models` names the model.
 * `POST /v1/tts`: every engine setting; JSON or multipart (prompt/source wav uploads); raw audio or
   `?events=sse|ndjson` (`audio` events, then `done` with per-stage timings).
 * `WS /v1/tts/stream`: send `start`, `text` pieces, `end` (schemas `WsStart`, `WsText`, `WsEnd`); receive
@@ -157,7 +157,7 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
         exempt_paths += public_paths(playground_files)
         install_playground(app, playground_files)
     install_access(app, settings.api_keys, exempt_paths, settings.cors_origins)
-    for router in (openai_speech.router, native.router, websocket.router, ops):
+    for router in (openai_speech.router, models.router, native.router, websocket.router, ops):
         app.include_router(router)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from cosystream.config import config_overrides
@@ -23,14 +24,19 @@ _DEFAULTS = ServerSettings()
 # is far past what it can keep playing (queues, not computing); a client waiting longer would do better to
 # retry elsewhere, while a second still absorbs a burst's first chunks sharing batches.
 DEFAULT_FIRST_AUDIO_BUDGET_S = 1.0
+# the default model (cosystream.checkpoint.hub.DEFAULT_MODEL_ID; the server layer does not import checkpoint)
+DEFAULT_MODEL = "FunAudioLLM/CosyVoice2-0.5B"
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `serve`; it sets `handler(args) -> exit status` like the other sub-commands."""
     serve = subparsers.add_parser("serve", help="run the HTTP/WebSocket server (OpenAI-compatible speech API)")
-    serve.add_argument("--model-dir", required=True, help="CosyVoice2 model directory (official layout)")
-    serve.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 for every interface)")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--model-dir", "--model", dest="model_dir", default=DEFAULT_MODEL, metavar="DIR_OR_ID",
+                       help="a model directory (official layout) or a hub id, downloaded once into the Hugging "
+                            "Face cache (default: %(default)s)")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="bind address; 0.0.0.0 for every interface (default: %(default)s)")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
     serve.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
     serve.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                        help="default: bfloat16 on GPU, float32 on CPU")
@@ -44,6 +50,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                        help="do not serve the web playground at / (docs/playground.md)")
     _add_limit_flags(serve)
     _add_access_flags(serve)
+    _add_openai_flags(serve)
     _add_scale_flags(serve)
     serve.set_defaults(handler=run_serve)
     return serve
@@ -95,6 +102,26 @@ def _add_scale_flags(serve: argparse.ArgumentParser) -> None:
                             "behind a named actor on the head node (several machines)")
 
 
+def _add_openai_flags(serve: argparse.ArgumentParser) -> None:
+    openai = serve.add_argument_group("OpenAI clients (/v1/audio/speech)")
+    openai.add_argument("--default-voice", default=None, metavar="VOICE",
+                        help="registered voice that speaks OpenAI's voice names (alloy, echo, nova, ...) when no "
+                             "voice of that name is registered")
+    openai.add_argument("--voice-alias", action="append", default=[], metavar="NAME=VOICE",
+                        help="a request's voice NAME speaks in registered VOICE, e.g. alloy=alice (repeatable)")
+
+
+def voice_aliases_from(values: list[str]) -> tuple[tuple[str, str], ...]:
+    """(name, voice) pairs from --voice-alias NAME=VOICE values; ValueError naming the flag for a bad one."""
+    pairs = []
+    for value in values:
+        name, sep, voice = value.partition("=")
+        if not sep or not name.strip() or not voice.strip():
+            raise ValueError(f"--voice-alias: expected NAME=VOICE, got {value!r}")
+        pairs.append((name.strip(), voice.strip()))
+    return tuple(pairs)
+
+
 def api_keys_from(args: argparse.Namespace, environ: dict[str, str] | os._Environ = os.environ) -> frozenset[str]:
     keys = [*args.api_key, *environ.get(API_KEYS_ENV, "").split(",")]
     if args.api_keys_file:
@@ -112,7 +139,8 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | os._E
         ws_max_messages_per_s=args.ws_max_messages_per_s, api_keys=api_keys_from(args, environ),
         auth_exempt_paths=tuple(args.auth_exempt) if args.auth_exempt is not None else _DEFAULTS.auth_exempt_paths,
         cors_origins=tuple(args.cors_origin), warmup=not args.no_warmup, requests_kept=args.requests_kept,
-        playground=not args.no_playground)
+        playground=not args.no_playground, default_voice=args.default_voice,
+        voice_aliases=voice_aliases_from(args.voice_alias))
 
 
 def _budget(text: str) -> float | None:
@@ -138,6 +166,12 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
     return engine_kwargs
 
 
+def model_name(model: str) -> str:
+    """What GET /v1/models calls the model: a hub id as given, a directory by its name."""
+    path = Path(model).expanduser()
+    return path.resolve().name if path.is_dir() else model
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from cosystream.server.app import serve
 
@@ -149,7 +183,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.replicas is not None:
         return _run_replicas(args, engine_kwargs)
     try:
-        settings = settings_from_args(args)
+        settings = replace(settings_from_args(args), model_id=model_name(args.model_dir))
         serve(args.model_dir, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
               voices_db=args.voices_db, settings=settings, log_level=args.log_level, **engine_kwargs)
     except (CosyStreamError, ValueError, TypeError, OSError) as exc:  # bad model dir or setting: one line

@@ -69,6 +69,15 @@ def bad_input(message: str, status: int = 400, code: str = "bad_input") -> ApiEr
     return ApiError(status, code, message, field=match.group(1) if match else None)
 
 
+CLI_VOICES_HINT = " (see `cosystream voices list`)"  # how the engine's UnknownVoice points a CLI user on
+HTTP_VOICES_HINT = " (GET /v1/voices lists the registered voices)"
+
+
+def http_voice_hint(message: str) -> str:
+    """An unknown-voice message for an HTTP client: it lists voices with GET /v1/voices, not the CLI."""
+    return message.replace(CLI_VOICES_HINT, "").rstrip() + HTTP_VOICES_HINT
+
+
 def to_api_error(exc: BaseException, unknown_voice_status: int = 400) -> ApiError:
     """Map any exception to its ApiError. An unknown voice is 404 on /v1/voices/{name}, 400 in a request body."""
     if isinstance(exc, ApiError):
@@ -78,7 +87,7 @@ def to_api_error(exc: BaseException, unknown_voice_status: int = 400) -> ApiErro
     if isinstance(exc, EngineDead):
         return ApiError(503, "engine_dead", str(exc))
     if isinstance(exc, UnknownVoice):
-        return bad_input(str(exc), status=unknown_voice_status, code="unknown_voice")
+        return bad_input(http_voice_hint(str(exc)), status=unknown_voice_status, code="unknown_voice")
     if isinstance(exc, VoiceExists):
         return bad_input(str(exc), status=409, code="voice_exists")
     if isinstance(exc, BadInput):

@@ -44,7 +44,8 @@ class SpeechRequest(BaseModel):
 
     model: str = Field("cosyvoice2", description="ignored; any value is accepted")
     input: str = Field(..., min_length=1, description="the text to speak")
-    voice: str = Field(..., description="a registered voice (POST /v1/voices)")
+    voice: str = Field(..., description="a registered voice (POST /v1/voices), a name the server aliases to one "
+                                         "(serve --voice-alias), or an OpenAI voice name (serve --default-voice)")
     instructions: str | None = Field(None, description="style instruction: switches to instruct2 mode")
     response_format: AudioFormat = AudioFormat.mp3
     speed: float = Field(1.0, ge=MIN_SPEED, le=MAX_SPEED,

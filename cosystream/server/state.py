@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +45,10 @@ class ServerSettings:
     not_ready_retry_s: float = 5.0  # Retry-After while warming up
     # observability
     requests_kept: int = 4096  # finished requests whose stage times GET /v1/requests/{id} still answers
+    # OpenAI clients
+    default_voice: str | None = None  # /v1/audio/speech: speaks OpenAI's voice names (alloy, ...) not registered
+    voice_aliases: tuple[tuple[str, str], ...] = ()  # /v1/audio/speech: (name a client sends, registered voice)
+    model_id: str | None = None  # what GET /v1/models names (default: the model directory's name)
 
     def __post_init__(self) -> None:
         positive = {"max_upload_bytes": self.max_upload_bytes, "max_audio_s": self.max_audio_s,
@@ -56,6 +61,12 @@ class ServerSettings:
                 raise ValueError(f"{name}: must be positive, got {value}")
         if any(not key.strip() for key in self.api_keys):
             raise ValueError("api_keys: an API key must not be empty")
+        names = [name for pair in self.voice_aliases for name in pair]
+        if self.default_voice is not None:
+            names.append(self.default_voice)
+        for name in names:
+            if not name or name != name.strip():
+                raise ValueError(f"voice names: {name!r} is empty or has surrounding white space")
 
 
 class FinishedRequests:
@@ -89,6 +100,7 @@ class ServerState:
         self.admission = Admission(settings.max_streams_per_client)
         self.metrics = ServerMetrics(engine, self.admission)
         self.finished = FinishedRequests(settings.requests_kept)
+        self.started_at = time.time()  # Unix seconds: when the model was put behind this server
         self.ready_event = threading.Event()  # set once warm-up finished (embedders and tests wait on it)
         self.warmup_error: BaseException | None = None
         # the engine's one limit (EngineConfig.max_text_chars), checked here too so the 400 comes early

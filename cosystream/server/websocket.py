@@ -76,6 +76,18 @@ class MessageReader:
         self.idle_timeout_s = settings.ws_idle_timeout_s
         self.max_bytes = settings.ws_max_message_bytes
         self.rate = MessageRate(settings.ws_max_messages_per_s, settings.ws_message_burst)
+        # Idle means no message from the client *and* nothing sent to it: audio going out counts as activity,
+        # and once the client sent `end` only the request timeout bounds the wait (the synthesis ends it).
+        self.t_active = time.monotonic()
+        self.idle_applies = True
+
+    def note_sent(self) -> None:
+        """The server sent the client something (audio): the connection is not idle."""
+        self.t_active = time.monotonic()
+
+    def stop_idle_timeout(self) -> None:
+        """After `end`: the client has nothing more to say, so its silence is no longer idleness."""
+        self.idle_applies = False
 
     async def next(self) -> WsStart | WsText | WsEnd:
         """WebSocketDisconnect when the client is gone, ApiError when a message is unusable."""
@@ -94,11 +106,8 @@ class MessageReader:
         return data
 
     async def _receive(self, field: str, max_bytes: int) -> dict:
-        try:
-            message = await _with_timeout(self.ws.receive(), self.idle_timeout_s)
-        except asyncio.TimeoutError:
-            raise bad_input(f"{field}: nothing received for {self.idle_timeout_s:.0f} s", status=408,
-                            code="timeout") from None
+        message = await self._receive_unless_idle(field)
+        self.t_active = time.monotonic()
         if message["type"] == "websocket.disconnect":
             raise WebSocketDisconnect(message.get("code", 1000))
         num_bytes = _num_bytes(message, max_bytes)
@@ -110,6 +119,26 @@ class MessageReader:
                             f"{self.rate.rate_per_s:g} per second", status=429, code="rate_limited")
         return message
 
+    async def _receive_unless_idle(self, field: str) -> dict:
+        """The next ASGI message; ApiError 408 once the connection was idle for the idle timeout.
+
+        One receive task is awaited across wake-ups (asyncio.wait never cancels it), so a message arriving
+        while the deadline is re-checked is never lost; a cancelled reader cancels it and really stops.
+        """
+        receive = asyncio.ensure_future(self.ws.receive())
+        try:
+            while True:
+                wait_s = self.t_active + self.idle_timeout_s - time.monotonic() if self.idle_applies else None
+                if wait_s is not None and wait_s <= 0:
+                    raise bad_input(f"{field}: nothing received for {self.idle_timeout_s:g} s", status=408,
+                                    code="timeout")
+                done, _ = await asyncio.wait({receive}, timeout=wait_s)
+                if done:
+                    return receive.result()
+        finally:
+            if not receive.done():
+                receive.cancel()
+
 
 def _num_bytes(message: dict, max_bytes: int) -> int:
     text = message.get("text")
@@ -117,15 +146,6 @@ def _num_bytes(message: dict, max_bytes: int) -> int:
         return len(message.get("bytes") or b"")
     # a str holds at most 4 UTF-8 bytes per character: encode only when that bound is over the limit
     return len(text) if 4 * len(text) <= max_bytes else len(text.encode())
-
-
-async def _with_timeout(awaitable, timeout_s: float):
-    # asyncio.wait_for of Python 3.11 can swallow a cancellation that races with the message it is
-    # waiting for; asyncio.timeout (3.11+) cannot, so a cancelled reader really stops.
-    if hasattr(asyncio, "timeout"):
-        async with asyncio.timeout(timeout_s):
-            return await awaitable
-    return await asyncio.wait_for(awaitable, timeout_s)
 
 
 _CANCEL_GRACE_S = 2.0
@@ -188,6 +208,7 @@ class WsSession:
                 if self.num_chars == 0:
                     raise bad_input("text: empty (no text before end)")
                 self.pieces.put_nowait(None)
+                self.reader.stop_idle_timeout()
                 is_open = False
                 continue
             self.num_chars += len(message.text)
@@ -203,6 +224,7 @@ class WsSession:
             async for chunk, data in chunks:
                 if data:  # flac has bytes only at the end: its earlier chunk events say num_bytes 0
                     await self.ws.send_bytes(data)
+                self.reader.note_sent()
                 event = ChunkEvent(index=session.num_chunks - 1, num_samples=int(chunk.pcm.shape[0]),
                                    num_bytes=len(data), elapsed_s=round(session.elapsed_s, 6))
                 await self.ws.send_json(event.model_dump())

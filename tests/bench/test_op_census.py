@@ -25,6 +25,7 @@ def _ops(counts, where: str = "") -> dict[str, int]:
     return out
 
 
+@pytest.mark.slow  # ~5 s: a benchmark script
 def test_a_final_pass_step_gathers_its_time_terms_and_ends_in_the_fused_tail(census, model_dir: Path) -> None:
     counts = census.final_step_launches(str(model_dir), frames=96).counts
     assert _ops(counts)["fused:pooled_attention"] == BLOCKS

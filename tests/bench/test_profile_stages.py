@@ -7,9 +7,11 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 from benchmark_scripts import import_benchmark
 
 
+@pytest.mark.slow  # ~8 s: a benchmark script
 def test_profile_stages_measures_every_stage_on_the_cpu(model_dir: Path, tmp_path: Path, monkeypatch) -> None:
     profile = import_benchmark("profile_stages")
     out = tmp_path / "stages.json"

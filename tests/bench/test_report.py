@@ -205,3 +205,12 @@ def test_the_breakdown_shows_the_http_server_s_own_stages_when_every_request_has
     assert table[2] == "| c=2, all | 2 | 1 | 10 | 20 | 30 | 20 | 3 | 58 | 3 | 55 | 60 |"
     partly = served + [_timed("c=2", 2, first_audio_s=0.06, ready_s=0.02)]  # one without the server's stages
     assert "arrival to engine" not in format_first_audio_breakdown(partly)
+
+
+def test_the_table_never_calls_times_real_time_an_rtf() -> None:
+    """RTF (a request's compute time per audio second, < 1 is fast) and the level's audio seconds per wall second
+    (> 1 is fast) are opposite quantities: the header names the second `x realtime`, never an RTF."""
+    head = [cell.strip() for cell in format_table([summarize(_records(), "c=2", "concurrency", 2)]).splitlines()[0]
+            .strip("|").split("|")]
+    assert "RTF p50" in head and "x realtime" in head
+    assert [cell for cell in head if "RTF" in cell] == ["RTF p50"]

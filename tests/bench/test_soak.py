@@ -48,6 +48,7 @@ def test_stream_checks_need_every_sample(soak):
     assert soak.whole_wav(out.getvalue()[:30], 5).startswith("invalid wav")
 
 
+@pytest.mark.slow  # ~20 s of load by design, after a 6 s warm-up and a server start in a subprocess
 def test_a_short_soak_passes_every_check(soak, model_dir, tmp_path):
     """The CI form: ~20 s of mixed load with hang-ups against the real server (a subprocess)."""
     out = tmp_path / "soak.json"

@@ -179,6 +179,7 @@ def test_a_failing_open_gives_its_slot_back(checkpoint, load_fixture, monkeypatc
     assert runner.free == [0, 1]
 
 
+@pytest.mark.slow  # minutes in Triton's CPU interpreter (skipped on CUDA, where tests/gpu covers it)
 def test_pooled_batch_with_triton_kernels_equals_per_request_stream(checkpoint, load_fixture):
     """The same comparison with the Triton kernels the GPU runs (Triton's interpreter on the CPU)."""
     import os

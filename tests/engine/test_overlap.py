@@ -88,6 +88,7 @@ class _AlwaysPreempt(Scheduler):
         return 0.001  # the idle engine thread looks again soon, to ask before the worker's next step
 
 
+@pytest.mark.slow  # ~9 s: every phase
 def test_batches_handed_back_after_every_phase_give_the_same_audio(overlapped, engine, fixture_dir, monkeypatch):
     """Preemption at its most: each batch runs one phase and hands the rest back to open the next one.
     No chunk may be lost, run twice or out of order, and the audio stays the inline path's."""
@@ -111,6 +112,7 @@ def test_batches_handed_back_after_every_phase_give_the_same_audio(overlapped, e
     assert not core.batch_in_flight and core.handed_back == 0
 
 
+@pytest.mark.slow  # ~7 s: several schedules
 def test_streams_opened_ahead_of_their_first_chunk_give_the_same_audio(model_dir, fixture_dir, tmp_path,
                                                                         monkeypatch):
     """Tuning.open_ahead: a stream opened while its LM still decodes voices exactly as one opened with
@@ -144,6 +146,7 @@ def test_streams_opened_ahead_of_their_first_chunk_give_the_same_audio(model_dir
         np.testing.assert_allclose(b.pcm, a.pcm, atol=5e-4, rtol=0)
 
 
+@pytest.mark.slow  # ~8 s: every Euler step
 def test_final_passes_paused_after_every_euler_step_give_the_same_audio(model_dir, fixture_dir, tmp_path,
                                                                          monkeypatch):
     """Phases of official final passes pause between Euler steps when the worker is asked to make way: with
@@ -211,6 +214,8 @@ class _Buffered(Scheduler):
         return plan
 
 
+
+@pytest.mark.slow  # ~14 s: many schedules
 def test_later_chunks_held_back_for_a_later_batch_give_the_same_audio(model_dir, fixture_dir, tmp_path,
                                                                        monkeypatch):
     """Later chunks with audio to spare stay out of the batches that first chunks open (Scheduler.hold_s);

@@ -358,6 +358,7 @@ def _assert_consistent(path: Path) -> None:
     conn.close()
 
 
+@pytest.mark.slow  # ~10 s: several processes
 def test_concurrent_processes_leave_a_consistent_store(tmp_path):
     path = tmp_path / "v.db"
     VoiceStore(path).close()  # created once, as a server would before clients arrive
@@ -369,6 +370,7 @@ def test_concurrent_processes_leave_a_consistent_store(tmp_path):
     _assert_consistent(path)
 
 
+@pytest.mark.slow  # ~7 s: processes killed
 def test_clients_killed_mid_write_leave_a_consistent_store(tmp_path):
     path = tmp_path / "v.db"
     VoiceStore(path).close()

@@ -165,6 +165,14 @@ def test_text_renamed_to_wav_is_rejected(tmp_path):
         prepare_prompt_audio(path)
 
 
+def test_an_unreadable_upload_is_named_as_an_upload_not_by_its_object_repr():
+    with pytest.raises(BadInput) as info:
+        load_audio(b"these are meeting notes, not audio\n" * 20, "prompt_wav")
+    message = str(info.value)
+    assert message.startswith("prompt_wav: uploaded audio: not a readable audio file")
+    assert "BytesIO" not in message and "0x" not in message and "Error opening" not in message
+
+
 def test_missing_file_is_rejected(tmp_path):
     with pytest.raises(BadInput, match="no such file"):
         load_audio(tmp_path / "absent.wav")

@@ -94,6 +94,25 @@ def test_split_drops_a_terminator_after_a_cut_and_survives_a_leading_quote():
     assert split_paragraph("", "zh", len) == []
 
 
+# spec/frontend.md §2, written out here so that a terminator dropped from (or added to) the code shows
+SPEC_TERMINATORS = {"zh": "。？！；：、.?!;", "en": ".?!;:"}
+
+
+@pytest.mark.parametrize(("lang", "terminator"), [(lang, t) for lang, ts in SPEC_TERMINATORS.items() for t in ts])
+def test_every_terminator_of_the_spec_cuts(lang, terminator):
+    """Two clauses longer than TOKEN_MIN_N joined by one terminator: cut there, they exceed TOKEN_MAX_N together
+    and stay two segments; not cut, they would be one."""
+    a, b = ("甲" if lang == "zh" else "a") * (TOKEN_MIN_N + 5), ("乙" if lang == "zh" else "b") * (TOKEN_MIN_N + 5)
+    end = "。" if lang == "zh" else "."
+    assert split_paragraph(a + terminator + b + end, lang, len) == [a + terminator, b + end]
+
+
+def test_a_character_outside_the_spec_does_not_cut():
+    a, b = "a" * (TOKEN_MIN_N + 5), "b" * (TOKEN_MIN_N + 5)
+    assert split_paragraph(a + "," + b + ".", "en", len) == [a + "," + b + "."]
+    assert split_paragraph(a + "、" + b + ".", "en", len) == [a + "、" + b + "."]
+
+
 def test_split_respects_the_length_limits():
     sentence = "这是一个用来测试切分的句子。"  # 14 characters
     segments = split_paragraph(sentence * 40, "zh", len)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -122,3 +124,43 @@ def test_draws_depend_only_on_seed_and_step():
     assert u.min().item() > 0.0 and u.max().item() < 1.0
     big = hash_uniform(torch.arange(200), torch.zeros(200, dtype=torch.int64), 1, 500)
     assert abs(big.mean().item() - 0.5) < 0.01 and abs(big.var().item() - 1 / 12) < 0.005
+
+
+def _history_with_top_at(top: int, back: int, width: int, copies: int) -> list[int]:
+    """`width` tokens, newest last: `top` exactly `back` steps back, `copies - 1` more at the newest positions,
+    every other token distinct from `top`."""
+    history = [(top + 1 + i) % EOS for i in range(width)]
+    history = [t if t != top else (t + width + 1) % EOS for t in history]
+    history[width - back] = top
+    for i in range(1, copies):
+        history[width - i] = top
+    return history
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("extra_width", [0, 2])  # history exactly the window, or wider (a batch's max window)
+def test_repeat_exactly_win_size_back_counts_and_one_further_does_not(load_fixture, manifest, extra_width):
+    """The window's oldest step is inside it: with the needed repeats, the oldest exactly win_size steps back,
+    the official rule falls back; moved one step further back, it does not. Both samplers agree."""
+    f, info = load_fixture("sampling"), manifest["sampling"]
+    p, top = info["ras_params"], info["peaked_top_id"]
+    win = p["win_size"]
+    copies = max(1, math.ceil(win * p["tau_r"]))  # the fewest repeats that trigger the fallback
+    assert copies <= win, "the set's RAS parameters never fall back"
+    n = 500
+    for back, fallback in ((win, True), (win + 1, False)):
+        history = _history_with_top_at(top, back, win + 1 + extra_width, copies)
+        in_window = history[-win:]
+        assert in_window.count(top) == (copies if fallback else copies - 1)
+        reference = []
+        for seed in range(20):
+            torch.manual_seed(seed)
+            reference.append(ras_sample_reference(f["ras_peaked_logp"].clone(), history, p["top_p"], p["top_k"],
+                                                  win, p["tau_r"]))
+        batch = _batch(n, p, [])
+        batch.history = torch.tensor(history[-(win + extra_width):]).expand(n, -1).clone()
+        tokens = sample_tokens(f["ras_peaked_logp"].expand(n, -1).clone(), batch, EOS).tolist()
+        if fallback:
+            assert top not in reference and top not in tokens, back
+        else:
+            assert reference.count(top) > 10 and tokens.count(top) > 0.8 * n, back

@@ -96,6 +96,7 @@ def has_inputs(operation: Any) -> bool:
     return bool(len(operation.body) or len(operation.path_parameters) or len(operation.query))
 
 
+@pytest.mark.slow  # a fuzzer: ~10-30 s of CPU per mode
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
 def test_http_api_against_its_openapi_schema(fuzz_app, mode):
     app, base_url = fuzz_app
@@ -198,6 +199,7 @@ def check_ws_session(events: list[dict], close_code: int | None) -> None:
         assert all(e["type"] != "error" for e in events), events
 
 
+@pytest.mark.slow  # a fuzzer: ~10-15 s
 def test_websocket_random_frames(fuzz_app, live):
     app, base_url = fuzz_app
     url = "ws" + base_url[len("http"):] + "/v1/tts/stream"
