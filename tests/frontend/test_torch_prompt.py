@@ -1,7 +1,7 @@
 """Torch prompt analysis (frontend/torch_prompt.py) against the official ONNX path and the fixtures.
 
 Both families: the CosyVoice2 set under test (COSYSTREAM_FIXTURES) with its v2 tokenizer, and the
-CosyVoice3 set (COSYSTREAM_FIXTURES_CV3, default ../shared/fixtures/cosyvoice3-tiny) with its v3
+CosyVoice3 set (COSYSTREAM_FIXTURES_CV3, default the shipped tests/fixtures/cosyvoice3-tiny) with its v3
 tokenizer. Sizes, keys and fmax are read from each set; only stored files are used.
 """
 
@@ -57,7 +57,7 @@ def _load_set(root: Path, family: str) -> FixtureSet:
 
 
 def _cv3_root(fixture_dir: Path) -> Path:
-    default = fixture_dir.parent / "cosyvoice3-tiny"
+    default = Path(__file__).resolve().parents[1] / "fixtures" / "cosyvoice3-tiny"
     return Path(os.environ.get("COSYSTREAM_FIXTURES_CV3", str(default))).resolve()
 
 

@@ -39,7 +39,7 @@ from cosystream.scale.proxy import LOST_CODE  # noqa: E402
 from cosystream.scale.ray_app import APP_NAME, REPLICA_HEADER, ReplicaSpec, build_application  # noqa: E402
 from cosystream.server.state import ServerSettings  # noqa: E402
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]  # a Ray cluster and two engines: ~2 min
 
 SAMPLES_PER_TOKEN = 960
 VOICE = "bob"

@@ -31,7 +31,7 @@ from cosystream.server.state import ServerSettings
 from cosystream.testing.browser import chromium, missing_browser
 
 # the browser fixture first: without Chromium the tests skip before the live server loads the model
-pytestmark = [pytest.mark.browser, pytest.mark.usefixtures("driver")]
+pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.usefixtures("driver")]  # a live server + Chromium
 
 SAMPLE_RATE = 24000
 FIRST_HOP = 5  # speech tokens in the first chunk: a short first chunk, so later chunks follow it

@@ -1,4 +1,4 @@
-"""Fixtures of the CosyVoice3 golden set (`../shared/fixtures/cosyvoice3-tiny`, or COSYSTREAM_FIXTURES_CV3).
+"""Fixtures of the CosyVoice3 golden set (the shipped `tests/fixtures/cosyvoice3-tiny`, or COSYSTREAM_FIXTURES_CV3).
 
 Everything derives sizes from the set itself, so another set that follows the fixtures README (§C)
 works unchanged.
@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[3]
-DEFAULT_SET_CV3 = REPO.parent / "shared" / "fixtures" / "cosyvoice3-tiny"
+SHIPPED = REPO / "tests" / "fixtures"
+DEFAULT_SET_CV3 = SHIPPED / "cosyvoice3-tiny"
 
 
 def cv3_set_dir() -> Path:
@@ -26,10 +27,10 @@ def cv3_set_dir() -> Path:
 
 
 def _materialize_script(set_dir: Path) -> Path:
-    for candidate in (set_dir.parent / "materialize.py", REPO.parent / "shared" / "fixtures" / "materialize.py"):
+    for candidate in (set_dir.parent / "materialize.py", SHIPPED / "materialize.py"):
         if candidate.is_file():
             return candidate
-    raise FileNotFoundError(f"materialize.py not found beside {set_dir} or in ../shared/fixtures")
+    raise FileNotFoundError(f"materialize.py not found beside {set_dir} or in {SHIPPED}")
 
 
 @pytest.fixture(scope="session")
