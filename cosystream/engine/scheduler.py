@@ -546,7 +546,9 @@ class Scheduler:
         return excess * hold / max(1, slots)
 
     def _next_chunks(self, view: EngineView, now: float, step_s: float) -> list[tuple]:
-        """(ready at, class, deadline, cost, key) of every running stream's next chunk not yet on the worker."""
+        """(ready at, class, deadline, cost, key) of every running stream's next chunk not yet on the worker.
+        Classes as the worker's phases run them: a client about to run dry (`DRY_S`) ahead of first chunks
+        (it preempts the worker and goes first in its batch), then first chunks, then the rest."""
         jobs = []
         for s in view.streams:
             if s.planned:
@@ -558,13 +560,15 @@ class Scheduler:
             else:
                 continue
             kind = "first" if s.first else "final" if s.next_final else "chunks"
-            jobs.append((ready_at, 0 if s.first else 1, s.deadline_s, self.cost.chunk_s(kind), s.key))
+            cls = 0 if s.first else -1 if s.deadline_s - ready_at < DRY_S else 1
+            jobs.append((ready_at, cls, s.deadline_s, self.cost.chunk_s(kind), s.key))
         return jobs
 
 
 def _edf_finish(jobs: list[tuple], free_at: float) -> dict:
     """Finish time and deadline of each job on one worker that runs, whenever it is free, the released
-    job of the highest class (first chunks) with the earliest deadline."""
+    job of the highest class (lowest number: clients about to run dry, then first chunks) with the
+    earliest deadline."""
     pending = sorted(jobs, key=lambda j: j[0])
     heap: list[tuple] = []
     out: dict = {}

@@ -320,12 +320,16 @@ def test_admission_waits_for_a_flow_slot_when_the_pool_is_taken():
 
 def test_admission_refuses_a_stream_that_would_make_a_running_stream_late():
     s = Scheduler(_cost(step_s=0.0, first_s=0.2, later_s=0.2), budget_s=1.0)
-    tight = _later("tight", 0.3)  # on time alone (0.2 s of work), late behind a new first chunk (0.4 s)
+    tight = _later("tight", 0.35)  # on time alone (0.2 s of work), late behind a new first chunk (0.4 s)
     verdict = s.admit(_view(tight, free_lm_slots=4, lm_slots=4), NOW, 0)
     assert not verdict.admitted and "1 running stream" in verdict.reason
     assert verdict.predicted_first_audio_s <= 1.0  # its own first audio would have been in time
     doomed = _later("doomed", 0.1)  # late whatever happens: not the newcomer's fault
     assert s.admit(_view(doomed, free_lm_slots=4, lm_slots=4), NOW, 0).admitted
+    # a client about to run dry goes ahead of a first chunk (its own phase, first in the batch): the
+    # newcomer waits for it and makes it late by nothing
+    dry = s.admit(_view(_later("dry", 0.25), free_lm_slots=4, lm_slots=4), NOW, 0)
+    assert dry.admitted and dry.predicted_first_audio_s == pytest.approx(0.2 + 0.2)
     busy = WorkerView(busy=True, started_s=NOW, predicted_s=0.5)  # the worker's batch finishes first
     late = s.admit(_view(_later("a", 9.0, ready=False), worker=busy, free_lm_slots=4, lm_slots=4), NOW, 0)
     assert late.predicted_first_audio_s == pytest.approx(0.5 + 0.2)
