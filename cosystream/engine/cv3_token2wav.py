@@ -113,6 +113,9 @@ class CV3Token2WavRunner:
     def free_slots(self) -> int | None:
         return None
 
+    def flow_slots(self) -> int | None:
+        return None
+
     def overflow_room(self) -> int:
         return 0
 

@@ -78,6 +78,7 @@ class FlowRunner(WholePasses):
         empty = flow.encoder.new_state(max_frames // UPSAMPLE)
         self.enc_tokens, self.enc_frames, _, _ = empty.batch_rows(num_slots + 1)
         self.max_frames = max_frames
+        self.num_slots = num_slots
         self.free = list(range(num_slots))
         self.scratch = num_slots
         self.chunk = est.dims.static_chunk_size

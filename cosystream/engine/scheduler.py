@@ -120,6 +120,7 @@ class EngineView:
     streams: Sequence[StreamView]
     lm_decoding: bool = False  # any LM row decodes
     free_flow_slots: int | None = None  # None: no slot pool (every stream opens at once)
+    flow_slots: int | None = None  # the pool's slots (None: unknown, taken as the free ones, at least one)
     max_batch: int = 64
     official_finals: bool = True  # final chunks are whole-utterance passes (final_attention="full")
     worker: WorkerView | None = None  # None: batches run inline on the engine thread
@@ -511,7 +512,7 @@ class Scheduler:
             lm_wait = math.inf
         else:
             lm_wait = ahead * hold / max(1, view.lm_slots)
-        ready_at = now + lm_wait + cost.prefill_s() + tokens * step_s
+        ready_at = max(now + lm_wait + cost.prefill_s() + tokens * step_s, now + self._slot_wait(view, pending_new))
         jobs = self._next_chunks(view, now, step_s)
         for _ in range(pending_new):  # admitted since the view: modelled as the newcomer
             jobs.append((ready_at, 0, now + self.first_audio_target_s, cost.chunk_s("first"), None))
@@ -526,8 +527,28 @@ class Scheduler:
                      if key not in (None, "new") and finish <= deadline < after[key][0])
         return after["new"][0] - now, broken
 
+    def _slot_wait(self, view: EngineView, pending_new: int) -> float:
+        """How long the newcomer's first chunk waits for a flow slot: the streams waiting for one ahead of it
+        (unopened streams that need one, those admitted since the view, itself) beyond the free slots, each
+        slot freed once per hold. A stream holds its slot from its first chunk (or open-ahead) until its LM
+        is done (released before the official final pass): the measured LM row hold stands in for it,
+        slightly pessimistic. No hold measured yet: it would queue with no prediction (inf)."""
+        if view.free_flow_slots is None:
+            return 0.0
+        wanting = sum(1 for s in view.streams if not s.opened and s.needs_slot) + pending_new + 1
+        excess = wanting - view.free_flow_slots
+        if excess <= 0:
+            return 0.0
+        hold = self.cost.lm_hold_s()
+        if hold is None:
+            return math.inf
+        slots = view.flow_slots if view.flow_slots is not None else view.free_flow_slots
+        return excess * hold / max(1, slots)
+
     def _next_chunks(self, view: EngineView, now: float, step_s: float) -> list[tuple]:
-        """(ready at, class, deadline, cost, key) of every running stream's next chunk not yet on the worker."""
+        """(ready at, class, deadline, cost, key) of every running stream's next chunk not yet on the worker.
+        Classes as the worker's phases run them: a client about to run dry (`DRY_S`) ahead of first chunks
+        (it preempts the worker and goes first in its batch), then first chunks, then the rest."""
         jobs = []
         for s in view.streams:
             if s.planned:
@@ -539,13 +560,15 @@ class Scheduler:
             else:
                 continue
             kind = "first" if s.first else "final" if s.next_final else "chunks"
-            jobs.append((ready_at, 0 if s.first else 1, s.deadline_s, self.cost.chunk_s(kind), s.key))
+            cls = 0 if s.first else -1 if s.deadline_s - ready_at < DRY_S else 1
+            jobs.append((ready_at, cls, s.deadline_s, self.cost.chunk_s(kind), s.key))
         return jobs
 
 
 def _edf_finish(jobs: list[tuple], free_at: float) -> dict:
     """Finish time and deadline of each job on one worker that runs, whenever it is free, the released
-    job of the highest class (first chunks) with the earliest deadline."""
+    job of the highest class (lowest number: clients about to run dry, then first chunks) with the
+    earliest deadline."""
     pending = sorted(jobs, key=lambda j: j[0])
     heap: list[tuple] = []
     out: dict = {}

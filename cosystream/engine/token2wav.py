@@ -493,6 +493,10 @@ class Token2WavRunner:
         """Free pool slots (None: no pool)."""
         return None if self.pool is None else len(self.pool.free)
 
+    def flow_slots(self) -> int | None:
+        """The pool's slots, free or held (None: no pool)."""
+        return None if self.pool is None else self.pool.num_slots
+
     def slot_gauges(self) -> dict[str, float]:
         """Flow-slot gauges for /metrics (none without a pool)."""
         if self.pool is None:

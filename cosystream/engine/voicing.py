@@ -112,6 +112,7 @@ class Voicing:
         free = self.t2w.free_slots()
         engine = EngineView(
             now=now, streams=streams, lm_decoding=self._lm_decoding(), free_flow_slots=free,
+            flow_slots=None if free is None else self.t2w.flow_slots(),
             max_batch=self.max_chunk_batch,
             official_finals=self.t2w.final_attention == "full", open_ahead=self.open_ahead,
             worker=None if worker is None else WorkerView(

@@ -293,14 +293,43 @@ def test_admission_before_any_stream_held_an_lm_row_admits_only_into_free_rows()
     assert not refused.admitted and refused.retry_after_s == sched.MAX_RETRY_AFTER_S
 
 
+def test_admission_waits_for_a_flow_slot_when_the_pool_is_taken():
+    cost = _cost(step_s=0.01, first_s=0.1)
+    cost.observe_lm_hold(4.0)
+    s = Scheduler(cost, budget_s=1.0)
+    # all 28 flow slots taken, 13 streams (their first chunk decoded) already wait for one: the newcomer is
+    # 14th in line, slots free one per 4 s / 28
+    waiting = [_first(f"w{i}", ready=False, opened=False, needs_slot=True) for i in range(13)]
+    taken = _view(*waiting, free_slots=0, flow_slots=28, free_lm_slots=4, lm_slots=64)
+    refused = s.admit(taken, NOW, 30)
+    assert not refused.admitted and "budget" in refused.reason
+    assert refused.predicted_first_audio_s == pytest.approx(14 * 4.0 / 28 + 0.1)
+    # streams admitted since the view queue for a slot ahead of it too
+    assert s.admit(_view(*waiting, free_slots=14, flow_slots=28, free_lm_slots=4, lm_slots=64), NOW, 30).admitted
+    late = s.admit(_view(*waiting, free_slots=14, flow_slots=28, free_lm_slots=4, lm_slots=64), NOW, 30,
+                   pending_new=8)
+    assert not late.admitted and late.predicted_first_audio_s > 8 * 4.0 / 28
+    # free slots (or no pool): the LM side alone, as before
+    for free in (28, None):
+        verdict = s.admit(_view(*waiting, free_slots=free, flow_slots=28, free_lm_slots=4, lm_slots=64), NOW, 30)
+        assert verdict.admitted and verdict.predicted_first_audio_s == pytest.approx(30 * 0.01 + 0.1)
+    # no stream has held its row yet: no prediction of the slot queue, refused rather than queued
+    unmeasured = Scheduler(_cost(step_s=0.01, first_s=0.1), budget_s=1.0).admit(taken, NOW, 30)
+    assert not unmeasured.admitted and unmeasured.retry_after_s == sched.MAX_RETRY_AFTER_S
+
+
 def test_admission_refuses_a_stream_that_would_make_a_running_stream_late():
     s = Scheduler(_cost(step_s=0.0, first_s=0.2, later_s=0.2), budget_s=1.0)
-    tight = _later("tight", 0.3)  # on time alone (0.2 s of work), late behind a new first chunk (0.4 s)
+    tight = _later("tight", 0.35)  # on time alone (0.2 s of work), late behind a new first chunk (0.4 s)
     verdict = s.admit(_view(tight, free_lm_slots=4, lm_slots=4), NOW, 0)
     assert not verdict.admitted and "1 running stream" in verdict.reason
     assert verdict.predicted_first_audio_s <= 1.0  # its own first audio would have been in time
     doomed = _later("doomed", 0.1)  # late whatever happens: not the newcomer's fault
     assert s.admit(_view(doomed, free_lm_slots=4, lm_slots=4), NOW, 0).admitted
+    # a client about to run dry goes ahead of a first chunk (its own phase, first in the batch): the
+    # newcomer waits for it and makes it late by nothing
+    dry = s.admit(_view(_later("dry", 0.25), free_lm_slots=4, lm_slots=4), NOW, 0)
+    assert dry.admitted and dry.predicted_first_audio_s == pytest.approx(0.2 + 0.2)
     busy = WorkerView(busy=True, started_s=NOW, predicted_s=0.5)  # the worker's batch finishes first
     late = s.admit(_view(_later("a", 9.0, ready=False), worker=busy, free_lm_slots=4, lm_slots=4), NOW, 0)
     assert late.predicted_first_audio_s == pytest.approx(0.5 + 0.2)
