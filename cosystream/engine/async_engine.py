@@ -15,6 +15,7 @@ import hashlib
 import random
 import sys
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -179,6 +180,16 @@ class AsyncEngine:
                             ("instruct_text", params.instruct_text)):
             if isinstance(text, str) and len(text) > limit:
                 raise BadInput(f"{field}: {len(text)} characters, more than the limit of {limit}")
+
+    def predict_first_audio(self) -> tuple[float, bool]:
+        """(predicted first audio of a stream arriving now, whether admission would take it) for a router
+        choosing between engines; counts nothing (Scheduler.admit on the latest published view)."""
+        schedule = self.config.schedule
+        core = self.core
+        view = core.published
+        pending = max(0, self._admitted - self._not_submitted - (view.added if view is not None else 0))
+        verdict = core.scheduler.admit(view, time.perf_counter(), schedule.first_hop + schedule.lookahead, pending)
+        return verdict.predicted_first_audio_s, verdict.admitted
 
     def _admit(self, params: SynthesisParams) -> float | None:
         """Admission (EngineConfig.first_audio_budget_s): Overloaded unless the scheduler predicts this

@@ -84,15 +84,16 @@ def _positive_int(value: Any) -> int | None:
 
 
 def report_from_server(state: Any, voices: Iterable[str] = ()) -> LoadReport:
-    """A replica's report from its server state: the engine's own `load_report()` when it has one, else the
-    server's admission figures."""
-    engine_report = getattr(state.engine, "load_report", None)
-    if callable(engine_report):
-        return engine_report()
-    admission = state.admission
-    return LoadReport(ready=state.is_ready and state.engine_error() is None, in_flight=admission.num_in_flight,
-                      capacity=admission.capacity, service_first_audio_s=admission.service_first_audio_s.value,
-                      service_s=admission.service_s.value, budget_s=admission.budget_s,
+    """A replica's report from its server state: the engine scheduler's prediction of a new stream's first
+    audio (the same model its admission decides from) as the service first audio, with no queue term on top."""
+    engine = state.engine
+    predicted_s, budget_s = None, getattr(getattr(engine, "config", None), "first_audio_budget_s", None)
+    predict = getattr(engine, "predict_first_audio", None)
+    if callable(predict):
+        predicted, _ = predict()
+        predicted_s = predicted if math.isfinite(predicted) else None
+    return LoadReport(ready=state.is_ready and state.engine_error() is None, in_flight=state.admission.num_in_flight,
+                      capacity=None, service_first_audio_s=predicted_s, service_s=None, budget_s=budget_s,
                       voices=tuple(voices)[:MAX_REPORTED_VOICES])
 
 

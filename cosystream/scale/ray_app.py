@@ -449,9 +449,10 @@ def app_builder(args: dict[str, Any]) -> Any:
         engine_kwargs.update(config_overrides([c for c in str(config).split(",") if c]))
     if args.get("max_streams") is not None:
         engine_kwargs["max_streams"] = int(args["max_streams"])
+    budget = str(args.get("first_audio_budget_s", 1.0)).strip().lower()  # as `cosystream serve`: 1 s, 0/off: none
+    engine_kwargs["first_audio_budget_s"] = None if budget in ("0", "0.0", "off", "none", "") else float(budget)
     keys = frozenset(k.strip() for k in os.environ.get("COSYSTREAM_API_KEYS", "").split(",") if k.strip())
     settings = ServerSettings(
-        first_audio_budget_s=_float_or_none(args.get("first_audio_budget_s")),
         max_streams_per_client=int(args["max_streams_per_client"]) if args.get("max_streams_per_client") else None,
         warmup=str(args.get("warmup", "true")).lower() in _TRUE, api_keys=keys)
     spec = ReplicaSpec(model_dir=str(args["model_dir"]), device=args.get("device"), dtype=args.get("dtype"),
@@ -464,10 +465,6 @@ def app_builder(args: dict[str, Any]) -> Any:
         num_gpus = 1.0 if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0 else 0.0
     return build_application(spec, int(args.get("num_replicas", 1)), num_gpus=float(num_gpus),
                              num_cpus=float(args.get("num_cpus", 1.0)))
-
-
-def _float_or_none(value: Any) -> float | None:
-    return None if value in (None, "", "none", "None") else float(value)
 
 
 # ---------------------------------------------------------------- `cosystream serve --replicas N`
