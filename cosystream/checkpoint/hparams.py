@@ -2,7 +2,9 @@
 
 The official file names classes of the official code with `!new:`/`!name:` tags and computes a few
 values with `!ref`; we parse the tags as data, resolve the references ourselves and keep only what
-inference needs (spec/checkpoints.md §2).
+inference needs (spec/checkpoints.md §2). `cosyvoice3.yaml` is read here too (its LM, DiT flow and causal
+HiFT records): the models layer may import only this module of `checkpoint`, so both families' records live
+in it, past 600 lines.
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ results and what is computed from them) stay on the CPU, so shape arithmetic nev
 
 A graph with an operator that is not implemented here is refused when it is loaded
 (`UnsupportedGraph`, naming the operators), so a caller can keep onnxruntime for it.
+
+One module past 600 lines on purpose: the loader, the plan and the operator table are one contract (every
+operator the table lacks is what `UnsupportedGraph` names), read and tested together.
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ def small(model_dir, fixture_dir, tmp_path_factory):
     eng.close()
 
 
+@pytest.mark.slow  # ~10 s: one request alone, then a burst
 def test_a_burst_beyond_the_lm_rows_is_refused_at_once_and_the_admitted_keep_their_first_audio(small):
     core = small.async_engine.core
     alone = small.synthesize(_params(0))  # teaches the cost model this machine's decode step, chunk, LM hold
