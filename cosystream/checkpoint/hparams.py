@@ -299,14 +299,20 @@ def _qwen_config(config_path: Path) -> dict[str, Any]:
 
 
 def _llm_dims(r: _Reader, qwen: dict[str, Any]) -> LLMDims:
-    llm = r.node("llm", target_suffix="Qwen2LM")
+    return _speech_lm_dims(r, qwen, "Qwen2LM", ("llm.llm_input_size",))
+
+
+def _speech_lm_dims(r: _Reader, qwen: dict[str, Any], target_suffix: str, width_keys: tuple[str, ...]) -> LLMDims:
+    """The speech LM's dims from the yaml's `llm` node (class `target_suffix`) and the Qwen2 config; each of
+    `width_keys` must equal the Qwen2 hidden size."""
+    llm = r.node("llm", target_suffix=target_suffix)
     sampling = r.get("llm.sampling")
     sargs = sampling.args if isinstance(sampling, Tagged) else {}
-    hidden = qwen["hidden_size"]
-    heads = qwen["num_attention_heads"]
-    if r.num("llm.llm_input_size") != hidden:
-        raise CheckpointError(
-            f"{r.file}: llm_input_size {r.num('llm.llm_input_size')} differs from the Qwen2 hidden size {hidden}")
+    hidden, heads = qwen["hidden_size"], qwen["num_attention_heads"]
+    for key in width_keys:
+        if r.num(key) != hidden:
+            raise CheckpointError(f"{r.file}: {key.split('.')[-1]} {r.num(key)} differs from the Qwen2 hidden "
+                                  f"size {hidden}")
     mix = llm.get("mix_ratio", [5, 15])
     return LLMDims(
         hidden_size=hidden,
@@ -503,32 +509,7 @@ class CV3HParams:
 
 
 def _cv3_llm_dims(r: _Reader, qwen: dict) -> LLMDims:
-    llm = r.node("llm", target_suffix="CosyVoice3LM")
-    sampling = r.get("llm.sampling")
-    sargs = sampling.args if isinstance(sampling, Tagged) else {}
-    hidden, heads = qwen["hidden_size"], qwen["num_attention_heads"]
-    for key in ("llm.llm_input_size", "llm.llm_output_size"):
-        if r.num(key) != hidden:
-            raise CheckpointError(f"{r.file}: {key.split('.')[-1]} {r.num(key)} differs from the Qwen2 hidden "
-                                  f"size {hidden}")
-    mix = llm.get("mix_ratio", [5, 15])
-    return LLMDims(
-        hidden_size=hidden,
-        num_layers=qwen["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=qwen["num_key_value_heads"],
-        head_dim=int(qwen.get("head_dim", hidden // heads)),
-        intermediate_size=qwen["intermediate_size"],
-        rms_norm_eps=float(qwen.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(qwen.get("rope_theta", 1e6)),
-        text_vocab_size=qwen["vocab_size"],
-        speech_token_size=r.num("llm.speech_token_size"),
-        mix_ratio=(int(mix[0]), int(mix[1])),
-        top_p=float(sargs.get("top_p", 0.8)),
-        top_k=int(sargs.get("top_k", 25)),
-        win_size=int(sargs.get("win_size", 10)),
-        tau_r=float(sargs.get("tau_r", 0.1)),
-    )
+    return _speech_lm_dims(r, qwen, "CosyVoice3LM", ("llm.llm_input_size", "llm.llm_output_size"))
 
 
 def _cv3_flow_dims(r: _Reader) -> CV3FlowDims:
