@@ -23,7 +23,7 @@ from cosystream.config import ChunkSchedule
 from cosystream.engine.chunking import ChunkPlanner
 from cosystream.engine.sync_engine import Engine
 from cosystream.errors import BadInput
-from cosystream.frontend.prompt import ModelInputs, VoicePrompt
+from cosystream.frontend.prompt import BuiltinSpeaker, ModelInputs, VoicePrompt
 from cosystream.models.cosyvoice3.lm import MAX_SILENT_RUN, SILENT_TOKENS, SilentTokenFilter
 from cosystream.params import SynthesisParams
 
@@ -217,3 +217,41 @@ def test_a_voice_of_another_family_is_refused_by_name(engine, voice):
     assert "from-cv2" in aeng.voices  # nothing lost: the record stays for the model it was made for
     assert engine.synthesize(SynthesisParams(text="Hello.", voice=voice, force_tokens=5)).pcm.shape == (
         5 * SAMPLES_PER_TOKEN,)
+
+
+def test_sft_speaks_with_a_builtin_speaker_and_the_system_prefix(engine, monkeypatch, cv3_load):
+    """sft (a speaker of spk2info.pt): no prompt, the flow conditioned on the speaker's embedding alone; the
+    CosyVoice3 LM prompt is SOS ⊕ text(system prefix ⊕ segment) ⊕ TASK (its LM needs `<|endofprompt|>`). The
+    engine's chunks are those of the token-to-wave runner driven by the official schedule without a prompt."""
+    aeng = engine.async_engine
+    e2e = cv3_load("e2e")
+    xvector = e2e["zero_shot_in_flow_embedding"][0]
+    monkeypatch.setitem(aeng.frontend.speakers, "builtin", BuiltinSpeaker(xvector=xvector, prompt=None))
+    [inputs] = aeng._model_inputs(SynthesisParams(text="Hello there.", mode="sft", sft_speaker="builtin"), None)
+    assert inputs.flow_prompt_speech_tokens.numel() == 0 and torch.equal(inputs.xvector, xvector)
+    text = inputs.text_ids.long()
+    assert int((text == 151646).sum()) == 1  # the system prefix's <|endofprompt|>
+    lm_prompt = aeng.lm.embed_prompt(inputs.text_ids, inputs.llm_prompt_speech_tokens, inputs.prompt_text_ids)
+    sos, task = aeng.lm.special_rows()
+    assert lm_prompt.shape[0] == text.numel() + 2
+    torch.testing.assert_close(lm_prompt[0], sos)
+    torch.testing.assert_close(lm_prompt[-1], task)
+
+    tokens = e2e["zero_shot_speech_tokens"][0].tolist()
+    params = SynthesisParams(text="Hello there.", mode="sft", sft_speaker="builtin", force_tokens=len(tokens))
+    chunks, _ = synthesize(engine, monkeypatch, inputs, tokens, params, None)
+    assert sum(c.shape[0] for c in chunks) == SAMPLES_PER_TOKEN * len(tokens)
+    t2w = aeng.token2wav
+    planner = ChunkPlanner(ChunkSchedule(), 0)
+
+    def runner_chunks() -> list[np.ndarray]:
+        state, out = t2w.start(inputs, None), []
+        while (plan := planner.next_plan(len(tokens), done=True)) is not None:
+            [(pcm, _, _)] = t2w.run([(state, tokens, plan)])
+            out.append(pcm)
+        return out
+
+    want = aeng.core.call(runner_chunks)
+    assert [c.shape for c in chunks] == [w.shape for w in want]
+    for got, ref in zip(chunks, want, strict=True):
+        np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5)
