@@ -13,6 +13,7 @@ the requests carry the features the official model received.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any
 
 import numpy as np
@@ -25,7 +26,7 @@ from cosystream.engine.sync_engine import Engine
 from cosystream.errors import BadInput
 from cosystream.frontend.prompt import BuiltinSpeaker, ModelInputs, VoicePrompt
 from cosystream.models.cosyvoice3.lm import MAX_SILENT_RUN, SILENT_TOKENS, SilentTokenFilter
-from cosystream.params import SynthesisParams
+from cosystream.params import SamplingParams, SynthesisParams
 
 AUDIO_ATOL = 5e-3  # README §C3: e2e streamed audio per call
 SAMPLES_PER_TOKEN = 960  # 24 kHz, 25 Hz tokens
@@ -255,3 +256,28 @@ def test_sft_speaks_with_a_builtin_speaker_and_the_system_prefix(engine, monkeyp
     assert [c.shape for c in chunks] == [w.shape for w in want]
     for got, ref in zip(chunks, want, strict=True):
         np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5)
+
+
+def test_concurrent_requests_equal_requests_run_alone(engine, voice):
+    """Streams of several modes at once: each keeps its own LM row, filter and token-to-wave stream (the voice's
+    encoded prompt blocks are shared read-only), so each gets the audio it gets alone."""
+    texts = ["Hello there.", "Good morning to you, my friend.", "A short line.", "The quick brown fox jumps."]
+    modes = [dict(mode="zero_shot"), dict(mode="cross_lingual"), dict(mode="instruct2", instruct_text="Speak slowly."),
+             dict(mode="zero_shot", stream=False)]
+    params = [SynthesisParams(text=t, voice=voice, sampling=SamplingParams(greedy=True, seed=i), **m)
+              for i, (t, m) in enumerate(zip(texts, modes, strict=True))]
+    alone = [engine.synthesize(p) for p in params]
+    together: list = [None] * len(params)
+
+    def worker(i: int) -> None:
+        together[i] = engine.synthesize(params[i])
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(params))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    for a, b in zip(alone, together, strict=True):
+        assert b is not None and a.num_chunks == b.num_chunks and a.times.num_tokens == b.times.num_tokens > 0
+        np.testing.assert_allclose(b.pcm, a.pcm, rtol=0, atol=1e-5)
+    assert len({a.times.num_tokens for a in alone}) > 1
