@@ -20,6 +20,9 @@ from cosystream.server.state import ServerSettings
 REPO = Path(__file__).resolve().parents[2]
 FORCED = 20
 
+# writing the random model and loading an engine on it take ~25 s on a 2-core CPU (CI runs slow tests)
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def random_cv3(tmp_path_factory) -> Path:
