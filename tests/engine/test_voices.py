@@ -290,6 +290,7 @@ def test_cli_add_list_delete(cli, capsys, model_dir, prompt_file, manifest):
     assert cli("list") == 0
     listing = capsys.readouterr().out
     assert "alice" in listing and text[:20] in listing
+    assert listing.splitlines()[1].split()[:2] == ["alice", "cosyvoice2"]  # the family of the model that analysed it
     assert cli("delete", "alice") == 0 and cli("list") == 0
     assert "no voices" in capsys.readouterr().out
 
