@@ -15,6 +15,7 @@ import argparse
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 from cosystream.errors import CosyStreamError
 
@@ -96,13 +97,25 @@ def run_list(args: argparse.Namespace) -> int:
             print(f"no voices in {store.path}")
             return 0
         width = max(len("NAME"), *(len(v.name) for v in voices))
-        print(f"{'NAME':<{width}}  PROMPT_S  CREATED           PROMPT_TEXT")
+        print(f"{'NAME':<{width}}  FAMILY      PROMPT_S  CREATED           PROMPT_TEXT")
         for voice in voices:
             created = time.strftime("%Y-%m-%d %H:%M", time.localtime(voice.created_at))
             text = voice.prompt_text if len(voice.prompt_text) <= MAX_LISTED_TEXT else \
                 voice.prompt_text[: MAX_LISTED_TEXT - 3] + "..."
-            print(f"{voice.name:<{width}}  {voice.prompt_seconds:8.1f}  {created}  {text}")
+            family = _family(store, voice.name)
+            print(f"{voice.name:<{width}}  {family:<10}  {voice.prompt_seconds:8.1f}  {created}  {text}")
     return 0
+
+
+def _family(store: Any, name: str) -> str:
+    """The model family whose frontend analysed the voice (its features serve only that family's models);
+    "-" when the voice was deleted since it was listed."""
+    from cosystream.errors import UnknownVoice
+
+    try:
+        return store.get(name).prompt.family
+    except UnknownVoice:
+        return "-"
 
 
 def run_delete(args: argparse.Namespace) -> int:

@@ -93,6 +93,24 @@ def model_dir(materialized: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def cv3_dir() -> Path:
+    """The CosyVoice3 fixture set directory (read-only); fails loudly when it is absent."""
+    d = fixture_set_dir_cv3()
+    if not (d / "weights.json").is_file():
+        pytest.fail(f"CosyVoice3 fixture set not found at {d} (set COSYSTREAM_FIXTURES_CV3)")
+    return d
+
+
+@pytest.fixture(scope="session")
+def cv3_model_dir(cv3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The CosyVoice3 set's model directory with its weights materialised (once per session)."""
+    out = tmp_path_factory.mktemp("cv3_set")
+    subprocess.run([sys.executable, str(_materialize_script(cv3_dir)), str(cv3_dir), str(out)],
+                   check=True, capture_output=True)
+    return out / "model"
+
+
+@pytest.fixture(scope="session")
 def manifest(fixture_dir: Path) -> dict:
     return json.loads((fixture_dir / "manifest.json").read_text())
 

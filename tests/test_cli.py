@@ -91,3 +91,15 @@ def test_the_default_model_is_the_same_everywhere():
     from cosystream.server.cli import DEFAULT_MODEL
 
     assert DEFAULT_MODEL == DEFAULT_MODEL_ID
+
+
+def test_voices_add_list_and_say_on_a_cosyvoice3_model(tmp_path, cv3_model_dir, cv3_dir, capsys):
+    db, out = tmp_path / "v.db", tmp_path / "hello.wav"
+    assert main(["voices", "add", "carol", "--model-dir", str(cv3_model_dir), "--device", "cpu", "--db", str(db),
+                 "--prompt-wav", str(cv3_dir / "prompt_24k.wav"), "--prompt-text", "Hello there."]) == 0
+    assert main(["voices", "list", "--db", str(db)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].split()[:2] == ["carol", "cosyvoice3"]
+    assert main(["say", "Hello there, how are you?", "--model-dir", str(cv3_model_dir), "--device", "cpu",
+                 "--voice", "carol", "--db", str(db), "-o", str(out), "--stream", "--force-tokens", "40"]) == 0
+    audio, rate = sf.read(out)
+    assert rate == 24000 and audio.shape == (960 * 40,)

@@ -33,12 +33,11 @@ from cosystream.engine import accounting
 from cosystream.engine.chunking import ChunkPlanner
 from cosystream.engine.core import EngineCore
 from cosystream.engine.devices import with_device_defaults
-from cosystream.engine.lm_runner import LMRunner, RowSampling
+from cosystream.engine.families import build_runners
+from cosystream.engine.lm_runner import RowSampling
 from cosystream.engine.load_log import loading
-from cosystream.engine.loader import load_flow, load_hift, load_llm
 from cosystream.engine.prompt_batcher import PromptBatcher
 from cosystream.engine.request import RequestState, Segment
-from cosystream.engine.token2wav import Token2WavRunner
 from cosystream.engine.voices import VoiceInfo, VoiceStore, check_voice_name, default_db_path
 from cosystream.errors import BadInput, CosyStreamError, Overloaded, VoiceExists
 from cosystream.frontend import Frontend, ModelInputs, VoicePrompt
@@ -68,10 +67,7 @@ class AsyncEngine:
         # prompt recordings are analysed on the GPU in batches when the engine runs on CUDA (ONNX on the CPU)
         self.prompt_batcher = PromptBatcher.for_engine(self.frontend, ckpt, config.device)
         self.voices = VoiceStore(config.voices_db or default_db_path())
-        self.lm = load_llm(ckpt, device, dtype)
-        lm_runner = LMRunner(self.lm, config.max_streams, config.max_len, use_graphs=config.cuda_graphs,
-                             compile=config.compile, fused_kernels=config.fused_kernels)
-        t2w = Token2WavRunner(load_flow(ckpt, device, dtype), load_hift(ckpt, device, dtype), config)
+        self.lm, lm_runner, t2w = build_runners(ckpt, config, device, dtype)
         self.token2wav = t2w
         self.core = EngineCore(lm_runner, t2w, self.lm, config)
         self._admitted = 0  # streams admitted (EngineCore.admit) ...
@@ -294,13 +290,8 @@ class AsyncEngine:
         mode = Mode(params.mode)
         if mode in (Mode.vc, Mode.sft) or voice is None:
             raise BadInput(f"mode: text streaming supports zero_shot, cross_lingual and instruct2, not {mode.value}")
-        if mode == Mode.zero_shot and voice.prompt_text_ids.numel() == 0:
-            raise BadInput("prompt_text: zero_shot needs the voice's transcript")
         empty = torch.zeros(0, dtype=torch.int32)
-        prompt_text = voice.prompt_text_ids if mode == Mode.zero_shot else empty
-        if mode == Mode.instruct2:
-            ids = self.frontend.encode_text(_instruction(params.instruct_text))
-            prompt_text = torch.tensor(ids, dtype=torch.int32)
+        prompt_text = self.frontend.text_stream_prompt_ids(mode.value, voice, params.instruct_text)
         inputs = ModelInputs(
             mode=mode.value, text_ids=empty, xvector=voice.xvector, prompt_text_ids=prompt_text,
             llm_prompt_speech_tokens=voice.prompt_speech_tokens if mode == Mode.zero_shot else empty,
@@ -345,6 +336,7 @@ class AsyncEngine:
     def voice_prompt(self, name: str) -> VoicePrompt:
         if name not in self._voice_prompts:
             record = self.voices.get(name)
+            self._check_voice_family(name, record.prompt)
             key = _registration_key(record.info)
             cache = {k[len(_CACHE_PREFIX):]: v for k, v in record.extras.items() if k.startswith(_CACHE_PREFIX)}
             if cache:
@@ -352,6 +344,15 @@ class AsyncEngine:
             self._voice_keys[name] = key
             self._voice_prompts[name] = record.prompt
         return self._voice_prompts[name]
+
+    def _check_voice_family(self, name: str, prompt: VoicePrompt) -> None:
+        """A voice's features come from its family's frontend (speech tokenizer v2 or v3, mel fmax, transcript
+        specials): those of another family would be silently wrong here, so they are refused by name."""
+        family = self.checkpoint.family
+        if prompt.family != family:
+            raise BadInput(f"voice: {name!r} was registered with a {prompt.family} model; its prompt features (speech "
+                           f"tokens, mel) do not fit this {family} model. Register the recording again under "
+                           f"another name with this model (or delete {name!r} first)")
 
     def _store_voice_cache(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
         """Engine thread: hand the encoded prompt to a frontend thread to write into the voice record."""
@@ -428,13 +429,6 @@ class AsyncEngine:
 
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _instruction(text: str) -> str:
-    text = text.strip()
-    if not text:
-        raise BadInput("instruct: empty instruction")
-    return text if text.endswith("<|endofprompt|>") else text + "<|endofprompt|>"
 
 
 def _check_params(p: SynthesisParams) -> None:

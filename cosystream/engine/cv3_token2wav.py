@@ -95,7 +95,9 @@ class CV3Token2WavRunner:
         self.watch.settle()
 
     def release(self, state: CV3Token2WavState) -> None:
-        state.finished = True
+        """No flow slot to give back (the stream's caches go with its state). The core releases a stream before
+        its official final chunk too (that pass reads no slot), so this does not end the stream."""
+        del state
 
     def has_prompt(self, voice_key: str | None, stored: dict[str, torch.Tensor] | None = None) -> bool:
         """Whether a stream in this voice starts without encoding its prompt blocks first."""
@@ -118,6 +120,10 @@ class CV3Token2WavRunner:
 
     def overflow_room(self) -> int:
         return 0
+
+    def slot_gauges(self) -> dict[str, float]:
+        """No flow pool: no slot gauges for /metrics."""
+        return {}
 
     def flow_group(self, state: CV3Token2WavState, plan: ChunkPlan) -> None:
         """Chunks are not batched across requests: no group."""

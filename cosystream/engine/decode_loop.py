@@ -103,6 +103,7 @@ class DecodeLoop:
         seg.t_row = t0
         self.slot_owner[slot] = req
         self._reset_row_sampling(req, seg)
+        seg.token_filter = self.lm.token_filter()
         if seg.text_stream:
             seg.bistream = self._new_bistream(seg)
             self._bistream_advance(req, seg)
@@ -218,10 +219,18 @@ class DecodeLoop:
             return
         is_stop = token >= self.lm.dims.speech_token_size
         if not is_stop:
-            seg.tokens.append(token)
+            self._keep_speech_token(seg, token)
         limit = req.force_tokens if req.force_tokens is not None else seg.max_len
-        if is_stop or len(seg.tokens) >= limit or seg.pos >= self.lm_runner.max_len - 1:
+        if is_stop or seg.generated >= limit or seg.pos >= self.lm_runner.max_len - 1:
             self._lm_done(req, seg)
+
+    @staticmethod
+    def _keep_speech_token(seg: Segment, token: int) -> None:
+        """A generated speech token: counted, and voiced unless the family's filter drops it (the LM row
+        is fed every token whatever the filter says)."""
+        seg.generated += 1
+        if seg.token_filter is None or seg.token_filter.keep(token):
+            seg.tokens.append(token)
 
     def _lm_done(self, req: RequestState, seg: Segment) -> None:
         seg.lm_status = LMStatus.done
@@ -264,12 +273,11 @@ class DecodeLoop:
 
     def _new_bistream(self, seg: Segment) -> BistreamState:
         lm, inp = self.lm, seg.inputs
-        dev = lm.llm_embedding.weight.device
-        state = BistreamState(
-            sos=lm.llm_embedding.weight[0], task_id=lm.llm_embedding.weight[1],
-            prompt_text=lm.text_embedding(inp.prompt_text_ids.to(dev, torch.long)),
-            prompt_speech=lm.speech_embedding(inp.llm_prompt_speech_tokens.to(dev, torch.long)),
-            fill_token=lm.dims.fill_token, mix_ratio=lm.dims.mix_ratio)
+        dev = lm.text_embedding.weight.device
+        prefix, prompt_text, prompt_speech = lm.bistream_prompt(inp.prompt_text_ids, inp.llm_prompt_speech_tokens)
+        sos, task_id = lm.special_rows()
+        state = BistreamState(sos=sos, task_id=task_id, prompt_text=prompt_text, prompt_speech=prompt_speech,
+                              fill_token=lm.fill, mix_ratio=lm.dims.mix_ratio, prefix=prefix)
         if seg.text_backlog:
             state.add_text(lm.text_embedding(torch.tensor(seg.text_backlog, device=dev)))
         if seg.text_closed:
@@ -284,8 +292,8 @@ class DecodeLoop:
             self.lm_runner.override_last_token(seg.slot, token)
         is_stop = token >= self.lm.dims.speech_token_size
         if bs.on_token(token, is_stop):
-            seg.tokens.append(token)
-        forced_done = req.force_tokens is not None and len(seg.tokens) >= req.force_tokens
+            self._keep_speech_token(seg, token)
+        forced_done = req.force_tokens is not None and seg.generated >= req.force_tokens
         if forced_done or seg.pos >= self.lm_runner.max_len - 1 or (bs.final_stage and is_stop):
             self._lm_done(req, seg)
         elif not bs.decoding:

@@ -32,7 +32,9 @@ class Segment:
     planner: ChunkPlanner
     min_len: int
     max_len: int
-    tokens: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # the speech tokens that reach the flow
+    generated: int = 0  # speech tokens the LM generated (the length limits count these)
+    token_filter: Any = None  # the LM's per-segment filter of what reaches the flow (runners.TokenFilter)
     lm_status: LMStatus = LMStatus.pending
     slot: int = -1
     pos: int = 0  # next LM cache position of this segment's row

@@ -68,16 +68,29 @@ class SpeechLMDims(Protocol):
     mix_ratio: Any
 
 
+class TokenFilter(Protocol):
+    """Per segment: whether a generated speech token reaches the flow (the LM is fed every token)."""
+
+    def keep(self, token: int) -> bool: ...
+
+
 class SpeechLMModel(Protocol):
-    """What the core reads of the LM itself: prompt embeddings (and the embeddings of streamed text)."""
+    """What the core reads of the LM itself: prompt embeddings, the embeddings of streamed text, and what
+    differs between families (special rows, the text-streaming prompt, the filter of generated tokens)."""
 
     dims: SpeechLMDims
-    llm_embedding: torch.nn.Embedding
-    text_embedding: Callable[[torch.Tensor], torch.Tensor]
-    speech_embedding: Callable[[torch.Tensor], torch.Tensor]
+    text_embedding: torch.nn.Embedding
+    fill: int  # the id text streaming forces while it waits for text
 
     def embed_prompt(self, text_ids: torch.Tensor, prompt_speech_tokens: torch.Tensor,
                      prompt_text_ids: torch.Tensor) -> torch.Tensor: ...
+
+    def special_rows(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def bistream_prompt(self, prompt_text_ids: torch.Tensor, prompt_speech_tokens: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def token_filter(self) -> TokenFilter: ...
 
 
 class Token2WavRunner(Protocol):

@@ -17,6 +17,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
+import torch
+
 from cosystream.checkpoint import Checkpoint
 from cosystream.errors import BadInput, UnknownVoice
 from cosystream.frontend.audio import AudioInput, PromptAudio, load_speech, prepare_prompt_audio, prompt_mel, to_16k
@@ -64,7 +66,7 @@ class Frontend:
         self.tokenizer = TextTokenizer(files.tokenizer_dir, files.family)
         self.speech_tokenizer = SpeechTokenizer(files.speech_tokenizer, device)
         self.speaker_encoder = SpeakerEncoder(files.campplus, device)
-        self.speakers: dict[str, BuiltinSpeaker] = load_spk2info(files.spk2info) if files.spk2info else {}
+        self.speakers: dict[str, BuiltinSpeaker] = load_spk2info(files.spk2info, files.family) if files.spk2info else {}
         self._normalizer = TextNormalizer(self.tokenizer.encode)
         # inflect keeps per-call state on its engine; re-entrant so that a caller can hold it around a whole
         # request (normalizer_if_free)
@@ -129,7 +131,7 @@ class Frontend:
             raw_mel = prompt_mel(prompt_audio.wav_24k, self.mel_dims)
             xvector = self.speaker_encoder.embed(prompt_audio.wav_16k)
         text_ids = self.encode_text(self.normalize(prompt_text, split=False)[0]) if prompt_text else []
-        return build_voice_prompt(text_ids, raw_tokens, raw_mel, xvector, self.token_mel_ratio)
+        return build_voice_prompt(text_ids, raw_tokens, raw_mel, xvector, self.token_mel_ratio, self.family)
 
     def builtin_voice(self, name: str) -> VoicePrompt:
         """The prompt of a zero-shot entry of the model's `spk2info.pt`."""
@@ -164,6 +166,11 @@ class Frontend:
         trained with it, so we append it. CosyVoice3 instructions start with the system sentence
         ("You are a helpful assistant. <instruction><|endofprompt|>"); it is put in front when absent.
         """
+        return instruct2_inputs(self.encode_text(text), self.instruction_ids(instruct), prompt)
+
+    def instruction_ids(self, instruct: str) -> list[int]:
+        """The instruct2 prompt text ids: the instruction verbatim, ending in `<|endofprompt|>`
+        (CosyVoice3: after the system sentence, see inputs_instruct2)."""
         _check_text_length(instruct, "instruct")
         instruct = instruct.strip()
         if not instruct:
@@ -173,7 +180,21 @@ class Frontend:
             instruct = f"{CV3_SYSTEM_PROMPT} {instruct}"
         if not instruct.endswith(END_OF_PROMPT):
             instruct += END_OF_PROMPT
-        return instruct2_inputs(self.encode_text(text), self.encode_text(instruct), prompt)
+        return self.encode_text(instruct)
+
+    def text_stream_prompt_ids(self, mode: str, prompt: VoicePrompt, instruct: str = "") -> torch.Tensor:
+        """The LM prompt text (int32 ids) of a request whose target text streams in: zero_shot the voice's
+        transcript, instruct2 the instruction, cross_lingual none (CosyVoice3: the system prefix, as its LM
+        needs `<|endofprompt|>` in the prompt text when the text streams in)."""
+        if mode == "zero_shot":
+            if prompt.prompt_text_ids.numel() == 0:
+                raise BadInput("prompt_text: zero_shot needs the voice's transcript")
+            return prompt.prompt_text_ids
+        if mode == "instruct2":
+            return torch.tensor(self.instruction_ids(instruct), dtype=torch.int32)
+        if self.family == "cosyvoice3":
+            return torch.tensor(self.encode_text(CV3_SYSTEM_PROMPT + END_OF_PROMPT), dtype=torch.int32)
+        return torch.zeros(0, dtype=torch.int32)
 
     def inputs_sft(self, text: str, speaker: str) -> ModelInputs:
         """A speaker of `spk2info.pt`; zero-shot entries work too, through their x-vector.

@@ -15,6 +15,8 @@ import torch
 from cosystream.errors import BadInput, CheckpointError
 
 MODES = ("zero_shot", "cross_lingual", "instruct2", "sft", "vc")
+DEFAULT_FAMILY = "cosyvoice2"
+_FAMILY_KEY = "family"  # VoicePrompt.tensors(): the family's name as utf-8 bytes (uint8)
 XVECTOR_DIM = 192
 
 
@@ -44,6 +46,9 @@ class VoicePrompt:
     prompt_speech_tokens: torch.Tensor  # int32 [P], 25 Hz
     prompt_mel: torch.Tensor  # float32 [2P, 80], natural-log mel at 50 Hz
     xvector: torch.Tensor  # float32 [192], CAM++ output, not normalised
+    # The model family whose frontend made it: the speech tokenizer (v2, v3), the mel's fmax and the transcript's
+    # specials differ between families, so a prompt serves only models of its own family.
+    family: str = DEFAULT_FAMILY
 
     def __post_init__(self) -> None:
         _check("prompt_text_ids", self.prompt_text_ids, torch.int32, 1)
@@ -59,12 +64,15 @@ class VoicePrompt:
     def tensors(self) -> dict[str, torch.Tensor]:
         """The fields as a flat dict (the layout the voice store serialises)."""
         return {"prompt_text_ids": self.prompt_text_ids, "prompt_speech_tokens": self.prompt_speech_tokens,
-                "prompt_mel": self.prompt_mel, "xvector": self.xvector}
+                "prompt_mel": self.prompt_mel, "xvector": self.xvector,
+                _FAMILY_KEY: torch.tensor(list(self.family.encode()), dtype=torch.uint8)}
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> VoicePrompt:
+        """The inverse of `tensors()`; a record without a family predates CosyVoice3 and is CosyVoice2's."""
+        family = bytes(tensors[_FAMILY_KEY].tolist()).decode() if _FAMILY_KEY in tensors else DEFAULT_FAMILY
         return cls(**{name: tensors[name] for name in ("prompt_text_ids", "prompt_speech_tokens",
-                                                        "prompt_mel", "xvector")})
+                                                        "prompt_mel", "xvector")}, family=family)
 
 
 @dataclass(frozen=True, eq=False)
@@ -107,7 +115,7 @@ class ModelInputs:
 
 
 def build_voice_prompt(prompt_text_ids: list[int], raw_tokens: torch.Tensor, raw_mel: torch.Tensor,
-                       xvector: torch.Tensor, token_mel_ratio: int = 2) -> VoicePrompt:
+                       xvector: torch.Tensor, token_mel_ratio: int = 2, family: str = DEFAULT_FAMILY) -> VoicePrompt:
     """Align raw tokens [P'] and mel [F', 80] to n = min(F' // 2, P') (PARITY: spec/frontend.md §7)."""
     num_tokens = min(raw_mel.shape[0] // token_mel_ratio, raw_tokens.shape[0])
     return VoicePrompt(
@@ -115,6 +123,7 @@ def build_voice_prompt(prompt_text_ids: list[int], raw_tokens: torch.Tensor, raw
         prompt_speech_tokens=raw_tokens[:num_tokens].to(torch.int32).contiguous(),
         prompt_mel=raw_mel[: token_mel_ratio * num_tokens].to(torch.float32).contiguous(),
         xvector=xvector.to(torch.float32).reshape(-1).contiguous(),
+        family=family,
     )
 
 
@@ -169,7 +178,7 @@ class BuiltinSpeaker:
     prompt: VoicePrompt | None  # present for entries written by add_zero_shot_spk
 
 
-def load_spk2info(path: str | Path) -> dict[str, BuiltinSpeaker]:
+def load_spk2info(path: str | Path, family: str = DEFAULT_FAMILY) -> dict[str, BuiltinSpeaker]:
     """Read both `spk2info.pt` layouts: SFT (`embedding`) and zero-shot (`flow_embedding` + prompt).
 
     Loaded with weights_only=True: the file is a plain dict of tensors, never code.
@@ -180,10 +189,10 @@ def load_spk2info(path: str | Path) -> dict[str, BuiltinSpeaker]:
         raise CheckpointError(f"spk2info.pt: cannot be read as a tensor dict ({exc})") from None
     if not isinstance(table, dict):
         raise CheckpointError(f"spk2info.pt: expected a dict speaker -> entry, got {type(table).__name__}")
-    return {str(name): _builtin_speaker(str(name), entry) for name, entry in table.items()}
+    return {str(name): _builtin_speaker(str(name), entry, family) for name, entry in table.items()}
 
 
-def _builtin_speaker(name: str, entry: object) -> BuiltinSpeaker:
+def _builtin_speaker(name: str, entry: object, family: str = DEFAULT_FAMILY) -> BuiltinSpeaker:
     if not isinstance(entry, dict):
         raise CheckpointError(f"spk2info.pt: speaker {name!r} is a {type(entry).__name__}, expected a dict")
     if "embedding" in entry:  # SFT layout
@@ -201,6 +210,7 @@ def _builtin_speaker(name: str, entry: object) -> BuiltinSpeaker:
             prompt_speech_tokens=entry["llm_prompt_speech_token"].reshape(-1).to(torch.int32),
             prompt_mel=mel.reshape(-1, mel.shape[-1]).float(),
             xvector=xvector,
+            family=family,
         )
     except ValueError as exc:
         raise CheckpointError(f"spk2info.pt: speaker {name!r}: {exc}") from None

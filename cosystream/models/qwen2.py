@@ -109,6 +109,13 @@ class DecoderLayer(nn.Module):
         return self.o_proj(out.reshape(batch, n, d.num_heads * d.head_dim))
 
 
+class KeepEveryToken:
+    """The token filter of a family that sends every generated speech token to the flow."""
+
+    def keep(self, token: int) -> bool:
+        return True
+
+
 class SpeechLM(nn.Module):
     """Qwen2LM of CosyVoice2: text/speech embeddings, Qwen2 decoder, speech-token head.
 
@@ -139,6 +146,29 @@ class SpeechLM(nn.Module):
             self.llm_embedding.weight[1:2],
             self.speech_embedding(speech_tokens.to(dev, torch.long)),
         ])
+
+    # ------------------------------------------------------------------ what the engine asks of a speech LM
+    @property
+    def fill(self) -> int:
+        """The id text streaming forces where the training layout waits for more text."""
+        return self.dims.fill_token
+
+    def special_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The SOS and TASK_ID embeddings [d] (rows 0 and 1 of `llm_embedding`)."""
+        return self.llm_embedding.weight[0], self.llm_embedding.weight[1]
+
+    def bistream_prompt(self, prompt_text_ids: torch.Tensor, prompt_speech_tokens: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Text-streaming prompt: (prefix fed right after SOS [0, d]: none in CosyVoice2, the prompt text
+        [m, d] that joins the 5:15 interleave, the prompt speech [P, d])."""
+        dev = self.text_embedding.weight.device
+        prefix = self.text_embedding.weight.new_zeros(0, self.dims.hidden_size)
+        return (prefix, self.text_embedding(prompt_text_ids.flatten().to(dev, torch.long)),
+                self.speech_embedding(prompt_speech_tokens.flatten().to(dev, torch.long)))
+
+    def token_filter(self) -> KeepEveryToken:
+        """A new per-segment filter of the tokens that reach the flow (CosyVoice2 drops none)."""
+        return KeepEveryToken()
 
     # ------------------------------------------------------------------ forward
     def forward(self, embeds: torch.Tensor, start_pos: torch.Tensor, cache: KVCache, attn_len: int,

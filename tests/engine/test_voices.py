@@ -47,6 +47,23 @@ def store(tmp_path: Path):
 
 # basic operations
 
+def test_a_voice_keeps_the_family_of_the_model_that_analysed_it(store):
+    import dataclasses
+
+    from safetensors.torch import save
+
+    store.add("cv3", dataclasses.replace(make_prompt(), family="cosyvoice3"), "hello")
+    assert store.get("cv3").prompt.family == "cosyvoice3"
+    # a record written before voices had a family: its tensors lack the key, and it is CosyVoice2's
+    legacy = {k: v for k, v in make_prompt(seed=1).tensors().items() if k != "family"}
+    store.add("old", make_prompt(seed=1), "hello")
+    with sqlite3.connect(str(store.path)) as conn:
+        conn.execute("UPDATE voice_blobs SET data = ? WHERE name = 'old' AND kind = 'prompt'", (save(legacy),))
+    old = store.get("old").prompt
+    assert old.family == "cosyvoice2"
+    assert all(torch.equal(old.tensors()[k], v) for k, v in legacy.items())
+
+
 def test_add_then_get_round_trips_every_tensor(store):
     prompt, extras = make_prompt(), {"flow_cache": torch.randn(3, 4).to(torch.bfloat16)}
     info = store.add("alice", prompt, "hello there", extras)
@@ -273,6 +290,7 @@ def test_cli_add_list_delete(cli, capsys, model_dir, prompt_file, manifest):
     assert cli("list") == 0
     listing = capsys.readouterr().out
     assert "alice" in listing and text[:20] in listing
+    assert listing.splitlines()[1].split()[:2] == ["alice", "cosyvoice2"]  # the family of the model that analysed it
     assert cli("delete", "alice") == 0 and cli("list") == 0
     assert "no voices" in capsys.readouterr().out
 

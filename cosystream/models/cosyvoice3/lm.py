@@ -77,6 +77,10 @@ class CosyVoice3LM(SpeechLM):
         return (self.text_embedding(ids[:cut].to(dev)), self.text_embedding(ids[cut:].to(dev)),
                 self.speech_embedding(prompt_speech_tokens.flatten().to(dev, torch.long)))
 
+    def token_filter(self) -> SilentTokenFilter:
+        """A new per-segment silent-token filter (the official consumer keeps one per request)."""
+        return SilentTokenFilter()
+
     def is_stop(self, token: int) -> bool:
         """Any id from `speech_token_size` upwards ends decoding."""
         return token >= self.dims.speech_token_size

@@ -7,47 +7,14 @@ works unchanged.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-REPO = Path(__file__).resolve().parents[3]
-SHIPPED = REPO / "tests" / "fixtures"
-DEFAULT_SET_CV3 = SHIPPED / "cosyvoice3-tiny"
-
-
-def cv3_set_dir() -> Path:
-    """The CosyVoice3 fixture set (read-only)."""
-    return Path(os.environ.get("COSYSTREAM_FIXTURES_CV3", str(DEFAULT_SET_CV3))).resolve()
-
-
-def _materialize_script(set_dir: Path) -> Path:
-    for candidate in (set_dir.parent / "materialize.py", SHIPPED / "materialize.py"):
-        if candidate.is_file():
-            return candidate
-    raise FileNotFoundError(f"materialize.py not found beside {set_dir} or in {SHIPPED}")
-
-
-@pytest.fixture(scope="session")
-def cv3_dir() -> Path:
-    d = cv3_set_dir()
-    if not (d / "weights.json").is_file():
-        pytest.fail(f"CosyVoice3 fixture set not found at {d} (set COSYSTREAM_FIXTURES_CV3)")
-    return d
-
-
-@pytest.fixture(scope="session")
-def cv3_model_dir(cv3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The set's model directory with its weights materialised (once per session)."""
-    out = tmp_path_factory.mktemp("cv3_set")
-    subprocess.run([sys.executable, str(_materialize_script(cv3_dir)), str(cv3_dir), str(out)],
-                   check=True, capture_output=True)
-    return out / "model"
+# `cv3_dir` (the set: tests/fixtures/cosyvoice3-tiny or COSYSTREAM_FIXTURES_CV3) and `cv3_model_dir` (its
+# materialised model directory) are in tests/conftest.py: the engine and server tests use them too.
 
 
 @pytest.fixture(scope="session")
