@@ -375,3 +375,14 @@ def write_campplus(path: str | Path, size: str = "full", seed: int = 0) -> Path:
     feats = torch.randn(1, 251, 80, generator=torch.Generator().manual_seed(seed))
     _export(net, (feats,), path, ["input"], "output", {"input": {1: "T"}}, EXPORT_OPSET["campplus"])
     return path
+
+
+def replace_side_models(model_dir: str | Path, size: str = "full", seed: int = 0) -> list[Path]:
+    """Overwrite a model directory's speech tokenizer (its version kept) and CAM++ with these graphs."""
+    model_dir = Path(model_dir)
+    tokenizers = sorted(model_dir.glob("speech_tokenizer_v*.onnx"))
+    if len(tokenizers) != 1 or tokenizers[0].stem[-2:] not in ("v2", "v3"):
+        raise FileNotFoundError(f"{model_dir}: expected one speech_tokenizer_v2.onnx or speech_tokenizer_v3.onnx")
+    version = tokenizers[0].stem[-2:]
+    return [write_speech_tokenizer(tokenizers[0], version, size, seed),
+            write_campplus(model_dir / "campplus.onnx", size, seed + 1)]

@@ -132,3 +132,33 @@ def test_full_size_graphs_equal_onnxruntime(tmp_path_factory, mel_dims, prompts,
     graphs = {version: write_speech_tokenizer(root / f"speech_tokenizer_{version}.onnx", version, "full", seed=21),
               "campplus": write_campplus(root / "campplus.onnx", "full", seed=22)}
     _check_analyzer(graphs, version, mel_dims, prompts[:3])
+
+
+@pytest.mark.parametrize("family", ["cosyvoice2", "cosyvoice3"])
+def test_replace_side_models_keeps_the_tokenizer_version(tmp_path, fixture_dir, family):
+    from cosystream.testing.realistic_side_models import replace_side_models
+
+    source = fixture_dir if family == "cosyvoice2" else Path(__file__).resolve().parents[1] / "fixtures" / \
+        "cosyvoice3-tiny"
+    tokenizer = next((source / "model").glob("speech_tokenizer_v*.onnx"))
+    (tmp_path / tokenizer.name).write_bytes(tokenizer.read_bytes())
+    (tmp_path / "campplus.onnx").write_bytes((source / "model" / "campplus.onnx").read_bytes())
+    written = replace_side_models(tmp_path, "small", seed=3)
+    assert written == [tmp_path / tokenizer.name, tmp_path / "campplus.onnx"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([tokenizer.name, "campplus.onnx"])
+    layer_norms = {node.op_type for node in onnx.load(str(written[0])).graph.node} & {"LayerNormalization"}
+    assert bool(layer_norms) == (tokenizer.stem.endswith("v2"))  # the v2 export fuses its layer norms, v3 not
+    (tmp_path / "speech_tokenizer_v9.onnx").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="expected one"):
+        replace_side_models(tmp_path, "small")
+
+
+@pytest.mark.slow
+def test_make_random_model_writes_realistic_side_models(tmp_path, capsys):
+    from cosystream.cli import main
+
+    assert main(["make-random-model", str(tmp_path / "m"), "--size", "tiny", "--side-models", "realistic"]) == 0
+    assert "realistic side models" in capsys.readouterr().out
+    assert (tmp_path / "m" / "speech_tokenizer_v2.onnx").stat().st_size > 400e6  # the released size: ≈ 0.5 GB
+    assert {node.op_type for node in onnx.load(str(tmp_path / "m" / "campplus.onnx")).graph.node} >= {"Conv",
+                                                                                                     "AveragePool"}
