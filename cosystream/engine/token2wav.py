@@ -587,6 +587,10 @@ class Token2WavRunner:
             mel_lengths.append((2 * plan.num_new + (MEL_CACHE_FRAMES if cached else 0), cached,
                                 not (plan.is_final and official_final)))
             frame, cached = end, True
+        boundary = self.stream.prompt_cache_tokens(prompt_tokens)
+        if boundary > 0:  # new voices' prompt passes (prompt_caches): batched like chunks, from frame 0
+            shapes.append((UPSAMPLE * boundary, self.pool.attn_len_for(UPSAMPLE * boundary)))
+            encoder_shapes.append((0, boundary, True))
         batches = [b for b in BATCH_BUCKETS if b <= bucket(len(self.pool.free))]
         # official final passes wait without a slot: up to REPLAY_ROWS of them share a replay, however few slots
         unbounded = [b for b in BATCH_BUCKETS if b <= REPLAY_ROWS]
