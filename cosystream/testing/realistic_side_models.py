@@ -342,6 +342,7 @@ def campplus_net(size: str, seed: int) -> CamPlusNet:
 
 def _export(module: nn.Module, args: tuple, path: Path, inputs: list[str], output: str, dynamic: dict,
             opset: int) -> None:
+    path.unlink(missing_ok=True)  # a link (a model directory linked to another's files) is replaced, not followed
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # the legacy exporter's deprecation and tracer notes
         torch.onnx.export(module, args, str(path), input_names=inputs, output_names=[output], dynamic_axes=dynamic,
@@ -386,3 +387,25 @@ def replace_side_models(model_dir: str | Path, size: str = "full", seed: int = 0
     version = tokenizers[0].stem[-2:]
     return [write_speech_tokenizer(tokenizers[0], version, size, seed),
             write_campplus(model_dir / "campplus.onnx", size, seed + 1)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Replace a model directory's speech tokenizer and CAM++ with "
+                                                 "random-weight graphs of the released architectures.")
+    parser.add_argument("model_dir")
+    parser.add_argument("--size", default="full", choices=["full", "small"])
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    try:
+        written = replace_side_models(args.model_dir, args.size, args.seed)
+    except FileNotFoundError as exc:
+        parser.error(str(exc))
+    for path in written:
+        print(f"wrote {path} ({path.stat().st_size / 2**20:.0f} MiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -142,10 +142,16 @@ def test_replace_side_models_keeps_the_tokenizer_version(tmp_path, fixture_dir, 
         "cosyvoice3-tiny"
     tokenizer = next((source / "model").glob("speech_tokenizer_v*.onnx"))
     (tmp_path / tokenizer.name).write_bytes(tokenizer.read_bytes())
-    (tmp_path / "campplus.onnx").write_bytes((source / "model" / "campplus.onnx").read_bytes())
+    # CAM++ a link to another directory's file (a model directory linked to a stand-in model's files)
+    elsewhere = tmp_path.parent / f"{tmp_path.name}_other"
+    elsewhere.mkdir()
+    original = (source / "model" / "campplus.onnx").read_bytes()
+    (elsewhere / "campplus.onnx").write_bytes(original)
+    (tmp_path / "campplus.onnx").symlink_to(elsewhere / "campplus.onnx")
     written = replace_side_models(tmp_path, "small", seed=3)
     assert written == [tmp_path / tokenizer.name, tmp_path / "campplus.onnx"]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([tokenizer.name, "campplus.onnx"])
+    assert not written[1].is_symlink() and (elsewhere / "campplus.onnx").read_bytes() == original
     layer_norms = {node.op_type for node in onnx.load(str(written[0])).graph.node} & {"LayerNormalization"}
     assert bool(layer_norms) == (tokenizer.stem.endswith("v2"))  # the v2 export fuses its layer norms, v3 not
     (tmp_path / "speech_tokenizer_v9.onnx").write_bytes(b"")
