@@ -25,6 +25,7 @@ from cosystream.engine.chunking import ChunkPlan
 from cosystream.engine.flow_passes import FinalPass
 from cosystream.engine.flow_runner import FlowRunner, PooledStream
 from cosystream.engine.graphs import BATCH_BUCKETS, REPLAY_ROWS, GraphCache, bucket, capture_stream, maybe_compile
+from cosystream.engine.scheduler import PROMPT_PHASE_STREAMS
 from cosystream.engine.stopwatch import Stopwatch
 from cosystream.kernels import triton_usable
 from cosystream.kernels import vocoder as vocoder_kernels
@@ -587,11 +588,14 @@ class Token2WavRunner:
             mel_lengths.append((2 * plan.num_new + (MEL_CACHE_FRAMES if cached else 0), cached,
                                 not (plan.is_final and official_final)))
             frame, cached = end, True
-        boundary = self.stream.prompt_cache_tokens(prompt_tokens)
-        if boundary > 0:  # new voices' prompt passes (prompt_caches): batched like chunks, from frame 0
-            shapes.append((UPSAMPLE * boundary, self.pool.attn_len_for(UPSAMPLE * boundary)))
-            encoder_shapes.append((0, boundary, True))
         batches = [b for b in BATCH_BUCKETS if b <= bucket(len(self.pool.free))]
+        boundary = self.stream.prompt_cache_tokens(prompt_tokens)
+        # new voices' prompt passes (prompt_caches): the encoder from token 0 and the ODE over the cached frames,
+        # in the batches a phase of them fills
+        prompt_batches = [b for b in batches if b <= bucket(PROMPT_PHASE_STREAMS)] if boundary > 0 else []
+        for b in prompt_batches:
+            self.pool.capture(b, UPSAMPLE * boundary, self.pool.attn_len_for(UPSAMPLE * boundary))
+            self.pool.capture_encoder(b, 0, boundary, True)
         # official final passes wait without a slot: up to REPLAY_ROWS of them share a replay, however few slots
         unbounded = [b for b in BATCH_BUCKETS if b <= REPLAY_ROWS]
         for b in batches:
