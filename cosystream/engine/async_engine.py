@@ -37,7 +37,7 @@ from cosystream.engine.loader import load_flow, load_hift, load_llm
 from cosystream.engine.prompt_batcher import PromptBatcher
 from cosystream.engine.request import RequestState, Segment
 from cosystream.engine.token2wav import Token2WavRunner
-from cosystream.engine.upload_cache import UploadCache
+from cosystream.engine.upload_cache import UPLOAD_KEY_PREFIX, UploadCache
 from cosystream.engine.voices import VoiceInfo, VoiceStore, check_voice_name, default_db_path
 from cosystream.errors import BadInput, CosyStreamError, Overloaded, VoiceExists
 from cosystream.frontend import Frontend, ModelInputs, VoicePrompt
@@ -452,7 +452,7 @@ def _check_params(p: SynthesisParams) -> None:
 _KEY_SEP = "\x00"  # cannot occur in a voice name (check_voice_name refuses control characters)
 
 
-_UPLOAD_PREFIX = "upload" + _KEY_SEP  # voice keys of uploaded prompts (no voice name contains the separator)
+_UPLOAD_PREFIX = UPLOAD_KEY_PREFIX  # voice keys of uploaded prompts (no voice name contains the separator)
 
 
 def _upload_key(audio: Any, prompt_text: str) -> str | None:

@@ -27,6 +27,7 @@ from cosystream.engine.flow_runner import FlowRunner, PooledStream
 from cosystream.engine.graphs import BATCH_BUCKETS, REPLAY_ROWS, GraphCache, bucket, capture_stream, maybe_compile
 from cosystream.engine.scheduler import PROMPT_PHASE_STREAMS
 from cosystream.engine.stopwatch import Stopwatch
+from cosystream.engine.upload_cache import is_upload_key
 from cosystream.kernels import triton_usable
 from cosystream.kernels import vocoder as vocoder_kernels
 from cosystream.models.flow import UPSAMPLE
@@ -173,15 +174,19 @@ class Token2WavRunner:
         return self.voice_caches[voice_key]
 
     def _evict_voice_caches(self) -> None:
-        """Least recently used first, down to max_voice_caches voices and max_voice_cache_bytes (the newest
-        stays even alone over the bytes: its stream is opening). A 6 s prompt is ≈ 0.7 GB on the device for
-        CosyVoice2-0.5B in bf16, a 16 s one ≈ 1.9 GB: a count alone let sixteen of those take ~30 GB."""
+        """Least recently used first, recordings sent with requests before registered voices, down to
+        max_voice_caches voices and max_voice_cache_bytes (the newest stays even alone over the bytes: its
+        stream is opening). A 6 s prompt is ≈ 0.7 GB on the device for CosyVoice2-0.5B in bf16, a 16 s one
+        ≈ 1.9 GB: a count alone let sixteen of those take ~30 GB. A flood of new recordings (each seen once)
+        does not push out the registered voices' states."""
         def held() -> int:
             return sum(c.kv.numel() * c.kv.element_size() for c in self.voice_caches.values())
 
         while len(self.voice_caches) > 1 and (len(self.voice_caches) > self.max_voice_caches
                                               or held() > self.max_voice_cache_bytes):
-            self.voice_caches.popitem(last=False)
+            older = list(self.voice_caches)[:-1]
+            victim = next((key for key in older if is_upload_key(key)), older[0])
+            del self.voice_caches[victim]
 
     def _prompt_args(self, inputs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(prompt tokens [1, P], prompt mel [1, 2P, 80], x-vector [1, 192]) on the device."""

@@ -17,8 +17,15 @@ from concurrent.futures import Future
 
 from cosystream.frontend import VoicePrompt
 
+# Voice keys of uploaded recordings start with this (no voice name contains the separator, a control character).
+UPLOAD_KEY_PREFIX = "upload\x00"
 MAX_UPLOADS = 64  # analyses kept (CPU: tokens, mel, x-vector, ≈ 0.1 MB for a 6 s prompt)
 MAX_UPLOAD_BYTES = 32 * 2**20  # their tensors together (a 30 s prompt's analysis is ≈ 0.5 MB)
+
+
+def is_upload_key(voice_key: str) -> bool:
+    """Does this voice key name a recording sent with a request (not a registered voice)?"""
+    return voice_key.startswith(UPLOAD_KEY_PREFIX)
 
 
 def prompt_bytes(prompt: VoicePrompt) -> int:
