@@ -10,7 +10,8 @@ and the shape arithmetic of a real export, and the GPU cost of the prompt analys
   depthwise FSMN memory (kernel 31), rotary positions on 64-wide heads, a length mask from `feats_length`,
   and an FSQ head (8 digits in base 3 from tanh of a projection). Full size: 1280 wide, 20 heads, 6 blocks
   (v2) or 12 (v3), ≈ 0.5 / 1 GB of float32; the layout is the one the `s3tokenizer` package loads the
-  released files into;
+  released files into (checked against s3tokenizer 0.3.0: the same parameters up to their names, and the
+  same tokens from the same weights, batched with padding, for v2 and v3);
 * CAM++ (3D-Speaker's CAMPPlus, CosyVoice's `campplus.onnx`): a 2D-convolution head with residual blocks
   over the 80 fbank bins (FCM), a stride-2 TDNN, three densely connected TDNN blocks (12/24/16 layers,
   growth 32) whose layers gate their output by context-aware masking (global mean plus 100-frame segment
