@@ -16,7 +16,8 @@ and the shape arithmetic of a real export, and the GPU cost of the prompt analys
   over the 80 fbank bins (FCM), a stride-2 TDNN, three densely connected TDNN blocks (12/24/16 layers,
   growth 32) whose layers gate their output by context-aware masking (global mean plus 100-frame segment
   means), transition layers, statistics pooling (mean and standard deviation) and a 192-dim embedding.
-  ≈ 7 M parameters.
+  ≈ 7 M parameters (checked against speakerlab 0.0.6's CAMPPlus with a 192-dim embedding: the same
+  parameters in the same order, and the same output from the same weights).
 
 Interfaces as released: `feats` [1, 128, T] float32 + `feats_length` [1] int32 -> `indices` [1, ceil(T/4)]
 int64; `input` [1, T, 80] float32 -> `output` [1, 192] float32. `size="small"` keeps every layer type with
@@ -273,7 +274,7 @@ class CamPlusNet(nn.Module):
         super().__init__()
         self.head = _Fcm(dims.fcm_channels)
         channels = dims.init_channels
-        layers: list[nn.Module] = [nn.Conv1d(self.head.out_channels, channels, 5, stride=2, padding=2),
+        layers: list[nn.Module] = [nn.Conv1d(self.head.out_channels, channels, 5, stride=2, padding=2, bias=False),
                                    nn.BatchNorm1d(channels), nn.ReLU()]
         for count, dilation in zip(dims.block_layers, (1, 2, 2), strict=True):
             for i in range(count):
