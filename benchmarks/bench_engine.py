@@ -242,7 +242,21 @@ def _busy_line(before: dict[str, float], after: dict[str, float], wall_s: float)
             f"{d.get('token2wav_due_final_phases', 0.0):.0f}; "
             f"{d.get('token2wav_batches', 0.0):.0f} batches, {d.get('token2wav_chunks', 0.0) / batches:.1f} "
             f"chunks per batch, {1000 * d.get('token2wav_busy_seconds', 0.0) / batches:.1f} ms per batch)"
-            + _step_line(d) + _stage_line(d) + _calls_line(d))
+            + _step_line(d) + _stage_line(d) + _calls_line(d) + _prompt_line(d, after))
+
+
+def _prompt_line(d: dict[str, float], after: dict[str, float]) -> str:
+    """Recordings sent with requests: analysis batches, the flow's passes over new prompts, the upload cache
+    (`d`: the counters' growth; `after`: the gauges now, for the largest batches since the engine started)."""
+    if not d.get("upload_cache_misses") and not d.get("flow_prompts_built"):
+        return ""
+    analysed = d.get("prompt_analysis_prompts", 0.0)
+    batches = d.get("prompt_analysis_batches", 0.0)
+    built, calls = d.get("flow_prompts_built", 0.0), d.get("flow_prompt_build_calls", 0.0)
+    return (f"\n  new recordings: {d.get('upload_cache_misses', 0.0):.0f} analysed ({analysed:.0f} in "
+            f"{batches:.0f} GPU batches, largest so far {after.get('prompt_analysis_largest_batch', 0.0):.0f}), "
+            f"{d.get('upload_cache_hits', 0.0):.0f} reused; flow prompt passes: {built:.0f} prompts in "
+            f"{calls:.0f} calls (largest so far {after.get('flow_prompt_build_largest', 0.0):.0f})")
 
 
 def _step_line(d: dict[str, float]) -> str:

@@ -8,6 +8,10 @@
 #   COSYSTREAM_COMMIT=<hash> bash benchmarks/levels_all.sh open       # in-process open loop at 8, 16, 17 req/s
 #   COSYSTREAM_COMMIT=<hash> bash benchmarks/levels_all.sh voices     # zero-shot (same / new recording), 16 s
 #                                                                     # utterances, a 20 s prompt
+#   COSYSTREAM_COMMIT=<hash> bash benchmarks/levels_all.sh zeroshot_analysis  # prompt analysis on the released
+#                                                     # side-model architectures: times, bf16/fp16 token agreement
+#   COSYSTREAM_COMMIT=<hash> bash benchmarks/levels_all.sh zeroshot   # c=1,16: registered voice, a new recording
+#                                                     # each request (with and without prompt passes ahead)
 #   SERVE_ARGS="--first-audio-budget-s 0.5" CAPACITY=21 MULTS="1 2 4" SEEDS="0 1 2" \
 #     COSYSTREAM_COMMIT=<hash> bash benchmarks/levels_all.sh overload  # over HTTP: open loop at MULTS x CAPACITY req/s
 #   (then: python3 benchmarks/open_loop_table.py --first-audio-deadline-s 0.5 $OUT/overload_*.json)
@@ -115,7 +119,32 @@ voices)
     --out "$OUT/prompt20s.json" 2>&1 | rows
   stamp done
   ;;
+zeroshot_analysis|zeroshot)
+  # issue 38: the released side-model architectures at full size (random weights) beside /tmp/m05's other files
+  if [ ! -f /tmp/m05r/.realistic ]; then
+    stamp "realistic side models into /tmp/m05r"
+    mkdir -p /tmp/m05r && for f in /tmp/m05/*; do ln -sfn "$f" /tmp/m05r/; done
+    python3 -m cosystream.testing.realistic_side_models /tmp/m05r && touch /tmp/m05r/.realistic
+  fi
+  R="${B//\/tmp\/m05 /\/tmp\/m05r }"
+  if [ "$1" = zeroshot_analysis ]; then
+    stamp "prompt analysis: float32 / bfloat16 / float16 against onnxruntime float32, batches 1, 4, 16"
+    timeout 400 python3 benchmarks/prompt_analysis.py --model-dir /tmp/m05r --device cuda --seconds 6 \
+      --batch-sizes 1,4,16 --dtypes float32,bfloat16,float16 --speaker-threads 8 --out "$OUT/prompt_analysis.json"
+  else
+    stamp "registered voice, c=1,16"
+    timeout 120 $R --concurrency 1,16 --requests-per-level 64 --out "$OUT/zs_registered.json" 2>&1 | rows
+    stamp "a new recording in every request, c=1,16"
+    timeout 150 $R --prompt-per-request --distinct-prompts --concurrency 1,16 --requests-per-level 64 \
+      --out "$OUT/zs_distinct.json" 2>&1 | rows
+    stamp "the same, prompt passes with the first chunk only (open_ahead=false)"
+    timeout 150 $R --config open_ahead=false --prompt-per-request --distinct-prompts --concurrency 1,16 \
+      --requests-per-level 64 --out "$OUT/zs_distinct_no_open_ahead.json" 2>&1 | rows
+  fi
+  stamp done
+  ;;
 *)
-  echo "levels_all.sh: unknown part '$1' (check, more, http, http_open, overload, open or voices)" >&2; exit 2
+  echo "levels_all.sh: unknown part '$1' (check, more, http, http_open, overload, open, voices, zeroshot_analysis" \
+    "or zeroshot)" >&2; exit 2
   ;;
 esac

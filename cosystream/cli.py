@@ -141,6 +141,10 @@ def _add_make_random_model(sub) -> None:
     p.add_argument("--family", default="cosyvoice2", choices=["cosyvoice2", "cosyvoice3"])
     p.add_argument("--size", default="tiny", choices=["tiny", "0.5b"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--side-models", default="standin", choices=["standin", "realistic"],
+                   help="speech tokenizer and CAM++: tiny stand-ins with the official interfaces (default), or "
+                        "the released architectures at their released size with random weights (≈ 0.5 GB for "
+                        "v2, 1 GB for v3; to measure the prompt analysis on a GPU)")
     p.set_defaults(func=_run_make_random_model)
 
 
@@ -154,7 +158,11 @@ def _run_make_random_model(args: argparse.Namespace) -> int:
     except FileExistsError as e:
         raise CosyStreamError(f"OUT: {e}") from e
     name = "CosyVoice3" if args.family == "cosyvoice3" else "CosyVoice2"
-    print(f"wrote a random {args.size} {name} model to {out}")
+    if args.side_models == "realistic":
+        from cosystream.testing.realistic_side_models import replace_side_models
+
+        replace_side_models(out, "full", args.seed)
+    print(f"wrote a random {args.size} {name} model to {out} ({args.side_models} side models)")
     return 0
 
 

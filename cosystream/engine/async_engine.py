@@ -14,10 +14,8 @@ import gc
 import hashlib
 import random
 import sys
-import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -38,6 +36,7 @@ from cosystream.engine.lm_runner import RowSampling
 from cosystream.engine.load_log import loading
 from cosystream.engine.prompt_batcher import PromptBatcher
 from cosystream.engine.request import RequestState, Segment
+from cosystream.engine.upload_cache import UPLOAD_KEY_PREFIX, UploadCache
 from cosystream.engine.voices import VoiceInfo, VoiceStore, check_voice_name, default_db_path
 from cosystream.errors import BadInput, CosyStreamError, Overloaded, VoiceExists
 from cosystream.frontend import Frontend, ModelInputs, VoicePrompt
@@ -76,8 +75,7 @@ class AsyncEngine:
         self._voice_prompts: dict[str, VoicePrompt] = {}
         # prompt recordings sent with requests (zero-shot without a registered voice), by content: a client
         # that sends the same reference with every request gets its analysis and encoded flow prompt reused
-        self._uploads: OrderedDict[str, VoicePrompt] = OrderedDict()
-        self._uploads_lock = threading.Lock()  # frontend threads resolve voices concurrently
+        self._uploads = UploadCache()
         # A registered voice's caches are keyed by its registration (name + creation time), not its name
         # alone: a request still running for a deleted voice must not hand its prompt state to a new
         # voice registered under the same name.
@@ -319,18 +317,12 @@ class AsyncEngine:
         if params.prompt_audio is None:
             raise BadInput("voice: give a registered voice name or a prompt_wav")
         key = _upload_key(params.prompt_audio, params.prompt_text)
-        with self._uploads_lock:
-            prompt = self._uploads.get(key) if key is not None else None
-            if prompt is not None:
-                self._uploads.move_to_end(key)
-                return prompt, key
-        prompt = self.prompt_batcher.make_voice_prompt(params.prompt_audio, params.prompt_text)
-        if key is not None:
-            with self._uploads_lock:
-                self._uploads[key] = prompt
-                while len(self._uploads) > _MAX_UPLOADS:
-                    self._uploads.popitem(last=False)
-        return prompt, key
+        def analyse() -> VoicePrompt:
+            return self.prompt_batcher.make_voice_prompt(params.prompt_audio, params.prompt_text)
+
+        if key is None:
+            return analyse(), None
+        return self._uploads.get_or_make(key, analyse), key
 
     # ------------------------------------------------------------------ voices
     def voice_prompt(self, name: str) -> VoicePrompt:
@@ -405,7 +397,16 @@ class AsyncEngine:
         return list(self._voice_prompts)
 
     def stats(self) -> dict[str, float]:
-        return {**self.core.stats(), **accounting.gauges(self)}
+        return {**self.core.stats(), **accounting.gauges(self), **self._prompt_stats()}
+
+    def _prompt_stats(self) -> dict[str, float]:
+        """Recordings sent with requests: their analysis batches (GPU engines) and the upload cache."""
+        batches, uploads = self.prompt_batcher.stats, self._uploads
+        return {"prompt_analysis_batches": float(batches.batches), "prompt_analysis_prompts": float(batches.prompts),
+                "prompt_analysis_largest_batch": float(batches.largest_batch),
+                "upload_cache_entries": float(len(uploads)), "upload_cache_bytes": float(uploads.bytes),
+                "upload_cache_hits": float(uploads.hits), "upload_cache_misses": float(uploads.misses),
+                "upload_cache_evictions": float(uploads.evictions)}
 
     def list_voices(self) -> list[VoiceInfo]:
         return self.voices.list()
@@ -445,8 +446,7 @@ def _check_params(p: SynthesisParams) -> None:
 _KEY_SEP = "\x00"  # cannot occur in a voice name (check_voice_name refuses control characters)
 
 
-_UPLOAD_PREFIX = "upload" + _KEY_SEP  # voice keys of uploaded prompts (no voice name contains the separator)
-_MAX_UPLOADS = 64  # analysed uploaded prompts kept (CPU: tokens, mel, x-vector, ≈ 0.1 MB for 6 s)
+_UPLOAD_PREFIX = UPLOAD_KEY_PREFIX  # voice keys of uploaded prompts (no voice name contains the separator)
 
 
 def _upload_key(audio: Any, prompt_text: str) -> str | None:

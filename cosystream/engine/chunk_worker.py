@@ -106,12 +106,16 @@ def phase_kind(jobs: Sequence[ChunkJob]) -> str:
 
 
 def _riders(t2w: runners.Token2WavRunner, phases: list[list[ChunkJob]], i: int) -> list[ChunkJob]:
-    """Jobs of phase i + 1 that join phase i, a phase of first chunks, in its ODE call (Scheduler.riders);
-    they leave phase i + 1 (dropped when it is empty then)."""
+    """Jobs of the next phase of chunks (a phase of prompt passes between is skipped) that join phase i, a
+    phase of first chunks, in its ODE call (Scheduler.riders); they leave that phase (dropped when it is
+    empty then)."""
     jobs = phases[i]
-    if i + 1 >= len(phases) or not jobs or not all(job.first for job in jobs):
+    if not jobs or not all(job.first for job in jobs):
         return []
-    pool = [job for job in phases[i + 1] if not job.first]
+    n = next((j for j in range(i + 1, len(phases)) if any(job.plan is not None for job in phases[j])), None)
+    if n is None:
+        return []
+    pool = [job for job in phases[n] if not job.first and job.plan is not None]
     keys = [t2w.flow_group(job.state, job.plan) for job in jobs
             if job.error is None and job.state is not None and job.plan is not None]
     candidates = [t2w.flow_group(job.state, job.plan) if job.open_args is None and job.state is not None
@@ -119,9 +123,9 @@ def _riders(t2w: runners.Token2WavRunner, phases: list[list[ChunkJob]], i: int) 
     riders = [pool[k] for k in Scheduler.riders(keys, len(jobs), candidates)]
     if riders:
         taken = {id(job) for job in riders}
-        phases[i + 1] = [job for job in phases[i + 1] if id(job) not in taken]
-        if not phases[i + 1]:
-            del phases[i + 1]
+        phases[n] = [job for job in phases[n] if id(job) not in taken]
+        if not phases[n]:
+            del phases[n]
     return riders
 
 
@@ -135,13 +139,15 @@ def run_jobs(t2w: runners.Token2WavRunner, jobs: list[ChunkJob], device: torch.d
     its stream. should_stop: passed to t2w.run, which may pause a phase of official final passes between
     Euler steps; then the whole result is None (nothing voiced: the jobs go on in a later batch)."""
     t2w.watch.start()
-    for job in jobs:
-        if job.open_args is not None:
-            try:
-                job.state = t2w.start(**job.open_args)
-            except Exception as e:  # e.g. out of memory building the voice's prompt state
-                faults.release_device_memory(e, device)
-                job.error = e
+    opening = [job for job in jobs if job.open_args is not None]
+    prompts = _prompts_together(t2w, opening, device)
+    t2w.watch.lap("prompts")
+    for job, prompt in zip(opening, prompts, strict=True):
+        try:
+            job.state = t2w.start(**job.open_args, **({} if prompt is None else {"prompt": prompt}))
+        except Exception as e:  # e.g. out of memory building the voice's prompt state
+            faults.release_device_memory(e, device)
+            job.error = e
     t2w.watch.lap("open")
     if phases is not None:
         jobs.extend(_riders(t2w, phases, i))
@@ -156,6 +162,21 @@ def run_jobs(t2w: runners.Token2WavRunner, jobs: list[ChunkJob], device: torch.d
         t2w.opened()
     by_job = {id(job): result for job, result in zip(runnable, results, strict=True)}
     return [by_job.get(id(job)) for job in jobs]
+
+
+def _prompts_together(t2w: runners.Token2WavRunner, opening: list[ChunkJob], device: torch.device) -> list:
+    """The encoded prompts of the streams a phase opens, built in one go where the runner can
+    (`prompt_caches`: new voices' flow passes batched); None each where it cannot, or where the batched
+    build failed (each stream then builds its own in `start`, and fails alone)."""
+    build = getattr(t2w, "prompt_caches", None)
+    if build is None or len(opening) < 2:
+        return [None] * len(opening)
+    try:
+        return build([(job.open_args["inputs"], job.open_args["voice_key"], job.open_args["stored"])
+                      for job in opening])
+    except Exception as e:  # e.g. out of memory for the whole group
+        faults.release_device_memory(e, device)
+        return [None] * len(opening)
 
 
 def stop_test(worker: ChunkWorker | None, jobs: Sequence[ChunkJob]) -> Callable[[], bool] | None:

@@ -151,17 +151,19 @@ class FlowRunner(WholePasses):
     @torch.inference_mode()
     def build_prompt_caches(self, stream: FlowStream,
                             prompts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> list[PromptCache]:
-        """FlowStream.build_prompt_cache for voices whose prompts have one length, through the pool: their
+        """FlowStream.build_prompt_cache for voices whose prompt caches have one length, through the pool: their
         frames advance in free slots as one chunk (one graphed ODE for all), then leave them as
-        PromptCaches. prompts: (tokens [1, P], mel [1, 2P, 80], xvector [1, 192]) each. PERF: the eager pass
-        launches each op of ten estimator steps from Python: ≈ 0.5 s per 6 s prompt on the H100, on the
-        first chunk's path of every request in a voice not in memory."""
+        PromptCaches. prompts: (tokens [1, P], mel [1, 2P, 80], xvector [1, 192]) each; their token counts
+        may differ as long as their caches end at one chunk boundary (`FlowStream.prompt_cache_tokens`: the
+        tokens past it only give look-ahead). PERF: the eager pass launches each op of ten estimator steps
+        from Python: ≈ 0.5 s per 6 s prompt on the H100, on the first chunk's path of every request in a
+        voice not in memory."""
         empties = [stream.empty_prompt(*prompt) for prompt in prompts]
-        lengths = {empty.prompt_tokens.shape[0] for empty in empties}
-        if len(lengths) != 1 or len(empties) > len(self.free):
-            raise ValueError(f"prompts of {sorted(lengths)} tokens for {len(self.free)} free slots: one length, "
-                             "at most one prompt per free slot")
-        boundary = stream.prompt_cache_tokens(lengths.pop())
+        boundaries = {stream.prompt_cache_tokens(empty.prompt_tokens.shape[0]) for empty in empties}
+        if len(boundaries) != 1 or len(empties) > len(self.free):
+            raise ValueError(f"prompts whose caches end at {sorted(boundaries)} tokens for {len(self.free)} free "
+                             "slots: one length (one cache boundary), at most one prompt per free slot")
+        boundary = boundaries.pop()
         pooled: list[PooledStream] = []
         try:
             for empty in empties:

@@ -27,6 +27,11 @@ else), with the refinements that keep the GPU's batches full:
   first audio (the two share the GPU);
 * official final passes come due earliest deadline first, each costing the measured pass;
 * idle, the worker opens the flow streams of requests still decoding their first chunk (open-ahead);
+* a new recording's prompt pass (the flow over a voice not at hand, which opening its stream needs) is
+  work of the first chunks' class: the prompts due earliest go together in one phase of a batch, right
+  after its first chunks and before its later chunks (one batched flow call for the burst), and a busy
+  worker is preempted for them after its running phase, so the pass is done while the LM still decodes
+  the first chunk's tokens instead of in front of that chunk;
 * admission: a new stream is admitted only when the predicted finish of its first chunk is within the
   budget and no running stream that meets its deadline now would miss it with the newcomer's work.
 """
@@ -57,6 +62,8 @@ FINAL_SLACK_S = 2.0
 FINAL_PHASE_STREAMS = 16
 # Streams in a first chunks' ODE call once later chunks of the same shape ride along.
 RIDER_STREAMS = 16
+# New voices' prompt passes in one phase (one batched flow call): a burst's, not one phase each.
+PROMPT_PHASE_STREAMS = 16
 # First-audio target of a stream's first chunk when admission has no budget (deadlines still order work).
 DEFAULT_FIRST_AUDIO_TARGET_S = 1.0
 # Longest Retry-After admission answers (a prediction may be unbounded: a queue nothing has measured yet).
@@ -142,6 +149,7 @@ class JobView:
     opening: bool = False  # the batch opens its stream
     due: bool = False  # an official final pass that is due: pauses only for a client about to run dry
     pausable: bool = False  # an official final pass: its phase may pause between Euler steps
+    prompt_pass: bool = False  # no chunk: the job opens its stream ahead, building a new voice's prompt state
 
 
 @dataclass(slots=True)
@@ -299,26 +307,33 @@ class Scheduler:
         jobs = [replace(job, due=job.final and job.key in due) for job in returned]
         jobs += [JobView(s.key, s.first, s.next_final, s.audio_left_s(now), opening=not s.opened,
                          due=s.next_final and s.key in due, pausable=s.next_final) for s in ready]
+        room = view.max_batch - len(jobs)
+        opening = sum(job.opening for job in jobs)
+        jobs += [JobView(s.key, False, False, -math.inf, opening=True, prompt_pass=True)
+                 for s in self.prompt_passes(view, reserved=opening)[:max(0, room)]]
         return Plan(phases=self.phases(jobs))
 
     @staticmethod
     def phases(jobs: Sequence[JobView]) -> list[list[JobView]]:
         """A batch's jobs in the order they are voiced and handed back: clients about to run dry, first
-        chunks, later chunks, final passes (due ones, then those that may pause, in phases of at most
-        FINAL_PHASE_STREAMS). Each phase's audio goes out when that phase is done, so a first chunk never
-        waits for the whole-utterance passes in its batch; the phases would not share a flow call anyway."""
-        order: list[list[JobView]] = [[], [], [], [], []]
+        chunks, new voices' prompt passes (one phase: their flow passes batched), later chunks, final passes
+        (due ones, then those that may pause, in phases of at most FINAL_PHASE_STREAMS). Each phase's audio
+        goes out when that phase is done, so a first chunk never waits for the whole-utterance passes in its
+        batch; the phases would not share a flow call anyway."""
+        order: list[list[JobView]] = [[], [], [], [], [], []]
         for job in jobs:
-            if job.first:
+            if job.prompt_pass:
+                order[2].append(job)
+            elif job.first:
                 order[1].append(job)
             elif job.audio_left_s < DRY_S:
                 order[0].append(job)
             elif job.final:
-                order[3 if job.due or not job.pausable else 4].append(job)
+                order[4 if job.due or not job.pausable else 5].append(job)
             else:
-                order[2].append(job)
-        phases = [phase for phase in order[:3] if phase]
-        for finals in order[3:]:
+                order[3].append(job)
+        phases = [phase for phase in order[:4] if phase]
+        for finals in order[4:]:
             phases += [finals[i:i + FINAL_PHASE_STREAMS] for i in range(0, len(finals), FINAL_PHASE_STREAMS)]
         return phases
 
@@ -335,20 +350,40 @@ class Scheduler:
         return [i for i, key in enumerate(candidates) if key is not None and key in keys][:room]
 
     def _opens(self, view: EngineView) -> list[list[Hashable]]:
-        """Streams to open ahead of their first chunk, while the worker idles: those of voices at hand in
-        one phase, each voice to build in a phase of its own (a chunk that turns urgent waits for one)."""
+        """Streams to open ahead of their first chunk, while the worker idles, earliest first-chunk deadline
+        first within the free slots: those of voices at hand in one phase, then new voices' prompt passes in
+        phases of PROMPT_PHASE_STREAMS (each phase one batched flow call; a chunk that turns urgent waits for
+        one phase)."""
         if not view.open_ahead or view.worker is None or not view.free_flow_slots:
             return []
-        new = [s for s in sorted(view.streams, key=lambda s: s.arrival_s) if s.opens_ahead]
+        new = sorted((s for s in view.streams if s.opens_ahead and (s.voice_at_hand or self._builds_now(s))),
+                     key=lambda s: (s.deadline_s, s.arrival_s))
         new = self._within_free_slots(view, new)[:view.max_batch]
         at_hand = [s.key for s in new if s.voice_at_hand]
-        return ([at_hand] if at_hand else []) + [[s.key] for s in new if not s.voice_at_hand]
+        builds = [s.key for s in new if not s.voice_at_hand]
+        return ([at_hand] if at_hand else []) + [builds[i:i + PROMPT_PHASE_STREAMS]
+                                                 for i in range(0, len(builds), PROMPT_PHASE_STREAMS)]
+
+    @staticmethod
+    def _builds_now(s: StreamView) -> bool:
+        """Does opening this stream now run a new voice's prompt pass on its own (not with its chunk)?"""
+        return s.opens_ahead and not s.voice_at_hand and not s.planned and not s.ready
+
+    def prompt_passes(self, view: EngineView, reserved: int = 0) -> list[StreamView]:
+        """Streams whose opening builds a new voice's prompt state and may run now, ahead of their first
+        chunk: earliest first-chunk deadline first, within the free flow slots (less `reserved`, taken by
+        the batch's other openings), at most the batch size. None without a worker or with open-ahead off
+        (the pass then runs with the stream's first chunk)."""
+        if not view.open_ahead or view.worker is None or not view.free_flow_slots:
+            return []
+        new = sorted((s for s in view.streams if self._builds_now(s)), key=lambda s: (s.deadline_s, s.arrival_s))
+        return self._within_free_slots(view, new, reserved=reserved)[:view.max_batch]
 
     # ------------------------------------------------------------------ while the worker runs
     def preempt(self, view: EngineView) -> Preempt:
         """Should the busy worker hand back its unstarted phases? For a first chunk (unless it waits for
-        others of its burst anyway) or a client about to run dry that became ready after the batch was
-        planned."""
+        others of its burst anyway), a client about to run dry that became ready after the batch was
+        planned, or a new voice's prompt pass that may run."""
         worker = view.worker
         if worker is None or not worker.busy or worker.dry_asked:
             return Preempt.none
@@ -360,6 +395,8 @@ class Scheduler:
             return Preempt.dry
         if urgent and not worker.preempt_asked and not self._first_chunks_due_soon(view, urgent):
             return Preempt.first
+        if not worker.preempt_asked and self.prompt_passes(view):
+            return Preempt.first  # a new voice's prompt pass: done while its first chunk's tokens are decoded
         return Preempt.none
 
     @staticmethod

@@ -25,7 +25,9 @@ from cosystream.engine.chunking import ChunkPlan
 from cosystream.engine.flow_passes import FinalPass
 from cosystream.engine.flow_runner import FlowRunner, PooledStream
 from cosystream.engine.graphs import BATCH_BUCKETS, REPLAY_ROWS, GraphCache, bucket, capture_stream, maybe_compile
+from cosystream.engine.scheduler import PROMPT_PHASE_STREAMS
 from cosystream.engine.stopwatch import Stopwatch
+from cosystream.engine.upload_cache import is_upload_key
 from cosystream.kernels import triton_usable
 from cosystream.kernels import vocoder as vocoder_kernels
 from cosystream.models.flow import UPSAMPLE
@@ -81,6 +83,8 @@ class Token2WavRunner:
         self.on_new_voice_cache: Callable[[str, dict[str, torch.Tensor]], None] | None = None
         self.fingerprint = f"{flow.dims}|{flow.input_embedding.weight.dtype}"
         self.max_voice_caches = max_voice_caches
+        # flow passes over new voices' prompts: calls, prompts encoded, most prompts in one call
+        self.prompt_build_calls = self.prompts_built = self.largest_prompt_build = 0
         self.max_voice_cache_bytes = int(config.max_voice_cache_gb * 2**30)
         self.sync = self.device.type == "cuda"
         # The NSF source noise is read from one fixed table at a per-request offset, so a request's
@@ -98,19 +102,69 @@ class Token2WavRunner:
     def prompt_cache(self, inputs: Any, voice_key: str | None, stored: dict[str, torch.Tensor] | None = None
                      ) -> PromptCache:
         """A voice's encoded prompt: from memory, else from its stored record, else computed (once)."""
-        cache = self._in_memory(voice_key)
-        if cache is not None:
-            return cache
-        cache = self._from_store(stored)
-        if cache is None:
-            cache = self._build_prompt_cache(inputs)
-            if voice_key is not None and self.on_new_voice_cache is not None:
-                tensors = {k: v.to("cpu") for k, v in cache.to_tensors().items()}
-                self.on_new_voice_cache(voice_key, {**tensors, **self._fingerprint_tensor()})
-        if voice_key is not None:
-            self.voice_caches[voice_key] = cache
-            self._evict_voice_caches()
-        return cache
+        return self.prompt_caches([(inputs, voice_key, stored)])[0]
+
+    def prompt_caches(self, items: Sequence[tuple[Any, str | None, dict[str, torch.Tensor] | None]]
+                      ) -> list[PromptCache]:
+        """`prompt_cache` for several streams opening together: (inputs, voice_key, stored) each. The voices
+        not at hand are built together, those whose caches end at one chunk boundary in one pool call (one
+        graphed ODE for all, as many as there are free slots), so a burst of new recordings costs about one
+        build instead of one each. A voice that appears twice is built once."""
+        caches: list[PromptCache | None] = [None] * len(items)
+        todo: dict[Any, list[int]] = {}  # voice (its key, or the item's index without one) -> its items
+        for i, (_, voice_key, stored) in enumerate(items):
+            if voice_key is not None and voice_key in todo:
+                todo[voice_key].append(i)
+                continue
+            caches[i] = self._in_memory(voice_key)
+            if caches[i] is None:
+                caches[i] = self._from_store(stored)
+                self._register(caches[i], voice_key, fresh=False)
+            if caches[i] is None:
+                todo[voice_key if voice_key is not None else ("item", i)] = [i]
+        built = self._build_prompt_caches([items[members[0]][0] for members in todo.values()])
+        for members, cache in zip(todo.values(), built, strict=True):
+            for i in members:
+                caches[i] = cache
+            self._register(cache, items[members[0]][1], fresh=True)
+        return [cache for cache in caches if cache is not None]
+
+    def _register(self, cache: PromptCache | None, voice_key: str | None, fresh: bool) -> None:
+        """Keep a voice's cache in memory (most recent last); a freshly built one is also handed to
+        `on_new_voice_cache`."""
+        if voice_key is None or cache is None:
+            return
+        if fresh and self.on_new_voice_cache is not None:
+            tensors = {k: v.to("cpu") for k, v in cache.to_tensors().items()}
+            self.on_new_voice_cache(voice_key, {**tensors, **self._fingerprint_tensor()})
+        self.voice_caches[voice_key] = cache
+        self.voice_caches.move_to_end(voice_key)
+        self._evict_voice_caches()
+
+    def _build_prompt_caches(self, inputs: Sequence[Any]) -> list[PromptCache]:
+        """New voices' prompts through the flow: those that fit a slot grouped by where their caches end, each
+        group in free pool slots in one call; the rest one at a time (`_build_prompt_cache`)."""
+        caches: list[PromptCache | None] = [None] * len(inputs)
+        groups: dict[int, list[int]] = {}
+        for i, item in enumerate(inputs):
+            tokens = int(item.flow_prompt_speech_tokens.shape[0])
+            if self.pool is not None and UPSAMPLE * tokens <= self.pool.max_frames:
+                groups.setdefault(self.stream.prompt_cache_tokens(tokens), []).append(i)
+        for members in groups.values():
+            while members and self.pool is not None and len(self.pool.free) > 0:
+                part, members = members[:len(self.pool.free)], members[len(self.pool.free):]
+                if len(part) == 1:
+                    break  # one voice: the single build below (the same pool call)
+                built = self.pool.build_prompt_caches(self.stream, [self._prompt_args(inputs[i]) for i in part])
+                self.prompt_build_calls += 1
+                self.prompts_built += len(part)
+                self.largest_prompt_build = max(self.largest_prompt_build, len(part))
+                for i, cache in zip(part, built, strict=True):
+                    caches[i] = cache
+        for i, item in enumerate(inputs):
+            if caches[i] is None:
+                caches[i] = self._build_prompt_cache(item)
+        return [cache for cache in caches if cache is not None]
 
     def _in_memory(self, voice_key: str | None) -> PromptCache | None:
         """The voice's encoded prompt if memory holds it (marked as just used), else None."""
@@ -120,15 +174,19 @@ class Token2WavRunner:
         return self.voice_caches[voice_key]
 
     def _evict_voice_caches(self) -> None:
-        """Least recently used first, down to max_voice_caches voices and max_voice_cache_bytes (the newest
-        stays even alone over the bytes: its stream is opening). A 6 s prompt is ≈ 0.7 GB on the device for
-        CosyVoice2-0.5B in bf16, a 16 s one ≈ 1.9 GB: a count alone let sixteen of those take ~30 GB."""
+        """Least recently used first, recordings sent with requests before registered voices, down to
+        max_voice_caches voices and max_voice_cache_bytes (the newest stays even alone over the bytes: its
+        stream is opening). A 6 s prompt is ≈ 0.7 GB on the device for CosyVoice2-0.5B in bf16, a 16 s one
+        ≈ 1.9 GB: a count alone let sixteen of those take ~30 GB. A flood of new recordings (each seen once)
+        does not push out the registered voices' states."""
         def held() -> int:
             return sum(c.kv.numel() * c.kv.element_size() for c in self.voice_caches.values())
 
         while len(self.voice_caches) > 1 and (len(self.voice_caches) > self.max_voice_caches
                                               or held() > self.max_voice_cache_bytes):
-            self.voice_caches.popitem(last=False)
+            older = list(self.voice_caches)[:-1]
+            victim = next((key for key in older if is_upload_key(key)), older[0])
+            del self.voice_caches[victim]
 
     def _prompt_args(self, inputs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(prompt tokens [1, P], prompt mel [1, 2P, 80], x-vector [1, 192]) on the device."""
@@ -142,6 +200,9 @@ class Token2WavRunner:
         if self.pool is not None and frames > self.pool.max_frames:
             # longer than a slot: its streams recompute every chunk (FlowRunner.recompute), no keys to keep
             return self.stream.empty_prompt(*args)
+        self.prompt_build_calls += 1
+        self.prompts_built += 1
+        self.largest_prompt_build = max(self.largest_prompt_build, 1)
         if self.pool is not None and self.pool.free:
             return self.pool.build_prompt_caches(self.stream, [args])[0]
         return self.stream.build_prompt_cache(*args)
@@ -171,12 +232,15 @@ class Token2WavRunner:
         self.voice_caches.pop(voice_key, None)
 
     def start(self, inputs: Any, voice_key: str | None, key: Any = None, speed: float = 1.0,
-              max_target_tokens: int = 256, seed: int = 0, stored: dict | None = None) -> Token2WavState:
+              max_target_tokens: int = 256, seed: int = 0, stored: dict | None = None,
+              prompt: PromptCache | None = None) -> Token2WavState:
         """A new stream's state: in a free pool slot (its chunks past the slot recompute, so any prompt and
         length go there), else on the eager path with caches for `max_target_tokens` to begin with (what
-        the stream needs from its start, core._start_tokens; they grow)."""
+        the stream needs from its start, core._start_tokens; they grow). `prompt`: the voice's encoded
+        prompt when the caller has it (`prompt_caches`), else found or built here."""
         offset = (seed * 2654435761) % _NOISE_SAMPLES
-        prompt = self.prompt_cache(inputs, voice_key, stored)
+        if prompt is None:
+            prompt = self.prompt_cache(inputs, voice_key, stored)
         if self.pool is not None and self.pool.free:
             flow_state = self.pool.open(prompt if self.pool.holds(prompt) else self.stream.without_cache(prompt))
         else:
@@ -499,9 +563,12 @@ class Token2WavRunner:
 
     def slot_gauges(self) -> dict[str, float]:
         """Flow-slot gauges for /metrics (none without a pool)."""
+        prompts = {"flow_prompt_build_calls": float(self.prompt_build_calls),
+                   "flow_prompts_built": float(self.prompts_built),
+                   "flow_prompt_build_largest": float(self.largest_prompt_build)}
         if self.pool is None:
-            return {}
-        return {"flow_slots_free": float(len(self.pool.free))}
+            return prompts
+        return {"flow_slots_free": float(len(self.pool.free)), **prompts}
 
     @torch.inference_mode()
     def warmup(self, prompt_tokens: int = 150, target_tokens: int = 250, schedule=None) -> int:
@@ -527,6 +594,13 @@ class Token2WavRunner:
                                 not (plan.is_final and official_final)))
             frame, cached = end, True
         batches = [b for b in BATCH_BUCKETS if b <= bucket(len(self.pool.free))]
+        boundary = self.stream.prompt_cache_tokens(prompt_tokens)
+        # new voices' prompt passes (prompt_caches): the encoder from token 0 and the ODE over the cached frames,
+        # in the batches a phase of them fills
+        prompt_batches = [b for b in batches if b <= bucket(PROMPT_PHASE_STREAMS)] if boundary > 0 else []
+        for b in prompt_batches:
+            self.pool.capture(b, UPSAMPLE * boundary, self.pool.attn_len_for(UPSAMPLE * boundary))
+            self.pool.capture_encoder(b, 0, boundary, True)
         # official final passes wait without a slot: up to REPLAY_ROWS of them share a replay, however few slots
         unbounded = [b for b in BATCH_BUCKETS if b <= REPLAY_ROWS]
         for b in batches:

@@ -166,7 +166,11 @@ class Voicing:
             phases.append([])
             for jv in phase:
                 job = jobs.get(jv.key)
-                if job is None:
+                if job is None and jv.prompt_pass:  # opens ahead of its first chunk: a new voice's prompt pass
+                    req = by_key[jv.key]
+                    job = jobs[jv.key] = ChunkJob(req, req.audio_segment, None,
+                                                  open_args=self._open_args(req, req.audio_segment))
+                elif job is None:
                     req = by_key[jv.key]
                     seg = req.audio_segment
                     job = jobs[jv.key] = ChunkJob(
@@ -181,7 +185,7 @@ class Voicing:
                 job.req.times.first_chunk_start_s = now - job.req.t_submit
         if self._chunks is not None:
             self._in_flight = batch
-            self._first_in_flight = {id(job.req) for job in batch if job.req.is_first_chunk}
+            self._first_in_flight = {id(job.req) for job in batch if job.req.is_first_chunk and job.plan is not None}
             self._worker_free_at = now + self._predict_s(batch)
             self._chunks.submit(phases)
             return

@@ -200,6 +200,12 @@ def _amin(data: torch.Tensor, dim: list[int], keepdim: bool) -> torch.Tensor:
     return torch.amin(data, dim=dim, keepdim=keepdim)
 
 
+def _prod(data: torch.Tensor, dim: list[int], keepdim: bool) -> torch.Tensor:
+    for axis in sorted(dim, reverse=True):  # torch.prod reduces one axis at a time
+        data = torch.prod(data, dim=axis, keepdim=keepdim)
+    return data
+
+
 def _reduce_l2(data: torch.Tensor, dim: list[int], keepdim: bool) -> torch.Tensor:
     return torch.sqrt(torch.sum(data * data, dim=dim, keepdim=keepdim))
 
@@ -482,7 +488,8 @@ def _compute_ops() -> dict[str, OpFn]:
         "LayerNormalization": _layer_norm, "BatchNormalization": _batch_norm,
         "InstanceNormalization": _instance_norm, "ReduceMean": _reduce(torch.mean),
         "ReduceSum": _reduce(torch.sum), "ReduceMax": _reduce(_amax), "ReduceMin": _reduce(_amin),
-        "ReduceL2": _reduce(_reduce_l2), "ArgMax": _arg(torch.argmax), "ArgMin": _arg(torch.argmin),
+        "ReduceL2": _reduce(_reduce_l2), "ReduceProd": _reduce(_prod), "ArgMax": _arg(torch.argmax),
+        "ArgMin": _arg(torch.argmin),
         "MaxPool": _pool("MaxPool"), "AveragePool": _pool("AveragePool"),
         "GlobalAveragePool": _global_average_pool,
     }

@@ -113,3 +113,16 @@ async def test_busy_logger_keeps_the_engine_stats_of_every_level(bench_engine, t
     assert len(sink) == 4 and sent[1] == 2  # start, the warm-up line, one line per level
     assert (sent[2] - sent[1], sent[3] - sent[2]) == (4, 4)
     assert all(entry["wall_s"] >= 0 for entry in sink)
+
+
+def test_the_busy_line_reports_new_recordings_and_their_batched_prompt_passes(bench_engine) -> None:
+    before = {"upload_cache_misses": 2.0, "upload_cache_hits": 1.0, "prompt_analysis_prompts": 2.0,
+              "prompt_analysis_batches": 2.0, "prompt_analysis_largest_batch": 1.0, "flow_prompts_built": 2.0,
+              "flow_prompt_build_calls": 2.0, "flow_prompt_build_largest": 1.0}
+    after = {**before, "upload_cache_misses": 18.0, "upload_cache_hits": 5.0, "prompt_analysis_prompts": 18.0,
+             "prompt_analysis_batches": 4.0, "prompt_analysis_largest_batch": 8.0, "flow_prompts_built": 18.0,
+             "flow_prompt_build_calls": 5.0, "flow_prompt_build_largest": 6.0}
+    line = bench_engine._busy_line(before, after, 1.0)
+    assert ("new recordings: 16 analysed (16 in 2 GPU batches, largest so far 8), 4 reused; "
+            "flow prompt passes: 16 prompts in 3 calls (largest so far 6)") in line
+    assert "new recordings" not in bench_engine._busy_line(before, before, 1.0)  # registered voices only

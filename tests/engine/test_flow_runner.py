@@ -13,6 +13,7 @@ from cosystream.engine.chunking import ChunkPlanner
 from cosystream.engine.flow_runner import FlowRunner
 from cosystream.engine.loader import load_flow
 from cosystream.kernels import reference
+from cosystream.models.flow import UPSAMPLE
 from cosystream.models.flow_stream import FlowStream
 
 pytestmark = pytest.mark.parity
@@ -355,3 +356,25 @@ def test_the_stopwatch_counts_a_batched_final_pass_once_with_its_streams(checkpo
     calls = {tag: n for tag, n in runner.watch.tag_calls.items() if tag.startswith("final_")}
     frames = runner._full_length(2 * (f["prompt_token"].shape[1] + tokens.shape[0]))
     assert calls == {f"final_2x{frames}": 1}
+
+
+def test_prompts_of_other_lengths_whose_caches_end_at_one_boundary_are_built_together(checkpoint, load_fixture):
+    """Only the prompt's tokens up to its last chunk boundary (with look-ahead) are cached: prompts of different
+    lengths with one boundary share the pool call, each with its own look-ahead and mel."""
+    f = load_fixture("stream")
+    flow = load_flow(checkpoint)
+    stream = FlowStream(flow, final_attention="chunk")
+    tokens, mel, spk = _other_voice(f)
+    shorter = 2  # tokens fewer: the cache still ends at the same chunk boundary
+    voices = [(f["prompt_token"], f["prompt_feat"], f["embedding"]),
+              (tokens[:, :-shorter], mel[:, :-UPSAMPLE * shorter], spk)]
+    lengths = [v[0].shape[1] for v in voices]
+    assert lengths[0] != lengths[1] and len({stream.prompt_cache_tokens(n) for n in lengths}) == 1
+    want = [stream.build_prompt_cache(*voice) for voice in voices]
+    runner = FlowRunner(flow, num_slots=2, max_frames=512, use_graphs=False)
+    got = runner.build_prompt_caches(stream, voices)
+    assert sorted(runner.free) == [0, 1]
+    for g, w, n in zip(got, want, lengths, strict=True):
+        assert g.prompt_tokens.shape[0] == n and g.num_tokens == w.num_tokens > 0
+        for name, value in w.to_tensors().items():
+            torch.testing.assert_close(g.to_tensors()[name], value, atol=1e-4, rtol=0, msg=name)

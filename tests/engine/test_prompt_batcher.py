@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from cosystream.engine import async_engine
 from cosystream.engine.prompt_batcher import PromptBatcher
 from cosystream.errors import CosyStreamError
 from cosystream.frontend import Frontend
@@ -152,13 +151,13 @@ def test_cpu_engines_keep_the_onnx_analysis(frontend, checkpoint):
 
 def test_uploaded_recordings_are_reused_by_content_and_bounded(engine, monkeypatch):
     """The engine keeps the analyses of recordings sent with requests, keyed by content, at most
-    _MAX_UPLOADS of them, the least recently used dropped first."""
+    `max_entries` of them, the least recently used dropped first."""
     ae = engine.async_engine
     analysed: list[int] = []
     real = ae.prompt_batcher.make_voice_prompt
     monkeypatch.setattr(ae.prompt_batcher, "make_voice_prompt",
                         lambda audio, text: analysed.append(len(analysed)) or real(audio, text))
-    monkeypatch.setattr(async_engine, "_MAX_UPLOADS", 2)
+    monkeypatch.setattr(ae._uploads, "max_entries", 2)
     ae._uploads.clear()
     recordings = [_speech(0.8, seed) for seed in range(3)]
 

@@ -189,7 +189,7 @@ def test_no_more_new_streams_than_free_flow_slots_oldest_first():
     assert Scheduler().plan(_view(*view.streams, free_slots=3)).new_keys == ["n0", "n1", "n2"]
 
 
-def test_the_idle_worker_opens_streams_ahead_voices_at_hand_together_builds_alone():
+def test_the_idle_worker_opens_streams_ahead_voices_at_hand_together_then_new_voices_together():
     streams = [_first(k, ready=False, missing=20, opened=False, needs_slot=True, opens_ahead=True,
                       voice_at_hand=k != "build", arrival=NOW - i) for i, k in enumerate(["a", "build", "b"])]
     plan = Scheduler().plan(_view(*streams, free_slots=4, decoding=True))
@@ -199,6 +199,39 @@ def test_the_idle_worker_opens_streams_ahead_voices_at_hand_together_builds_alon
     assert not Scheduler().plan(_view(*streams, free_slots=4, open_ahead=False)).opens
     inline = EngineView(now=NOW, streams=streams, free_flow_slots=4, worker=None)
     assert not Scheduler().plan(inline).opens  # without a worker, streams open with their first chunk
+
+
+def _new_voice(key: str, arrival: float, **kw) -> StreamView:
+    """A stream whose first chunk's tokens are being decoded, in a voice whose prompt state must be built."""
+    args = dict(ready=False, missing=20, opened=False, needs_slot=True, opens_ahead=True, voice_at_hand=False)
+    return _first(key, arrival=arrival, **{**args, **kw})
+
+
+def test_new_voices_prompt_passes_share_one_phase_earliest_deadline_first():
+    builds = [_new_voice(f"n{i}", arrival=NOW - 0.01 * i) for i in range(sched.PROMPT_PHASE_STREAMS + 2)]
+    plan = Scheduler().plan(_view(*builds, free_slots=64, decoding=True))
+    order = [s.key for s in sorted(builds, key=lambda s: s.deadline_s)]
+    assert plan.opens == [order[:sched.PROMPT_PHASE_STREAMS], order[sched.PROMPT_PHASE_STREAMS:]]
+    assert Scheduler().plan(_view(*builds, free_slots=3, decoding=True)).opens == [order[:3]]  # slots: EDF
+    # a stream whose first chunk is ready, or already on the worker, opens with its chunk, not here
+    waiting = [_new_voice("ready", NOW - 1, ready=True), _new_voice("planned", NOW - 1, planned=True),
+               _new_voice("n", NOW)]
+    assert Scheduler().prompt_passes(_view(*waiting, free_slots=4)) == [waiting[2]]
+
+
+def test_prompt_passes_join_a_batch_after_its_first_chunks_and_before_its_later_chunks():
+    view = _view(_first("first", opened=False, needs_slot=True), _later("later", 0.4), _new_voice("new", NOW),
+                 _later("dry", sched.DRY_S / 2), free_slots=4, decoding=True)
+    plan = Scheduler().plan(view)
+    assert _keys(plan.phases) == [["dry"], ["first"], ["new"], ["later"]]
+    (job,) = plan.phases[2]
+    assert job.prompt_pass and job.opening and not job.first and not job.final
+    # the first chunk's stream takes the last free slot: the pass waits for one
+    assert _keys(Scheduler().plan(_view(*view.streams, free_slots=1, decoding=True)).phases) == [
+        ["dry"], ["first"], ["later"]]
+    # no worker (batches inline) or open-ahead off: the pass runs with the stream's first chunk
+    assert not Scheduler().prompt_passes(_view(*view.streams, free_slots=4, open_ahead=False))
+    assert not Scheduler().prompt_passes(EngineView(now=NOW, streams=view.streams, free_flow_slots=4, worker=None))
 
 
 # ------------------------------------------------------------------ while a batch runs
@@ -215,6 +248,17 @@ def test_preemption_for_a_new_first_chunk_or_a_client_about_to_run_dry():
     waits = Scheduler(_cost(step_s=0.002))
     burst = _view(_first("new", first_ready_s=NOW), _first("soon", ready=False, missing=3), worker=busy)
     assert waits.preempt(burst) is Preempt.none
+
+
+def test_a_busy_worker_is_preempted_for_a_new_voice_s_prompt_pass():
+    s, busy = Scheduler(), WorkerView(busy=True)
+    new = _new_voice("new", NOW)
+    assert s.preempt(_view(new, _later("fine", 1.0), worker=busy, free_slots=2)) is Preempt.first
+    assert s.preempt(_view(new, worker=busy, free_slots=0)) is Preempt.none  # no slot to open it in
+    assert s.preempt(_view(new, worker=WorkerView(busy=True, preempt_asked=True), free_slots=2)) is Preempt.none
+    assert s.preempt(_view(_new_voice("new", NOW, planned=True), worker=busy, free_slots=2)) is Preempt.none
+    assert s.preempt(_view(_new_voice("new", NOW, voice_at_hand=True), worker=busy, free_slots=2)) is Preempt.none
+    assert s.preempt(_view(new, worker=busy, free_slots=2, open_ahead=False)) is Preempt.none
 
 
 def test_decode_pauses_for_a_first_chunk_unless_another_request_waits_for_its_first_audio():

@@ -140,3 +140,29 @@ def test_device_voice_caches_are_bounded_by_bytes_and_count(checkpoint, load_fix
     t2w.max_voice_cache_bytes = 0
     t2w.prompt_cache(inputs, "f")
     assert list(t2w.voice_caches) == ["f"]  # alone over the bytes, the voice being opened stays
+
+
+def test_recordings_sent_with_requests_leave_the_device_before_registered_voices(checkpoint, load_fixture):
+    """Over the bounds, the least recently used recording sent with a request goes first; registered voices go
+    only when no such recording is left (the one being opened always stays)."""
+    from types import SimpleNamespace
+
+    from cosystream.config import EngineConfig
+    from cosystream.engine.loader import load_flow, load_hift
+    from cosystream.engine.token2wav import Token2WavRunner
+    from cosystream.engine.upload_cache import UPLOAD_KEY_PREFIX
+
+    f = load_fixture("stream")
+    inputs = SimpleNamespace(flow_prompt_speech_tokens=f["prompt_token"][0], prompt_mel=f["prompt_feat"][0],
+                             xvector=f["embedding"][0])
+    t2w = Token2WavRunner(load_flow(checkpoint), load_hift(checkpoint), EngineConfig(), max_voice_caches=3)
+    up = [UPLOAD_KEY_PREFIX + str(i) for i in range(4)]
+    for key in ["voice_a", up[0], "voice_b", up[1]]:
+        t2w.prompt_cache(inputs, key)
+    assert list(t2w.voice_caches) == ["voice_a", "voice_b", up[1]]  # up[0] went, though voice_a is older
+    t2w.prompt_cache(inputs, up[2])
+    assert list(t2w.voice_caches) == ["voice_a", "voice_b", up[2]]
+    t2w.prompt_cache(inputs, "voice_c")  # the recording goes, not the older voices
+    assert list(t2w.voice_caches) == ["voice_a", "voice_b", "voice_c"]
+    t2w.prompt_cache(inputs, up[3])  # the newest stays though it is a recording: the oldest voice goes
+    assert list(t2w.voice_caches) == ["voice_b", "voice_c", up[3]]

@@ -109,6 +109,8 @@ CASES = [
     ("ArgMin", {"x": _f(3, 5)}, {}, {"axis": 0, "keepdims": 1}, 1),
     ("ReduceMin", {"x": _f(2, 3, 4)}, {}, {"axes": [0, 2], "keepdims": 0}, 1),
     ("ReduceL2", {"x": _f(2, 3, 4)}, {}, {"axes": [1]}, 1),
+    ("ReduceProd", {"x": _f(2, 3, 4)}, {}, {"axes": [0, 2], "keepdims": 0}, 1),
+    ("ReduceProd", {"x": np.array([2, 3, 4], np.int64)}, {}, {"keepdims": 0}, 1),  # CAM++'s shape arithmetic
     ("LogSoftmax", {"x": _f(2, 5)}, {}, {"axis": 1}, 1),
     ("InstanceNormalization", {"x": _f(2, 3, 7)}, {"s": _f(3), "b": _f(3)}, {"epsilon": 1e-5}, 1),
     ("GlobalAveragePool", {"x": _f(2, 3, 4, 5)}, {}, {}, 1),

@@ -81,3 +81,22 @@ def test_engine_on_cuda_analyses_recordings_sent_together_in_batches(model_dir, 
         assert batcher.stats.largest_batch >= max(before, 2)
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("version", ["v2", "v3"])
+def test_cuda_runs_realistic_side_model_graphs_as_onnxruntime(checkpoint, tmp_path, version):
+    """Graphs with the released architectures (reduced width, random weights; cosystream/testing/
+    realistic_side_models.py): float32 on the GPU, batched, gives onnxruntime's tokens and x-vectors."""
+    from cosystream.testing.realistic_side_models import write_campplus, write_speech_tokenizer
+
+    tokenizer = write_speech_tokenizer(tmp_path / f"speech_tokenizer_{version}.onnx", version, "small", seed=5)
+    campplus = write_campplus(tmp_path / "campplus.onnx", "small", seed=6)
+    mel_dims = checkpoint.hparams.mel
+    analyzer = TorchPromptAnalyzer(tokenizer, campplus, mel_dims, "cuda", torch.float32)
+    assert analyzer.tokenizer.mode == "padded"
+    prompts = [prepare_prompt_audio(r, mel_dims.sampling_rate) for r in _recordings(5)]
+    onnx_tokenizer, onnx_speaker = SpeechTokenizer(tokenizer), SpeakerEncoder(campplus)
+    for prompt, result in zip(prompts, analyzer.analyse(prompts), strict=True):
+        assert torch.equal(result.tokens, onnx_tokenizer.tokenize(prompt.wav_16k))
+        torch.testing.assert_close(result.xvector, onnx_speaker.embed(prompt.wav_16k), atol=XVECTOR_ATOL,
+                                   rtol=XVECTOR_ATOL)

@@ -1,0 +1,85 @@
+"""The worker's side of a batch (engine/chunk_worker.py) with a stand-in runner: streams opening together
+get their prompt states in one call, and riders of a first chunks' call are found past a phase of prompt
+passes."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from cosystream.engine.chunk_worker import ChunkJob, _riders, run_jobs
+from cosystream.engine.chunking import ChunkPlan
+from cosystream.engine.stopwatch import Stopwatch
+
+CPU = torch.device("cpu")
+
+
+class _Runner:
+    """Records what run_jobs asks of a token-to-wave runner."""
+
+    def __init__(self, fail_batched: bool = False) -> None:
+        self.watch = Stopwatch(CPU)
+        self.batched: list[list[str]] = []
+        self.started: list[tuple[str, Any]] = []
+        self.fail_batched = fail_batched
+
+    def prompt_caches(self, items: list[tuple[Any, str | None, Any]]) -> list[str]:
+        if self.fail_batched:
+            raise RuntimeError("out of memory for the group")
+        self.batched.append([key for _, key, _ in items])
+        return [f"cache:{key}" for _, key, _ in items]
+
+    def start(self, inputs: Any, voice_key: str | None, prompt: Any = None, **kwargs: Any) -> str:
+        self.started.append((voice_key, prompt))
+        return f"state:{voice_key}"
+
+    def opened(self) -> None:
+        pass
+
+    def flow_group(self, state: Any, plan: ChunkPlan) -> Any:
+        return state.group
+
+
+def _plan(final: bool = False) -> ChunkPlan:
+    return ChunkPlan(index=0, offset=0, num_new=25, token_end=28, is_final=final)
+
+
+def _opening(key: str) -> ChunkJob:
+    return ChunkJob(req=None, seg=None, plan=None, open_args=dict(inputs=key, voice_key=key, stored=None))
+
+
+def test_streams_opening_together_get_their_prompts_in_one_call():
+    runner = _Runner()
+    jobs = [_opening("a"), _opening("b"), _opening("c")]
+    assert run_jobs(runner, jobs, CPU) == [None, None, None]  # opened, nothing voiced
+    assert runner.batched == [["a", "b", "c"]]
+    assert runner.started == [("a", "cache:a"), ("b", "cache:b"), ("c", "cache:c")]
+    assert [job.state for job in jobs] == ["state:a", "state:b", "state:c"] and all(j.error is None for j in jobs)
+
+
+def test_a_failed_group_build_leaves_each_stream_to_build_its_own():
+    runner = _Runner(fail_batched=True)
+    jobs = [_opening("a"), _opening("b")]
+    run_jobs(runner, jobs, CPU)
+    assert runner.started == [("a", None), ("b", None)] and all(j.error is None for j in jobs)
+
+
+def test_one_stream_opening_alone_builds_in_start():
+    runner = _Runner()
+    run_jobs(runner, [_opening("a")], CPU)
+    assert runner.batched == [] and runner.started == [("a", None)]
+
+
+def test_riders_are_taken_from_the_chunks_after_a_phase_of_prompt_passes():
+    def chunk(group: str, first: bool = False) -> ChunkJob:
+        return ChunkJob(req=None, seg=None, plan=_plan(), state=SimpleNamespace(group=group), first=first)
+
+    first, same, other = chunk("g", first=True), chunk("g"), chunk("h")
+    prompts = [_opening("p")]
+    phases = [[first], prompts, [same, other]]
+    assert _riders(_Runner(), phases, 0) == [same]
+    assert phases == [[first], prompts, [other]]  # the prompt passes stay a phase of their own
+    lone = [[chunk("g", first=True)], [_opening("q")]]
+    assert _riders(_Runner(), lone, 0) == [] and len(lone) == 2
