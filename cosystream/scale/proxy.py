@@ -21,9 +21,12 @@ cosystream.scale.proxy:proxy_middlewares (`cosystream serve --replicas` sets it;
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import hashlib
 import json
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from starlette.middleware import Middleware
@@ -99,25 +102,52 @@ class StreamEndGuard:
             if not (seen["accepted"] and not seen["closed"]):
                 raise
         if seen["accepted"] and not seen["closed"]:
-            with contextlib.suppress(Exception):
-                await send({"type": "websocket.send", "text": json.dumps(error_event())})
-                await send({"type": "websocket.close", "code": 4000 + LOST_STATUS, "reason": LOST_CODE})
+            await _end_websocket(send)
 
 
 VOICE_HINT_HEADER = b"serve_multiplexed_model_id"  # Ray's proxy copies it into the request's metadata
 VOICE_HINT_PATHS = ("/v1/tts", "/v1/audio/speech")
-VOICE_HINT_MAX_BYTES = 64 * 1024  # larger bodies (uploads) go through unread
+WS_HINT_PATH = "/v1/tts/stream"
+VOICE_HINT_MAX_BYTES = 64 * 1024  # JSON bodies read for their voice
+UPLOAD_HINT_MAX_BYTES = 16 * 1024 * 1024  # multipart bodies read for their recording; larger ones go through unread
+WS_FIRST_MESSAGE_WAIT_S = 10.0  # a WebSocket whose `start` takes longer is routed by load alone
+UPLOAD_KEY_PREFIX = "upload:"  # scale/load.py's upload_key
 _VOICE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
+def upload_hint(audio: bytes, prompt_text: str) -> str:
+    """The prompt key of an uploaded recording: the engine's digest of it (engine/async_engine.py keys the
+    analysed upload by the SHA-256 of the recording's bytes, a NUL and the transcript's UTF-8)."""
+    digest = hashlib.sha256(audio)
+    digest.update(b"\0" + prompt_text.encode())
+    return UPLOAD_KEY_PREFIX + digest.hexdigest()
+
+
+def prompt_hint(options: Any, upload: bytes | None = None) -> str | None:
+    """The prompt key of a request's options (a JSON object or form fields): its uploaded recording's key, else
+    its voice name, else None (no prompt, or a voice name the router never sees)."""
+    if not isinstance(options, Mapping):
+        return None
+    if upload is not None:
+        text = options.get("prompt_text", "")
+        return upload_hint(upload, text) if isinstance(text, str) else None
+    voice = options.get("voice")
+    return voice if isinstance(voice, str) and _VOICE_NAME.fullmatch(voice) else None
+
+
 class VoiceHint:
-    """Passes the `voice` of a small JSON synthesis request to the router (see the module docstring)."""
+    """Passes each synthesis request's prompt to the router (see the module docstring): the `voice` of a JSON body
+    (POST /v1/tts, /v1/audio/speech), the uploaded `prompt_wav` (its digest) or `voice` of a form /v1/tts,
+    and the `voice` or uploaded recording of a WebSocket's `start` message."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if not self._worth_reading(scope):
+        if scope["type"] == "websocket" and scope.get("path") == WS_HINT_PATH:
+            return await self._websocket(scope, receive, send)
+        kind = self._body_kind(scope)
+        if kind is None:
             return await self.app(scope, receive, send)
         messages: list[Message] = []
         while True:  # the body, which the replica would fetch from this proxy anyway
@@ -125,32 +155,142 @@ class VoiceHint:
             messages.append(message)
             if message["type"] != "http.request" or not message.get("more_body", False):
                 break
-        voice = _voice_of(b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request"))
-        if voice is not None:
-            scope = {**scope, "headers": [*scope["headers"], (VOICE_HINT_HEADER, voice.encode())]}
-
-        async def replay() -> Message:
-            return messages.pop(0) if messages else await receive()
-
-        await self.app(scope, replay, send)
+        body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request")
+        hint = _json_hint(body) if kind == "json" else await _form_hint(scope, body)
+        await self.app(_hinted(scope, hint), _replay(messages, receive), send)
 
     @staticmethod
-    def _worth_reading(scope: Scope) -> bool:
+    def _body_kind(scope: Scope) -> str | None:
+        """'json' or 'form' for a request worth reading for its prompt, else None."""
         if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in VOICE_HINT_PATHS:
-            return False
+            return None
         headers = dict(scope.get("headers", []))
-        if VOICE_HINT_HEADER in headers or not headers.get(b"content-type", b"").startswith(b"application/json"):
-            return False
         length = headers.get(b"content-length", b"")
-        return length.isdigit() and int(length) <= VOICE_HINT_MAX_BYTES
-
-
-def _voice_of(body: bytes) -> str | None:
-    try:
-        voice = json.loads(body).get("voice")
-    except (ValueError, AttributeError):  # not JSON, or not an object: the app answers it
+        if VOICE_HINT_HEADER in headers or not length.isdigit():
+            return None
+        content_type = headers.get(b"content-type", b"")
+        if content_type.startswith(b"application/json") and int(length) <= VOICE_HINT_MAX_BYTES:
+            return "json"
+        is_form = content_type.startswith((b"multipart/form-data", b"application/x-www-form-urlencoded"))
+        if is_form and scope["path"] == "/v1/tts" and int(length) <= UPLOAD_HINT_MAX_BYTES:
+            return "form"
         return None
-    return voice if isinstance(voice, str) and _VOICE_NAME.fullmatch(voice) else None
+
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Accept the client here, read its `start` (and the recording it announces), then let Ray's proxy route
+        the session with that prompt: the replica's own accept is not sent again (the handshake is done, so it
+        cannot name the replica), and a session the app behind left unclosed ends with an `error` event."""
+        connect = await receive()
+        if connect["type"] != "websocket.connect":
+            return await self.app(scope, _replay([connect], receive), send)
+        await send({"type": "websocket.accept"})
+        messages: list[Message] = [connect]
+        first = asyncio.ensure_future(receive())
+        done, _ = await asyncio.wait({first}, timeout=WS_FIRST_MESSAGE_WAIT_S)
+        hint = None
+        if done:
+            messages.append(first.result())
+            start = _ws_start(messages[-1])
+            if start is not None and start.get("prompt_wav") is True:
+                messages.append(await receive())
+                upload = messages[-1].get("bytes") if messages[-1]["type"] == "websocket.receive" else None
+                hint = prompt_hint(start, upload) if upload else None
+            elif start is not None:
+                hint = prompt_hint(start)
+            receive_rest = receive
+        else:  # no `start` yet: the replica waits for it (and times the client out)
+            async def receive_rest() -> Message:
+                return await first
+
+        closed = False
+
+        async def after_accept(message: Message) -> None:
+            nonlocal closed
+            if message["type"] == "websocket.accept":
+                return  # the client has its handshake already
+            if message["type"] == "websocket.http.response.start":  # a refusal meant for the handshake
+                closed = True
+                message = {"type": "websocket.close", "code": 4000 + int(message.get("status", 500)) % 1000}
+            elif message["type"] == "websocket.http.response.body":
+                return
+            elif message["type"] == "websocket.close":
+                closed = True
+            await send(message)
+
+        try:
+            await self.app(_hinted(scope, hint), _replay(messages, receive_rest), after_accept)
+        except Exception:
+            pass  # ended below as a lost replica
+        finally:
+            if not first.done():
+                first.cancel()
+        if not closed:
+            await _end_websocket(send)
+
+
+def _hinted(scope: Scope, hint: str | None) -> Scope:
+    if hint is None:
+        return scope
+    return {**scope, "headers": [*scope["headers"], (VOICE_HINT_HEADER, hint.encode())]}
+
+
+def _replay(messages: list[Message], receive: Receive) -> Receive:
+    """`receive` that first hands out `messages` again, in order."""
+    pending = list(messages)
+
+    async def replay() -> Message:
+        return pending.pop(0) if pending else await receive()
+
+    return replay
+
+
+def _json_hint(body: bytes) -> str | None:
+    try:
+        return prompt_hint(json.loads(body))
+    except ValueError:  # not JSON: the app answers it
+        return None
+
+
+async def _form_hint(scope: Scope, body: bytes) -> str | None:
+    """The prompt of a form /v1/tts (multipart or urlencoded): its `prompt_wav` file (with `prompt_text`) or its
+    `voice` field."""
+    from starlette.datastructures import UploadFile
+    from starlette.requests import Request
+
+    sent = False
+
+    async def receive_body() -> Message:
+        nonlocal sent
+        if sent:
+            return {"type": "http.disconnect"}
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    try:
+        async with Request(scope, receive_body).form(max_files=2, max_fields=64) as form:
+            fields = {k: v for k, v in form.multi_items() if isinstance(v, str)}
+            upload = form.get("prompt_wav")
+            audio = await upload.read() if isinstance(upload, UploadFile) else None
+            return prompt_hint(fields, audio or None)
+    except Exception:  # a malformed form: the app answers it
+        return None
+
+
+def _ws_start(message: Message) -> dict[str, Any] | None:
+    """The JSON object of a WebSocket `start` message, or None."""
+    if message["type"] != "websocket.receive" or not message.get("text"):
+        return None
+    try:
+        data = json.loads(message["text"])
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) and data.get("type") == "start" else None
+
+
+async def _end_websocket(send: Send) -> None:
+    with contextlib.suppress(Exception):  # the client may be gone
+        await send({"type": "websocket.send", "text": json.dumps(error_event())})
+        await send({"type": "websocket.close", "code": 4000 + LOST_STATUS, "reason": LOST_CODE})
 
 
 def proxy_middlewares() -> list[Middleware]:
