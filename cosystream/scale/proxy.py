@@ -184,23 +184,16 @@ class VoiceHint:
         if connect["type"] != "websocket.connect":
             return await self.app(scope, _replay([connect], receive), send)
         await send({"type": "websocket.accept"})
-        messages: list[Message] = [connect]
-        first = asyncio.ensure_future(receive())
-        done, _ = await asyncio.wait({first}, timeout=WS_FIRST_MESSAGE_WAIT_S)
+        client = _ReadAhead(receive, [connect])
+        deadline = asyncio.get_running_loop().time() + WS_FIRST_MESSAGE_WAIT_S
         hint = None
-        if done:
-            messages.append(first.result())
-            start = _ws_start(messages[-1])
-            if start is not None and start.get("prompt_wav") is True:
-                messages.append(await receive())
-                upload = messages[-1].get("bytes") if messages[-1]["type"] == "websocket.receive" else None
-                hint = prompt_hint(start, upload) if upload else None
-            elif start is not None:
-                hint = prompt_hint(start)
-            receive_rest = receive
-        else:  # no `start` yet: the replica waits for it (and times the client out)
-            async def receive_rest() -> Message:
-                return await first
+        start = _ws_start(await client.next(deadline))
+        if start is not None and start.get("prompt_wav") is True:
+            recording = await client.next(deadline)
+            upload = recording.get("bytes") if recording and recording["type"] == "websocket.receive" else None
+            hint = prompt_hint(start, upload) if upload else None
+        elif start is not None:
+            hint = prompt_hint(start)
 
         closed = False
 
@@ -218,14 +211,47 @@ class VoiceHint:
             await send(message)
 
         try:
-            await self.app(_hinted(scope, hint), _replay(messages, receive_rest), after_accept)
+            await self.app(_hinted(scope, hint), client.replay, after_accept)
         except Exception:
             pass  # ended below as a lost replica
         finally:
-            if not first.done():
-                first.cancel()
+            client.close()
         if not closed:
             await _end_websocket(send)
+
+
+class _ReadAhead:
+    """A WebSocket client's messages read before routing, then handed to the app behind in order: what was read,
+    then a read still pending when routing could wait no longer (nothing is lost), then the socket itself."""
+
+    def __init__(self, receive: Receive, read: list[Message]) -> None:
+        self.receive = receive
+        self.read = list(read)
+        self.pending: asyncio.Future | None = None
+
+    async def next(self, deadline: float) -> Message | None:
+        """The client's next message, or None when it does not come before `deadline` (loop time)."""
+        if self.pending is None:
+            self.pending = asyncio.ensure_future(self.receive())
+        timeout_s = max(0.0, deadline - asyncio.get_running_loop().time())
+        done, _ = await asyncio.wait({self.pending}, timeout=timeout_s)
+        if not done:
+            return None
+        message, self.pending = self.pending.result(), None
+        self.read.append(message)
+        return message
+
+    async def replay(self) -> Message:
+        if self.read:
+            return self.read.pop(0)
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            return await pending
+        return await self.receive()
+
+    def close(self) -> None:
+        if self.pending is not None and not self.pending.done():
+            self.pending.cancel()
 
 
 def _hinted(scope: Scope, hint: str | None) -> Scope:
@@ -276,9 +302,9 @@ async def _form_hint(scope: Scope, body: bytes) -> str | None:
         return None
 
 
-def _ws_start(message: Message) -> dict[str, Any] | None:
+def _ws_start(message: Message | None) -> dict[str, Any] | None:
     """The JSON object of a WebSocket `start` message, or None."""
-    if message["type"] != "websocket.receive" or not message.get("text"):
+    if message is None or message["type"] != "websocket.receive" or not message.get("text"):
         return None
     try:
         data = json.loads(message["text"])

@@ -159,9 +159,10 @@ def _swap(pair: tuple[bytes, bytes]) -> tuple[bytes, str, bytes]:
 
 
 def _ws_through_hint(client: list[dict], inner_closes: bool = True, wait_s: float | None = None,
-                     first_delay_s: float = 0.0):
-    """Run VoiceHint over a WebSocket: `client` are the messages after the handshake's connect (the first after
-    `first_delay_s`). Returns (what the client was sent, the scope the app behind saw, the messages it received)."""
+                     first_delay_s: float = 0.0, delay_at: int = 0):
+    """Run VoiceHint over a WebSocket: `client` are the messages after the handshake's connect (client[delay_at]
+    after `first_delay_s`). Returns (what the client was sent, the scope the app behind saw, the messages it
+    received)."""
     from cosystream.scale import proxy
 
     sent: list[dict] = []
@@ -170,7 +171,7 @@ def _ws_through_hint(client: list[dict], inner_closes: bool = True, wait_s: floa
 
     async def receive() -> dict:
         if incoming:
-            if len(incoming) == len(client) and first_delay_s:
+            if len(incoming) == len(client) - delay_at and first_delay_s:
                 await asyncio.sleep(first_delay_s)
             return incoming.pop(0)
         await asyncio.sleep(3600)
@@ -230,3 +231,12 @@ def test_a_websocket_without_a_start_in_time_is_routed_by_load_and_loses_nothing
     assert VOICE_HINT_HEADER not in dict(scope["headers"])
     assert received == [{"type": "websocket.connect"}, late]  # the message that came late still reaches the app
     assert sent[0]["type"] == "websocket.accept" and sent[-1] == {"type": "websocket.close", "code": 1000}
+    # a recording announced by `start` that comes late: routed by load, and the app still gets both messages
+    announced = {"type": "websocket.receive", "text": '{"type": "start", "prompt_wav": true, "prompt_text": "hi"}'}
+    recording = {"type": "websocket.receive", "bytes": b"RIFF"}
+    sent, scope, received = _ws_through_hint([announced, recording], wait_s=0.05, first_delay_s=0.0)
+    assert VOICE_HINT_HEADER in dict(scope["headers"])  # in time: hinted
+    _, late_scope, late_received = _ws_through_hint([announced, recording], wait_s=0.05, first_delay_s=0.3,
+                                                    delay_at=1)
+    assert VOICE_HINT_HEADER not in dict(late_scope["headers"])
+    assert late_received == [{"type": "websocket.connect"}, announced, recording]
