@@ -25,10 +25,10 @@ OUT=${OUT:?set OUT to a folder for the results}
 MODEL=${MODEL:-/tmp/m05}
 SERVE_FLAGS=${SERVE_FLAGS:---config flow_slots=28 --config flow_frames=832}
 BUDGET_S=${BUDGET_S:-0.5}
-CAP_LEVELS=${CAP_LEVELS:-4 8 16 24 32}
+CAP_LEVELS=${CAP_LEVELS:-8 16 24 32}
 REQS=${REQS:-48}
-C1_REQUESTS=${C1_REQUESTS:-48}
-OPEN_S=${OPEN_S:-15}
+C1_REQUESTS=${C1_REQUESTS:-40}
+OPEN_S=${OPEN_S:-12}
 PROCS=${PROCS:-4}
 REPLICAS=${REPLICAS:-2}
 PORT=${PORT:-8000}
@@ -37,6 +37,7 @@ mkdir -p "$OUT" /tmp/scale_parts
 export PYTHONUNBUFFERED=1
 
 stamp() { echo "== $(date +%T) $*"; }
+get() { python3 -c 'import sys, httpx; print(httpx.get(sys.argv[1], timeout=10).text)' "$1" 2>/dev/null; }
 
 prep() {
   if [ "${PREP:-1}" = 1 ]; then
@@ -72,10 +73,10 @@ measure() {  # $1: server name, $2: replicas, then extra `serve` flags
     return 1
   fi
   for _ in $(seq 300); do  # Ray's /ready says "degraded" until every replica runs
-    curl -s "$URL/ready" | grep -q '"status":"ok"' && break; sleep 1
+    get "$URL/ready" | grep -q '"status":"ok"' && break; sleep 1
   done
   stamp "$name: ready after $(( $(date +%s) - t0 )) s"
-  curl -s "$URL/v1/replicas" | head -c 600; echo
+  get "$URL/v1/replicas" | head -c 600; echo
   stamp "$name: c=1, $C1_REQUESTS requests"
   bench "/tmp/scale_parts/${name}_c1.json" --concurrency 1 --requests-per-level "$C1_REQUESTS"
   stamp "$name: closed loop $(levels "$n")"
@@ -89,7 +90,7 @@ measure() {  # $1: server name, $2: replicas, then extra `serve` flags
   else
     echo "$name: no level was clean: no open loop"
   fi
-  curl -s "$URL/metrics" | grep -E '^cosystream_requests_total' | head -20
+  get "$URL/metrics" | grep -E '^cosystream_requests_total' | head -20
   kill -INT "$server"; wait "$server"
   tail -n 40 "/tmp/serve_$name.log" > "$OUT/serve_$name.log"
   python3 benchmarks/scale_table.py pack "$OUT/$name.json.gz" "$n" /tmp/scale_parts/"$name"_{c1,sweep,open}.json

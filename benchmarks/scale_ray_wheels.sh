@@ -52,7 +52,7 @@ bundle)
 install)
   if [ ! -d /tmp/site_ray/ray ]; then
     [ -f "$BUNDLE" ] || { echo "scale_ray_wheels.sh: $BUNDLE is missing: carry .whl_ray (made by 'bundle')" >&2; exit 1; }
-    mkdir -p /tmp/site_ray && tar -C /tmp/site_ray -xJf "$BUNDLE"
+    python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1], "r:xz").extractall(sys.argv[2])' "$BUNDLE" /tmp/site_ray
   fi
   PYTHONPATH=/tmp/site_ray:${PYTHONPATH:-} python3 -c "import ray, ray.serve; print('ray', ray.__version__)"
   ;;

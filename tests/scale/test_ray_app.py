@@ -8,6 +8,7 @@ restarted replica serves the voice again. Requests use `force_tokens`, so audio 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -283,6 +284,41 @@ def test_killed_replica_fails_its_stream_and_the_app_recovers(base_url: str) -> 
         assert len(now) == 2 and now != set(replicas)
         served = _spread(client, tokens=4, replicas=now)
         assert served.keys() == now, served
+
+
+def _ready_status(client: httpx.Client) -> str | None:
+    """/ready's status, or None when the answer does not come within 3 s (e.g. routed to a stopped replica)."""
+    try:
+        response = client.get("/ready", timeout=3)
+    except httpx.TimeoutException:
+        return None
+    return response.json().get("status") if response.status_code == 200 else None
+
+
+def test_a_wedged_replica_is_taken_out_of_routing_and_replaced(base_url: str) -> None:
+    """A replica that stops answering (its process stopped, as a hung GPU driver call would leave it) fails Ray's
+    health check (check_health, Ray's timeout health_timeout_s + 5 s): Ray takes it out of routing, every request
+    then goes to the other replica and completes, and Ray replaces the wedged one."""
+    with _client(base_url) as client:
+        _wait_all_running(client, RECOVERY_TIMEOUT_S)
+        replicas = _replicas(client)
+        wedged_id, survivor_id = sorted(replicas)
+        wedged_pid = replicas[wedged_id]["pid"]
+        os.kill(wedged_pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 60  # health checks every 2 s, each given 15 s
+            while _ready_status(client) != "degraded":
+                assert time.monotonic() < deadline, "the wedged replica was never noticed"
+                time.sleep(0.5)
+            for _ in range(6):  # out of routing: none of these waits on the wedged replica
+                response = client.post("/v1/tts", json={"text": "Hi there.", "voice": VOICE, "response_format": "pcm",
+                                                        "force_tokens": 2, "seed": 1}, timeout=30)
+                assert response.status_code == 200 and response.headers[REPLICA] == survivor_id, response.text
+            _wait_all_running(client, RECOVERY_TIMEOUT_S)
+            assert wedged_id not in _replicas(client)
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # Ray normally killed it already
+                os.kill(wedged_pid, signal.SIGKILL)
 
 
 def test_example_config_builds_the_application(tmp_path) -> None:
