@@ -1,5 +1,5 @@
 """Middlewares for Ray Serve's HTTP proxy: a stream whose replica died ends with an `error` event, and a
-request's voice reaches the router.
+request's prompt (its voice, or its uploaded recording) reaches the router.
 
 When a replica dies mid-stream, Ray's proxy just stops: the response is left unfinished. For raw audio
 that is the right ending (the client sees an incomplete transfer, never a short "complete" file), but an
@@ -9,10 +9,13 @@ behind it ended without finishing an event stream or closing a WebSocket, sends 
 (`replica_lost`, 503: retrying reaches a live replica) and ends the response properly; a WebSocket is closed
 with 4503.
 
-The router picks a replica before the request body is read, so it cannot see which voice a request names.
-`VoiceHint` reads small JSON bodies of the synthesis endpoints in the proxy (they are read there anyway),
-and passes their `voice` on as Ray's multiplexed model id, which the router sees in the request's metadata
-(`EngineAwareRouter` prefers replicas holding that voice); the body then goes on unchanged.
+The router picks a replica before the request body is read, so it cannot see which prompt a request names.
+`VoiceHint` reads it in the proxy (the body is there anyway) for every entry point: the `voice` of a JSON
+/v1/tts or /v1/audio/speech, the uploaded `prompt_wav` (by the engine's digest of it and its transcript) or
+`voice` of a form /v1/tts, and the `start` message (and the recording it announces) of the WebSocket, which it
+accepts itself to read them. It passes that prompt key on as Ray's multiplexed model id, which the router sees
+in the request's metadata (`EngineAwareRouter` prefers replicas holding that prompt); the request then goes on
+unchanged.
 
 Ray loads them from the proxy's environment: RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=
 cosystream.scale.proxy:proxy_middlewares (`cosystream serve --replicas` sets it; on a cluster, set it where

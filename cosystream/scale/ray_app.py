@@ -402,7 +402,8 @@ class EngineAwareRouter(RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         by_id = {r.replica_id: r for r in candidate_replicas}
         loads = {r.replica_id: LoadReport.from_dict(r.routing_stats) for r in candidate_replicas}
-        # the request's voice, when the proxy's VoiceHint (scale/proxy.py) found one in its body
+        # the request's prompt key (a voice or an upload's digest), when the proxy's VoiceHint (scale/proxy.py)
+        # found one in it
         voice = pending_request.metadata.multiplexed_model_id or None if pending_request is not None else None
         return [[by_id[replica_id]] for replica_id in rank_replicas(loads, self._open, voice=voice)]
 
