@@ -11,7 +11,7 @@
 # Every server runs with --first-audio-budget-s $BUDGET_S, so one start serves all three measurements.
 #
 # Here, once:  bash benchmarks/fetch_wheels.sh && bash benchmarks/scale_ray_wheels.sh bundle   # .whl, .whl_ray
-# There, one call (carry .whl and .whl_ray; about 6 minutes with 2 replicas):
+# There, one call (carry .whl and .whl_ray; not timed on a GPU yet: two server starts plus about 3 min of load):
 #   REPLICAS=2 bash benchmarks/scale_ray.sh all       # prep, the single-process server, Ray with 2 replicas
 #   parts: prep | single | ray (REPLICAS=N) | table; RAY1=1 adds Ray with one replica (the proxy's own cost)
 # Results in $OUT (at most 8 files come back): <server>.json.gz (the bench JSON of its c=1, sweep and open loop:
