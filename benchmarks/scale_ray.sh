@@ -17,8 +17,9 @@
 # Results in $OUT (at most 8 files come back): <server>.json.gz (the bench JSON of its c=1, sweep and open loop:
 # {"c1": ..., "sweep": ..., "open": ...}), summary.md (the table), serve_<server>.log (its log's tail).
 #
-# On a CPU, for a dry run with the fixture model (small levels, a few tokens):
-#   OUT=/tmp/out PREP=0 MODEL=tests/fixtures/<set>/model SERVE_FLAGS="--device cpu --no-warmup" FORCE_TOKENS=4 \
+# On a CPU, for a dry run with the fixture model (small levels, a few tokens), after
+# `python ../shared/fixtures/materialize.py ../shared/fixtures/cosyvoice2-tiny /tmp/x`:
+#   OUT=/tmp/out PREP=0 MODEL=/tmp/x/model SERVE_FLAGS="--device cpu --no-warmup" FORCE_TOKENS=4 \
 #   CAP_LEVELS="1 2" REQS=4 C1_REQUESTS=4 OPEN_S=3 PROCS=1 BUDGET_S=5 REPLICAS=2 bash benchmarks/scale_ray.sh all
 set -u
 OUT=${OUT:?set OUT to a folder for the results}
