@@ -36,6 +36,8 @@ PORT=${PORT:-8000}
 URL=http://127.0.0.1:$PORT
 mkdir -p "$OUT" /tmp/scale_parts
 export PYTHONUNBUFFERED=1
+# Ray: no usage report (the machine has no network); an object store in /tmp if /dev/shm is small (never an error)
+export RAY_USAGE_STATS_ENABLED=0 RAY_OBJECT_STORE_ALLOW_SLOW_STORAGE=1
 
 stamp() { echo "== $(date +%T) $*"; }
 get() { python3 -c 'import sys, httpx; print(httpx.get(sys.argv[1], timeout=10).text)' "$1" 2>/dev/null; }
