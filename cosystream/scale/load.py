@@ -2,10 +2,10 @@
 
 Plain Python (no Ray import), so the routing policy is tested without a cluster.
 
-A replica reports a `LoadReport`: its admission figures (server/admission.py), whether it is ready, and the
-voices whose prompt features it holds in memory. The engine may supply this itself through an optional
-`load_report()` method (the hook a scheduler with its own estimate implements); without one the report is
-derived from the server's admission control, which measures the engine's own timings.
+A replica reports a `LoadReport`: the engine scheduler's prediction of a new stream's first audio, its streams in
+flight, whether it is ready, and the prompts whose features it holds in memory: registered voices (under every
+name a client may send for them) and uploaded recordings (by `upload_key`, the digest of the recording and its
+transcript, which the proxy computes from a request the same way: scale/proxy.py).
 """
 
 from __future__ import annotations
@@ -22,6 +22,26 @@ from prometheus_client.registry import Collector
 
 REPLICA_LABEL = "replica"
 MAX_REPORTED_VOICES = 256  # a report names at most this many held voices (it travels every reporting period)
+MAX_REPORTED_UPLOADS = 64  # and this many uploaded prompts (the engine keeps 64 analysed)
+UPLOAD_KEY_PREFIX = "upload:"  # the proxy hints voice names of A-Z a-z 0-9 _ . - only: no clash with these
+
+
+def upload_key(digest: str) -> str:
+    """The prompt key of an uploaded recording, from the hex digest the engine keys its analysis by."""
+    return UPLOAD_KEY_PREFIX + digest
+
+
+def held_voice_names(voices: Iterable[str], aliases: Iterable[tuple[str, str]] = (),
+                     default_voice: str | None = None, default_names: Iterable[str] = ()) -> list[str]:
+    """Every name a client may send for a voice held in memory: the voices themselves, the aliases
+    (`serve --voice-alias NAME=VOICE`) of held voices and, when the default voice (`serve --default-voice`) is
+    held, the names that speak in it (OpenAI's voice names)."""
+    held = list(dict.fromkeys(voices))
+    known = set(held)
+    extra = [name for name, target in aliases if target in known]
+    if default_voice is not None and default_voice in known:
+        extra += list(default_names)
+    return held + [name for name in dict.fromkeys(extra) if name not in known]
 
 
 @dataclass(frozen=True)
@@ -34,7 +54,12 @@ class LoadReport:
     service_first_audio_s: float | None = None  # recent first audio without queueing (None: no data yet)
     service_s: float | None = None  # recent whole-request time without queueing
     budget_s: float | None = None  # the replica's first-audio budget (--first-audio-budget-s)
-    voices: tuple[str, ...] = field(default_factory=tuple)  # registered voices held in memory
+    voices: tuple[str, ...] = field(default_factory=tuple)  # registered voices held in memory (and their aliases)
+    uploads: tuple[str, ...] = field(default_factory=tuple)  # upload_key() of uploaded prompts held analysed
+
+    def holds(self, prompt: str) -> bool:
+        """Whether this replica holds the prompt features of `prompt` (a voice name or an upload_key)."""
+        return prompt in (self.uploads if prompt.startswith(UPLOAD_KEY_PREFIX) else self.voices)
 
     def expected_first_audio_s(self, in_flight: int | None = None) -> float | None:
         """The first audio a new stream can expect with `in_flight` streams ahead (the admission formula of
@@ -58,7 +83,7 @@ class LoadReport:
     def as_dict(self) -> dict[str, Any]:
         return {"ready": self.ready, "in_flight": self.in_flight, "capacity": self.capacity,
                 "service_first_audio_s": self.service_first_audio_s, "service_s": self.service_s,
-                "budget_s": self.budget_s, "voices": list(self.voices)}
+                "budget_s": self.budget_s, "voices": list(self.voices), "uploads": list(self.uploads)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> LoadReport | None:
@@ -70,7 +95,8 @@ class LoadReport:
                        capacity=_positive_int(data.get("capacity")),
                        service_first_audio_s=_finite(data.get("service_first_audio_s")),
                        service_s=_finite(data.get("service_s")), budget_s=_finite(data.get("budget_s")),
-                       voices=tuple(str(v) for v in data.get("voices", ())))
+                       voices=tuple(str(v) for v in data.get("voices", ())),
+                       uploads=tuple(str(u) for u in data.get("uploads", ())))
         except (TypeError, ValueError):
             return None
 
@@ -83,9 +109,10 @@ def _positive_int(value: Any) -> int | None:
     return int(value) if isinstance(value, int) and value > 0 else None
 
 
-def report_from_server(state: Any, voices: Iterable[str] = ()) -> LoadReport:
+def report_from_server(state: Any, voices: Iterable[str] = (), uploads: Iterable[str] = ()) -> LoadReport:
     """A replica's report from its server state: the engine scheduler's prediction of a new stream's first
-    audio (the same model its admission decides from) as the service first audio, with no queue term on top."""
+    audio (the same model its admission decides from) as the service first audio, with no queue term on top;
+    `voices` and `uploads` are the prompt keys it holds (most recently used last for uploads)."""
     engine = state.engine
     predicted_s, budget_s = None, getattr(getattr(engine, "config", None), "first_audio_budget_s", None)
     predict = getattr(engine, "predict_first_audio", None)
@@ -94,7 +121,8 @@ def report_from_server(state: Any, voices: Iterable[str] = ()) -> LoadReport:
         predicted_s = predicted if math.isfinite(predicted) else None
     return LoadReport(ready=state.is_ready and state.engine_error() is None, in_flight=state.admission.num_in_flight,
                       capacity=None, service_first_audio_s=predicted_s, service_s=None, budget_s=budget_s,
-                      voices=tuple(voices)[:MAX_REPORTED_VOICES])
+                      voices=tuple(voices)[:MAX_REPORTED_VOICES],
+                      uploads=tuple(uploads)[-MAX_REPORTED_UPLOADS:])
 
 
 def rank_replicas(loads: Mapping[Hashable, LoadReport | None], routed_here: Mapping[Hashable, int] | None = None,
@@ -104,7 +132,8 @@ def rank_replicas(loads: Mapping[Hashable, LoadReport | None], routed_here: Mapp
     `routed_here` counts the streams this router sent to each replica that are still open: the published
     reports are up to one reporting period old, so a replica's load is the larger of the two counts.
     Order: ready replicas before unready ones; those that can meet the first-audio budget before those that
-    cannot; among those that can, replicas holding `voice` first, then the least loaded (streams per LM slot),
+    cannot; among those that can, replicas holding `voice` (a voice name or an upload_key: the request's prompt)
+    first, then the least loaded (streams per LM slot),
     then the lowest expected first audio; replicas that cannot meet it follow by expected first audio, so when
     none can, the request goes to the one closest to its budget, whose admission refuses it at once
     (503 overloaded with Retry-After). Ties go in random order, so idle replicas share the work. A replica
@@ -117,7 +146,7 @@ def rank_replicas(loads: Mapping[Hashable, LoadReport | None], routed_here: Mapp
         n = max(load.in_flight, routed_here.get(replica, 0))
         expected_s = load.expected_first_audio_s(n)
         fits = load.fits_budget(n)
-        holds_voice = voice is not None and voice in load.voices
+        holds_voice = voice is not None and load.holds(voice)
         expected = expected_s if expected_s is not None else 0.0
         if fits:
             return (not load.ready, False, not holds_voice, n / (load.capacity or 1), expected, random.random())

@@ -1,5 +1,5 @@
 """Middlewares for Ray Serve's HTTP proxy: a stream whose replica died ends with an `error` event, and a
-request's voice reaches the router.
+request's prompt (its voice, or its uploaded recording) reaches the router.
 
 When a replica dies mid-stream, Ray's proxy just stops: the response is left unfinished. For raw audio
 that is the right ending (the client sees an incomplete transfer, never a short "complete" file), but an
@@ -9,10 +9,13 @@ behind it ended without finishing an event stream or closing a WebSocket, sends 
 (`replica_lost`, 503: retrying reaches a live replica) and ends the response properly; a WebSocket is closed
 with 4503.
 
-The router picks a replica before the request body is read, so it cannot see which voice a request names.
-`VoiceHint` reads small JSON bodies of the synthesis endpoints in the proxy (they are read there anyway),
-and passes their `voice` on as Ray's multiplexed model id, which the router sees in the request's metadata
-(`EngineAwareRouter` prefers replicas holding that voice); the body then goes on unchanged.
+The router picks a replica before the request body is read, so it cannot see which prompt a request names.
+`VoiceHint` reads it in the proxy (the body is there anyway) for every entry point: the `voice` of a JSON
+/v1/tts or /v1/audio/speech, the uploaded `prompt_wav` (by the engine's digest of it and its transcript) or
+`voice` of a form /v1/tts, and the `start` message (and the recording it announces) of the WebSocket, which it
+accepts itself to read them. It passes that prompt key on as Ray's multiplexed model id, which the router sees
+in the request's metadata (`EngineAwareRouter` prefers replicas holding that prompt); the request then goes on
+unchanged.
 
 Ray loads them from the proxy's environment: RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=
 cosystream.scale.proxy:proxy_middlewares (`cosystream serve --replicas` sets it; on a cluster, set it where
@@ -21,9 +24,12 @@ cosystream.scale.proxy:proxy_middlewares (`cosystream serve --replicas` sets it;
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import hashlib
 import json
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from starlette.middleware import Middleware
@@ -99,25 +105,52 @@ class StreamEndGuard:
             if not (seen["accepted"] and not seen["closed"]):
                 raise
         if seen["accepted"] and not seen["closed"]:
-            with contextlib.suppress(Exception):
-                await send({"type": "websocket.send", "text": json.dumps(error_event())})
-                await send({"type": "websocket.close", "code": 4000 + LOST_STATUS, "reason": LOST_CODE})
+            await _end_websocket(send)
 
 
 VOICE_HINT_HEADER = b"serve_multiplexed_model_id"  # Ray's proxy copies it into the request's metadata
 VOICE_HINT_PATHS = ("/v1/tts", "/v1/audio/speech")
-VOICE_HINT_MAX_BYTES = 64 * 1024  # larger bodies (uploads) go through unread
+WS_HINT_PATH = "/v1/tts/stream"
+VOICE_HINT_MAX_BYTES = 64 * 1024  # JSON bodies read for their voice
+UPLOAD_HINT_MAX_BYTES = 16 * 1024 * 1024  # multipart bodies read for their recording; larger ones go through unread
+WS_FIRST_MESSAGE_WAIT_S = 10.0  # a WebSocket whose `start` takes longer is routed by load alone
+UPLOAD_KEY_PREFIX = "upload:"  # scale/load.py's upload_key
 _VOICE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
+def upload_hint(audio: bytes, prompt_text: str) -> str:
+    """The prompt key of an uploaded recording: the engine's digest of it (engine/async_engine.py keys the
+    analysed upload by the SHA-256 of the recording's bytes, a NUL and the transcript's UTF-8)."""
+    digest = hashlib.sha256(audio)
+    digest.update(b"\0" + prompt_text.encode())
+    return UPLOAD_KEY_PREFIX + digest.hexdigest()
+
+
+def prompt_hint(options: Any, upload: bytes | None = None) -> str | None:
+    """The prompt key of a request's options (a JSON object or form fields): its uploaded recording's key, else
+    its voice name, else None (no prompt, or a voice name the router never sees)."""
+    if not isinstance(options, Mapping):
+        return None
+    if upload is not None:
+        text = options.get("prompt_text", "")
+        return upload_hint(upload, text) if isinstance(text, str) else None
+    voice = options.get("voice")
+    return voice if isinstance(voice, str) and _VOICE_NAME.fullmatch(voice) else None
+
+
 class VoiceHint:
-    """Passes the `voice` of a small JSON synthesis request to the router (see the module docstring)."""
+    """Passes each synthesis request's prompt to the router (see the module docstring): the `voice` of a JSON body
+    (POST /v1/tts, /v1/audio/speech), the uploaded `prompt_wav` (its digest) or `voice` of a form /v1/tts,
+    and the `voice` or uploaded recording of a WebSocket's `start` message."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if not self._worth_reading(scope):
+        if scope["type"] == "websocket" and scope.get("path") == WS_HINT_PATH:
+            return await self._websocket(scope, receive, send)
+        kind = self._body_kind(scope)
+        if kind is None:
             return await self.app(scope, receive, send)
         messages: list[Message] = []
         while True:  # the body, which the replica would fetch from this proxy anyway
@@ -125,32 +158,168 @@ class VoiceHint:
             messages.append(message)
             if message["type"] != "http.request" or not message.get("more_body", False):
                 break
-        voice = _voice_of(b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request"))
-        if voice is not None:
-            scope = {**scope, "headers": [*scope["headers"], (VOICE_HINT_HEADER, voice.encode())]}
-
-        async def replay() -> Message:
-            return messages.pop(0) if messages else await receive()
-
-        await self.app(scope, replay, send)
+        body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request")
+        hint = _json_hint(body) if kind == "json" else await _form_hint(scope, body)
+        await self.app(_hinted(scope, hint), _replay(messages, receive), send)
 
     @staticmethod
-    def _worth_reading(scope: Scope) -> bool:
+    def _body_kind(scope: Scope) -> str | None:
+        """'json' or 'form' for a request worth reading for its prompt, else None."""
         if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in VOICE_HINT_PATHS:
-            return False
+            return None
         headers = dict(scope.get("headers", []))
-        if VOICE_HINT_HEADER in headers or not headers.get(b"content-type", b"").startswith(b"application/json"):
-            return False
         length = headers.get(b"content-length", b"")
-        return length.isdigit() and int(length) <= VOICE_HINT_MAX_BYTES
-
-
-def _voice_of(body: bytes) -> str | None:
-    try:
-        voice = json.loads(body).get("voice")
-    except (ValueError, AttributeError):  # not JSON, or not an object: the app answers it
+        if VOICE_HINT_HEADER in headers or not length.isdigit():
+            return None
+        content_type = headers.get(b"content-type", b"")
+        if content_type.startswith(b"application/json") and int(length) <= VOICE_HINT_MAX_BYTES:
+            return "json"
+        is_form = content_type.startswith((b"multipart/form-data", b"application/x-www-form-urlencoded"))
+        if is_form and scope["path"] == "/v1/tts" and int(length) <= UPLOAD_HINT_MAX_BYTES:
+            return "form"
         return None
-    return voice if isinstance(voice, str) and _VOICE_NAME.fullmatch(voice) else None
+
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Accept the client here, read its `start` (and the recording it announces), then let Ray's proxy route
+        the session with that prompt: the replica's own accept is not sent again (the handshake is done, so it
+        cannot name the replica), and a session the app behind left unclosed ends with an `error` event."""
+        connect = await receive()
+        if connect["type"] != "websocket.connect":
+            return await self.app(scope, _replay([connect], receive), send)
+        await send({"type": "websocket.accept"})
+        client = _ReadAhead(receive, [connect])
+        deadline = asyncio.get_running_loop().time() + WS_FIRST_MESSAGE_WAIT_S
+        hint = None
+        start = _ws_start(await client.next(deadline))
+        if start is not None and start.get("prompt_wav") is True:
+            recording = await client.next(deadline)
+            upload = recording.get("bytes") if recording and recording["type"] == "websocket.receive" else None
+            hint = prompt_hint(start, upload) if upload else None
+        elif start is not None:
+            hint = prompt_hint(start)
+
+        closed = False
+
+        async def after_accept(message: Message) -> None:
+            nonlocal closed
+            if message["type"] == "websocket.accept":
+                return  # the client has its handshake already
+            if message["type"] == "websocket.http.response.start":  # a refusal meant for the handshake
+                closed = True
+                message = {"type": "websocket.close", "code": 4000 + int(message.get("status", 500)) % 1000}
+            elif message["type"] == "websocket.http.response.body":
+                return
+            elif message["type"] == "websocket.close":
+                closed = True
+            await send(message)
+
+        try:
+            await self.app(_hinted(scope, hint), client.replay, after_accept)
+        except Exception:
+            pass  # ended below as a lost replica
+        finally:
+            client.close()
+        if not closed:
+            await _end_websocket(send)
+
+
+class _ReadAhead:
+    """A WebSocket client's messages read before routing, then handed to the app behind in order: what was read,
+    then a read still pending when routing could wait no longer (nothing is lost), then the socket itself."""
+
+    def __init__(self, receive: Receive, read: list[Message]) -> None:
+        self.receive = receive
+        self.read = list(read)
+        self.pending: asyncio.Future | None = None
+
+    async def next(self, deadline: float) -> Message | None:
+        """The client's next message, or None when it does not come before `deadline` (loop time)."""
+        if self.pending is None:
+            self.pending = asyncio.ensure_future(self.receive())
+        timeout_s = max(0.0, deadline - asyncio.get_running_loop().time())
+        done, _ = await asyncio.wait({self.pending}, timeout=timeout_s)
+        if not done:
+            return None
+        message, self.pending = self.pending.result(), None
+        self.read.append(message)
+        return message
+
+    async def replay(self) -> Message:
+        if self.read:
+            return self.read.pop(0)
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            return await pending
+        return await self.receive()
+
+    def close(self) -> None:
+        if self.pending is not None and not self.pending.done():
+            self.pending.cancel()
+
+
+def _hinted(scope: Scope, hint: str | None) -> Scope:
+    if hint is None:
+        return scope
+    return {**scope, "headers": [*scope["headers"], (VOICE_HINT_HEADER, hint.encode())]}
+
+
+def _replay(messages: list[Message], receive: Receive) -> Receive:
+    """`receive` that first hands out `messages` again, in order."""
+    pending = list(messages)
+
+    async def replay() -> Message:
+        return pending.pop(0) if pending else await receive()
+
+    return replay
+
+
+def _json_hint(body: bytes) -> str | None:
+    try:
+        return prompt_hint(json.loads(body))
+    except ValueError:  # not JSON: the app answers it
+        return None
+
+
+async def _form_hint(scope: Scope, body: bytes) -> str | None:
+    """The prompt of a form /v1/tts (multipart or urlencoded): its `prompt_wav` file (with `prompt_text`) or its
+    `voice` field."""
+    from starlette.datastructures import UploadFile
+    from starlette.requests import Request
+
+    sent = False
+
+    async def receive_body() -> Message:
+        nonlocal sent
+        if sent:
+            return {"type": "http.disconnect"}
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    try:
+        async with Request(scope, receive_body).form(max_files=2, max_fields=64) as form:
+            fields = {k: v for k, v in form.multi_items() if isinstance(v, str)}
+            upload = form.get("prompt_wav")
+            audio = await upload.read() if isinstance(upload, UploadFile) else None
+            return prompt_hint(fields, audio or None)
+    except Exception:  # a malformed form: the app answers it
+        return None
+
+
+def _ws_start(message: Message | None) -> dict[str, Any] | None:
+    """The JSON object of a WebSocket `start` message, or None."""
+    if message is None or message["type"] != "websocket.receive" or not message.get("text"):
+        return None
+    try:
+        data = json.loads(message["text"])
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) and data.get("type") == "start" else None
+
+
+async def _end_websocket(send: Send) -> None:
+    with contextlib.suppress(Exception):  # the client may be gone
+        await send({"type": "websocket.send", "text": json.dumps(error_event())})
+        await send({"type": "websocket.close", "code": 4000 + LOST_STATUS, "reason": LOST_CODE})
 
 
 def proxy_middlewares() -> list[Middleware]:

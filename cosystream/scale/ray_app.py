@@ -10,7 +10,8 @@ replica (a WebSocket session lives on the replica that accepted it). What the re
 
 * routing: it publishes a `LoadReport` (scale/load.py) through Ray's `record_routing_stats`; the deployment's
   `EngineAwareRouter` ranks replicas by whether they can meet the first-audio budget, then by the request's
-  voice (found by the proxy middleware of scale/proxy.py) and by load; the chosen replica's own admission
+  prompt (a voice, or an uploaded recording's digest, found by the proxy middleware of scale/proxy.py in every
+  entry point's request) and by load; the chosen replica's own admission
   refuses at once (503 overloaded) when even it cannot;
 * voices: every replica reads one store (a shared SQLite file, or a named actor on the head node), and a
   registration or deletion through any replica is broadcast to all, which drop and reload their copy;
@@ -48,7 +49,14 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cosystream import errors as cosy_errors
-from cosystream.scale.load import LoadReport, merge_metrics, rank_replicas, report_from_server
+from cosystream.scale.load import (
+    LoadReport,
+    held_voice_names,
+    merge_metrics,
+    rank_replicas,
+    report_from_server,
+    upload_key,
+)
 from cosystream.scale.proxy import CALLBACK_ENV as PROXY_CALLBACK_ENV
 from cosystream.scale.proxy import CALLBACK_PATH as PROXY_CALLBACK_PATH
 from cosystream.server.errors import ApiError
@@ -261,8 +269,15 @@ class CosyStreamReplica:
 
     # -------------------------------------------------------- what Ray asks of a replica
     def record_routing_stats(self) -> dict[str, Any]:
-        """The LoadReport the router ranks replicas by (published every ROUTING_STATS_PERIOD_S)."""
-        return report_from_server(self.state, self.engine.cached_voices()).as_dict()
+        """The LoadReport the router ranks replicas by (published every ROUTING_STATS_PERIOD_S): with the prompt
+        keys this replica holds, under the names requests give them (scale/proxy.py finds a request's key)."""
+        from cosystream.server.openai_speech import OPENAI_VOICES
+
+        settings = self.state.settings
+        voices = held_voice_names(self.engine.cached_voices(), settings.voice_aliases, settings.default_voice,
+                                  sorted(OPENAI_VOICES))
+        cached_uploads = getattr(self.engine, "cached_uploads", list)
+        return report_from_server(self.state, voices, [upload_key(d) for d in cached_uploads()]).as_dict()
 
     async def check_health(self) -> None:
         """Raise when the engine loop stopped or does not run a no-op within health_timeout_s (a wedged GPU):
@@ -387,7 +402,8 @@ class EngineAwareRouter(RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         by_id = {r.replica_id: r for r in candidate_replicas}
         loads = {r.replica_id: LoadReport.from_dict(r.routing_stats) for r in candidate_replicas}
-        # the request's voice, when the proxy's VoiceHint (scale/proxy.py) found one in its body
+        # the request's prompt key (a voice or an upload's digest), when the proxy's VoiceHint (scale/proxy.py)
+        # found one in it
         voice = pending_request.metadata.multiplexed_model_id or None if pending_request is not None else None
         return [[by_id[replica_id]] for replica_id in rank_replicas(loads, self._open, voice=voice)]
 

@@ -66,3 +66,20 @@ def test_merged_metrics_label_every_sample_with_its_replica() -> None:
     assert counts == {"r1": 2.0, "r2": 1.0}
     text = merge_metrics(texts).decode()
     assert text.count("# TYPE cosystream_requests_total counter") == 1  # one family, both replicas' samples
+
+
+def test_uploads_and_voice_aliases_count_as_held_prompts() -> None:
+    from cosystream.scale.load import held_voice_names, upload_key
+
+    names = held_voice_names(["bob", "anna"], aliases=[("narrator", "bob"), ("ghost", "carl")],
+                             default_voice="anna", default_names=["alloy", "bob"])
+    assert names == ["bob", "anna", "narrator", "alloy"]  # no alias of a voice not held; no name twice
+    assert held_voice_names(["bob"], default_voice="anna", default_names=["alloy"]) == ["bob"]
+    base = {"capacity": 4, "service_first_audio_s": 0.1, "service_s": 2.0, "budget_s": 1.0}
+    key = upload_key("ab" * 32)
+    loads = {"cold": LoadReport(in_flight=0, **base), "warm": LoadReport(in_flight=1, uploads=(key,), **base)}
+    assert LoadReport.from_dict(loads["warm"].as_dict()) == loads["warm"]
+    assert rank_replicas(loads, voice=key) == ["warm", "cold"]
+    assert rank_replicas(loads, voice=upload_key("cd" * 32)) == ["cold", "warm"]
+    # an upload key is never matched against voice names, nor a voice against uploads
+    assert not LoadReport(voices=(key,)).holds(key) and not LoadReport(uploads=("bob",)).holds("bob")

@@ -119,3 +119,124 @@ def test_the_voice_of_a_json_request_reaches_the_router_and_the_body_is_unchange
                   _hinted(body, path="/v1/voices"), _hinted(body, content_type=b"multipart/form-data")):
         assert VOICE_HINT_HEADER not in dict(other[0]["headers"])
     assert _hinted(b"{not json")[1] == b"{not json"  # passed on for the app to refuse
+
+
+def _multipart(fields: dict[str, str], files: dict[str, bytes]) -> tuple[bytes, bytes]:
+    """(body, content-type) of a multipart form, built by httpx as a client would send it."""
+    import httpx
+
+    request = httpx.Request("POST", "http://x/v1/tts", data=fields,
+                            files={k: (f"{k}.wav", v, "audio/wav") for k, v in files.items()})
+    return request.read(), request.headers["content-type"].encode()
+
+
+def test_an_uploaded_recording_is_hinted_by_the_engines_own_key() -> None:
+    """The proxy's key of a multipart upload is the digest the engine keys the analysed upload by, so the
+    router's preference matches what the replica reports holding."""
+    from cosystream.engine.async_engine import _UPLOAD_PREFIX, _upload_key
+    from cosystream.scale.load import upload_key
+    from cosystream.scale.proxy import VOICE_HINT_HEADER
+
+    audio = bytes(range(256)) * 40
+    body, content_type = _multipart({"text": "Hello.", "prompt_text": "the sun rose.", "voice": "anna"},
+                                    {"prompt_wav": audio})
+    scope, seen_body = _hinted(body, content_type=content_type)
+    assert seen_body == body  # passed on unchanged
+    engine_key = _upload_key(audio, "the sun rose.")
+    assert dict(scope["headers"])[VOICE_HINT_HEADER].decode() == upload_key(engine_key[len(_UPLOAD_PREFIX):])
+    other_text = _hinted(*_swap(_multipart({"text": "Hi.", "prompt_text": "another."}, {"prompt_wav": audio})))[0]
+    assert dict(other_text["headers"])[VOICE_HINT_HEADER] != dict(scope["headers"])[VOICE_HINT_HEADER]
+    # a form (urlencoded: no file) naming a registered voice: the voice; an upload to another path: nothing
+    voice_form = _hinted(*_swap(_multipart({"text": "Hi.", "voice": "anna"}, {})))[0]
+    assert dict(voice_form["headers"])[VOICE_HINT_HEADER] == b"anna"
+    assert VOICE_HINT_HEADER not in dict(_hinted(body, path="/v1/voices", content_type=content_type)[0]["headers"])
+    broken = _hinted(b"--x\r\nnot a form", content_type=b"multipart/form-data; boundary=x")
+    assert VOICE_HINT_HEADER not in dict(broken[0]["headers"]) and broken[1] == b"--x\r\nnot a form"
+
+
+def _swap(pair: tuple[bytes, bytes]) -> tuple[bytes, str, bytes]:
+    return pair[0], "/v1/tts", pair[1]
+
+
+def _ws_through_hint(client: list[dict], inner_closes: bool = True, wait_s: float | None = None,
+                     first_delay_s: float = 0.0, delay_at: int = 0):
+    """Run VoiceHint over a WebSocket: `client` are the messages after the handshake's connect (client[delay_at]
+    after `first_delay_s`). Returns (what the client was sent, the scope the app behind saw, the messages it
+    received)."""
+    from cosystream.scale import proxy
+
+    sent: list[dict] = []
+    seen: dict = {"received": []}
+    incoming = [{"type": "websocket.connect"}, *client]
+
+    async def receive() -> dict:
+        if incoming:
+            if len(incoming) == len(client) - delay_at and first_delay_s:
+                await asyncio.sleep(first_delay_s)
+            return incoming.pop(0)
+        await asyncio.sleep(3600)
+        return {}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def app(scope, receive, send) -> None:  # Ray's proxy and the replica, as the client sees them
+        seen["scope"] = scope
+        for _ in range(1 + len(client)):
+            seen["received"].append(await receive())
+        await send({"type": "websocket.accept", "headers": [(b"x-cosystream-replica", b"r1")]})
+        await send({"type": "websocket.send", "text": '{"type": "started"}'})
+        if inner_closes:
+            await send({"type": "websocket.close", "code": 1000})
+
+    async def run() -> None:
+        if wait_s is not None:
+            proxy.WS_FIRST_MESSAGE_WAIT_S, saved = wait_s, proxy.WS_FIRST_MESSAGE_WAIT_S
+        try:
+            await proxy.VoiceHint(app)({"type": "websocket", "path": "/v1/tts/stream", "headers": []}, receive, send)
+        finally:
+            if wait_s is not None:
+                proxy.WS_FIRST_MESSAGE_WAIT_S = saved
+
+    asyncio.run(run())
+    return sent, seen["scope"], seen["received"]
+
+
+def test_a_websocket_is_routed_by_the_voice_or_recording_of_its_start_message() -> None:
+    from cosystream.scale.proxy import LOST_CODE, VOICE_HINT_HEADER, upload_hint
+
+    start = {"type": "start", "voice": "anna", "response_format": "pcm"}
+    text = {"type": "websocket.receive", "text": '{"type": "text", "text": "Hello."}'}
+    first = {"type": "websocket.receive", "text": json.dumps(start)}
+    sent, scope, received = _ws_through_hint([first, text])
+    assert dict(scope["headers"])[VOICE_HINT_HEADER] == b"anna"
+    assert received == [{"type": "websocket.connect"}, first, text]  # the app sees the whole session, in order
+    assert [m["type"] for m in sent] == ["websocket.accept", "websocket.send", "websocket.close"]  # one accept
+    # an uploaded recording announced by `start`: its key, as for a multipart upload
+    upload = {"type": "start", "prompt_wav": True, "prompt_text": "the sun rose."}
+    recording = {"type": "websocket.receive", "bytes": b"RIFF recording"}
+    _, scope, received = _ws_through_hint([{"type": "websocket.receive", "text": json.dumps(upload)}, recording])
+    assert dict(scope["headers"])[VOICE_HINT_HEADER] == upload_hint(b"RIFF recording", "the sun rose.").encode()
+    assert received[-1] == recording
+    # a session the app behind leaves open (its replica died) still ends with the error event and 4503
+    sent, _, _ = _ws_through_hint([first], inner_closes=False)
+    assert json.loads(sent[-2]["text"])["error"]["code"] == LOST_CODE and sent[-1]["code"] == 4503
+
+
+def test_a_websocket_without_a_start_in_time_is_routed_by_load_and_loses_nothing() -> None:
+    from cosystream.scale.proxy import VOICE_HINT_HEADER
+
+    late = {"type": "websocket.receive", "text": '{"type": "start", "voice": "anna"}'}
+    sent, scope, received = _ws_through_hint([late], wait_s=0.05, first_delay_s=0.3)
+    assert VOICE_HINT_HEADER not in dict(scope["headers"])
+    assert received == [{"type": "websocket.connect"}, late]  # the message that came late still reaches the app
+    assert sent[0]["type"] == "websocket.accept" and sent[-1] == {"type": "websocket.close", "code": 1000}
+    # a recording announced by `start` that comes late: routed by load, and the app still gets both messages
+    announced = {"type": "websocket.receive", "text": '{"type": "start", "prompt_wav": true, "prompt_text": "hi"}'}
+    recording = {"type": "websocket.receive", "bytes": b"RIFF"}
+    sent, scope, received = _ws_through_hint([announced, recording], wait_s=0.05, first_delay_s=0.0)
+    assert VOICE_HINT_HEADER in dict(scope["headers"])  # in time: hinted
+    _, late_scope, late_received = _ws_through_hint([announced, recording], wait_s=0.05, first_delay_s=0.3,
+                                                    delay_at=1)
+    assert VOICE_HINT_HEADER not in dict(late_scope["headers"])
+    assert late_received == [{"type": "websocket.connect"}, announced, recording]

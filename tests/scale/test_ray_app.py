@@ -8,17 +8,20 @@ restarted replica serves the voice again. Requests use `force_tokens`, so audio 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import time
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
@@ -44,6 +47,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]  # a Ray cluster and two engine
 SAMPLES_PER_TOKEN = 960
 VOICE = "bob"
 VOICE_TEXT = "Hello there, this is my voice."
+UPLOAD_TEXT = "A recording sent with the request."
 REPLICA = REPLICA_HEADER.decode()
 RECOVERY_TIMEOUT_S = 150
 
@@ -129,12 +133,17 @@ def _spread(client: httpx.Client, tokens: int, replicas: set[str], rounds: int =
     return served
 
 
-def _ws_session(base_url: str, tokens: int) -> tuple[str, int, list[dict]]:
-    """One WebSocket request in text pieces: (replica that served it, audio bytes, JSON events)."""
+def _ws_session(base_url: str, tokens: int, recording: bytes | None = None) -> tuple[int, list[dict]]:
+    """One WebSocket request in text pieces: (audio bytes, JSON events). With `recording`: an
+    uploaded prompt instead of the registered voice. (Ray's proxy accepts the socket before it routes it, by the
+    prompt of `start`, so the handshake names no replica: the per-replica metrics tell which one served it.)"""
     audio, events = 0, []
+    start = {"type": "start", "response_format": "pcm", "force_tokens": tokens}
+    start.update({"prompt_wav": True, "prompt_text": UPLOAD_TEXT} if recording else {"voice": VOICE})
     with connect("ws" + base_url[len("http"):] + "/v1/tts/stream", open_timeout=60) as ws:
-        replica = ws.response.headers[REPLICA]
-        ws.send(json.dumps({"type": "start", "voice": VOICE, "response_format": "pcm", "force_tokens": tokens}))
+        ws.send(json.dumps(start))
+        if recording:
+            ws.send(recording)
         for piece in ("Hello ", "there."):
             ws.send(json.dumps({"type": "text", "text": piece}))
         ws.send(json.dumps({"type": "end"}))
@@ -147,7 +156,17 @@ def _ws_session(base_url: str, tokens: int) -> tuple[str, int, list[dict]]:
                     events.append(json.loads(message))
         except ConnectionClosed:
             pass
-    return replica, audio, events
+    return audio, events
+
+
+def _ws_served(client: httpx.Client) -> Counter:
+    """Finished WebSocket requests per replica, from the application's /metrics (labelled by replica)."""
+    served: Counter = Counter()
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == "cosystream_requests_total" and sample.labels.get("endpoint") == "ws":
+                served[sample.labels["replica"]] += int(sample.value)
+    return served
 
 
 def test_voice_registered_once_is_used_on_every_replica(base_url: str, voices_db: Path) -> None:
@@ -169,9 +188,11 @@ def test_voice_registered_once_is_used_on_every_replica(base_url: str, voices_db
             assert found.status_code == 200 and found.json()["outcome"] == "ok", found.text
         assert client.get("/v1/requests/req_unknown").status_code == 404
         # a WebSocket session, on one replica from start to done
-        replica, audio_bytes, events = _ws_session(base_url, tokens=3)
-        assert replica in replicas and audio_bytes == 2 * SAMPLES_PER_TOKEN * 3
+        before = _ws_served(client)
+        audio_bytes, events = _ws_session(base_url, tokens=3)
+        assert audio_bytes == 2 * SAMPLES_PER_TOKEN * 3
         assert events[0]["type"] == "started" and events[-1]["type"] == "done", events[-1]
+        assert sum((_ws_served(client) - before).values()) == 1
         for replica in replicas:  # every replica now holds the voice's prompt in memory
             assert VOICE in _replicas(client)[replica]["load"]["voices"], (replica, registered_on)
         # one /metrics for the application: every replica's samples, labelled
@@ -186,6 +207,42 @@ def test_voice_registered_once_is_used_on_every_replica(base_url: str, voices_db
         response = client.post("/v1/voices", data={"name": VOICE, "prompt_text": VOICE_TEXT},
                                files={"prompt_wav": ("bob.wav", tone_wav(), "audio/wav")})
         assert response.status_code == 201, response.text
+
+
+def test_requests_go_to_the_replica_holding_their_uploaded_prompt_and_a_websocket_stays_on_one(
+        base_url: str) -> None:
+    """An uploaded recording is analysed on the replica that first gets it; the router sends later requests with
+    the same recording there (multipart /v1/tts and WebSocket alike: the proxy keys both by the recording's
+    digest), and a WebSocket session runs on one replica while other requests spread over both."""
+    from cosystream.scale.proxy import upload_hint
+
+    recording = tone_wav(seconds=1.5, seed=36)
+    key = upload_hint(recording, UPLOAD_TEXT)
+    form = {"text": "Hi there.", "prompt_text": UPLOAD_TEXT, "response_format": "pcm", "force_tokens": "2"}
+
+    def upload() -> httpx.Response:
+        response = client.post("/v1/tts", data=form, files={"prompt_wav": ("me.wav", recording, "audio/wav")})
+        assert response.status_code == 200 and len(response.content) == 2 * SAMPLES_PER_TOKEN * 2, response.text
+        return response
+
+    with _client(base_url) as client:
+        _wait_all_running(client, 120)
+        holder = upload().headers[REPLICA]
+        holding = {r: key in d["load"]["uploads"] for r, d in _replicas(client).items()}
+        assert holding == {r: r == holder for r in holding}, holding  # analysed there, and only there
+        time.sleep(1.5)  # the holder's next load report reaches the proxy's router
+        # idle replicas tie on load: without the preference each request would pick either (1 in 32 all on one)
+        assert {upload().headers[REPLICA] for _ in range(5)} == {holder}
+        before = _ws_served(client)
+        with ThreadPoolExecutor(1) as pool:
+            # a long session, while plain requests spread over both replicas
+            session = pool.submit(_ws_session, base_url, 150, recording)
+            _spread(client, tokens=2, replicas=set(holding), rounds=3)
+            audio_bytes, events = session.result(timeout=120)
+        assert audio_bytes == 2 * SAMPLES_PER_TOKEN * 150 and events[-1]["type"] == "done", events[-1]
+        for _ in range(3):
+            assert _ws_session(base_url, 2, recording)[1][-1]["type"] == "done"
+        assert _ws_served(client) - before == Counter({holder: 4})  # every session ran on the holder
 
 
 def test_killed_replica_fails_its_stream_and_the_app_recovers(base_url: str) -> None:
@@ -227,6 +284,41 @@ def test_killed_replica_fails_its_stream_and_the_app_recovers(base_url: str) -> 
         assert len(now) == 2 and now != set(replicas)
         served = _spread(client, tokens=4, replicas=now)
         assert served.keys() == now, served
+
+
+def _ready_status(client: httpx.Client) -> str | None:
+    """/ready's status, or None when the answer does not come within 3 s (e.g. routed to a stopped replica)."""
+    try:
+        response = client.get("/ready", timeout=3)
+    except httpx.TimeoutException:
+        return None
+    return response.json().get("status") if response.status_code == 200 else None
+
+
+def test_a_wedged_replica_is_taken_out_of_routing_and_replaced(base_url: str) -> None:
+    """A replica that stops answering (its process stopped, as a hung GPU driver call would leave it) fails Ray's
+    health check (check_health, Ray's timeout health_timeout_s + 5 s): Ray takes it out of routing, every request
+    then goes to the other replica and completes, and Ray replaces the wedged one."""
+    with _client(base_url) as client:
+        _wait_all_running(client, RECOVERY_TIMEOUT_S)
+        replicas = _replicas(client)
+        wedged_id, survivor_id = sorted(replicas)
+        wedged_pid = replicas[wedged_id]["pid"]
+        os.kill(wedged_pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 60  # health checks every 2 s, each given 15 s
+            while _ready_status(client) != "degraded":
+                assert time.monotonic() < deadline, "the wedged replica was never noticed"
+                time.sleep(0.5)
+            for _ in range(6):  # out of routing: none of these waits on the wedged replica
+                response = client.post("/v1/tts", json={"text": "Hi there.", "voice": VOICE, "response_format": "pcm",
+                                                        "force_tokens": 2, "seed": 1}, timeout=30)
+                assert response.status_code == 200 and response.headers[REPLICA] == survivor_id, response.text
+            _wait_all_running(client, RECOVERY_TIMEOUT_S)
+            assert wedged_id not in _replicas(client)
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # Ray normally killed it already
+                os.kill(wedged_pid, signal.SIGKILL)
 
 
 def test_example_config_builds_the_application(tmp_path) -> None:
