@@ -23,7 +23,7 @@ def _prompt(tokens: int, seed: int = 0) -> VoicePrompt:
 
 def test_prompt_bytes_counts_every_tensor():
     p = _prompt(10)
-    assert prompt_bytes(p) == 5 * 4 + 10 * 4 + 20 * 80 * 4 + 192 * 4
+    assert prompt_bytes(p) == 5 * 4 + 10 * 4 + 20 * 80 * 4 + 192 * 4 + len(p.family.encode())
 
 
 def test_bounded_by_entries_least_recently_used_first():
