@@ -4,15 +4,20 @@
 Per request it holds a `Token2WavStream` (models/cosyvoice3/stream.py): the DiT runs over new frames only
 (keys/values of complete attention blocks kept per Euler step) and the causal vocoder over new frames plus
 a fixed left context. The official final chunk (full attention) re-runs the flow once over the whole
-sequence unless `final_attention` is "chunk". Chunks run one request at a time: correct for any mix of
-requests, not yet batched across requests (no flow pool, no CUDA graphs).
+sequence unless `final_attention` is "chunk".
+
+With a flow slot pool (`flow_slots` > 0, the default on CUDA) every stream opens in a slot of a
+`FlowSlotPool` (models/cosyvoice3/pool.py): its keys/values live in static buffers, and the block-causal
+chunks of all streams in one `run` are voiced together, grouped by padded frame count, as one replay of
+a CUDA graph per (batch, frames, key frames) bucket. A stream whose utterance outgrows its slot leaves
+the pool and continues eagerly; without a pool (or a free slot) chunks run one stream at a time.
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,10 +26,12 @@ import torch
 import torch.nn.functional as F
 
 from cosystream.engine.chunking import ChunkPlan
+from cosystream.engine.graphs import BATCH_BUCKETS, GraphCache, bucket, capture_stream
 from cosystream.engine.stopwatch import Stopwatch
 from cosystream.models.cosyvoice3.flow import CV3Flow, PromptBlocks, encode_prompt_blocks
 from cosystream.models.cosyvoice3.hift import CausalHiFT
-from cosystream.models.cosyvoice3.stream import ChunkCall, Token2WavStream
+from cosystream.models.cosyvoice3.pool import FlowSlotPool, PooledFlowStream, SlotChunk, finish_chunks, pack_chunks
+from cosystream.models.cosyvoice3.stream import ChunkCall, StreamSchedule, Token2WavStream
 
 
 @dataclass
@@ -34,21 +41,31 @@ class CV3Token2WavState:
     stream: Token2WavStream
     key: Any
     speed: float = 1.0
+    pooled: PooledFlowStream | None = None  # its flow state in a pool slot (None: in `stream`)
     chunk_index: int = 0
     samples_done: int = 0
     finished: bool = False
     extras: dict[str, Any] = field(default_factory=dict)
 
 
+KEY_FRAMES_STEP = 200  # key-length buckets of the pooled chunk graphs (4 attention blocks)
+
+
 class CV3Token2WavRunner:
     """Owns the CosyVoice3 flow and vocoder; turns ready chunks into audio."""
 
     final_attention: str
-    pool = None  # no flow pool: every stream keeps its own caches
     overflow_started = 0
+    pooled_chunks = 0  # chunks voiced in the pool (batched)
+    pool_exits = 0  # streams that outgrew their slot and went on eagerly
 
     def __init__(self, flow: CV3Flow, hift: CausalHiFT, final_attention: str = "full",
-                 max_voice_caches: int = 16) -> None:
+                 max_voice_caches: int = 16, flow_slots: int | None = None, slot_frames: int = 1024,
+                 cuda_graphs: bool = True) -> None:
+        """flow_slots: streams whose flow state lives in the static pool (None: 16 on CUDA, none on the
+        CPU; 0: no pool). slot_frames: 50 Hz mel frames one slot holds, prompt included (a stream that
+        outgrows it continues eagerly); a slot costs `FlowSlotPool.bytes_per_frame(flow)` per frame
+        (≈ 1.8 MB in bf16 at the 0.5B shapes). cuda_graphs: replay the pooled chunks as CUDA graphs."""
         if final_attention not in ("full", "chunk"):
             raise ValueError(f"final_attention: 'full' or 'chunk', got {final_attention!r}")
         self.flow, self.hift = flow, hift
@@ -59,15 +76,23 @@ class CV3Token2WavRunner:
         # a registered voice's target-independent prompt blocks, encoded once (LRU)
         self.voice_caches: OrderedDict[str, PromptBlocks] = OrderedDict()
         self.max_voice_caches = max_voice_caches
+        if flow_slots is None:
+            flow_slots = 16 if self.device.type == "cuda" else 0
+        # one slot more than offered: the rows that pad a batch to its bucket write there
+        self.pool = FlowSlotPool(flow, flow_slots + 1, slot_frames) if flow_slots > 0 else None
+        self.spare_slot = self.pool.free.pop() if self.pool is not None else -1
+        self.graphs = (GraphCache(self._graph_chunk, self.device, enabled=cuda_graphs,
+                                  stream=capture_stream(self.device)) if self.pool is not None else None)
 
     # ------------------------------------------------------------------ per-request state
     def start(self, inputs: Any, voice_key: str | None, key: Any = None, speed: float = 1.0,
               max_target_tokens: int = 256, seed: int = 0, stored: dict | None = None) -> CV3Token2WavState:
-        """A new stream from a segment's `ModelInputs` (flow prompt tokens, prompt mel, x-vector).
+        """A new stream from a segment's `ModelInputs` (flow prompt tokens, prompt mel, x-vector), in a free
+        pool slot when there is one.
 
         A registered voice (`voice_key`) reuses its encoded prompt blocks. seed and max_target_tokens are
         accepted for the runner contract: CosyVoice3's source noise is the model's fixed table (indexed by
-        sample), and the caches grow as chunks arrive.
+        sample), and a stream that outgrows its slot continues eagerly.
         """
         del max_target_tokens, seed, stored
         dev = self.device
@@ -77,7 +102,16 @@ class CV3Token2WavRunner:
         blocks = self._prompt_blocks(voice_key, prompt_token, prompt_feat, embedding) if voice_key else None
         stream = Token2WavStream(self.flow, self.hift, prompt_token, prompt_feat, embedding,
                                  final_full_attention=self.final_attention == "full", prompt_blocks=blocks)
-        return CV3Token2WavState(stream=stream, key=key, speed=speed)
+        pooled = None
+        if speed == 1.0 and self.pool is not None and self.pool.free and self._fits(prompt_feat.shape[1]):
+            with torch.inference_mode():
+                pooled = PooledFlowStream(self.pool, prompt_token, prompt_feat, embedding, blocks)
+        return CV3Token2WavState(stream=stream, key=key, speed=speed, pooled=pooled)
+
+    def _fits(self, prompt_frames: int) -> bool:
+        """Whether a slot holds the prompt and at least one chunk after it."""
+        return self.pool is not None and prompt_frames + 4 * self.flow.decoder.estimator.dims.static_chunk_size \
+            <= self.pool.max_frames
 
     @torch.inference_mode()
     def _prompt_blocks(self, voice_key: str, prompt_token: torch.Tensor, prompt_feat: torch.Tensor,
@@ -95,7 +129,19 @@ class CV3Token2WavRunner:
         self.watch.settle()
 
     def release(self, state: CV3Token2WavState) -> None:
+        """The stream is done (or abandoned): its pool slot goes back."""
         state.finished = True
+        self._leave_pool(state, keep_state=False)
+
+    def _leave_pool(self, state: CV3Token2WavState, keep_state: bool) -> None:
+        """Give the stream's slot back; keep_state: its keys/values continue in the eager `FlowStream`."""
+        if state.pooled is None:
+            return
+        if keep_state:
+            state.stream.flow_stream.state.caches = self.pool.export(state.pooled.slot)
+            self.pool_exits += 1
+        state.pooled.close()
+        state.pooled = None
 
     def has_prompt(self, voice_key: str | None, stored: dict[str, torch.Tensor] | None = None) -> bool:
         """Whether a stream in this voice starts without encoding its prompt blocks first."""
@@ -105,65 +151,164 @@ class CV3Token2WavRunner:
         self.voice_caches.pop(voice_key, None)
 
     def can_start(self, inputs: Any, max_target_tokens: int) -> bool:
-        return True
+        """False while a new stream that runs in the pool must wait for a free slot."""
+        return not self.needs_slot(inputs, max_target_tokens) or bool(self.pool.free)
 
     def needs_slot(self, inputs: Any, max_target_tokens: int) -> bool:
-        return False
+        """True when a new stream runs in a pool slot: with a pool, unless its prompt leaves no room."""
+        return self.pool is not None and self._fits(inputs.prompt_mel.view(-1, inputs.prompt_mel.shape[-1]).shape[0])
 
     def free_slots(self) -> int | None:
-        return None
+        """Free pool slots (None: no pool)."""
+        return None if self.pool is None else len(self.pool.free)
 
     def flow_slots(self) -> int | None:
-        return None
+        """The pool's slots, free or held (None: no pool)."""
+        return None if self.pool is None else self.pool.num_slots - 1
+
+    def slot_gauges(self) -> dict[str, float]:
+        """Flow-slot gauges for /metrics (none without a pool)."""
+        return {} if self.pool is None else {"flow_slots_free": float(len(self.pool.free))}
 
     def overflow_room(self) -> int:
         return 0
 
-    def flow_group(self, state: CV3Token2WavState, plan: ChunkPlan) -> None:
-        """Chunks are not batched across requests: no group."""
-        return None
+    def flow_group(self, state: CV3Token2WavState, plan: ChunkPlan) -> Hashable | None:
+        """Chunks of equal keys share one graph replay: a pooled block-causal chunk's key is its padded
+        frame count; other chunks (eager, official final passes) run on their own (None)."""
+        if state.pooled is None or state.speed != 1.0 or (plan.is_final and self.final_attention == "full"):
+            return None
+        total = state.pooled.frames_after(plan.token_end, plan.is_final)
+        if total > self.pool.max_frames:
+            return None
+        frames = total - state.pooled.length
+        return ("cv3-pool", self._frames_bucket(frames))
 
     def pausable(self, jobs: Sequence[tuple[CV3Token2WavState, list[int], ChunkPlan]]) -> bool:
         return False
 
+    @torch.inference_mode()
     def warmup(self, prompt_tokens: int = 150, target_tokens: int = 250, schedule: Any = None) -> int:
-        return 0
+        """Capture the pooled chunk graphs a standard stream uses, for every batch bucket up to the pool
+        size, on a scratch slot (nothing in the other slots changes). Returns the graphs captured."""
+        if self.pool is None or self.graphs is None or not self.graphs.enabled:
+            return 0
+        before = len(self.graphs.graphs)
+        block = self.flow.decoder.estimator.dims.static_chunk_size
+        ratio = self.flow.ratio
+        committed = (ratio * max(prompt_tokens - self.flow.dims.pre_lookahead_len, 0) // block) * block
+        for call in StreamSchedule(prompt_tokens).all_calls(target_tokens):
+            if call.finalize and self.final_attention == "full":
+                continue
+            lookahead = 0 if call.finalize else self.flow.dims.pre_lookahead_len
+            total = ratio * (prompt_tokens + call.num_tokens - lookahead)
+            if total > self.pool.max_frames:
+                break
+            mel = torch.zeros(1, self.flow.dims.output_size, total - committed, device=self.device)
+            chunk = SlotChunk(slot=self.spare_slot, start=committed, valid=total - committed, keep=0,
+                              first_new=committed, mu=mel, cond=mel, spks=mel[:, :, 0])
+            for b in BATCH_BUCKETS:
+                if b > self.pool.num_slots - 1:
+                    break
+                self._pooled_flow([chunk] * b)
+            committed = (total // block) * block if not call.finalize else total
+        self.pool.lengths[self.spare_slot] = 0
+        self._sync()
+        return len(self.graphs.graphs) - before
 
     # ------------------------------------------------------------------ chunks
     @torch.inference_mode()
     def run(self, jobs: Sequence[tuple[CV3Token2WavState, list[int], ChunkPlan]],
             should_stop: Callable[[], bool] | None = None) -> list[tuple[np.ndarray, float, float]]:
-        """Audio for each job (state, all tokens of the segment so far, plan): (pcm, flow_s, vocoder_s)."""
+        """Audio for each job (state, all tokens of the segment so far, plan): (pcm, flow_s, vocoder_s).
+
+        Pooled block-causal chunks run batched (grouped by padded frame count); the others one by one.
+        """
         del should_stop
+        for state, _, _ in jobs:
+            if state.finished:
+                raise RuntimeError("CV3Token2WavRunner: chunk for a finished stream")
+        mels: list[torch.Tensor | None] = [None] * len(jobs)
+        flow_s = [0.0] * len(jobs)
+        groups: dict[int, list[tuple[int, SlotChunk]]] = {}
+        for i, (state, tokens, plan) in enumerate(jobs):
+            ids = torch.tensor(tokens[:plan.token_end], dtype=torch.long, device=self.device).view(1, -1)
+            call = ChunkCall(plan.token_end, plan.offset, plan.is_final)
+            chunk = self._pool_chunk(state, ids, call)
+            if chunk is None:
+                t0 = time.perf_counter()
+                mels[i] = self._speed_mel(state, ids, call) if state.speed != 1.0 else state.stream.new_mel(ids, call)
+                self._sync()
+                flow_s[i] = time.perf_counter() - t0
+            else:
+                groups.setdefault(self._frames_bucket(chunk.valid), []).append((i, chunk))
+        for frames, members in sorted(groups.items()):
+            t0 = time.perf_counter()
+            out = self._pooled_flow([c for _, c in members], frames)
+            self._sync()
+            spent = time.perf_counter() - t0
+            for (i, _), mel in zip(members, out, strict=True):
+                mels[i], flow_s[i] = mel, spent
         results = []
-        for state, tokens, plan in jobs:
-            results.append(self._chunk(state, tokens, plan))
+        for i, (state, _, plan) in enumerate(jobs):
+            results.append(self._voice(state, mels[i], plan, flow_s[i]))
         self.watch.settle()
         return results
 
-    def _chunk(self, state: CV3Token2WavState, tokens: list[int], plan: ChunkPlan
+    def _pool_chunk(self, state: CV3Token2WavState, ids: torch.Tensor, call: ChunkCall) -> SlotChunk | None:
+        """The chunk's pooled inputs, or None when it runs eagerly (no slot, an official final pass, or a
+        chunk past the slot: then the stream leaves the pool, its state continuing in `FlowStream`)."""
+        if state.pooled is None:
+            return None
+        if call.finalize and self.final_attention == "full":
+            self._leave_pool(state, keep_state=False)  # the full pass reads no cache
+            return None
+        if state.pooled.frames_after(call.num_tokens, call.finalize) > self.pool.max_frames:
+            self._leave_pool(state, keep_state=True)
+            return None
+        return state.pooled.prepare(ids, call.token_offset, call.finalize)
+
+    def _frames_bucket(self, frames: int) -> int:
+        block = self.flow.decoder.estimator.dims.static_chunk_size
+        return -(-frames // block) * block
+
+    def _pooled_flow(self, chunks: list[SlotChunk], frames: int | None = None) -> list[torch.Tensor]:
+        """One graph replay (per batch bucket) of the pooled chunks, padded to `frames` new frames."""
+        frames = frames or self._frames_bucket(max(c.valid for c in chunks))
+        out: list[torch.Tensor] = []
+        largest = BATCH_BUCKETS[-1]
+        for first in range(0, len(chunks), largest):
+            part = chunks[first:first + largest]
+            rows = bucket(len(part))
+            pad = SlotChunk(slot=self.spare_slot, start=0, valid=1, keep=0, first_new=0, mu=part[0].mu[:, :, :1],
+                            cond=part[0].cond[:, :, :1], spks=part[0].spks)
+            inputs = pack_chunks(self.pool, part + [pad] * (rows - len(part)), frames)
+            longest = max(c.start + c.valid for c in part)
+            key_frames = min(-(-longest // KEY_FRAMES_STEP) * KEY_FRAMES_STEP, self.pool.max_frames + 1)
+            lengths = torch.empty(key_frames, device=self.device, dtype=torch.int8)  # its shape is the key length
+            [x1] = self.graphs.run((rows, frames, key_frames), [*inputs, lengths])
+            out += finish_chunks(self.pool, part, x1[:len(part)])
+            self.pooled_chunks += len(part)
+        return out
+
+    def _graph_chunk(self, *inputs: torch.Tensor) -> tuple[torch.Tensor]:
+        *args, lengths = inputs
+        return (self.pool.chunk(*args, key_frames=lengths.shape[0]),)
+
+    def _voice(self, state: CV3Token2WavState, mel: torch.Tensor, plan: ChunkPlan, flow_s: float
                ) -> tuple[np.ndarray, float, float]:
-        if state.finished:
-            raise RuntimeError("CV3Token2WavRunner: chunk for a finished stream")
-        ids = torch.tensor(tokens[:plan.token_end], dtype=torch.long, device=self.device).view(1, -1)
-        call = ChunkCall(plan.token_end, plan.offset, plan.is_final)
-        t0 = time.perf_counter()
-        if state.speed != 1.0:
-            mel = self._speed_mel(state, ids, call)
-        else:
-            mel = state.stream.new_mel(ids, call)
-        self._sync()
         t1 = time.perf_counter()
         wav = self.hift.inference(mel, finalize=True)[0] if state.speed != 1.0 else state.stream.vocode(
-            mel, call.finalize)
+            mel, plan.is_final)
         self._sync()
         t2 = time.perf_counter()
         state.chunk_index += 1
         state.samples_done += wav.shape[1]
         if plan.is_final:
             state.finished = True
+            self._leave_pool(state, keep_state=False)
         pcm = wav[0].float().cpu().numpy()
-        return pcm, t1 - t0, t2 - t1
+        return pcm, flow_s, t2 - t1
 
     def _speed_mel(self, state: CV3Token2WavState, ids: torch.Tensor, call: ChunkCall) -> torch.Tensor:
         """The official speed change: non-streaming only; the mel is linearly resampled to ⌊F / speed⌋."""

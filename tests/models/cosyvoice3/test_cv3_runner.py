@@ -65,3 +65,52 @@ def test_speed_needs_a_non_streaming_request(cv3_flow, cv3_hift, cv3_load):
     state = runner.start(_inputs(e2e, "zero_shot"), None, speed=1.5)
     [(pcm, _, _)] = runner.run([(state, tokens, offline)])
     assert pcm.shape[0] == 480 * int(2 * len(tokens) / 1.5)
+
+
+def _runs(e2e: dict, manifest: dict) -> list[tuple[str, ModelInputs, list[int], list[dict]]]:
+    out = []
+    for mode, run in manifest["e2e"].items():
+        out.append((mode, _inputs(e2e, run.get("prompt_inputs_from", mode)), e2e[f"{mode}_speech_tokens"][0].tolist(),
+                    run["schedule"]))
+    return out
+
+
+@pytest.mark.parametrize("slot_room", ["whole", "short"])
+def test_pooled_streams_voiced_together_reproduce_the_official_chunks(cv3_flow, cv3_hift, cv3_load, cv3_manifest,
+                                                                       slot_room):
+    """Every e2e run of the set as one stream each, their chunks in shared `run` calls (batched in the
+    pool); "short": slots too small for the longest run, which leaves the pool mid-utterance."""
+    e2e = cv3_load("e2e")
+    runs = _runs(e2e, cv3_manifest)
+    block = cv3_flow.decoder.estimator.dims.static_chunk_size
+    prompt_frames = max(inputs.prompt_mel.shape[0] for _, inputs, _, _ in runs)
+    longest = max(cv3_flow.ratio * (inputs.flow_prompt_speech_tokens.numel() + len(tokens))
+                  for _, inputs, tokens, _ in runs)
+    frames = longest if slot_room == "whole" else prompt_frames + 4 * block
+    runner = CV3Token2WavRunner(cv3_flow, cv3_hift, flow_slots=len(runs), slot_frames=frames)
+    assert runner.flow_slots() == runner.free_slots() == len(runs)
+    states, planners = [], []
+    for mode, inputs, _, _ in runs:
+        assert runner.needs_slot(inputs, 256) and runner.can_start(inputs, 256)
+        states.append(runner.start(inputs, voice_key=f"voice-{mode}" if len(states) % 2 else None))
+        planners.append(ChunkPlanner(ChunkSchedule(), inputs.flow_prompt_speech_tokens.numel(),
+                                     block=block // cv3_flow.ratio))
+    assert runner.free_slots() == 0 and not runner.can_start(runs[0][1], 256)
+    calls = [0] * len(runs)
+    while True:
+        jobs, who = [], []
+        for i, (_, _, tokens, _) in enumerate(runs):
+            plan = planners[i].next_plan(len(tokens), done=True) if not states[i].finished else None
+            if plan is not None:
+                jobs.append((states[i], tokens, plan))
+                who.append(i)
+        if not jobs:
+            break
+        for i, (pcm, _, _) in zip(who, runner.run(jobs), strict=True):
+            mode = runs[i][0]
+            np.testing.assert_allclose(pcm, e2e[f"{mode}_call{calls[i]}_yield"][0].numpy(), rtol=0, atol=AUDIO_ATOL)
+            calls[i] += 1
+    assert calls == [len(schedule) for _, _, _, schedule in runs]
+    assert runner.free_slots() == len(runs)  # every final chunk gave its slot back
+    assert runner.pooled_chunks >= len(runs)
+    assert (runner.pool_exits > 0) == (slot_room == "short")
