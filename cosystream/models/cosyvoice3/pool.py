@@ -49,6 +49,10 @@ class FlowSlotPool:
         self.values = torch.zeros(shape, device=dev, dtype=dtype)
         self.tail1 = torch.zeros(self.steps, num_slots, 2, d.dim, self.pad, device=dev, dtype=dtype)
         self.tail2 = torch.zeros_like(self.tail1)
+        # `chunk` writes the moved tails here and `finish_chunks` copies them back: so running a chunk
+        # twice on the same inputs (a CUDA graph's warm-up, then its replay) leaves the same state
+        self.tail1_out = torch.zeros_like(self.tail1)
+        self.tail2_out = torch.zeros_like(self.tail1)
         self.lengths = [0] * num_slots  # committed frames per slot (host)
         self.free = list(range(num_slots))
         self._modulations = self._time_modulations()
@@ -126,8 +130,9 @@ class FlowSlotPool:
         x0 [B, 80, N] float32: each stream's noise for frames [start, start + N); mu, cond [B, 80, N];
         spks [B, 80]; slots, start, valid, keep [B] long: the slot, its first uncommitted frame, the real
         new frames (the rest is padding) and how many new frames this call commits (their keys/values
-        stay in the slot and the conv tails move past them). key_frames: Lk >= every start + N.
-        The caller advances `lengths` by `keep`.
+        stay in the slot and the conv tails move past them). key_frames: Lk >= every start + valid.
+        The slots change only when `finish_chunks` commits (keys/values past the committed length are
+        scratch; the moved tails wait in `tail*_out`), so the call is idempotent.
         """
         d = self.dims
         batch, _, n = x0.shape
@@ -186,8 +191,8 @@ class FlowSlotPool:
         out1 = conv.conv1(in1)
         in2 = torch.cat([self.tail2[k, slots].flatten(0, 1), out1], dim=2)
         out = conv.conv2(in2).transpose(1, 2)
-        self.tail1[k, slots] = in1.gather(2, tail_index).unflatten(0, (-1, 2))
-        self.tail2[k, slots] = in2.gather(2, tail_index).unflatten(0, (-1, 2))
+        self.tail1_out[k, slots] = in1.gather(2, tail_index).unflatten(0, (-1, 2))
+        self.tail2_out[k, slots] = in2.gather(2, tail_index).unflatten(0, (-1, 2))
         return out
 
     def _attention(self, k: int, layer: int, block: torch.nn.Module, x: torch.Tensor, slots: torch.Tensor,
@@ -295,10 +300,14 @@ def pack_chunks(pool: FlowSlotPool, chunks: list[SlotChunk], frames: int
 
 def finish_chunks(pool: FlowSlotPool, chunks: list[SlotChunk], x1: torch.Tensor) -> list[torch.Tensor]:
     """Advance the slots' committed lengths; each stream's new mel [1, 80, m] float32 from `first_new`."""
+    slots = torch.tensor([c.slot for c in chunks], device=pool.device)
+    pool.tail1[:, slots] = pool.tail1_out[:, slots]
+    pool.tail2[:, slots] = pool.tail2_out[:, slots]
     out = []
     for i, c in enumerate(chunks):
         pool.lengths[c.slot] = c.start + c.keep
-        out.append(x1[i:i + 1, :, c.first_new - c.start:c.valid].float())
+        # a copy: x1 may be a CUDA graph's static output, overwritten by its next replay
+        out.append(x1[i:i + 1, :, c.first_new - c.start:c.valid].float().clone())
     return out
 
 

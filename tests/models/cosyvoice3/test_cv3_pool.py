@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cosystream.models.cosyvoice3.flow import FlowStream, encode_prompt_blocks
-from cosystream.models.cosyvoice3.pool import FlowSlotPool, PooledFlowStream, run_chunks
+from cosystream.models.cosyvoice3.pool import FlowSlotPool, PooledFlowStream, pack_chunks, run_chunks
 from cosystream.models.cosyvoice3.stream import StreamSchedule
 
 pytestmark = pytest.mark.parity
@@ -67,7 +67,9 @@ def test_mixed_batches_equal_the_eager_stream(cv3_flow, cv3_load, cv3_manifest, 
 
 
 def test_padding_and_spare_keys_do_not_change_a_chunk(cv3_flow, cv3_load, cv3_manifest):
-    """One stream's chunk alone, then padded to more frames and attending over more (stale) key frames."""
+    """One stream's chunk alone, then padded to more frames and attending over more (stale) key frames,
+    after a first run of the same chunk that was not committed (a CUDA graph's warm-up before its
+    replay: the slot must not change until `finish_chunks`)."""
     prompt, feat, xvec, tokens = _streams(cv3_load, cv3_manifest, cv3_flow)[0]
     block = cv3_flow.decoder.estimator.dims.static_chunk_size
     pool = _pool_for(cv3_flow, [(prompt, feat, xvec, tokens)], 2)
@@ -80,6 +82,9 @@ def test_padding_and_spare_keys_do_not_change_a_chunk(cv3_flow, cv3_load, cv3_ma
             pool.values.normal_()
             chunk = stream.prepare(tokens[:, :call.num_tokens], call.token_offset, call.finalize)
             frames = chunk.valid + extra
+            key_frames = min(chunk.start + frames, pool.max_frames + 1)
+            if extra:
+                pool.chunk(*pack_chunks(pool, [chunk], frames), key_frames=key_frames)
             outs.append(run_chunks(pool, [chunk], frames=frames, key_frames=min(chunk.start + frames,
                                                                                 pool.max_frames + 1))[0])
             stream.close()
