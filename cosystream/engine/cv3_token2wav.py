@@ -225,10 +225,22 @@ class CV3Token2WavRunner:
         Pooled block-causal chunks run batched (grouped by padded frame count); the others one by one.
         """
         del should_stop
+        mels, flow_s = self.flow_chunks(jobs)
+        results = []
+        for i, (state, _, plan) in enumerate(jobs):
+            results.append(self._voice(state, mels[i], plan, flow_s[i]))
+        self.watch.settle()
+        return results
+
+    @torch.inference_mode()
+    def flow_chunks(self, jobs: Sequence[tuple[CV3Token2WavState, list[int], ChunkPlan]]
+                    ) -> tuple[list[torch.Tensor], list[float]]:
+        """Each job's new mel [1, 80, m] float32 and the seconds its flow call took (a batched call's
+        seconds count for each of its chunks)."""
         for state, _, _ in jobs:
             if state.finished:
                 raise RuntimeError("CV3Token2WavRunner: chunk for a finished stream")
-        mels: list[torch.Tensor | None] = [None] * len(jobs)
+        mels: list[torch.Tensor] = [torch.empty(0)] * len(jobs)
         flow_s = [0.0] * len(jobs)
         groups: dict[int, list[tuple[int, SlotChunk]]] = {}
         for i, (state, tokens, plan) in enumerate(jobs):
@@ -249,11 +261,7 @@ class CV3Token2WavRunner:
             spent = time.perf_counter() - t0
             for (i, _), mel in zip(members, out, strict=True):
                 mels[i], flow_s[i] = mel, spent
-        results = []
-        for i, (state, _, plan) in enumerate(jobs):
-            results.append(self._voice(state, mels[i], plan, flow_s[i]))
-        self.watch.settle()
-        return results
+        return mels, flow_s
 
     def _pool_chunk(self, state: CV3Token2WavState, ids: torch.Tensor, call: ChunkCall) -> SlotChunk | None:
         """The chunk's pooled inputs, or None when it runs eagerly (no slot, an official final pass, or a

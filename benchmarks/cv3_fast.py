@@ -1,0 +1,172 @@
+"""CosyVoice3 flow per chunk: the pooled fast path (static slots, batched streams, CUDA graphs) vs the eager path.
+
+Random weights with the real Fun-CosyVoice3-0.5B shapes (or `--size tiny`, e.g. on a CPU). For each batch size
+B, B streams of one registered voice run the engine's chunk plan in lockstep; every round it times
+  * `fast ms`: `CV3Token2WavRunner.flow_chunks` over the B chunks (one graph replay per padded frame count),
+  * `eager ms`: the same chunks through each stream's eager `Token2WavStream.new_mel`, one after another,
+  * `vocoder ms`: the B chunks' incremental vocoder calls (`--vocoder graph`: through the runner's vocoder
+    graphs; `eager`: `HiftStream`), summed,
+and checks that both flow paths agree: the largest |Δmel| over the round (bf16 rounding differs between a
+batched and a single-stream pass) must stay under `--tol` (exit status 1 otherwise). The official final call
+(full attention over the whole utterance) runs eagerly on both paths and is reported once per batch.
+The first repeat captures the graphs; the last is reported. Example (GPU):
+    python benchmarks/cv3_fast.py --device cuda --dtype bfloat16 --batches 1,8,16
+and on a CPU:
+    python benchmarks/cv3_fast.py --size tiny --device cpu --dtype float32 --batches 1,4 --repeats 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from cosystream.checkpoint.hparams import CV3HParams, load_hparams_cv3
+from cosystream.config import ChunkSchedule
+from cosystream.engine.chunking import ChunkPlanner
+from cosystream.engine.cv3_token2wav import CV3Token2WavRunner
+from cosystream.frontend.prompt import ModelInputs
+from cosystream.models.cosyvoice3.flow import CV3Flow
+from cosystream.models.cosyvoice3.hift import CausalHiFT
+from cosystream.models.cosyvoice3.stream import ChunkCall
+from cosystream.testing.random_model_cv3 import SIZES_CV3, qwen_config_cv3, render_yaml_cv3
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def hparams(size: str) -> CV3HParams:
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        (d / "cosyvoice3.yaml").write_text(render_yaml_cv3(SIZES_CV3[size]))
+        (d / "config.json").write_text(json.dumps(qwen_config_cv3(SIZES_CV3[size])))
+        return load_hparams_cv3(d / "cosyvoice3.yaml", d / "config.json")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> tuple[CV3Flow, CausalHiFT]:
+    hp = hparams(args.size)
+    torch.manual_seed(0)
+    flow = CV3Flow(hp.flow).to(device=device, dtype=dtype).eval()
+    flow.decoder.rand_noise = flow.decoder.rand_noise.float()
+    hift = CausalHiFT(hp.hift).to(device=device, dtype=dtype).eval()
+    hift.f0_predictor.double()
+    hift.init_noise(2 + (args.prompt_tokens + args.tokens) / 25)
+    return flow, hift
+
+
+def run_batch(args: argparse.Namespace, flow: CV3Flow, hift: CausalHiFT, batch: int, device: torch.device
+              ) -> tuple[list[tuple], float, float]:
+    """-> (rows of the last repeat, largest |Δmel|, final-call ms)."""
+    block = flow.decoder.estimator.dims.static_chunk_size
+    gen = torch.Generator().manual_seed(batch)
+    prompt = torch.randint(0, 6561, (args.prompt_tokens,), generator=gen, dtype=torch.int32)
+    inputs = ModelInputs(mode="zero_shot", text_ids=torch.zeros(0, dtype=torch.int32),
+                         xvector=torch.randn(192, generator=gen), flow_prompt_speech_tokens=prompt,
+                         prompt_mel=torch.randn(2 * args.prompt_tokens, 80, generator=gen))
+    tokens = [torch.randint(0, 6561, (args.tokens,), generator=gen).tolist() for _ in range(batch)]
+    slot_frames = flow.ratio * (args.prompt_tokens + args.tokens) + block
+    runner = CV3Token2WavRunner(flow, hift, flow_slots=batch, slot_frames=slot_frames,
+                                cuda_graphs=not args.no_graphs)
+    rows, worst, final_ms = [], 0.0, 0.0
+    with torch.inference_mode():
+        for _ in range(args.repeats):
+            rows, worst, final_ms = [], 0.0, 0.0
+            states = [runner.start(inputs, voice_key="bench") for _ in range(batch)]
+            assert all(s.pooled is not None for s in states)
+            planner = ChunkPlanner(ChunkSchedule(), args.prompt_tokens, block=block // flow.ratio)
+            while (plan := planner.next_plan(args.tokens, done=True)) is not None:
+                jobs = [(s, t, plan) for s, t in zip(states, tokens, strict=True)]
+                if plan.is_final and runner.final_attention == "full":
+                    sync(device)
+                    t0 = time.perf_counter()
+                    runner.flow_chunks(jobs[:1])
+                    sync(device)
+                    final_ms = (time.perf_counter() - t0) * 1e3
+                    for s in states:
+                        runner.release(s)
+                    break
+                eager_mels, eager_ms = [], 0.0
+                for s, t in zip(states, tokens, strict=True):
+                    ids = torch.tensor(t[:plan.token_end], device=device).view(1, -1)
+                    sync(device)
+                    t0 = time.perf_counter()
+                    eager_mels.append(s.stream.flow_stream.push(ids, plan.offset, plan.is_final))
+                    sync(device)
+                    eager_ms += (time.perf_counter() - t0) * 1e3
+                sync(device)
+                t0 = time.perf_counter()
+                mels, _ = runner.flow_chunks(jobs)
+                sync(device)
+                fast_ms = (time.perf_counter() - t0) * 1e3
+                t0 = time.perf_counter()
+                for s, mel in zip(states, mels, strict=True):
+                    s.stream.vocode(mel, plan.is_final)
+                sync(device)
+                voc_ms = (time.perf_counter() - t0) * 1e3
+                diff = max(float((a - b).abs().max()) for a, b in zip(mels, eager_mels, strict=True))
+                worst = max(worst, diff)
+                call = ChunkCall(plan.token_end, plan.offset, plan.is_final)
+                rows.append((batch, call.num_tokens, call.token_offset, call.finalize, mels[0].shape[2], fast_ms,
+                             eager_ms, voc_ms, diff))
+                if plan.is_final:
+                    for s in states:
+                        runner.release(s)
+    del runner
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows, worst, final_ms
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", default="0.5b", choices=sorted(SIZES_CV3))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--prompt-tokens", type=int, default=150)
+    p.add_argument("--tokens", type=int, default=250)
+    p.add_argument("--batches", default="1,8,16", help="streams voiced together, comma-separated")
+    p.add_argument("--repeats", type=int, default=2, help="runs of the whole plan; the last one is reported")
+    p.add_argument("--no-graphs", action="store_true", help="the pooled path without CUDA graphs")
+    p.add_argument("--tol", type=float, default=None,
+                   help="largest |Δmel| allowed between the paths (default: 1e-3 float32, 0.25 bf16/fp16)")
+    args = p.parse_args()
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    tol = args.tol if args.tol is not None else (1e-3 if dtype == torch.float32 else 0.25)
+    flow, hift = build(args, device, dtype)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"CosyVoice3 {args.size} flow per chunk, pooled fast path vs eager · {name} · {args.dtype} · "
+          f"prompt {args.prompt_tokens} · {args.tokens} tokens · graphs {not args.no_graphs} · commit {commit}\n")
+    print("| streams | tokens | offset | final | new frames | fast flow ms (all streams) | eager flow ms (all streams) "
+          "| speed-up | vocoder ms (all streams) | max abs Δmel |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    failed = []
+    finals = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        rows, worst, final_ms = run_batch(args, flow, hift, batch, device)
+        for b, n, off, fin, new, fast, eager, voc, diff in rows:
+            print(f"| {b} | {n} | {off} | {fin} | {new} | {fast:.1f} | {eager:.1f} | {eager / fast:.1f}x | {voc:.1f} "
+                  f"| {diff:.2e} |")
+        finals.append((batch, final_ms))
+        if not worst <= tol:
+            failed.append((batch, worst))
+    print("\nofficial final call (full attention, eager, one stream): "
+          + ", ".join(f"{ms:.1f} ms (batch {b} run)" for b, ms in finals))
+    if failed:
+        print(f"MISMATCH: fast and eager mels differ by more than {tol}: {failed}")
+        sys.exit(1)
+    print(f"fast == eager within {tol} (largest |Δmel| per batch in the table)")
+
+
+if __name__ == "__main__":
+    main()
