@@ -4,7 +4,7 @@
 simple, but its shapes change every chunk, so it cannot be captured as a CUDA graph and cannot run several
 streams in one pass. `FlowSlotPool` keeps the same state in preallocated buffers:
 
-* keys/values `[steps, layers, slots, max_frames, 2 CFG rows, heads, dim_head]` and the conv
+* keys/values `[steps, layers, slots, 2 CFG rows, heads, max_frames, dim_head]` and the conv
   position-embedding tails `[steps, slots, 2 rows, dim, pad]`, one slot per stream;
 * `chunk(...)`: all Euler steps of the DiT over the new frames of B streams at once, each padded to N
   frames. A call writes its new keys/values into its slot at their absolute frames, then attends over
@@ -44,7 +44,7 @@ class FlowSlotPool:
         dev, dtype = flow.input_embedding.weight.device, dit.proj_out.weight.dtype
         self.device, self.dtype = dev, dtype
         # one frame past max_frames takes the padding's writes (never read by a real frame's query)
-        shape = (self.steps, d.depth, num_slots, max_frames + 1, 2, d.heads, d.dim_head)
+        shape = (self.steps, d.depth, num_slots, 2, d.heads, max_frames + 1, d.dim_head)
         self.keys = torch.zeros(shape, device=dev, dtype=dtype)
         self.values = torch.zeros(shape, device=dev, dtype=dtype)
         self.tail1 = torch.zeros(self.steps, num_slots, 2, d.dim, self.pad, device=dev, dtype=dtype)
@@ -90,9 +90,8 @@ class FlowSlotPool:
             raise ValueError(f"flow slot pool: {length} cached frames exceed the slot's {self.max_frames}")
         for k, cache in enumerate(caches):
             if length > 0:
-                # [2, H, L, dh] -> [L, 2, H, dh]
-                self.keys[k, :, slot, :length] = torch.stack(cache.keys).permute(0, 3, 1, 2, 4)
-                self.values[k, :, slot, :length] = torch.stack(cache.values).permute(0, 3, 1, 2, 4)
+                self.keys[k, :, slot, :, :, :length] = torch.stack(cache.keys)  # [layers, 2, H, L, dh]
+                self.values[k, :, slot, :, :, :length] = torch.stack(cache.values)
                 self.tail1[k, slot] = cache.tail1
                 self.tail2[k, slot] = cache.tail2
         self.lengths[slot] = length
@@ -102,8 +101,8 @@ class FlowSlotPool:
         length = self.lengths[slot]
         caches = []
         for k in range(self.steps):
-            keys = [self.keys[k, i, slot, :length].permute(1, 2, 0, 3).clone() for i in range(self.dims.depth)]
-            values = [self.values[k, i, slot, :length].permute(1, 2, 0, 3).clone() for i in range(self.dims.depth)]
+            keys = [self.keys[k, i, slot, :, :, :length].clone() for i in range(self.dims.depth)]
+            values = [self.values[k, i, slot, :, :, :length].clone() for i in range(self.dims.depth)]
             tails = (self.tail1[k, slot].clone(), self.tail2[k, slot].clone()) if length else (None, None)
             caches.append(DiTCache(keys if length else [], values if length else [], *tails, length=length))
         return caches
@@ -205,13 +204,13 @@ class FlowSlotPool:
         new_k = apply_partial_rotary(a.to_k(x), freqs)
         new_v = a.to_v(x)
         kbuf, vbuf = self.keys[k, layer], self.values[k, layer]
-        where = (slots[:, None], writes)
+        where = (slots[:, None], slice(None), slice(None), writes)
         # [2B, N, H·dh] -> [B, N, 2, H, dh], written at the frames' absolute positions in each slot
         kbuf[where] = new_k.view(-1, 2, n, a.heads, a.dim_head).transpose(1, 2)
         vbuf[where] = new_v.view(-1, 2, n, a.heads, a.dim_head).transpose(1, 2)
-        # [B, Lk, 2, H, dh] -> [2B, H, Lk, dh]
-        keys = kbuf[:, :key_frames].index_select(0, slots).permute(0, 2, 3, 1, 4).flatten(0, 1)
-        values = vbuf[:, :key_frames].index_select(0, slots).permute(0, 2, 3, 1, 4).flatten(0, 1)
+        # [B, 2, H, Lk, dh] -> [2B, H, Lk, dh] (one gather, already in the attention's layout)
+        keys = kbuf[..., :key_frames, :].index_select(0, slots).flatten(0, 1)
+        values = vbuf[..., :key_frames, :].index_select(0, slots).flatten(0, 1)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         return a.to_out[0](out.transpose(1, 2).reshape(rows, n, a.heads * a.dim_head))
 
