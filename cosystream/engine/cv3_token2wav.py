@@ -29,7 +29,7 @@ from cosystream.engine.chunking import ChunkPlan
 from cosystream.engine.graphs import BATCH_BUCKETS, GraphCache, bucket, capture_stream
 from cosystream.engine.stopwatch import Stopwatch
 from cosystream.models.cosyvoice3.flow import CV3Flow, PromptBlocks, encode_prompt_blocks
-from cosystream.models.cosyvoice3.hift import CausalHiFT
+from cosystream.models.cosyvoice3.hift import CausalHiFT, VocoderWindow, window_audio
 from cosystream.models.cosyvoice3.pool import FlowSlotPool, PooledFlowStream, SlotChunk, finish_chunks, pack_chunks
 from cosystream.models.cosyvoice3.stream import ChunkCall, StreamSchedule, Token2WavStream
 
@@ -83,6 +83,8 @@ class CV3Token2WavRunner:
         self.spare_slot = self.pool.free.pop() if self.pool is not None else -1
         self.graphs = (GraphCache(self._graph_chunk, self.device, enabled=cuda_graphs,
                                   stream=capture_stream(self.device)) if self.pool is not None else None)
+        self.vocoder_graphs = GraphCache(self._graph_window, self.device, enabled=cuda_graphs,
+                                         stream=capture_stream(self.device))
 
     # ------------------------------------------------------------------ per-request state
     def start(self, inputs: Any, voice_key: str | None, key: Any = None, speed: float = 1.0,
@@ -226,11 +228,78 @@ class CV3Token2WavRunner:
         """
         del should_stop
         mels, flow_s = self.flow_chunks(jobs)
+        wavs, vocoder_s = self.vocode_chunks([(state, mel, plan.is_final) for (state, _, plan), mel
+                                              in zip(jobs, mels, strict=True)])
         results = []
-        for i, (state, _, plan) in enumerate(jobs):
-            results.append(self._voice(state, mels[i], plan, flow_s[i]))
+        for (state, _, plan), wav, f_s, v_s in zip(jobs, wavs, flow_s, vocoder_s, strict=True):
+            state.chunk_index += 1
+            state.samples_done += wav.shape[1]
+            if plan.is_final:
+                state.finished = True
+                self._leave_pool(state, keep_state=False)
+            results.append((wav[0].float().cpu().numpy(), f_s, v_s))
         self.watch.settle()
         return results
+
+    @torch.inference_mode()
+    def vocode_chunks(self, items: Sequence[tuple[CV3Token2WavState, torch.Tensor, bool]]
+                      ) -> tuple[list[torch.Tensor], list[float]]:
+        """Each stream's new samples [1, n] for its new mel, and the seconds its vocoder call took.
+
+        Incremental windows of equal shape key run together (one graph replay per batch bucket on CUDA);
+        speed-changed (non-streaming) chunks run the whole-mel vocoder alone.
+        """
+        wavs: list[torch.Tensor] = [torch.empty(1, 0)] * len(items)
+        seconds = [0.0] * len(items)
+        groups: dict[tuple, list[tuple[int, VocoderWindow]]] = {}
+        for i, (state, mel, final) in enumerate(items):
+            if state.speed != 1.0:
+                t0 = time.perf_counter()
+                wavs[i] = self.hift.inference(mel, finalize=True)[0]
+                self._sync()
+                seconds[i] = time.perf_counter() - t0
+                continue
+            window = state.stream.hift_stream.window(mel, final)
+            if window is None:
+                wavs[i] = mel.new_zeros(1, 0).float()
+            else:
+                groups.setdefault(window.key, []).append((i, window))
+        for members in groups.values():
+            t0 = time.perf_counter()
+            for first in range(0, len(members), BATCH_BUCKETS[-1]):
+                part = members[first:first + BATCH_BUCKETS[-1]]
+                out, f0 = self._window_batch([w for _, w in part])
+                for row, (i, window) in enumerate(part):
+                    wavs[i] = out[row:row + 1].clone()
+                    items[i][0].stream.hift_stream.commit(window, f0[row:row + 1].clone())
+            self._sync()
+            spent = time.perf_counter() - t0
+            for i, _ in members:
+                seconds[i] = spent
+        return wavs, seconds
+
+    def _window_batch(self, windows: list[VocoderWindow]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One replay of the vocoder graph of these windows' key, padded to a batch bucket."""
+        rows = bucket(len(windows))
+        padded = windows + [windows[0]] * (rows - len(windows))  # repeated rows: computed, never read
+        u = self.hift.upsample_scale
+        mel = torch.cat([w.mel for w in padded])
+        carry = torch.cat([w.carry for w in padded])
+        start = torch.tensor([w.start_frame * u for w in padded], device=self.device)
+        frames, f0_skip, out_start, finalize = windows[0].key
+        return self.vocoder_graphs.run((rows, frames, f0_skip, out_start, finalize),
+                                       [mel, carry, start, *self._window_constants(f0_skip, out_start, finalize)])
+
+    def _window_constants(self, f0_skip: int, out_start: int, finalize: bool) -> list[torch.Tensor]:
+        """A graph's static ints, carried as tensor shapes (GraphCache passes tensors only)."""
+        return [torch.empty(f0_skip, device=self.device, dtype=torch.int8),
+                torch.empty(out_start, device=self.device, dtype=torch.int8),
+                torch.empty(int(finalize), device=self.device, dtype=torch.int8)]
+
+    def _graph_window(self, mel: torch.Tensor, carry: torch.Tensor, start: torch.Tensor, f0_skip: torch.Tensor,
+                      out_start: torch.Tensor, finalize: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return window_audio(self.hift, mel, carry, start, f0_skip.shape[0], out_start.shape[0],
+                            bool(finalize.shape[0]))
 
     @torch.inference_mode()
     def flow_chunks(self, jobs: Sequence[tuple[CV3Token2WavState, list[int], ChunkPlan]]
@@ -302,21 +371,6 @@ class CV3Token2WavRunner:
     def _graph_chunk(self, *inputs: torch.Tensor) -> tuple[torch.Tensor]:
         *args, lengths = inputs
         return (self.pool.chunk(*args, key_frames=lengths.shape[0]),)
-
-    def _voice(self, state: CV3Token2WavState, mel: torch.Tensor, plan: ChunkPlan, flow_s: float
-               ) -> tuple[np.ndarray, float, float]:
-        t1 = time.perf_counter()
-        wav = self.hift.inference(mel, finalize=True)[0] if state.speed != 1.0 else state.stream.vocode(
-            mel, plan.is_final)
-        self._sync()
-        t2 = time.perf_counter()
-        state.chunk_index += 1
-        state.samples_done += wav.shape[1]
-        if plan.is_final:
-            state.finished = True
-            self._leave_pool(state, keep_state=False)
-        pcm = wav[0].float().cpu().numpy()
-        return pcm, flow_s, t2 - t1
 
     def _speed_mel(self, state: CV3Token2WavState, ids: torch.Tensor, call: ChunkCall) -> torch.Tensor:
         """The official speed change: non-streaming only; the mel is linearly resampled to ⌊F / speed⌋."""

@@ -10,6 +10,7 @@ from cosystream.config import ChunkSchedule
 from cosystream.engine.chunking import ChunkPlan, ChunkPlanner
 from cosystream.engine.cv3_token2wav import CV3Token2WavRunner
 from cosystream.frontend.prompt import ModelInputs
+from cosystream.models.cosyvoice3.hift import HiftStream
 
 AUDIO_ATOL = 5e-3  # README §C3: e2e streamed audio per call
 
@@ -114,3 +115,24 @@ def test_pooled_streams_voiced_together_reproduce_the_official_chunks(cv3_flow, 
     assert runner.free_slots() == len(runs)  # every final chunk gave its slot back
     assert runner.pooled_chunks >= len(runs)
     assert (runner.pool_exits > 0) == (slot_room == "short")
+
+
+def test_vocoder_windows_of_several_streams_run_together(cv3_flow, cv3_hift, cv3_load, cv3_manifest):
+    """Every e2e run twice (so windows of equal shape share a batch), fed the official per-call mels: the
+    batched windows give each stream the samples its own `HiftStream` gives, and the official ones."""
+    e2e = cv3_load("e2e")
+    runner = CV3Token2WavRunner(cv3_flow, cv3_hift)
+    streams = []
+    for mode, inputs, _, schedule in _runs(e2e, cv3_manifest) * 2:
+        streams.append((mode, runner.start(inputs, None), HiftStream(cv3_hift), schedule))
+    with torch.inference_mode():
+        for r in range(max(len(schedule) for *_, schedule in streams)):
+            live = [s for s in streams if r < len(s[3])]
+            items = [(state, e2e[f"{mode}_call{r}_flow_mel_new"], schedule[r]["finalize"])
+                     for mode, state, _, schedule in live]
+            wavs, seconds = runner.vocode_chunks(items)
+            assert all(s >= 0 for s in seconds)
+            for (mode, _, alone, schedule), wav in zip(live, wavs, strict=True):
+                want = alone.push(e2e[f"{mode}_call{r}_flow_mel_new"], schedule[r]["finalize"])
+                torch.testing.assert_close(wav, want, rtol=0, atol=1e-6)
+                torch.testing.assert_close(wav, e2e[f"{mode}_call{r}_yield"], rtol=0, atol=AUDIO_ATOL)
