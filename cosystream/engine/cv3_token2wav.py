@@ -25,13 +25,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from cosystream.engine.chunking import ChunkPlan
+from cosystream.config import ChunkSchedule
+from cosystream.engine.chunking import ChunkPlan, ChunkPlanner
 from cosystream.engine.graphs import BATCH_BUCKETS, GraphCache, bucket, capture_stream
 from cosystream.engine.stopwatch import Stopwatch
 from cosystream.models.cosyvoice3.flow import CV3Flow, PromptBlocks, encode_prompt_blocks
-from cosystream.models.cosyvoice3.hift import CausalHiFT, VocoderWindow, window_audio
+from cosystream.models.cosyvoice3.hift import CausalHiFT, HiftStream, VocoderWindow, window_audio
 from cosystream.models.cosyvoice3.pool import FlowSlotPool, PooledFlowStream, SlotChunk, finish_chunks, pack_chunks
-from cosystream.models.cosyvoice3.stream import ChunkCall, StreamSchedule, Token2WavStream
+from cosystream.models.cosyvoice3.stream import ChunkCall, Token2WavStream
 
 
 @dataclass
@@ -190,33 +191,51 @@ class CV3Token2WavRunner:
         return False
 
     @torch.inference_mode()
-    def warmup(self, prompt_tokens: int = 150, target_tokens: int = 250, schedule: Any = None) -> int:
-        """Capture the pooled chunk graphs a standard stream uses, for every batch bucket up to the pool
-        size, on a scratch slot (nothing in the other slots changes). Returns the graphs captured."""
-        if self.pool is None or self.graphs is None or not self.graphs.enabled:
+    def warmup(self, prompt_tokens: int = 150, target_tokens: int = 250, schedule: ChunkSchedule | None = None
+               ) -> int:
+        """Capture the graphs a stream of this shape uses (the engine's chunk plan under `schedule`), for
+        every batch bucket up to the pool size: the pooled flow chunks on the spare slot (no stream's
+        state changes) and the vocoder windows on scratch streams. Returns the graphs captured."""
+        if self.graphs is None or not self.graphs.enabled:
             return 0
-        before = len(self.graphs.graphs)
+        before = len(self.graphs.graphs) + len(self.vocoder_graphs.graphs)
         block = self.flow.decoder.estimator.dims.static_chunk_size
-        ratio = self.flow.ratio
-        committed = (ratio * max(prompt_tokens - self.flow.dims.pre_lookahead_len, 0) // block) * block
-        for call in StreamSchedule(prompt_tokens).all_calls(target_tokens):
-            if call.finalize and self.final_attention == "full":
+        ratio, lookahead = self.flow.ratio, self.flow.dims.pre_lookahead_len
+        planner = ChunkPlanner(schedule or ChunkSchedule(), prompt_tokens, block=block // ratio)
+        plans = []
+        while (plan := planner.next_plan(target_tokens, done=True)) is not None:
+            plans.append(plan)
+        buckets = [b for b in BATCH_BUCKETS if b <= self.pool.num_slots - 1]
+        committed = (ratio * max(prompt_tokens - lookahead, 0) // block) * block
+        for plan in plans:
+            total = ratio * (prompt_tokens + plan.token_end - (0 if plan.is_final else lookahead))
+            if (plan.is_final and self.final_attention == "full") or total > self.pool.max_frames:
                 continue
-            lookahead = 0 if call.finalize else self.flow.dims.pre_lookahead_len
-            total = ratio * (prompt_tokens + call.num_tokens - lookahead)
-            if total > self.pool.max_frames:
-                break
             mel = torch.zeros(1, self.flow.dims.output_size, total - committed, device=self.device)
             chunk = SlotChunk(slot=self.spare_slot, start=committed, valid=total - committed, keep=0,
                               first_new=committed, mu=mel, cond=mel, spks=mel[:, :, 0])
-            for b in BATCH_BUCKETS:
-                if b > self.pool.num_slots - 1:
-                    break
+            for b in buckets:
                 self._pooled_flow([chunk] * b)
-            committed = (total // block) * block if not call.finalize else total
+            committed = (total // block) * block if not plan.is_final else total
         self.pool.lengths[self.spare_slot] = 0
+        for b in buckets:
+            self._warm_vocoder(b, prompt_tokens, plans)
         self._sync()
-        return len(self.graphs.graphs) - before
+        return len(self.graphs.graphs) + len(self.vocoder_graphs.graphs) - before
+
+    def _warm_vocoder(self, batch: int, prompt_tokens: int, plans: list[ChunkPlan]) -> None:
+        """Scratch `HiftStream`s voice zero mels of the plan's chunk sizes, `batch` at a time."""
+        streams = [HiftStream(self.hift) for _ in range(batch)]
+        ratio, lookahead = self.flow.ratio, self.flow.dims.pre_lookahead_len
+        for plan in plans:
+            frames = ratio * (plan.token_end - (0 if plan.is_final else lookahead) - plan.offset)
+            mel = torch.zeros(1, self.flow.dims.output_size, frames, device=self.device)
+            windows = [s.window(mel, plan.is_final) for s in streams]
+            if windows[0] is None:
+                continue
+            _, f0 = self._window_batch(windows)  # type: ignore[arg-type]
+            for s, w in zip(streams, windows, strict=True):
+                s.commit(w, f0[:1].clone())  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ chunks
     @torch.inference_mode()

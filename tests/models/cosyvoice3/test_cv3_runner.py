@@ -136,3 +136,35 @@ def test_vocoder_windows_of_several_streams_run_together(cv3_flow, cv3_hift, cv3
                 want = alone.push(e2e[f"{mode}_call{r}_flow_mel_new"], schedule[r]["finalize"])
                 torch.testing.assert_close(wav, want, rtol=0, atol=1e-6)
                 torch.testing.assert_close(wav, e2e[f"{mode}_call{r}_yield"], rtol=0, atol=AUDIO_ATOL)
+
+
+class _RecordingGraphs:
+    """Stands in for a GraphCache on the CPU: runs the function, records each key it was asked for."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.enabled, self.graphs = fn, True, {}
+
+    def run(self, key, inputs):
+        self.graphs[key] = True
+        return self.fn(*inputs)
+
+
+def test_warmup_covers_every_graph_a_registered_voice_stream_uses(cv3_flow, cv3_hift, cv3_load, cv3_manifest):
+    """After `warmup` for a stream's prompt and length, that stream (in a registered voice, alone or with
+    another in lockstep) asks for no graph that warm-up did not capture."""
+    e2e = cv3_load("e2e")
+    mode, inputs, tokens, _ = max(_runs(e2e, cv3_manifest), key=lambda r: len(r[2]))
+    block = cv3_flow.decoder.estimator.dims.static_chunk_size
+    frames = cv3_flow.ratio * (inputs.flow_prompt_speech_tokens.numel() + len(tokens)) + block
+    runner = CV3Token2WavRunner(cv3_flow, cv3_hift, flow_slots=2, slot_frames=frames)
+    runner.graphs = _RecordingGraphs(runner._graph_chunk)
+    runner.vocoder_graphs = _RecordingGraphs(runner._graph_window)
+    assert runner.warmup(inputs.flow_prompt_speech_tokens.numel(), len(tokens)) > 0
+    warmed = set(runner.graphs.graphs) | set(runner.vocoder_graphs.graphs)
+    assert runner.free_slots() == 2
+    states = [runner.start(inputs, voice_key="voice") for _ in range(2)]
+    planner = ChunkPlanner(ChunkSchedule(), inputs.flow_prompt_speech_tokens.numel(), block=block // cv3_flow.ratio)
+    while (plan := planner.next_plan(len(tokens), done=True)) is not None:
+        runner.run([(s, tokens, plan) for s in states])
+    used = set(runner.graphs.graphs) | set(runner.vocoder_graphs.graphs)
+    assert used == warmed, f"{mode}: graphs not warmed: {used - warmed}"
