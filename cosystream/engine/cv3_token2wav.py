@@ -177,15 +177,16 @@ class CV3Token2WavRunner:
         return 0
 
     def flow_group(self, state: CV3Token2WavState, plan: ChunkPlan) -> Hashable | None:
-        """Chunks of equal keys share one graph replay: a pooled block-causal chunk's key is its padded
-        frame count; other chunks (eager, official final passes) run on their own (None)."""
-        if state.pooled is None or state.speed != 1.0 or (plan.is_final and self.final_attention == "full"):
+        """Chunks of equal keys share one graph replay: a pooled chunk's key is its kind (block-causal
+        chunk or official final pass) and padded frame count; eager chunks run on their own (None)."""
+        if state.pooled is None or state.speed != 1.0:
             return None
         total = state.pooled.frames_after(plan.token_end, plan.is_final)
         if total > self.pool.max_frames:
             return None
-        frames = total - state.pooled.length
-        return ("cv3-pool", self._frames_bucket(frames))
+        if plan.is_final and self.final_attention == "full":
+            return ("cv3-pool", False, self._frames_bucket(total))
+        return ("cv3-pool", True, self._frames_bucket(total - state.pooled.length))
 
     def pausable(self, jobs: Sequence[tuple[CV3Token2WavState, list[int], ChunkPlan]]) -> bool:
         return False
@@ -209,11 +210,13 @@ class CV3Token2WavRunner:
         committed = (ratio * max(prompt_tokens - lookahead, 0) // block) * block
         for plan in plans:
             total = ratio * (prompt_tokens + plan.token_end - (0 if plan.is_final else lookahead))
-            if (plan.is_final and self.final_attention == "full") or total > self.pool.max_frames:
+            if total > self.pool.max_frames:
                 continue
-            mel = torch.zeros(1, self.flow.dims.output_size, total - committed, device=self.device)
-            chunk = SlotChunk(slot=self.spare_slot, start=committed, valid=total - committed, keep=0,
-                              first_new=committed, mu=mel, cond=mel, spks=mel[:, :, 0])
+            full = plan.is_final and self.final_attention == "full"  # the official final pass: every frame
+            start = 0 if full else committed
+            mel = torch.zeros(1, self.flow.dims.output_size, total - start, device=self.device)
+            chunk = SlotChunk(slot=self.spare_slot, start=start, valid=total - start, keep=0, first_new=start,
+                              mu=mel, cond=mel, spks=mel[:, :, 0], streaming=not full)
             for b in buckets:
                 self._pooled_flow([chunk] * b)
             committed = (total // block) * block if not plan.is_final else total
@@ -330,7 +333,7 @@ class CV3Token2WavRunner:
                 raise RuntimeError("CV3Token2WavRunner: chunk for a finished stream")
         mels: list[torch.Tensor] = [torch.empty(0)] * len(jobs)
         flow_s = [0.0] * len(jobs)
-        groups: dict[int, list[tuple[int, SlotChunk]]] = {}
+        groups: dict[tuple[bool, int], list[tuple[int, SlotChunk]]] = {}
         for i, (state, tokens, plan) in enumerate(jobs):
             ids = torch.tensor(tokens[:plan.token_end], dtype=torch.long, device=self.device).view(1, -1)
             call = ChunkCall(plan.token_end, plan.offset, plan.is_final)
@@ -341,8 +344,8 @@ class CV3Token2WavRunner:
                 self._sync()
                 flow_s[i] = time.perf_counter() - t0
             else:
-                groups.setdefault(self._frames_bucket(chunk.valid), []).append((i, chunk))
-        for frames, members in sorted(groups.items()):
+                groups.setdefault((chunk.streaming, self._frames_bucket(chunk.valid)), []).append((i, chunk))
+        for (_, frames), members in sorted(groups.items()):
             t0 = time.perf_counter()
             out = self._pooled_flow([c for _, c in members], frames)
             self._sync()
@@ -356,12 +359,11 @@ class CV3Token2WavRunner:
         chunk past the slot: then the stream leaves the pool, its state continuing in `FlowStream`)."""
         if state.pooled is None:
             return None
-        if call.finalize and self.final_attention == "full":
-            self._leave_pool(state, keep_state=False)  # the full pass reads no cache
-            return None
         if state.pooled.frames_after(call.num_tokens, call.finalize) > self.pool.max_frames:
             self._leave_pool(state, keep_state=True)
             return None
+        if call.finalize and self.final_attention == "full":
+            return state.pooled.prepare_full(ids, call.token_offset)
         return state.pooled.prepare(ids, call.token_offset, call.finalize)
 
     def _frames_bucket(self, frames: int) -> int:
@@ -377,19 +379,21 @@ class CV3Token2WavRunner:
             part = chunks[first:first + largest]
             rows = bucket(len(part))
             pad = SlotChunk(slot=self.spare_slot, start=0, valid=1, keep=0, first_new=0, mu=part[0].mu[:, :, :1],
-                            cond=part[0].cond[:, :, :1], spks=part[0].spks)
+                            cond=part[0].cond[:, :, :1], spks=part[0].spks, streaming=part[0].streaming)
             inputs = pack_chunks(self.pool, part + [pad] * (rows - len(part)), frames)
             longest = max(c.start + c.valid for c in part)
             key_frames = min(-(-longest // KEY_FRAMES_STEP) * KEY_FRAMES_STEP, self.pool.max_frames + 1)
-            lengths = torch.empty(key_frames, device=self.device, dtype=torch.int8)  # its shape is the key length
-            [x1] = self.graphs.run((rows, frames, key_frames), [*inputs, lengths])
+            # the graph's static ints, carried as tensor shapes (GraphCache passes tensors only)
+            lengths = torch.empty(key_frames, device=self.device, dtype=torch.int8)
+            streaming = torch.empty(int(part[0].streaming), device=self.device, dtype=torch.int8)
+            [x1] = self.graphs.run((rows, frames, key_frames, part[0].streaming), [*inputs, lengths, streaming])
             out += finish_chunks(self.pool, part, x1[:len(part)])
             self.pooled_chunks += len(part)
         return out
 
     def _graph_chunk(self, *inputs: torch.Tensor) -> tuple[torch.Tensor]:
-        *args, lengths = inputs
-        return (self.pool.chunk(*args, key_frames=lengths.shape[0]),)
+        *args, lengths, streaming = inputs
+        return (self.pool.chunk(*args, key_frames=lengths.shape[0], streaming=bool(streaming.shape[0])),)
 
     def _speed_mel(self, state: CV3Token2WavState, ids: torch.Tensor, call: ChunkCall) -> torch.Tensor:
         """The official speed change: non-streaming only; the mel is linearly resampled to ⌊F / speed⌋."""

@@ -123,13 +123,15 @@ class FlowSlotPool:
 
     def chunk(self, x0: torch.Tensor, mu: torch.Tensor, cond: torch.Tensor, spks: torch.Tensor,
               slots: torch.Tensor, start: torch.Tensor, valid: torch.Tensor, keep: torch.Tensor,
-              key_frames: int) -> torch.Tensor:
+              key_frames: int, streaming: bool = True) -> torch.Tensor:
         """Integrate B streams' new frames at once -> x1 [B, 80, N] float32.
 
         x0 [B, 80, N] float32: each stream's noise for frames [start, start + N); mu, cond [B, 80, N];
         spks [B, 80]; slots, start, valid, keep [B] long: the slot, its first uncommitted frame, the real
         new frames (the rest is padding) and how many new frames this call commits (their keys/values
         stay in the slot and the conv tails move past them). key_frames: Lk >= every start + valid.
+        streaming: block-causal attention; else full attention over frames [0, start + valid) (the official
+        final pass: start 0, the whole utterance). A row with start 0 starts from zero conv tails.
         The slots change only when `finish_chunks` commits (keys/values past the committed length are
         scratch; the moved tails wait in `tail*_out`), so the call is idempotent.
         """
@@ -142,12 +144,15 @@ class FlowSlotPool:
         freqs = dit.rotary_embed.freqs(positions.flatten()).view(batch, n, -1).repeat_interleave(2, dim=0)
         keys = torch.arange(key_frames, device=x0.device)
         block_end = (positions // d.static_chunk_size + 1) * d.static_chunk_size
-        mask = (keys[None, None] < block_end[:, :, None]) & (keys[None, None] < (start + valid)[:, None, None])
+        mask = keys[None, None] < (start + valid)[:, None, None]
+        if streaming:
+            mask = mask & (keys[None, None] < block_end[:, :, None])
         mask = mask.repeat_interleave(2, dim=0).unsqueeze(1)  # [2B, 1, N, Lk]
         frame = torch.arange(n, device=x0.device)
         writes = torch.where(frame[None] < valid[:, None], positions, self.max_frames)
         tail_index = (keep[:, None] + torch.arange(self.pad, device=x0.device)).repeat_interleave(2, dim=0)
         tail_index = tail_index[:, None, :].expand(-1, d.dim, -1)
+        continued = (start > 0).to(self.dtype)[:, None, None, None]  # 0: the official zero left padding
         rows = [torch.stack((a, torch.zeros_like(a)), dim=1).flatten(0, 1).to(self.dtype) for a in (mu, cond, spks)]
         mu_in, cond_in, spks_in = rows
         cfg = self.flow.decoder.cfg_rate
@@ -155,21 +160,21 @@ class FlowSlotPool:
         for k, dt in enumerate(self.flow.decoder.dt_steps):
             xr = x.repeat_interleave(2, dim=0).to(self.dtype)
             v = self._estimate(k, xr, mu_in, cond_in, spks_in, slots, writes, freqs, mask, tail_index,
-                               key_frames).float().view(batch, 2, d.mel_dim, n)
+                               continued, key_frames).float().view(batch, 2, d.mel_dim, n)
             # PARITY: v = (1 + λ)·v_c − λ·v_u, x += dt·v in float32 (CV3CFM.euler)
             x = x + dt * ((1.0 + cfg) * v[:, 0] - cfg * v[:, 1])
         return x
 
     def _estimate(self, k: int, x: torch.Tensor, mu: torch.Tensor, cond: torch.Tensor, spks: torch.Tensor,
                   slots: torch.Tensor, writes: torch.Tensor, freqs: torch.Tensor, mask: torch.Tensor,
-                  tail_index: torch.Tensor, key_frames: int) -> torch.Tensor:
+                  tail_index: torch.Tensor, continued: torch.Tensor, key_frames: int) -> torch.Tensor:
         """One Euler step's estimator over 2B rows (stream-major, conditional then unconditional)."""
         dit = self.flow.decoder.estimator
         n = x.shape[2]
         packed = torch.cat([x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2),
                             spks.unsqueeze(1).expand(-1, n, -1)], dim=-1)
         h = dit.input_embed.proj(packed)
-        h = h + self._conv_position(k, h, slots, tail_index)
+        h = h + self._conv_position(k, h, slots, tail_index, continued)
         block_mods, final_mod = self._modulations[k]
         for layer, (block, mods) in enumerate(zip(dit.transformer_blocks, block_mods, strict=True)):
             shift1, scale1, gate1, shift2, scale2, gate2 = mods.chunk(6, dim=1)
@@ -182,13 +187,13 @@ class FlowSlotPool:
         h = _layer_norm(h) * (1 + scale)[:, None, :] + shift[:, None, :]
         return dit.proj_out(h).transpose(1, 2)
 
-    def _conv_position(self, k: int, h: torch.Tensor, slots: torch.Tensor, tail_index: torch.Tensor
-                       ) -> torch.Tensor:
+    def _conv_position(self, k: int, h: torch.Tensor, slots: torch.Tensor, tail_index: torch.Tensor,
+                       continued: torch.Tensor) -> torch.Tensor:
         """The causal conv position embedding from the slots' tails; the tails move past the kept frames."""
         conv = self.flow.decoder.estimator.input_embed.conv_pos_embed
-        in1 = torch.cat([self.tail1[k, slots].flatten(0, 1), h.transpose(1, 2)], dim=2)
+        in1 = torch.cat([(self.tail1[k, slots] * continued).flatten(0, 1), h.transpose(1, 2)], dim=2)
         out1 = conv.conv1(in1)
-        in2 = torch.cat([self.tail2[k, slots].flatten(0, 1), out1], dim=2)
+        in2 = torch.cat([(self.tail2[k, slots] * continued).flatten(0, 1), out1], dim=2)
         out = conv.conv2(in2).transpose(1, 2)
         self.tail1_out[k, slots] = in1.gather(2, tail_index).unflatten(0, (-1, 2))
         self.tail2_out[k, slots] = in2.gather(2, tail_index).unflatten(0, (-1, 2))
@@ -228,6 +233,7 @@ class SlotChunk:
     mu: torch.Tensor  # [1, 80, valid]
     cond: torch.Tensor
     spks: torch.Tensor  # [1, 80]
+    streaming: bool = True  # False: the official final pass (full attention over the whole utterance)
 
 
 class PooledFlowStream:
@@ -273,6 +279,18 @@ class PooledFlowStream:
                                                                                           total - start, start),
                          spks=self.spks)
 
+    def prepare_full(self, tokens: torch.Tensor, token_offset: int) -> SlotChunk:
+        """The official final pass (full attention, finalize) over every frame, in this stream's slot: its
+        keys/values overwrite the slot's (nothing is committed; the stream ends with it)."""
+        flow = self.flow
+        mu = flow.token_features(torch.cat([self.prompt_token, tokens.to(self.prompt_token.device)], dim=1), True)
+        total = mu.shape[2]
+        if total > self.pool.max_frames:
+            raise ValueError(f"pooled flow stream: {total} frames exceed the slot's {self.pool.max_frames}")
+        return SlotChunk(slot=self.slot, start=0, valid=total, keep=0,
+                         first_new=self.prompt_frames + flow.ratio * token_offset, mu=mu,
+                         cond=flow.conditions(self.prompt_feat, total, 0), spks=self.spks, streaming=False)
+
     def close(self) -> None:
         """Give the slot back (once)."""
         if self.slot >= 0:
@@ -312,8 +330,12 @@ def finish_chunks(pool: FlowSlotPool, chunks: list[SlotChunk], x1: torch.Tensor)
 
 def run_chunks(pool: FlowSlotPool, chunks: list[SlotChunk], frames: int | None = None,
                key_frames: int | None = None) -> list[torch.Tensor]:
-    """Eager batched chunks (the same computation the engine captures in a CUDA graph)."""
+    """Eager batched chunks, all block-causal or all full passes (the same computation the engine captures
+    in a CUDA graph)."""
     frames = frames or max(c.valid for c in chunks)
     key_frames = key_frames or max(c.start + c.valid for c in chunks)
-    x1 = pool.chunk(*pack_chunks(pool, chunks, frames), key_frames=key_frames)
+    streaming = {c.streaming for c in chunks}
+    if len(streaming) != 1:
+        raise ValueError("run_chunks: block-causal chunks and full passes run in separate calls")
+    x1 = pool.chunk(*pack_chunks(pool, chunks, frames), key_frames=key_frames, streaming=streaming.pop())
     return finish_chunks(pool, chunks, x1)

@@ -116,3 +116,26 @@ def test_slots_are_exported_to_an_eager_stream_and_given_back(cv3_flow, cv3_load
             got = moved.push(tokens[:, :call.num_tokens], call.token_offset, call.finalize)
             want = eager.push(tokens[:, :call.num_tokens], call.token_offset, call.finalize)
             torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
+
+
+def test_final_full_passes_of_several_streams_equal_the_official_call(cv3_flow, cv3_load, cv3_manifest):
+    """The official final call (full attention over every frame) of each stream, batched in the slots the
+    streams' earlier chunks filled (their conv tails and keys must not leak in)."""
+    streams = _streams(cv3_load, cv3_manifest, cv3_flow)
+    pool = _pool_for(cv3_flow, streams, len(streams))
+    chunks, wants = [], []
+    with torch.no_grad():
+        for prompt, feat, xvec, tokens in streams:
+            pooled = PooledFlowStream(pool, prompt, feat, xvec, encode_prompt_blocks(cv3_flow, prompt, feat, xvec))
+            calls = StreamSchedule(prompt.shape[1]).all_calls(tokens.shape[1])
+            for call in calls[:-1]:
+                run_chunks(pool, [pooled.prepare(tokens[:, :call.num_tokens], call.token_offset, call.finalize)])
+            final = calls[-1]
+            chunks.append(pooled.prepare_full(tokens[:, :final.num_tokens], final.token_offset))
+            mel = cv3_flow.inference(tokens[:, :final.num_tokens], prompt, feat, xvec, streaming=False, finalize=True)
+            wants.append(mel[:, :, cv3_flow.ratio * final.token_offset:])
+        block = cv3_flow.decoder.estimator.dims.static_chunk_size
+        got = run_chunks(pool, chunks, frames=max(c.valid for c in chunks) + block)
+    for mel, want in zip(got, wants, strict=True):
+        assert mel.shape == want.shape
+        torch.testing.assert_close(mel, want, rtol=0, atol=ATOL)
