@@ -9,8 +9,8 @@ B, B streams of one registered voice run the engine's chunk plan in lockstep; ev
     eager mels),
 and checks that both flow paths agree: the relative RMS difference ‖Δmel‖/‖mel‖ of every chunk (bf16
 rounding differs between a batched and a single-stream pass) must stay under `--tol` (exit status 1
-otherwise). The official final call (full attention over the whole utterance) runs eagerly on both paths
-and is reported once per batch.
+otherwise). The official final call (full attention over the whole utterance, `final` True) is a pooled
+full pass on the fast path and `CV3Flow.inference` on the eager one.
 The first repeat captures the graphs; the last is reported. Example (GPU):
     python benchmarks/cv3_fast.py --device cuda --dtype bfloat16 --batches 1,8,16
 and on a CPU:
@@ -67,8 +67,8 @@ def build(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) ->
 
 
 def run_batch(args: argparse.Namespace, flow: CV3Flow, hift: CausalHiFT, batch: int, device: torch.device
-              ) -> tuple[list[tuple], float, float, float]:
-    """-> (rows of the last repeat, largest relative RMS Δmel, largest relative RMS Δaudio, final-call ms)."""
+              ) -> tuple[list[tuple], float, float]:
+    """-> (rows of the last repeat, largest relative RMS Δmel, largest relative RMS Δaudio)."""
     block = flow.decoder.estimator.dims.static_chunk_size
     gen = torch.Generator().manual_seed(batch)
     prompt = torch.randint(0, 6561, (args.prompt_tokens,), generator=gen, dtype=torch.int32)
@@ -79,31 +79,23 @@ def run_batch(args: argparse.Namespace, flow: CV3Flow, hift: CausalHiFT, batch: 
     slot_frames = flow.ratio * (args.prompt_tokens + args.tokens) + block
     runner = CV3Token2WavRunner(flow, hift, flow_slots=batch, slot_frames=slot_frames,
                                 cuda_graphs=not args.no_graphs)
-    rows, worst, worst_wav, final_ms = [], 0.0, 0.0, 0.0
+    rows, worst, worst_wav = [], 0.0, 0.0
     with torch.inference_mode():
         for _ in range(args.repeats):
-            rows, worst, worst_wav, final_ms = [], 0.0, 0.0, 0.0
+            rows, worst, worst_wav = [], 0.0, 0.0
             states = [runner.start(inputs, voice_key="bench") for _ in range(batch)]
             hifts = [HiftStream(hift) for _ in range(batch)]
             assert all(s.pooled is not None for s in states)
             planner = ChunkPlanner(ChunkSchedule(), args.prompt_tokens, block=block // flow.ratio)
             while (plan := planner.next_plan(args.tokens, done=True)) is not None:
                 jobs = [(s, t, plan) for s, t in zip(states, tokens, strict=True)]
-                if plan.is_final and runner.final_attention == "full":
-                    sync(device)
-                    t0 = time.perf_counter()
-                    runner.flow_chunks(jobs[:1])
-                    sync(device)
-                    final_ms = (time.perf_counter() - t0) * 1e3
-                    for s in states:
-                        runner.release(s)
-                    break
+                call = ChunkCall(plan.token_end, plan.offset, plan.is_final)
                 eager_mels, eager_ms = [], 0.0
                 for s, t in zip(states, tokens, strict=True):
                     ids = torch.tensor(t[:plan.token_end], device=device).view(1, -1)
                     sync(device)
                     t0 = time.perf_counter()
-                    eager_mels.append(s.stream.flow_stream.push(ids, plan.offset, plan.is_final))
+                    eager_mels.append(s.stream.new_mel(ids, call))
                     sync(device)
                     eager_ms += (time.perf_counter() - t0) * 1e3
                 sync(device)
@@ -127,7 +119,6 @@ def run_batch(args: argparse.Namespace, flow: CV3Flow, hift: CausalHiFT, batch: 
                               for a, b in zip(wavs, eager_wavs, strict=True))
                 worst = max(worst, rel)
                 worst_wav = max(worst_wav, wav_rel)
-                call = ChunkCall(plan.token_end, plan.offset, plan.is_final)
                 rows.append((batch, call.num_tokens, call.token_offset, call.finalize, mels[0].shape[2], fast_ms,
                              eager_ms, voc_ms, voc_eager_ms, diff, rel, wav_rel))
                 if plan.is_final:
@@ -136,7 +127,7 @@ def run_batch(args: argparse.Namespace, flow: CV3Flow, hift: CausalHiFT, batch: 
     del runner
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return rows, worst, worst_wav, final_ms
+    return rows, worst, worst_wav
 
 
 def main() -> None:
@@ -168,19 +159,16 @@ def main() -> None:
           "| fast vocoder ms | eager vocoder ms | max abs Δmel | ‖Δmel‖/‖mel‖ | ‖Δwav‖/‖wav‖ |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     failed = []
-    finals = []
     for batch in (int(b) for b in args.batches.split(",")):
-        rows, worst, worst_wav, final_ms = run_batch(args, flow, hift, batch, device)
+        rows, worst, worst_wav = run_batch(args, flow, hift, batch, device)
         for b, n, off, fin, new, fast, eager, voc, voc_eager, diff, rel, wav_rel in rows:
             print(f"| {b} | {n} | {off} | {fin} | {new} | {fast:.1f} | {eager:.1f} | {eager / fast:.1f}x | {voc:.1f} "
                   f"| {voc_eager:.1f} | {diff:.2e} | {rel:.2e} | {wav_rel:.2e} |")
-        finals.append((batch, final_ms))
         if not worst <= tol:
             failed.append(("mel", batch, worst))
         if not worst_wav <= audio_tol:
             failed.append(("audio", batch, worst_wav))
-    print("\nofficial final call (full attention, eager, one stream): "
-          + ", ".join(f"{ms:.1f} ms (batch {b} run)" for b, ms in finals))
+    print()
     if failed:
         print(f"MISMATCH: fast and eager paths differ by more than {tol} (mel) / {audio_tol} (audio), relative "
               f"RMS: {failed}")
