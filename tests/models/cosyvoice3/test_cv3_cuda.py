@@ -6,16 +6,17 @@ Needs CUDA (CI is CPU only: skipped there); run on the lent GPU:
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from cosystream.engine.chunking import ChunkPlan
+from cosystream.config import ChunkSchedule
+from cosystream.engine.chunking import ChunkPlan, ChunkPlanner
 from cosystream.engine.cv3_loader import load_cv3_flow, load_cv3_hift, load_cv3_llm
 from cosystream.engine.cv3_token2wav import CV3Token2WavRunner
 from cosystream.engine.lm_runner import LMRunner, RowSampling
 from cosystream.frontend.prompt import ModelInputs
 from cosystream.kernels import decode
-from cosystream.models.cosyvoice3.flow import FlowStream
 from cosystream.models.cosyvoice3.hift import HiftStream
 from cosystream.models.cosyvoice3.stream import StreamSchedule, Token2WavStream
 from cosystream.models.qwen2 import KVCache
@@ -115,9 +116,10 @@ def _runs(e2e: dict, manifest: dict, dtype: torch.dtype) -> list[tuple[torch.Ten
     return out
 
 
+@pytest.mark.parametrize("final_attention", ["full", "chunk"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_graphed_pool_matches_the_eager_stream(cv3_checkpoint, cv3_load, cv3_manifest, cv3_noise_table, dtype,
-                                               monkeypatch):
+                                               final_attention, monkeypatch):
     """Every e2e run of the set as one stream, all voiced together through the runner's pooled CUDA graphs,
     against each stream's eager `FlowStream` on the same GPU (float32: the eager tolerance of the mel;
     bf16: a relative RMS bound, as a batched pass rounds differently)."""
@@ -131,14 +133,14 @@ def test_graphed_pool_matches_the_eager_stream(cv3_checkpoint, cv3_load, cv3_man
     runs = _runs(e2e, cv3_manifest, dtype)
     block = flow.decoder.estimator.dims.static_chunk_size
     frames = max(flow.ratio * (p.shape[1] + t.shape[1]) for p, _, _, t in runs) + block
-    runner = CV3Token2WavRunner(flow, hift, final_attention="chunk", flow_slots=len(runs), slot_frames=frames,
-                                cuda_graphs=True)
+    runner = CV3Token2WavRunner(flow, hift, final_attention=final_attention, flow_slots=len(runs),
+                                slot_frames=frames, cuda_graphs=True)
     states, eager = [], []
     for prompt, feat, xvec, _ in runs:
         inputs = ModelInputs(mode="zero_shot", text_ids=torch.zeros(0, dtype=torch.int32), xvector=xvec[0].cpu(),
                              flow_prompt_speech_tokens=prompt[0].cpu().int(), prompt_mel=feat[0].float().cpu())
         states.append(runner.start(inputs, voice_key=None))
-        eager.append(FlowStream(flow, prompt, feat, xvec))
+        eager.append(Token2WavStream(flow, hift, prompt, feat, xvec, final_full_attention=final_attention == "full"))
     calls = [StreamSchedule(p.shape[1]).all_calls(t.shape[1]) for p, _, _, t in runs]
     with torch.inference_mode():
         for r in range(max(len(c) for c in calls)):
@@ -149,10 +151,36 @@ def test_graphed_pool_matches_the_eager_stream(cv3_checkpoint, cv3_load, cv3_man
             mels, _ = runner.flow_chunks(jobs)
             for i, mel in zip(live, mels, strict=True):
                 c = calls[i][r]
-                want = eager[i].push(runs[i][3][:, :c.num_tokens], c.token_offset, c.finalize)
+                want = eager[i].new_mel(runs[i][3], c)
                 if dtype == torch.float32:
                     torch.testing.assert_close(mel, want, rtol=0, atol=MEL_ATOL)
                 else:
                     assert float((mel - want).norm() / want.norm()) < BF16_REL_RMS
     assert runner.pooled_chunks == sum(len(c) for c in calls)
     assert len(runner.graphs.graphs) > 0
+
+
+def test_warmup_captures_every_graph_a_standard_stream_uses(cv3_checkpoint, cv3_load, cv3_manifest):
+    """After `warmup`, registered-voice streams of the warmed shape capture nothing mid-traffic."""
+    e2e, run = cv3_load("e2e"), cv3_manifest["e2e"]["vc_long"]
+    flow = load_cv3_flow(cv3_checkpoint, "cuda", torch.bfloat16)
+    hift = load_cv3_hift(cv3_checkpoint, "cuda", torch.bfloat16,
+                         noise_seconds=max(c["hift_in_frames"] for c in run["schedule"]) / 50 + 1)
+    src = run.get("prompt_inputs_from", "vc_long")
+    inputs = ModelInputs(mode="zero_shot", text_ids=torch.zeros(0, dtype=torch.int32),
+                         xvector=e2e[f"{src}_in_flow_embedding"][0],
+                         flow_prompt_speech_tokens=e2e[f"{src}_in_flow_prompt_speech_token"][0].int(),
+                         prompt_mel=e2e[f"{src}_in_prompt_speech_feat"][0])
+    tokens = e2e["vc_long_speech_tokens"][0].tolist()
+    block = flow.decoder.estimator.dims.static_chunk_size
+    frames = flow.ratio * (inputs.flow_prompt_speech_tokens.numel() + len(tokens)) + block
+    runner = CV3Token2WavRunner(flow, hift, flow_slots=4, slot_frames=frames)
+    assert runner.warmup(inputs.flow_prompt_speech_tokens.numel(), len(tokens)) > 0
+    warmed = len(runner.graphs.graphs) + len(runner.vocoder_graphs.graphs)
+    states = [runner.start(inputs, voice_key="voice") for _ in range(3)]
+    planner = ChunkPlanner(ChunkSchedule(), inputs.flow_prompt_speech_tokens.numel(), block=block // flow.ratio)
+    while (plan := planner.next_plan(len(tokens), done=True)) is not None:
+        for pcm, _, _ in runner.run([(s, tokens, plan) for s in states]):
+            assert np.isfinite(pcm).all()
+    assert len(runner.graphs.graphs) + len(runner.vocoder_graphs.graphs) == warmed
+    assert runner.free_slots() == 4
