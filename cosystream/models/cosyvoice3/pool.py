@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from cosystream.models.cosyvoice3.dit import DiT, DiTCache, _layer_norm, apply_partial_rotary
+from cosystream.models.cosyvoice3.dit import DiT, DiTCache, _layer_norm, apply_partial_rotary, attend
 from cosystream.models.cosyvoice3.flow import CV3Flow, PromptBlocks
 
 
@@ -216,7 +216,7 @@ class FlowSlotPool:
         # [B, 2, H, Lk, dh] -> [2B, H, Lk, dh] (one gather, already in the attention's layout)
         keys = kbuf[..., :key_frames, :].index_select(0, slots).flatten(0, 1)
         values = vbuf[..., :key_frames, :].index_select(0, slots).flatten(0, 1)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        out = attend(q, keys, values, mask)
         return a.to_out[0](out.transpose(1, 2).reshape(rows, n, a.heads * a.dim_head))
 
 
