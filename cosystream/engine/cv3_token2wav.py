@@ -79,9 +79,7 @@ class CV3Token2WavRunner:
         self.max_voice_caches = max_voice_caches
         if flow_slots is None:
             flow_slots = 16 if self.device.type == "cuda" else 0
-        # one slot more than offered: the rows that pad a batch to its bucket write there
-        self.pool = FlowSlotPool(flow, flow_slots + 1, slot_frames) if flow_slots > 0 else None
-        self.spare_slot = self.pool.free.pop() if self.pool is not None else -1
+        self.pool = FlowSlotPool(flow, flow_slots, slot_frames) if flow_slots > 0 else None
         self.graphs = (GraphCache(self._graph_chunk, self.device, enabled=cuda_graphs,
                                   stream=capture_stream(self.device)) if self.pool is not None else None)
         self.vocoder_graphs = GraphCache(self._graph_window, self.device, enabled=cuda_graphs,
@@ -167,7 +165,7 @@ class CV3Token2WavRunner:
 
     def flow_slots(self) -> int | None:
         """The pool's slots, free or held (None: no pool)."""
-        return None if self.pool is None else self.pool.num_slots - 1
+        return None if self.pool is None else self.pool.num_slots
 
     def slot_gauges(self) -> dict[str, float]:
         """Flow-slot gauges for /metrics (none without a pool)."""
@@ -195,7 +193,7 @@ class CV3Token2WavRunner:
     def warmup(self, prompt_tokens: int = 150, target_tokens: int = 250, schedule: ChunkSchedule | None = None
                ) -> int:
         """Capture the graphs a stream of this shape uses (the engine's chunk plan under `schedule`), for
-        every batch bucket up to the pool size: the pooled flow chunks on the spare slot (no stream's
+        every batch bucket up to the pool size: the pooled flow chunks on the scratch slot (no stream's
         state changes) and the vocoder windows on scratch streams. Returns the graphs captured."""
         if self.graphs is None or not self.graphs.enabled:
             return 0
@@ -206,7 +204,7 @@ class CV3Token2WavRunner:
         plans = []
         while (plan := planner.next_plan(target_tokens, done=True)) is not None:
             plans.append(plan)
-        buckets = [b for b in BATCH_BUCKETS if b <= self.pool.num_slots - 1]
+        buckets = [b for b in BATCH_BUCKETS if b <= self.pool.num_slots]
         committed = (ratio * max(prompt_tokens - lookahead, 0) // block) * block
         for plan in plans:
             total = ratio * (prompt_tokens + plan.token_end - (0 if plan.is_final else lookahead))
@@ -215,12 +213,12 @@ class CV3Token2WavRunner:
             full = plan.is_final and self.final_attention == "full"  # the official final pass: every frame
             start = 0 if full else committed
             mel = torch.zeros(1, self.flow.dims.output_size, total - start, device=self.device)
-            chunk = SlotChunk(slot=self.spare_slot, start=start, valid=total - start, keep=0, first_new=start,
+            chunk = SlotChunk(slot=self.pool.scratch, start=start, valid=total - start, keep=0, first_new=start,
                               mu=mel, cond=mel, spks=mel[:, :, 0], streaming=not full)
             for b in buckets:
                 self._pooled_flow([chunk] * b)
             committed = (total // block) * block if not plan.is_final else total
-        self.pool.lengths[self.spare_slot] = 0
+        self.pool.lengths[self.pool.scratch] = 0
         for b in buckets:
             self._warm_vocoder(b, prompt_tokens, plans)
         self._sync()
@@ -378,7 +376,7 @@ class CV3Token2WavRunner:
         for first in range(0, len(chunks), largest):
             part = chunks[first:first + largest]
             rows = bucket(len(part))
-            pad = SlotChunk(slot=self.spare_slot, start=0, valid=1, keep=0, first_new=0, mu=part[0].mu[:, :, :1],
+            pad = SlotChunk(slot=self.pool.scratch, start=0, valid=1, keep=0, first_new=0, mu=part[0].mu[:, :, :1],
                             cond=part[0].cond[:, :, :1], spks=part[0].spks, streaming=part[0].streaming)
             inputs = pack_chunks(self.pool, part + [pad] * (rows - len(part)), frames)
             longest = max(c.start + c.valid for c in part)

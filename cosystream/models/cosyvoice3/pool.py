@@ -29,7 +29,8 @@ from cosystream.models.cosyvoice3.flow import CV3Flow, PromptBlocks
 
 class FlowSlotPool:
     """Keys/values and conv tails of `num_slots` streams, up to `max_frames` frames each (prompt
-    included), for every Euler step."""
+    included), for every Euler step; plus a scratch slot (index `scratch`) that the rows padding a batch
+    and graph warm-ups write to."""
 
     def __init__(self, flow: CV3Flow, num_slots: int, max_frames: int) -> None:
         if num_slots < 1 or max_frames < 1:
@@ -43,17 +44,18 @@ class FlowSlotPool:
         self.pad = d.conv_pos_kernel - 1
         dev, dtype = flow.input_embedding.weight.device, dit.proj_out.weight.dtype
         self.device, self.dtype = dev, dtype
+        self.scratch = num_slots
         # one frame past max_frames takes the padding's writes (never read by a real frame's query)
-        shape = (self.steps, d.depth, num_slots, 2, d.heads, max_frames + 1, d.dim_head)
+        shape = (self.steps, d.depth, num_slots + 1, 2, d.heads, max_frames + 1, d.dim_head)
         self.keys = torch.zeros(shape, device=dev, dtype=dtype)
         self.values = torch.zeros(shape, device=dev, dtype=dtype)
-        self.tail1 = torch.zeros(self.steps, num_slots, 2, d.dim, self.pad, device=dev, dtype=dtype)
+        self.tail1 = torch.zeros(self.steps, num_slots + 1, 2, d.dim, self.pad, device=dev, dtype=dtype)
         self.tail2 = torch.zeros_like(self.tail1)
         # `chunk` writes the moved tails here and `finish_chunks` copies them back: so running a chunk
         # twice on the same inputs (a CUDA graph's warm-up, then its replay) leaves the same state
         self.tail1_out = torch.zeros_like(self.tail1)
         self.tail2_out = torch.zeros_like(self.tail1)
-        self.lengths = [0] * num_slots  # committed frames per slot (host)
+        self.lengths = [0] * (num_slots + 1)  # committed frames per slot (host)
         self.free = list(range(num_slots))
         self._modulations = self._time_modulations()
 

@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.parity, pytest.mark.skipif(not torch.cuda.is_available
 
 AUDIO_ATOL = 5e-3  # README §C3: e2e streamed audio per call
 MEL_ATOL = 1e-4  # README §C3: e2e flow mel per call
-BF16_REL_RMS = 0.02  # ‖Δmel‖/‖mel‖ between two bf16 passes that batch and round differently
+BF16_REL_RMS = 0.05  # ‖Δmel‖/‖mel‖ between two bf16 passes that batch and round differently
 
 
 def test_graphed_decode_gives_the_official_greedy_tokens(cv3_checkpoint, cv3_load, cv3_manifest):

@@ -90,6 +90,7 @@ def test_pooled_streams_voiced_together_reproduce_the_official_chunks(cv3_flow, 
     frames = longest if slot_room == "whole" else prompt_frames + 4 * block
     runner = CV3Token2WavRunner(cv3_flow, cv3_hift, flow_slots=len(runs), slot_frames=frames)
     assert runner.flow_slots() == runner.free_slots() == len(runs)
+    assert runner.pool.scratch == len(runs) and runner.pool.free == list(range(len(runs)))  # engine/accounting.py
     states, planners = [], []
     for mode, inputs, _, _ in runs:
         assert runner.needs_slot(inputs, 256) and runner.can_start(inputs, 256)
