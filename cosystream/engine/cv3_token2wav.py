@@ -380,7 +380,7 @@ class CV3Token2WavRunner:
                             cond=part[0].cond[:, :, :1], spks=part[0].spks, streaming=part[0].streaming)
             inputs = pack_chunks(self.pool, part + [pad] * (rows - len(part)), frames)
             longest = max(c.start + c.valid for c in part)
-            key_frames = min(-(-longest // KEY_FRAMES_STEP) * KEY_FRAMES_STEP, self.pool.max_frames + 1)
+            key_frames = min(-(-longest // KEY_FRAMES_STEP) * KEY_FRAMES_STEP, self.pool.buffer_frames)
             # the graph's static ints, carried as tensor shapes (GraphCache passes tensors only)
             lengths = torch.empty(key_frames, device=self.device, dtype=torch.int8)
             streaming = torch.empty(int(part[0].streaming), device=self.device, dtype=torch.int8)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from cosystream.models.cosyvoice3.dit import DiT, DiTCache, _layer_norm, apply_partial_rotary, attend
+from cosystream.models.cosyvoice3.dit import DiT, DiTCache, _layer_norm, attend
 from cosystream.models.cosyvoice3.flow import CV3Flow, PromptBlocks
 
 
@@ -45,8 +45,10 @@ class FlowSlotPool:
         dev, dtype = flow.input_embedding.weight.device, dit.proj_out.weight.dtype
         self.device, self.dtype = dev, dtype
         self.scratch = num_slots
-        # one frame past max_frames takes the padding's writes (never read by a real frame's query)
-        shape = (self.steps, d.depth, num_slots + 1, 2, d.heads, max_frames + 1, d.dim_head)
+        # frame max_frames takes the padding's writes (never read by a real frame's query); the frame count
+        # is a multiple of 8 so that every key length the runner uses keeps the attention mask aligned
+        self.buffer_frames = -(-(max_frames + 1) // 8) * 8
+        shape = (self.steps, d.depth, num_slots + 1, 2, d.heads, self.buffer_frames, d.dim_head)
         self.keys = torch.zeros(shape, device=dev, dtype=dtype)
         self.values = torch.zeros(shape, device=dev, dtype=dtype)
         self.tail1 = torch.zeros(self.steps, num_slots + 1, 2, d.dim, self.pad, device=dev, dtype=dtype)
@@ -58,6 +60,7 @@ class FlowSlotPool:
         self.lengths = [0] * (num_slots + 1)  # committed frames per slot (host)
         self.free = list(range(num_slots))
         self._modulations = self._time_modulations()
+        self._qkv = self._fused_qkv()
 
     @staticmethod
     def bytes_per_frame(flow: CV3Flow) -> int:
@@ -111,8 +114,9 @@ class FlowSlotPool:
 
     # ------------------------------------------------------------------ the batched chunk
     @torch.no_grad()
-    def _time_modulations(self) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
-        """Per Euler step: each block's six adaLN vectors [1, 6·dim] and the final norm's [1, 2·dim].
+    def _time_modulations(self) -> list[tuple[list[tuple[torch.Tensor, ...]], tuple[torch.Tensor, torch.Tensor]]]:
+        """Per Euler step: each block's adaLN vectors (shift1, 1 + scale1, gate1, shift2, 1 + scale2, gate2),
+        each [1, 1, dim], and the final norm's (1 + scale, shift).
 
         They depend on t alone, which every row of a step shares, so they are computed once here.
         """
@@ -120,8 +124,20 @@ class FlowSlotPool:
         out = []
         for t in self.flow.decoder.t_steps:
             t_emb = F.silu(dit.time_embed(torch.full((1,), t, device=self.device, dtype=torch.float32)))
-            out.append(([blk.attn_norm.linear(t_emb) for blk in dit.transformer_blocks], dit.norm_out.linear(t_emb)))
+            blocks = []
+            for blk in dit.transformer_blocks:
+                shift1, scale1, gate1, shift2, scale2, gate2 = blk.attn_norm.linear(t_emb)[:, None].chunk(6, dim=2)
+                blocks.append((shift1, 1 + scale1, gate1, shift2, 1 + scale2, gate2))
+            scale, shift = dit.norm_out.linear(t_emb)[:, None].chunk(2, dim=2)
+            out.append((blocks, (1 + scale, shift)))
         return out
+
+    @torch.no_grad()
+    def _fused_qkv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each block's q, k, v projections as one [3·inner, dim] matrix (one GEMM instead of three)."""
+        return [(torch.cat([b.attn.to_q.weight, b.attn.to_k.weight, b.attn.to_v.weight]),
+                 torch.cat([b.attn.to_q.bias, b.attn.to_k.bias, b.attn.to_v.bias]))
+                for b in self.flow.decoder.estimator.transformer_blocks]
 
     def chunk(self, x0: torch.Tensor, mu: torch.Tensor, cond: torch.Tensor, spks: torch.Tensor,
               slots: torch.Tensor, start: torch.Tensor, valid: torch.Tensor, keep: torch.Tensor,
@@ -139,54 +155,78 @@ class FlowSlotPool:
         """
         d = self.dims
         batch, _, n = x0.shape
-        dit = self.flow.decoder.estimator
-        if key_frames > self.max_frames + 1:
+        if key_frames > self.buffer_frames:
             raise ValueError(f"flow slot pool: {key_frames} key frames exceed the slots' {self.max_frames}")
         positions = start[:, None] + torch.arange(n, device=x0.device)  # [B, N]
-        freqs = dit.rotary_embed.freqs(positions.flatten()).view(batch, n, -1).repeat_interleave(2, dim=0)
-        keys = torch.arange(key_frames, device=x0.device)
-        block_end = (positions // d.static_chunk_size + 1) * d.static_chunk_size
-        mask = keys[None, None] < (start + valid)[:, None, None]
-        if streaming:
-            mask = mask & (keys[None, None] < block_end[:, :, None])
-        mask = mask.repeat_interleave(2, dim=0).unsqueeze(1)  # [2B, 1, N, Lk]
+        rotary = self._rotary(positions)
+        mask = self._mask(positions, start + valid, key_frames, streaming)
         frame = torch.arange(n, device=x0.device)
         writes = torch.where(frame[None] < valid[:, None], positions, self.max_frames)
         tail_index = (keep[:, None] + torch.arange(self.pad, device=x0.device)).repeat_interleave(2, dim=0)
         tail_index = tail_index[:, None, :].expand(-1, d.dim, -1)
         continued = (start > 0).to(self.dtype)[:, None, None, None]  # 0: the official zero left padding
         rows = [torch.stack((a, torch.zeros_like(a)), dim=1).flatten(0, 1).to(self.dtype) for a in (mu, cond, spks)]
-        mu_in, cond_in, spks_in = rows
+        # the conditioning part of the input projection is the same at every step: computed once
+        fixed = self._fixed_inputs(*rows)
         cfg = self.flow.decoder.cfg_rate
         x = x0
         for k, dt in enumerate(self.flow.decoder.dt_steps):
             xr = x.repeat_interleave(2, dim=0).to(self.dtype)
-            v = self._estimate(k, xr, mu_in, cond_in, spks_in, slots, writes, freqs, mask, tail_index,
-                               continued, key_frames).float().view(batch, 2, d.mel_dim, n)
+            v = self._estimate(k, xr, fixed, slots, writes, rotary, mask, tail_index, continued,
+                               key_frames).float().view(batch, 2, d.mel_dim, n)
             # PARITY: v = (1 + λ)·v_c − λ·v_u, x += dt·v in float32 (CV3CFM.euler)
             x = x + dt * ((1.0 + cfg) * v[:, 0] - cfg * v[:, 1])
         return x
 
-    def _estimate(self, k: int, x: torch.Tensor, mu: torch.Tensor, cond: torch.Tensor, spks: torch.Tensor,
-                  slots: torch.Tensor, writes: torch.Tensor, freqs: torch.Tensor, mask: torch.Tensor,
-                  tail_index: torch.Tensor, continued: torch.Tensor, key_frames: int) -> torch.Tensor:
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin) [2B, N, rot] of the rotary angles, in the dtype `apply_partial_rotary` uses;
+        the sign pattern (−, +) folds `_rotate_pairs`'s negation into the sine."""
+        batch, n = positions.shape
+        freqs = self.flow.decoder.estimator.rotary_embed.freqs(positions.flatten()).view(batch, n, -1)
+        freqs = freqs.repeat_interleave(2, dim=0)
+        sign = torch.tensor([-1.0, 1.0], device=freqs.device, dtype=freqs.dtype).repeat(freqs.shape[-1] // 2)
+        return freqs.cos(), freqs.sin() * sign
+
+    def _mask(self, positions: torch.Tensor, ends: torch.Tensor, key_frames: int, streaming: bool) -> torch.Tensor:
+        """[2B, 1, N, Lk] bool: no key at or past a stream's last real frame; block-causal when streaming."""
+        d = self.dims
+        keys = torch.arange(key_frames, device=positions.device)
+        mask = keys[None, None] < ends[:, None, None]
+        if streaming:
+            block_end = (positions // d.static_chunk_size + 1) * d.static_chunk_size
+            mask = mask & (keys[None, None] < block_end[:, :, None])
+        mask = mask.repeat_interleave(2, dim=0).unsqueeze(1)
+        if self.dtype == torch.float32:
+            return mask
+        # PERF: an additive mask built once, not converted from bool by every layer's attention
+        return torch.zeros(mask.shape, device=mask.device, dtype=self.dtype).masked_fill_(~mask, float("-inf"))
+
+    def _fixed_inputs(self, mu: torch.Tensor, cond: torch.Tensor, spks: torch.Tensor) -> torch.Tensor:
+        """The input projection's cond/mu/spks columns applied once: [2B, N, dim], bias included."""
+        proj = self.flow.decoder.estimator.input_embed.proj
+        mel = self.dims.mel_dim
+        n = mu.shape[2]
+        packed = torch.cat([cond.transpose(1, 2), mu.transpose(1, 2), spks.unsqueeze(1).expand(-1, n, -1)], dim=-1)
+        return F.linear(packed, proj.weight[:, mel:], proj.bias)
+
+    def _estimate(self, k: int, x: torch.Tensor, fixed: torch.Tensor, slots: torch.Tensor, writes: torch.Tensor,
+                  rotary: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor, tail_index: torch.Tensor,
+                  continued: torch.Tensor, key_frames: int) -> torch.Tensor:
         """One Euler step's estimator over 2B rows (stream-major, conditional then unconditional)."""
         dit = self.flow.decoder.estimator
-        n = x.shape[2]
-        packed = torch.cat([x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2),
-                            spks.unsqueeze(1).expand(-1, n, -1)], dim=-1)
-        h = dit.input_embed.proj(packed)
+        proj = dit.input_embed.proj
+        h = torch.addmm(fixed.flatten(0, 1), x.transpose(1, 2).flatten(0, 1), proj.weight[:, :self.dims.mel_dim].T)
+        h = h.view(fixed.shape)
         h = h + self._conv_position(k, h, slots, tail_index, continued)
-        block_mods, final_mod = self._modulations[k]
+        block_mods, (scale_out, shift_out) = self._modulations[k]
         for layer, (block, mods) in enumerate(zip(dit.transformer_blocks, block_mods, strict=True)):
-            shift1, scale1, gate1, shift2, scale2, gate2 = mods.chunk(6, dim=1)
-            normed = _layer_norm(h) * (1 + scale1[:, None]) + shift1[:, None]
-            h = h + gate1.unsqueeze(1) * self._attention(k, layer, block, normed, slots, writes, freqs, mask,
-                                                         key_frames)
-            normed = _layer_norm(h) * (1 + scale2[:, None]) + shift2[:, None]
-            h = h + gate2.unsqueeze(1) * block.ff.ff(normed)
-        scale, shift = final_mod.chunk(2, dim=1)
-        h = _layer_norm(h) * (1 + scale)[:, None, :] + shift[:, None, :]
+            shift1, scale1, gate1, shift2, scale2, gate2 = mods
+            normed = torch.addcmul(shift1, _layer_norm(h), scale1)
+            h = torch.addcmul(h, gate1, self._attention(k, layer, block, normed, slots, writes, rotary, mask,
+                                                        key_frames))
+            normed = torch.addcmul(shift2, _layer_norm(h), scale2)
+            h = torch.addcmul(h, gate2, block.ff.ff(normed))
+        h = torch.addcmul(shift_out, _layer_norm(h), scale_out)
         return dit.proj_out(h).transpose(1, 2)
 
     def _conv_position(self, k: int, h: torch.Tensor, slots: torch.Tensor, tail_index: torch.Tensor,
@@ -202,24 +242,30 @@ class FlowSlotPool:
         return out
 
     def _attention(self, k: int, layer: int, block: torch.nn.Module, x: torch.Tensor, slots: torch.Tensor,
-                   writes: torch.Tensor, freqs: torch.Tensor, mask: torch.Tensor, key_frames: int
-                   ) -> torch.Tensor:
+                   writes: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
+                   key_frames: int) -> torch.Tensor:
         """writes [B, N]: each new frame's position in its slot (the padding's: the spare frame)."""
         a = block.attn
         rows, n, _ = x.shape
-        q = apply_partial_rotary(a.to_q(x), freqs).view(rows, n, a.heads, a.dim_head).transpose(1, 2)
-        new_k = apply_partial_rotary(a.to_k(x), freqs)
-        new_v = a.to_v(x)
+        heads, dh = a.heads, a.dim_head
+        qkv = F.linear(x, *self._qkv[layer]).view(rows, n, 3, heads * dh)
+        cos, sin = rotary
+        rot = cos.shape[-1]
+        # PARITY: apply_partial_rotary on q and k at once: x·cos + rotate_pairs(x)·sin in float32, rounded back
+        head = qkv[:, :, :2, :rot].float()
+        swapped = head.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+        qkv[:, :, :2, :rot] = torch.addcmul(head * cos[:, :, None], swapped, sin[:, :, None]).to(qkv.dtype)
+        q = qkv[:, :, 0].view(rows, n, heads, dh).transpose(1, 2)
         kbuf, vbuf = self.keys[k, layer], self.values[k, layer]
         where = (slots[:, None], slice(None), slice(None), writes)
         # [2B, N, H·dh] -> [B, N, 2, H, dh], written at the frames' absolute positions in each slot
-        kbuf[where] = new_k.view(-1, 2, n, a.heads, a.dim_head).transpose(1, 2)
-        vbuf[where] = new_v.view(-1, 2, n, a.heads, a.dim_head).transpose(1, 2)
+        kbuf[where] = qkv[:, :, 1].view(-1, 2, n, heads, dh).transpose(1, 2)
+        vbuf[where] = qkv[:, :, 2].view(-1, 2, n, heads, dh).transpose(1, 2)
         # [B, 2, H, Lk, dh] -> [2B, H, Lk, dh] (one gather, already in the attention's layout)
         keys = kbuf[..., :key_frames, :].index_select(0, slots).flatten(0, 1)
         values = vbuf[..., :key_frames, :].index_select(0, slots).flatten(0, 1)
         out = attend(q, keys, values, mask)
-        return a.to_out[0](out.transpose(1, 2).reshape(rows, n, a.heads * a.dim_head))
+        return a.to_out[0](out.transpose(1, 2).reshape(rows, n, heads * dh))
 
 
 @dataclass
