@@ -49,7 +49,7 @@ class CV3Token2WavState:
     extras: dict[str, Any] = field(default_factory=dict)
 
 
-KEY_FRAMES_STEP = 200  # key-length buckets of the pooled chunk graphs (4 attention blocks)
+KEY_FRAMES_STEP = 192  # key-length buckets of the pooled chunk graphs (a multiple of 16: an aligned mask)
 
 
 class CV3Token2WavRunner:
@@ -104,7 +104,9 @@ class CV3Token2WavRunner:
         stream = Token2WavStream(self.flow, self.hift, prompt_token, prompt_feat, embedding,
                                  final_full_attention=self.final_attention == "full", prompt_blocks=blocks)
         pooled = None
-        if speed == 1.0 and self.pool is not None and self.pool.free and self._fits(prompt_feat.shape[1]):
+        # every stream that `needs_slot` takes one (a speed-changed one voices its single non-streaming
+        # chunk eagerly but holds the slot all the same, so the core's count of free slots stays exact)
+        if self.pool is not None and self.pool.free and self._fits(prompt_feat.shape[1]):
             with torch.inference_mode():
                 pooled = PooledFlowStream(self.pool, prompt_token, prompt_feat, embedding, blocks)
         return CV3Token2WavState(stream=stream, key=key, speed=speed, pooled=pooled)
@@ -355,7 +357,7 @@ class CV3Token2WavRunner:
     def _pool_chunk(self, state: CV3Token2WavState, ids: torch.Tensor, call: ChunkCall) -> SlotChunk | None:
         """The chunk's pooled inputs, or None when it runs eagerly (no slot, an official final pass, or a
         chunk past the slot: then the stream leaves the pool, its state continuing in `FlowStream`)."""
-        if state.pooled is None:
+        if state.pooled is None or state.speed != 1.0:
             return None
         if state.pooled.frames_after(call.num_tokens, call.finalize) > self.pool.max_frames:
             self._leave_pool(state, keep_state=True)

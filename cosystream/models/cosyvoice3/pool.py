@@ -46,8 +46,9 @@ class FlowSlotPool:
         self.device, self.dtype = dev, dtype
         self.scratch = num_slots
         # frame max_frames takes the padding's writes (never read by a real frame's query); the frame count
-        # is a multiple of 8 so that every key length the runner uses keeps the attention mask aligned
-        self.buffer_frames = -(-(max_frames + 1) // 8) * 8
+        # is a multiple of 16 so that every key length the runner uses keeps the attention mask aligned
+        # (the fused kernels otherwise pad the mask at every call)
+        self.buffer_frames = -(-(max_frames + 1) // 16) * 16
         shape = (self.steps, d.depth, num_slots + 1, 2, d.heads, self.buffer_frames, d.dim_head)
         self.keys = torch.zeros(shape, device=dev, dtype=dtype)
         self.values = torch.zeros(shape, device=dev, dtype=dtype)
@@ -61,6 +62,9 @@ class FlowSlotPool:
         self.free = list(range(num_slots))
         self._modulations = self._time_modulations()
         self._qkv = self._fused_qkv()
+        # built here, not in `chunk`: a host-to-device copy cannot be captured in a CUDA graph
+        inv_freq = dit.rotary_embed.inv_freq
+        self._rotary_sign = torch.tensor([-1.0, 1.0], device=dev, dtype=inv_freq.dtype).repeat(inv_freq.shape[0])
 
     @staticmethod
     def bytes_per_frame(flow: CV3Flow) -> int:
@@ -184,8 +188,7 @@ class FlowSlotPool:
         batch, n = positions.shape
         freqs = self.flow.decoder.estimator.rotary_embed.freqs(positions.flatten()).view(batch, n, -1)
         freqs = freqs.repeat_interleave(2, dim=0)
-        sign = torch.tensor([-1.0, 1.0], device=freqs.device, dtype=freqs.dtype).repeat(freqs.shape[-1] // 2)
-        return freqs.cos(), freqs.sin() * sign
+        return freqs.cos(), freqs.sin() * self._rotary_sign
 
     def _mask(self, positions: torch.Tensor, ends: torch.Tensor, key_frames: int, streaming: bool) -> torch.Tensor:
         """[2B, 1, N, Lk] bool: no key at or past a stream's last real frame; block-causal when streaming."""

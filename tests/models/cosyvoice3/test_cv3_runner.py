@@ -68,6 +68,21 @@ def test_speed_needs_a_non_streaming_request(cv3_flow, cv3_hift, cv3_load):
     assert pcm.shape[0] == 480 * int(2 * len(tokens) / 1.5)
 
 
+def test_a_speed_changed_stream_holds_its_slot_and_gives_it_back(cv3_flow, cv3_hift, cv3_load):
+    e2e = cv3_load("e2e")
+    tokens = e2e["zero_shot_speech_tokens"][0].tolist()
+    runner = CV3Token2WavRunner(cv3_flow, cv3_hift, flow_slots=1, slot_frames=cv3_flow.ratio * (
+        e2e["zero_shot_in_flow_prompt_speech_token"].shape[1] + len(tokens)) + 64)
+    plain = CV3Token2WavRunner(cv3_flow, cv3_hift)
+    offline = ChunkPlanner(ChunkSchedule(), 10, stream=False).next_plan(len(tokens), done=True)
+    state = runner.start(_inputs(e2e, "zero_shot"), None, speed=1.5)
+    assert runner.free_slots() == 0 and not runner.can_start(_inputs(e2e, "zero_shot"), 256)
+    [(pcm, _, _)] = runner.run([(state, tokens, offline)])
+    [(want, _, _)] = plain.run([(plain.start(_inputs(e2e, "zero_shot"), None, speed=1.5), tokens, offline)])
+    np.testing.assert_array_equal(pcm, want)  # the eager whole-utterance path, as without a pool
+    assert runner.free_slots() == 1
+
+
 def _runs(e2e: dict, manifest: dict) -> list[tuple[str, ModelInputs, list[int], list[dict]]]:
     out = []
     for mode, run in manifest["e2e"].items():
