@@ -62,6 +62,10 @@ class FlowSlotPool:
         self.free = list(range(num_slots))
         self._modulations = self._time_modulations()
         self._qkv = self._fused_qkv()
+        # the input projection split: x's columns [mel, dim] (per step), the conditioning's (once per chunk)
+        proj = dit.input_embed.proj.weight.detach()
+        self._proj_x = proj[:, :d.mel_dim].t().contiguous()
+        self._proj_cond = proj[:, d.mel_dim:].contiguous()
         # built here, not in `chunk`: a host-to-device copy cannot be captured in a CUDA graph
         inv_freq = dit.rotary_embed.inv_freq
         self._rotary_sign = torch.tensor([-1.0, 1.0], device=dev, dtype=inv_freq.dtype).repeat(inv_freq.shape[0])
@@ -206,19 +210,16 @@ class FlowSlotPool:
 
     def _fixed_inputs(self, mu: torch.Tensor, cond: torch.Tensor, spks: torch.Tensor) -> torch.Tensor:
         """The input projection's cond/mu/spks columns applied once: [2B, N, dim], bias included."""
-        proj = self.flow.decoder.estimator.input_embed.proj
-        mel = self.dims.mel_dim
         n = mu.shape[2]
         packed = torch.cat([cond.transpose(1, 2), mu.transpose(1, 2), spks.unsqueeze(1).expand(-1, n, -1)], dim=-1)
-        return F.linear(packed, proj.weight[:, mel:], proj.bias)
+        return F.linear(packed, self._proj_cond, self.flow.decoder.estimator.input_embed.proj.bias)
 
     def _estimate(self, k: int, x: torch.Tensor, fixed: torch.Tensor, slots: torch.Tensor, writes: torch.Tensor,
                   rotary: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor, tail_index: torch.Tensor,
                   continued: torch.Tensor, key_frames: int) -> torch.Tensor:
         """One Euler step's estimator over 2B rows (stream-major, conditional then unconditional)."""
         dit = self.flow.decoder.estimator
-        proj = dit.input_embed.proj
-        h = torch.addmm(fixed.flatten(0, 1), x.transpose(1, 2).flatten(0, 1), proj.weight[:, :self.dims.mel_dim].T)
+        h = torch.addmm(fixed.flatten(0, 1), x.transpose(1, 2).flatten(0, 1), self._proj_x)
         h = h.view(fixed.shape)
         h = h + self._conv_position(k, h, slots, tail_index, continued)
         block_mods, (scale_out, shift_out) = self._modulations[k]
