@@ -121,7 +121,7 @@ def _runs(e2e: dict, manifest: dict, dtype: torch.dtype) -> list[tuple[torch.Ten
 def test_graphed_pool_matches_the_eager_stream(cv3_checkpoint, cv3_load, cv3_manifest, cv3_noise_table, dtype,
                                                final_attention, monkeypatch):
     """Every e2e run of the set as one stream, all voiced together through the runner's pooled CUDA graphs,
-    against each stream's eager `FlowStream` on the same GPU (float32: the eager tolerance of the mel;
+    against each stream's eager `Token2WavStream.new_mel` on the same GPU (float32: the e2e mel tolerance;
     bf16: a relative RMS bound, as a batched pass rounds differently)."""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
