@@ -67,8 +67,8 @@ def build(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) ->
 
 
 def run_batch(args: argparse.Namespace, flow: CV3Flow, hift: CausalHiFT, batch: int, device: torch.device
-              ) -> tuple[list[tuple], float, float]:
-    """-> (rows of the last repeat, largest relative RMS Δmel, largest relative RMS Δaudio)."""
+              ) -> tuple[list[tuple], float, float, str]:
+    """-> (rows of the last repeat, largest relative RMS Δmel, largest relative RMS Δaudio, graph note)."""
     block = flow.decoder.estimator.dims.static_chunk_size
     gen = torch.Generator().manual_seed(batch)
     prompt = torch.randint(0, 6561, (args.prompt_tokens,), generator=gen, dtype=torch.int32)
@@ -124,10 +124,17 @@ def run_batch(args: argparse.Namespace, flow: CV3Flow, hift: CausalHiFT, batch: 
                 if plan.is_final:
                     for s in states:
                         runner.release(s)
+    if runner.graph_error is not None:
+        note = f"batch {batch}: graph capture failed, the fast path ran eagerly: {runner.graph_error}"
+    elif runner.graphs is not None and runner.graphs.enabled:
+        note = (f"batch {batch}: {len(runner.graphs.graphs)} flow graphs, {len(runner.vocoder_graphs.graphs)} "
+                "vocoder graphs")
+    else:
+        note = f"batch {batch}: no graphs (CPU or --no-graphs)"
     del runner
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return rows, worst, worst_wav
+    return rows, worst, worst_wav, note
 
 
 def main() -> None:
@@ -158,9 +165,10 @@ def main() -> None:
     print("| streams | tokens | offset | final | new frames | fast flow ms | eager flow ms | speed-up "
           "| fast vocoder ms | eager vocoder ms | max abs Δmel | ‖Δmel‖/‖mel‖ | ‖Δwav‖/‖wav‖ |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    failed = []
+    failed, notes = [], []
     for batch in (int(b) for b in args.batches.split(",")):
-        rows, worst, worst_wav = run_batch(args, flow, hift, batch, device)
+        rows, worst, worst_wav, note = run_batch(args, flow, hift, batch, device)
+        notes.append(note)
         for b, n, off, fin, new, fast, eager, voc, voc_eager, diff, rel, wav_rel in rows:
             print(f"| {b} | {n} | {off} | {fin} | {new} | {fast:.1f} | {eager:.1f} | {eager / fast:.1f}x | {voc:.1f} "
                   f"| {voc_eager:.1f} | {diff:.2e} | {rel:.2e} | {wav_rel:.2e} |")
@@ -168,7 +176,7 @@ def main() -> None:
             failed.append(("mel", batch, worst))
         if not worst_wav <= audio_tol:
             failed.append(("audio", batch, worst_wav))
-    print()
+    print("\n" + "\n".join(notes))
     if failed:
         print(f"MISMATCH: fast and eager paths differ by more than {tol} (mel) / {audio_tol} (audio), relative "
               f"RMS: {failed}")

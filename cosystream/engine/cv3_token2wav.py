@@ -15,6 +15,7 @@ the pool and continues eagerly; without a pool (or a free slot) chunks run one s
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
@@ -49,6 +50,8 @@ class CV3Token2WavState:
     extras: dict[str, Any] = field(default_factory=dict)
 
 
+log = logging.getLogger("cosystream.engine")
+
 KEY_FRAMES_STEP = 192  # key-length buckets of the pooled chunk graphs (a multiple of 16: an aligned mask)
 
 
@@ -58,6 +61,7 @@ class CV3Token2WavRunner:
     final_attention: str
     overflow_started = 0
     pooled_chunks = 0  # chunks voiced in the pool (batched)
+    graph_error: str | None = None  # why graph capture was turned off, if it was
     pool_exits = 0  # streams that outgrew their slot and went on eagerly
 
     def __init__(self, flow: CV3Flow, hift: CausalHiFT, final_attention: str = "full",
@@ -309,8 +313,8 @@ class CV3Token2WavRunner:
         carry = torch.cat([w.carry for w in padded])
         start = torch.tensor([w.start_frame * u for w in padded], device=self.device)
         frames, f0_skip, out_start, finalize = windows[0].key
-        return self.vocoder_graphs.run((rows, frames, f0_skip, out_start, finalize),
-                                       [mel, carry, start, *self._window_constants(f0_skip, out_start, finalize)])
+        return self._replay(self.vocoder_graphs, (rows, frames, f0_skip, out_start, finalize),
+                            [mel, carry, start, *self._window_constants(f0_skip, out_start, finalize)])
 
     def _window_constants(self, f0_skip: int, out_start: int, finalize: bool) -> list[torch.Tensor]:
         """A graph's static ints, carried as tensor shapes (GraphCache passes tensors only)."""
@@ -386,10 +390,26 @@ class CV3Token2WavRunner:
             # the graph's static ints, carried as tensor shapes (GraphCache passes tensors only)
             lengths = torch.empty(key_frames, device=self.device, dtype=torch.int8)
             streaming = torch.empty(int(part[0].streaming), device=self.device, dtype=torch.int8)
-            [x1] = self.graphs.run((rows, frames, key_frames, part[0].streaming), [*inputs, lengths, streaming])
+            [x1] = self._replay(self.graphs, (rows, frames, key_frames, part[0].streaming),
+                                [*inputs, lengths, streaming])
             out += finish_chunks(self.pool, part, x1[:len(part)])
             self.pooled_chunks += len(part)
         return out
+
+    def _replay(self, graphs: GraphCache, key: Hashable, inputs: list[torch.Tensor]) -> Sequence[torch.Tensor]:
+        """`graphs.run`; a graph that fails to capture turns that cache's graphs off (logged, kept in
+        `graph_error`) and the call runs eagerly: the captured functions are idempotent, so nothing of a
+        half-done capture remains in the slots."""
+        if not graphs.enabled or key in graphs.graphs:
+            return graphs.run(key, inputs)
+        try:
+            return graphs.run(key, inputs)
+        except RuntimeError as e:
+            self.graph_error = f"{key}: {e}"
+            log.warning("CV3Token2WavRunner: CUDA graph capture failed (%s); running eagerly", self.graph_error)
+            graphs.enabled = False
+            self._sync()
+            return graphs.fn(*inputs)
 
     def _graph_chunk(self, *inputs: torch.Tensor) -> tuple[torch.Tensor]:
         *args, lengths, streaming = inputs

@@ -184,3 +184,32 @@ def test_warmup_covers_every_graph_a_registered_voice_stream_uses(cv3_flow, cv3_
         runner.run([(s, tokens, plan) for s in states])
     used = set(runner.graphs.graphs) | set(runner.vocoder_graphs.graphs)
     assert used == warmed, f"{mode}: graphs not warmed: {used - warmed}"
+
+
+class _FailingGraphs(_RecordingGraphs):
+    """A GraphCache whose captures fail (as an unsupported op inside a capture would)."""
+
+    def run(self, key, inputs):
+        if self.enabled:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return self.fn(*inputs)
+
+
+def test_a_failed_graph_capture_falls_back_to_the_same_numbers(cv3_flow, cv3_hift, cv3_load, cv3_manifest):
+    e2e = cv3_load("e2e")
+    mode, inputs, tokens, schedule = _runs(e2e, cv3_manifest)[0]
+    block = cv3_flow.decoder.estimator.dims.static_chunk_size
+    frames = cv3_flow.ratio * (inputs.flow_prompt_speech_tokens.numel() + len(tokens)) + block
+    runner = CV3Token2WavRunner(cv3_flow, cv3_hift, flow_slots=1, slot_frames=frames)
+    runner.graphs = _FailingGraphs(runner._graph_chunk)
+    runner.vocoder_graphs = _FailingGraphs(runner._graph_window)
+    state = runner.start(inputs, voice_key=None)
+    planner = ChunkPlanner(ChunkSchedule(), inputs.flow_prompt_speech_tokens.numel(), block=block // cv3_flow.ratio)
+    i = 0
+    while (plan := planner.next_plan(len(tokens), done=True)) is not None:
+        [(pcm, _, _)] = runner.run([(state, tokens, plan)])
+        np.testing.assert_allclose(pcm, e2e[f"{mode}_call{i}_yield"][0].numpy(), rtol=0, atol=AUDIO_ATOL)
+        i += 1
+    assert i == len(schedule)
+    assert "not permitted" in runner.graph_error
+    assert not runner.graphs.enabled and not runner.vocoder_graphs.enabled
