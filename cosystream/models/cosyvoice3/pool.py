@@ -49,9 +49,11 @@ class FlowSlotPool:
         # is a multiple of 16 so that every key length the runner uses keeps the attention mask aligned
         # (the fused kernels otherwise pad the mask at every call)
         self.buffer_frames = -(-(max_frames + 1) // 16) * 16
-        shape = (self.steps, d.depth, num_slots + 1, 2, d.heads, self.buffer_frames, d.dim_head)
-        self.keys = torch.zeros(shape, device=dev, dtype=dtype)
-        self.values = torch.zeros(shape, device=dev, dtype=dtype)
+        # keys and values side by side (one write and one gather per layer): [steps, layers, slots, CFG rows,
+        # K/V, heads, frames, dim_head]; `keys`/`values` are views of it
+        shape = (self.steps, d.depth, num_slots + 1, 2, 2, d.heads, self.buffer_frames, d.dim_head)
+        self.kv = torch.zeros(shape, device=dev, dtype=dtype)
+        self.keys, self.values = self.kv[:, :, :, :, 0], self.kv[:, :, :, :, 1]
         self.tail1 = torch.zeros(self.steps, num_slots + 1, 2, d.dim, self.pad, device=dev, dtype=dtype)
         self.tail2 = torch.zeros_like(self.tail1)
         # `chunk` writes the moved tails here and `finish_chunks` copies them back: so running a chunk
@@ -258,17 +260,14 @@ class FlowSlotPool:
         # PARITY: apply_partial_rotary on q and k at once: x·cos + rotate_pairs(x)·sin in float32, rounded back
         head = qkv[:, :, :2, :rot].float()
         swapped = head.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
-        qkv[:, :, :2, :rot] = torch.addcmul(head * cos[:, :, None], swapped, sin[:, :, None]).to(qkv.dtype)
+        qkv[:, :, :2, :rot].copy_(torch.addcmul(head * cos[:, :, None], swapped, sin[:, :, None]))
         q = qkv[:, :, 0].view(rows, n, heads, dh).transpose(1, 2)
-        kbuf, vbuf = self.keys[k, layer], self.values[k, layer]
-        where = (slots[:, None], slice(None), slice(None), writes)
-        # [2B, N, H·dh] -> [B, N, 2, H, dh], written at the frames' absolute positions in each slot
-        kbuf[where] = qkv[:, :, 1].view(-1, 2, n, heads, dh).transpose(1, 2)
-        vbuf[where] = qkv[:, :, 2].view(-1, 2, n, heads, dh).transpose(1, 2)
-        # [B, 2, H, Lk, dh] -> [2B, H, Lk, dh] (one gather, already in the attention's layout)
-        keys = kbuf[..., :key_frames, :].index_select(0, slots).flatten(0, 1)
-        values = vbuf[..., :key_frames, :].index_select(0, slots).flatten(0, 1)
-        out = attend(q, keys, values, mask)
+        kv = self.kv[k, layer]
+        # [2B, N, 2, H·dh] -> [B, N, 2 rows, 2 (K, V), H, dh], written at the frames' absolute positions
+        kv[slots[:, None], :, :, :, writes] = qkv[:, :, 1:].view(-1, 2, n, 2, heads, dh).transpose(1, 2)
+        # one gather [B, 2 rows, 2, H, Lk, dh]; K and V as [2B, H, Lk, dh] views of it
+        both = kv[..., :key_frames, :].index_select(0, slots)
+        out = attend(q, both[:, :, 0].flatten(0, 1), both[:, :, 1].flatten(0, 1), mask)
         return a.to_out[0](out.transpose(1, 2).reshape(rows, n, heads * dh))
 
 
