@@ -4,16 +4,17 @@
 simple, but its shapes change every chunk, so it cannot be captured as a CUDA graph and cannot run several
 streams in one pass. `FlowSlotPool` keeps the same state in preallocated buffers:
 
-* keys/values `[steps, layers, slots, 2 CFG rows, heads, max_frames, dim_head]` and the conv
-  position-embedding tails `[steps, slots, 2 rows, dim, pad]`, one slot per stream;
+* keys/values `[steps, layers, slots, 2 CFG rows, K/V, heads, frames, dim_head]` and the conv
+  position-embedding tails `[steps, slots, 2 rows, dim, pad]`, one slot per stream (and a scratch slot);
 * `chunk(...)`: all Euler steps of the DiT over the new frames of B streams at once, each padded to N
   frames. A call writes its new keys/values into its slot at their absolute frames, then attends over
   the slot's frames [0, Lk) with a mask: block-causal, and no key at or past the stream's last real
   frame (padding and stale frames are never seen by a real query). So the outputs of real frames equal
   the eager `FlowStream`'s within float rounding, whatever the padding and the batch.
 
-Every tensor shape in `chunk` depends only on (B, N, Lk), so the engine captures one CUDA graph per
-bucket and replays it (engine/cv3_token2wav.py). The committed lengths live on the host.
+Every tensor shape in `chunk` depends only on (B, N, Lk, streaming), so the engine captures one CUDA graph
+per bucket and replays it (engine/cv3_token2wav.py). The committed lengths live on the host. The same call
+with start 0 and full attention is the official final pass.
 """
 
 from __future__ import annotations
