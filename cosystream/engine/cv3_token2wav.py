@@ -240,7 +240,8 @@ class CV3Token2WavRunner:
             windows = [s.window(mel, plan.is_final) for s in streams]
             if windows[0] is None:
                 continue
-            _, f0 = self._window_batch(windows)  # type: ignore[arg-type]
+            shape = self._window_key(windows[0])  # type: ignore[arg-type]
+            _, f0 = self._window_batch(windows, shape[0], capture=True)  # type: ignore[arg-type]
             for s, w in zip(streams, windows, strict=True):
                 s.commit(w, f0[:1].clone())  # type: ignore[arg-type]
 
@@ -289,14 +290,16 @@ class CV3Token2WavRunner:
             if window is None:
                 wavs[i] = mel.new_zeros(1, 0).float()
             else:
-                groups.setdefault(window.key, []).append((i, window))
-        for members in groups.values():
+                groups.setdefault(self._window_key(window), []).append((i, window))
+        for key, members in groups.items():
             t0 = time.perf_counter()
             for first in range(0, len(members), BATCH_BUCKETS[-1]):
                 part = members[first:first + BATCH_BUCKETS[-1]]
-                out, f0 = self._window_batch([w for _, w in part])
+                out, f0 = self._window_batch([w for _, w in part], key[0])
+                u = self.hift.upsample_scale
                 for row, (i, window) in enumerate(part):
-                    wavs[i] = out[row:row + 1].clone()
+                    samples = window.end_sample - window.start_frame * u - window.out_start
+                    wavs[i] = out[row:row + 1, :samples].clone()
                     items[i][0].stream.hift_stream.commit(window, f0[row:row + 1].clone())
             self._sync()
             spent = time.perf_counter() - t0
@@ -304,16 +307,38 @@ class CV3Token2WavRunner:
                 seconds[i] = spent
         return wavs, seconds
 
-    def _window_batch(self, windows: list[VocoderWindow]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One replay of the vocoder graph of these windows' key, padded to a batch bucket."""
+    def _window_key(self, window: VocoderWindow) -> tuple[int, int, int, bool]:
+        """The shape a window is decoded at: a non-final window's frames rounded up to an attention block
+        (padded on the right: its emitted samples do not depend on later frames, which is what makes
+        incremental vocoding exact); a final window's exact frames (its right edge is the utterance's).
+        The padding needs noise-table samples; near the table's end a window keeps its exact frames."""
+        frames, f0_skip, out_start, finalize = window.key
+        if not finalize:
+            padded = self._frames_bucket(frames)
+            last = (window.start_frame + padded - f0_skip) * self.hift.upsample_scale
+            if last <= self.hift.m_source.noise_table.shape[1]:
+                frames = padded
+        return frames, f0_skip, out_start, finalize
+
+    def _window_batch(self, windows: list[VocoderWindow], frames: int, capture: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One replay of the vocoder graph of these windows' shape (`frames` after right padding), padded
+        to a batch bucket: (samples [rows, n] from each window's `out_start`, f0 [rows, f]).
+
+        A final window's exact length varies with the utterance, so it replays a graph only when one was
+        captured for it (`capture`: warm-up), else runs eagerly: no capture stalls the worker mid-traffic.
+        """
         rows = bucket(len(windows))
         padded = windows + [windows[0]] * (rows - len(windows))  # repeated rows: computed, never read
         u = self.hift.upsample_scale
-        mel = torch.cat([w.mel for w in padded])
+        mel = torch.cat([F.pad(w.mel, (0, frames - w.mel.shape[2])) for w in padded])
         carry = torch.cat([w.carry for w in padded])
         start = torch.tensor([w.start_frame * u for w in padded], device=self.device)
-        frames, f0_skip, out_start, finalize = windows[0].key
-        return self._replay(self.vocoder_graphs, (rows, frames, f0_skip, out_start, finalize),
+        _, f0_skip, out_start, finalize = windows[0].key
+        key = (rows, frames, f0_skip, out_start, finalize)
+        if finalize and not capture and key not in self.vocoder_graphs.graphs:
+            return window_audio(self.hift, mel, carry, start, f0_skip, out_start, finalize)
+        return self._replay(self.vocoder_graphs, key,
                             [mel, carry, start, *self._window_constants(f0_skip, out_start, finalize)])
 
     def _window_constants(self, f0_skip: int, out_start: int, finalize: bool) -> list[torch.Tensor]:

@@ -133,11 +133,21 @@ def test_pooled_streams_voiced_together_reproduce_the_official_chunks(cv3_flow, 
     assert (runner.pool_exits > 0) == (slot_room == "short")
 
 
-def test_vocoder_windows_of_several_streams_run_together(cv3_flow, cv3_hift, cv3_load, cv3_manifest):
+def test_vocoder_windows_of_several_streams_run_together(cv3_flow, cv3_hift, cv3_load, cv3_manifest, monkeypatch):
     """Every e2e run twice (so windows of equal shape share a batch), fed the official per-call mels: the
-    batched windows give each stream the samples its own `HiftStream` gives, and the official ones."""
+    batched windows (non-final ones padded on the right to a block multiple) give each stream the samples
+    its own `HiftStream` gives, and the official ones."""
     e2e = cv3_load("e2e")
     runner = CV3Token2WavRunner(cv3_flow, cv3_hift)
+    shapes = []
+    window_key = CV3Token2WavRunner._window_key
+
+    def spy(self, window):
+        shape = window_key(self, window)
+        shapes.append((window.key[0], shape[0]))
+        return shape
+
+    monkeypatch.setattr(CV3Token2WavRunner, "_window_key", spy)
     streams = []
     for mode, inputs, _, schedule in _runs(e2e, cv3_manifest) * 2:
         streams.append((mode, runner.start(inputs, None), HiftStream(cv3_hift), schedule))
@@ -152,6 +162,7 @@ def test_vocoder_windows_of_several_streams_run_together(cv3_flow, cv3_hift, cv3
                 want = alone.push(e2e[f"{mode}_call{r}_flow_mel_new"], schedule[r]["finalize"])
                 torch.testing.assert_close(wav, want, rtol=0, atol=1e-6)
                 torch.testing.assert_close(wav, e2e[f"{mode}_call{r}_yield"], rtol=0, atol=AUDIO_ATOL)
+    assert any(padded > real for real, padded in shapes)  # the padding was exercised
 
 
 class _RecordingGraphs:
