@@ -47,7 +47,8 @@ def _cosyvoice3(ckpt: Checkpoint, config: EngineConfig, device: torch.device, dt
         flow = load_cv3_flow(ckpt, device, dtype)
     with loading("vocoder (hift.pt) and its source-noise table"):
         hift = load_cv3_hift(ckpt, device, dtype)
-    t2w = CV3Token2WavRunner(flow, hift, final_attention=config.final_attention)
+    t2w = CV3Token2WavRunner(flow, hift, final_attention=config.final_attention, flow_slots=config.flow_slots,
+                             slot_frames=config.flow_frames, cuda_graphs=config.cuda_graphs)
     return lm, _lm_runner(lm, config), t2w
 
 

@@ -64,6 +64,7 @@ class Token2WavRunner:
         self.hift = hift
         self.stream = FlowStream(flow, config.final_attention)
         self.final_attention = config.final_attention
+        self.final_reads_slot = False  # the official final pass re-encodes every token: it reads no slot
         self.device = flow.input_embedding.weight.device
         # token-to-wave graphs may replay beside the LM's (overlap): captured on a stream of their own
         graph_stream = capture_stream(self.device)

@@ -275,11 +275,12 @@ class Voicing:
             req.times.first_chunk_ready_s = req.t_first_ready - req.t_submit
 
     def _release_flow_slot_before_final(self, seg: Segment) -> None:
-        """The official final pass reads no flow slot, so once a segment's LM is done and its next chunk is
-        that pass (none of its chunks on the worker or handed back), its slot goes back: new streams need
-        not wait while the pass waits behind first chunks."""
+        """When the official final pass reads no flow slot (CosyVoice2's), once a segment's LM is done and its
+        next chunk is that pass (none of its chunks on the worker or handed back), its slot goes back: new
+        streams need not wait while the pass waits behind first chunks."""
         if (seg.t2w is None or seg.lm_status != LMStatus.done or seg.planner.finished
-                or self.t2w.final_attention != "full" or not seg.planner.next_is_final(len(seg.tokens))):
+                or self.t2w.final_attention != "full" or self.t2w.final_reads_slot
+                or not seg.planner.next_is_final(len(seg.tokens))):
             return
         if any(job.seg is seg for job in (self._in_flight or []) + self._returned):
             return  # released once that chunk is voiced (_job_done)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cosystream.checkpoint.hparams import DiTDims
 
@@ -84,6 +85,21 @@ class RotaryEmbedding(nn.Module):
         """positions [n] -> angles [n, dim_head], each frequency repeated twice (f0, f0, f1, f1, ...)."""
         angles = positions.to(self.inv_freq.dtype).unsqueeze(1) * self.inv_freq.unsqueeze(0)
         return torch.stack((angles, angles), dim=-1).flatten(-2)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Scaled dot-product attention whose float32 is IEEE float32 on a GPU too.
+
+    PARITY: for float32 on sm80+ the memory-efficient SDPA kernel multiplies on tensor cores (CUTLASS
+    `OpMultiplyAddFastF32`, a 3xTF32 split) whatever `torch.backends.cuda.matmul.allow_tf32` says, so a
+    float32 model would round its attention unlike the CPU and unlike what its flags ask. The math
+    backend's products are cuBLAS matmuls, which follow the float32 precision setting. bf16/fp16 keep the
+    fused kernels.
+    """
+    if q.dtype == torch.float32 and q.is_cuda:
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:
@@ -163,7 +179,7 @@ class DiTBlock(nn.Module):
         if past is not None and past[0].shape[2] > 0:
             k = torch.cat([past[0], k], dim=2)
             v = torch.cat([past[1], v], dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = attend(q, k, v, mask)
         out = out.transpose(1, 2).reshape(batch, n, a.heads * a.dim_head)
         return a.to_out[0](out), new_kv
 

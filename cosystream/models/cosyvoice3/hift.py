@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -113,15 +114,23 @@ class CausalSource(nn.Module):
         self.l_linear = nn.Linear(self.num_harmonics, 1)
         self.register_buffer("noise_table", torch.zeros(1, 0, self.num_harmonics), persistent=False)
 
+    def check_noise_range(self, last: int) -> None:
+        if last > self.noise_table.shape[1]:
+            raise ValueError(f"vocoder input reaches sample {last}; the fixed noise table holds "
+                             f"{self.noise_table.shape[1]} ({NOISE_SECONDS} s in the official model)")
+
     def frame_increments(self, f0: torch.Tensor) -> torch.Tensor:
         """f0 [B, T] -> per-frame phase increments R [B, T, H] (cycles, float32)."""
         harmonics = torch.arange(1, self.num_harmonics + 1, dtype=torch.float32, device=f0.device)
         return torch.remainder(f0.float()[:, :, None] * harmonics / self.sampling_rate, 1.0)
 
-    def forward(self, f0: torch.Tensor, start_frame: int = 0, carry: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, f0: torch.Tensor, start_frame: int = 0, carry: torch.Tensor | None = None,
+                start_sample: torch.Tensor | None = None) -> torch.Tensor:
         """f0 [B, T] of frames [start_frame, start_frame + T) -> source [B, 1, U·T] float32.
 
-        carry [B, H] float64: Σ R over frames [0, start_frame) (None: zeros).
+        carry [B, H] float64: Σ R over frames [0, start_frame) (None: zeros). start_sample [B] long: each
+        row's first sample (U·its start frame), read on the device (a CUDA graph's input), in place of
+        `start_frame`; the caller checks the noise table's range then.
         PARITY: the official float32 cumulative sum accumulates in float64 on the CPU; continuing from a
         float64 carry reproduces it, then the phase is rounded to float32 as there.
         """
@@ -135,11 +144,12 @@ class CausalSource(nn.Module):
         sine = torch.sin(phase) * self.sine_amp
         uv = (f0.float() > self.voiced_threshold).float().repeat_interleave(u, dim=1).unsqueeze(-1)
         noise_amp = uv * self.noise_std + (1 - uv) * self.sine_amp / 3
-        first, last = start_frame * u, (start_frame + frames) * u
-        if last > self.noise_table.shape[1]:
-            raise ValueError(f"vocoder input reaches sample {last}; the fixed noise table holds "
-                             f"{self.noise_table.shape[1]} ({NOISE_SECONDS} s in the official model)")
-        excitation = sine * uv + noise_amp * self.noise_table[:, first:last].to(sine.device)
+        if start_sample is not None:
+            noise = self.noise_table[0][start_sample[:, None] + torch.arange(frames * u, device=f0.device)]
+        else:
+            self.check_noise_range((start_frame + frames) * u)
+            noise = self.noise_table[:, start_frame * u:(start_frame + frames) * u]
+        excitation = sine * uv + noise_amp * noise.to(sine.device)
         merged = F.linear(excitation, self.l_linear.weight.float(), self.l_linear.bias.float())
         return torch.tanh(merged).transpose(1, 2)
 
@@ -248,9 +258,42 @@ class CausalHiFT(nn.Module):
         return total
 
 
+@dataclass
+class VocoderWindow:
+    """One incremental vocoder call: mel frames [mel_start, total) in, samples from `out_start` of the
+    decoded window (which starts at frame `start_frame`) out. Its shape key is (frames, f0_skip,
+    out_start, finalize); `mel`, `carry` and the start sample are the per-stream values."""
+
+    mel: torch.Tensor  # [1, 80, frames]
+    carry: torch.Tensor  # [1, H] float64: Σ R over frames [0, start_frame)
+    start_frame: int
+    f0_skip: int  # start_frame − mel_start: F0 left context only
+    out_start: int
+    finalize: bool
+    end_sample: int  # samples emitted after this call
+
+    @property
+    def key(self) -> tuple[int, int, int, bool]:
+        return self.mel.shape[2], self.f0_skip, self.out_start, self.finalize
+
+
+def window_audio(hift: CausalHiFT, mel: torch.Tensor, carry: torch.Tensor, start_sample: torch.Tensor,
+                 f0_skip: int, out_start: int, finalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Windows of equal key for B streams: mel [B, 80, frames], carry [B, H] float64, start_sample [B] long
+    -> (new samples [B, n] float32, f0 [B, f] of the window's frames from its start frame)."""
+    f0 = hift.predict_f0(mel, finalize)[:, f0_skip:]
+    source = hift.m_source(f0, carry=carry, start_sample=start_sample)
+    body = mel[:, :, f0_skip: mel.shape[2] - (0 if finalize else hift.f0_predictor.look_right)]
+    return hift.decode(body, source, finalize)[:, out_start:], f0
+
+
 class HiftStream:
     """Vocode one request incrementally: each push returns exactly the samples the official
-    `hift.inference(whole accumulated mel, finalize)` would add after what was already emitted."""
+    `hift.inference(whole accumulated mel, finalize)` would add after what was already emitted.
+
+    `push` = `window` (bookkeeping: which frames to decode) + `window_audio` (the decode, static in shape
+    for a given window key, so a batch of streams' windows can replay one CUDA graph) + `commit`.
+    """
 
     def __init__(self, hift: CausalHiFT) -> None:
         self.hift = hift
@@ -268,6 +311,17 @@ class HiftStream:
 
     def push(self, mel: torch.Tensor, finalize: bool) -> torch.Tensor:
         """mel [1, 80, m] new frames -> wav [1, n] new samples (float32)."""
+        window = self.window(mel, finalize)
+        if window is None:
+            return mel.new_zeros(1, 0).float()
+        start = torch.tensor([window.start_frame * self.hift.upsample_scale], device=window.mel.device)
+        out, f0 = window_audio(self.hift, window.mel, window.carry, start, window.f0_skip, window.out_start,
+                               window.finalize)
+        self.commit(window, f0)
+        return out
+
+    def window(self, mel: torch.Tensor, finalize: bool) -> VocoderWindow | None:
+        """Append the new frames [1, 80, m]; the call that voices them (None: no new samples yet)."""
         if self.finished:
             raise RuntimeError("HiftStream: push after the final chunk")
         h = self.hift
@@ -275,34 +329,33 @@ class HiftStream:
         mel = mel.to(h.conv_pre.weight.dtype)
         self.mel = mel if self.mel is None else torch.cat([self.mel, mel], dim=2)
         total = self.total_frames
-        look = h.f0_predictor.look_right
-        withheld = 0 if finalize else look + h.look_right + 1
+        withheld = 0 if finalize else h.f0_predictor.look_right + h.look_right + 1
         end_frame = total - withheld
         if end_frame * u <= self.emitted:
-            return mel.new_zeros(1, 0).float()
+            return None
         ws = self.carry_frames  # the window starts where the carried phase sum ends
         f0_start = max(self.first, ws - h.f0_left_context())
-        f0 = h.predict_f0(self.mel[:, :, f0_start - self.first:], finalize)[:, ws - f0_start:]
-        carry = self.carry
-        source = h.m_source(f0, start_frame=ws, carry=carry)
-        body = self.mel[:, :, ws - self.first: (total if finalize else total - look) - self.first]
-        wav = h.decode(body, source, finalize)
-        out = wav[:, self.emitted - ws * u:]
-        self.emitted = end_frame * u
-        if finalize:
+        h.m_source.check_noise_range(total * u)
+        carry = self.carry if self.carry is not None else torch.zeros(1, h.m_source.num_harmonics,
+                                                                      dtype=torch.float64, device=mel.device)
+        return VocoderWindow(mel=self.mel[:, :, f0_start - self.first:], carry=carry, start_frame=ws,
+                             f0_skip=ws - f0_start, out_start=self.emitted - ws * u, finalize=finalize,
+                             end_sample=end_frame * u)
+
+    def commit(self, window: VocoderWindow, f0: torch.Tensor) -> None:
+        """After `window`'s samples are out: fold the carried phase, drop mel no later window reads."""
+        self.emitted = window.end_sample
+        if window.finalize:
             self.finished = True
         else:
-            self._advance(ws, f0, carry)
-        return out
+            self._advance(window.start_frame, f0, window.carry)
 
-    def _advance(self, ws: int, f0: torch.Tensor, carry: torch.Tensor | None) -> None:
+    def _advance(self, ws: int, f0: torch.Tensor, carry: torch.Tensor) -> None:
         """Fold the increments of frames [ws, next window start) into the carry and drop old mel."""
         next_ws = max(self.emitted // self.hift.upsample_scale - self.context, ws)
         if next_ws > ws:
             rad = self.hift.m_source.frame_increments(f0[:, :next_ws - ws]).double()
-            if carry is not None:
-                rad = torch.cat([carry.unsqueeze(1), rad], dim=1)
-            self.carry = torch.cumsum(rad, dim=1)[:, -1]
+            self.carry = torch.cumsum(torch.cat([carry.unsqueeze(1), rad], dim=1), dim=1)[:, -1]
             self.carry_frames = next_ws
         keep_from = max(self.first, next_ws - self.hift.f0_left_context())
         if keep_from > self.first and self.mel is not None:

@@ -1,0 +1,393 @@
+"""Static-shape, batched form of the incremental CosyVoice3 flow: a pool of stream slots.
+
+`FlowStream` (flow.py) keeps each stream's keys/values in growing lists; that is the reference, exact and
+simple, but its shapes change every chunk, so it cannot be captured as a CUDA graph and cannot run several
+streams in one pass. `FlowSlotPool` keeps the same state in preallocated buffers:
+
+* keys/values `[steps, layers, slots, 2 CFG rows, K/V, heads, frames, dim_head]` and the conv
+  position-embedding tails `[steps, slots, 2 rows, dim, pad]`, one slot per stream (and a scratch slot);
+* `chunk(...)`: all Euler steps of the DiT over the new frames of B streams at once, each padded to N
+  frames. A call writes its new keys/values into its slot at their absolute frames, then attends over
+  the slot's frames [0, Lk) with a mask: block-causal, and no key at or past the stream's last real
+  frame (padding and stale frames are never seen by a real query). So the outputs of real frames equal
+  the eager `FlowStream`'s within float rounding, whatever the padding and the batch.
+
+Every tensor shape in `chunk` depends only on (B, N, Lk, streaming), so the engine captures one CUDA graph
+per bucket and replays it (engine/cv3_token2wav.py). The committed lengths live on the host. The same call
+with start 0 and full attention is the official final pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from cosystream.models.cosyvoice3.dit import DiT, DiTCache, _layer_norm, attend
+from cosystream.models.cosyvoice3.flow import CV3Flow, PromptBlocks
+
+
+class FlowSlotPool:
+    """Keys/values and conv tails of `num_slots` streams, up to `max_frames` frames each (prompt
+    included), for every Euler step; plus a scratch slot (index `scratch`) that the rows padding a batch
+    and graph warm-ups write to."""
+
+    def __init__(self, flow: CV3Flow, num_slots: int, max_frames: int) -> None:
+        if num_slots < 1 or max_frames < 1:
+            raise ValueError(f"flow slot pool: slots and frames must be >= 1, got {num_slots}, {max_frames}")
+        self.flow = flow
+        dit: DiT = flow.decoder.estimator
+        d = dit.dims
+        self.dims = d
+        self.num_slots, self.max_frames = num_slots, max_frames
+        self.steps = len(flow.decoder.t_steps)
+        self.pad = d.conv_pos_kernel - 1
+        dev, dtype = flow.input_embedding.weight.device, dit.proj_out.weight.dtype
+        self.device, self.dtype = dev, dtype
+        self.scratch = num_slots
+        # frame max_frames takes the padding's writes (never read by a real frame's query); the frame count
+        # is a multiple of 16 so that every key length the runner uses keeps the attention mask aligned
+        # (the fused kernels otherwise pad the mask at every call)
+        self.buffer_frames = -(-(max_frames + 1) // 16) * 16
+        # keys and values side by side (one write and one gather per layer): [steps, layers, slots, CFG rows,
+        # K/V, heads, frames, dim_head]; `keys`/`values` are views of it
+        shape = (self.steps, d.depth, num_slots + 1, 2, 2, d.heads, self.buffer_frames, d.dim_head)
+        self.kv = torch.zeros(shape, device=dev, dtype=dtype)
+        self.keys, self.values = self.kv[:, :, :, :, 0], self.kv[:, :, :, :, 1]
+        self.tail1 = torch.zeros(self.steps, num_slots + 1, 2, d.dim, self.pad, device=dev, dtype=dtype)
+        self.tail2 = torch.zeros_like(self.tail1)
+        # `chunk` writes the moved tails here and `finish_chunks` copies them back: so running a chunk
+        # twice on the same inputs (a CUDA graph's warm-up, then its replay) leaves the same state
+        self.tail1_out = torch.zeros_like(self.tail1)
+        self.tail2_out = torch.zeros_like(self.tail1)
+        self.lengths = [0] * (num_slots + 1)  # committed frames per slot (host)
+        self.free = list(range(num_slots))
+        self._modulations = self._time_modulations()
+        self._qkv = self._fused_qkv()
+        # the input projection split: x's columns [mel, dim] (per step), the conditioning's (once per chunk)
+        proj = dit.input_embed.proj.weight.detach()
+        self._proj_x = proj[:, :d.mel_dim].t().contiguous()
+        self._proj_cond = proj[:, d.mel_dim:].contiguous()
+        # built here, not in `chunk`: a host-to-device copy cannot be captured in a CUDA graph
+        inv_freq = dit.rotary_embed.inv_freq
+        self._rotary_sign = torch.tensor([-1.0, 1.0], device=dev, dtype=inv_freq.dtype).repeat(inv_freq.shape[0])
+
+    @staticmethod
+    def bytes_per_frame(flow: CV3Flow) -> int:
+        """Bytes one slot holds per frame (keys and values of every step, layer and CFG row)."""
+        d = flow.decoder.estimator.dims
+        itemsize = flow.decoder.estimator.proj_out.weight.element_size()
+        return len(flow.decoder.t_steps) * d.depth * 2 * 2 * d.heads * d.dim_head * itemsize
+
+    # ------------------------------------------------------------------ slots
+    def acquire(self, blocks: PromptBlocks | None) -> int:
+        """A free slot, holding a voice's prompt blocks (or nothing)."""
+        if not self.free:
+            raise RuntimeError("flow slot pool: no free slot")
+        slot = self.free.pop(0)
+        self.tail1[:, slot].zero_()
+        self.tail2[:, slot].zero_()
+        self.lengths[slot] = 0
+        if blocks is not None and blocks.frames > 0:
+            self.load(slot, blocks.caches)
+        return slot
+
+    def release(self, slot: int) -> None:
+        if slot in self.free:
+            raise RuntimeError(f"flow slot pool: slot {slot} released twice")
+        self.lengths[slot] = 0
+        self.free.append(slot)
+
+    def load(self, slot: int, caches: list[DiTCache]) -> None:
+        """Copy eager caches (one per step, batch of the 2 CFG rows) into a slot."""
+        length = caches[0].length
+        if length > self.max_frames:
+            raise ValueError(f"flow slot pool: {length} cached frames exceed the slot's {self.max_frames}")
+        for k, cache in enumerate(caches):
+            if length > 0:
+                self.keys[k, :, slot, :, :, :length] = torch.stack(cache.keys)  # [layers, 2, H, L, dh]
+                self.values[k, :, slot, :, :, :length] = torch.stack(cache.values)
+                self.tail1[k, slot] = cache.tail1
+                self.tail2[k, slot] = cache.tail2
+        self.lengths[slot] = length
+
+    def export(self, slot: int) -> list[DiTCache]:
+        """A slot's state as eager caches (a stream that leaves the pool continues with `FlowStream`)."""
+        length = self.lengths[slot]
+        caches = []
+        for k in range(self.steps):
+            keys = [self.keys[k, i, slot, :, :, :length].clone() for i in range(self.dims.depth)]
+            values = [self.values[k, i, slot, :, :, :length].clone() for i in range(self.dims.depth)]
+            tails = (self.tail1[k, slot].clone(), self.tail2[k, slot].clone()) if length else (None, None)
+            caches.append(DiTCache(keys if length else [], values if length else [], *tails, length=length))
+        return caches
+
+    # ------------------------------------------------------------------ the batched chunk
+    @torch.no_grad()
+    def _time_modulations(self) -> list[tuple[list[tuple[torch.Tensor, ...]], tuple[torch.Tensor, torch.Tensor]]]:
+        """Per Euler step: each block's adaLN vectors (shift1, 1 + scale1, gate1, shift2, 1 + scale2, gate2),
+        each [1, 1, dim], and the final norm's (1 + scale, shift).
+
+        They depend on t alone, which every row of a step shares, so they are computed once here.
+        """
+        dit = self.flow.decoder.estimator
+        out = []
+        for t in self.flow.decoder.t_steps:
+            t_emb = F.silu(dit.time_embed(torch.full((1,), t, device=self.device, dtype=torch.float32)))
+            blocks = []
+            for blk in dit.transformer_blocks:
+                shift1, scale1, gate1, shift2, scale2, gate2 = blk.attn_norm.linear(t_emb)[:, None].chunk(6, dim=2)
+                blocks.append((shift1, 1 + scale1, gate1, shift2, 1 + scale2, gate2))
+            scale, shift = dit.norm_out.linear(t_emb)[:, None].chunk(2, dim=2)
+            out.append((blocks, (1 + scale, shift)))
+        return out
+
+    @torch.no_grad()
+    def _fused_qkv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each block's q, k, v projections as one [3·inner, dim] matrix (one GEMM instead of three)."""
+        return [(torch.cat([b.attn.to_q.weight, b.attn.to_k.weight, b.attn.to_v.weight]),
+                 torch.cat([b.attn.to_q.bias, b.attn.to_k.bias, b.attn.to_v.bias]))
+                for b in self.flow.decoder.estimator.transformer_blocks]
+
+    def chunk(self, x0: torch.Tensor, mu: torch.Tensor, cond: torch.Tensor, spks: torch.Tensor,
+              slots: torch.Tensor, start: torch.Tensor, valid: torch.Tensor, keep: torch.Tensor,
+              key_frames: int, streaming: bool = True) -> torch.Tensor:
+        """Integrate B streams' new frames at once -> x1 [B, 80, N] float32.
+
+        x0 [B, 80, N] float32: each stream's noise for frames [start, start + N); mu, cond [B, 80, N];
+        spks [B, 80]; slots, start, valid, keep [B] long: the slot, its first uncommitted frame, the real
+        new frames (the rest is padding) and how many new frames this call commits (their keys/values
+        stay in the slot and the conv tails move past them). key_frames: Lk >= every start + valid.
+        streaming: block-causal attention; else full attention over frames [0, start + valid) (the official
+        final pass: start 0, the whole utterance). A row with start 0 starts from zero conv tails.
+        The slots change only when `finish_chunks` commits (keys/values past the committed length are
+        scratch; the moved tails wait in `tail*_out`), so the call is idempotent.
+        """
+        d = self.dims
+        batch, _, n = x0.shape
+        if key_frames > self.buffer_frames:
+            raise ValueError(f"flow slot pool: {key_frames} key frames exceed the slots' {self.max_frames}")
+        positions = start[:, None] + torch.arange(n, device=x0.device)  # [B, N]
+        rotary = self._rotary(positions)
+        mask = self._mask(positions, start + valid, key_frames, streaming)
+        frame = torch.arange(n, device=x0.device)
+        writes = torch.where(frame[None] < valid[:, None], positions, self.max_frames)
+        tail_index = (keep[:, None] + torch.arange(self.pad, device=x0.device)).repeat_interleave(2, dim=0)
+        tail_index = tail_index[:, None, :].expand(-1, d.dim, -1)
+        continued = (start > 0).to(self.dtype)[:, None, None, None]  # 0: the official zero left padding
+        rows = [torch.stack((a, torch.zeros_like(a)), dim=1).flatten(0, 1).to(self.dtype) for a in (mu, cond, spks)]
+        # the conditioning part of the input projection is the same at every step: computed once
+        fixed = self._fixed_inputs(*rows)
+        cfg = self.flow.decoder.cfg_rate
+        x = x0
+        for k, dt in enumerate(self.flow.decoder.dt_steps):
+            xr = x.repeat_interleave(2, dim=0).to(self.dtype)
+            v = self._estimate(k, xr, fixed, slots, writes, rotary, mask, tail_index, continued,
+                               key_frames).float().view(batch, 2, d.mel_dim, n)
+            # PARITY: v = (1 + λ)·v_c − λ·v_u, x += dt·v in float32 (CV3CFM.euler)
+            x = x + dt * ((1.0 + cfg) * v[:, 0] - cfg * v[:, 1])
+        return x
+
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin) [2B, N, rot] of the rotary angles, in the dtype `apply_partial_rotary` uses;
+        the sign pattern (−, +) folds `_rotate_pairs`'s negation into the sine."""
+        batch, n = positions.shape
+        freqs = self.flow.decoder.estimator.rotary_embed.freqs(positions.flatten()).view(batch, n, -1)
+        freqs = freqs.repeat_interleave(2, dim=0)
+        return freqs.cos(), freqs.sin() * self._rotary_sign
+
+    def _mask(self, positions: torch.Tensor, ends: torch.Tensor, key_frames: int, streaming: bool) -> torch.Tensor:
+        """[2B, 1, N, Lk] bool: no key at or past a stream's last real frame; block-causal when streaming."""
+        d = self.dims
+        keys = torch.arange(key_frames, device=positions.device)
+        mask = keys[None, None] < ends[:, None, None]
+        if streaming:
+            block_end = (positions // d.static_chunk_size + 1) * d.static_chunk_size
+            mask = mask & (keys[None, None] < block_end[:, :, None])
+        mask = mask.repeat_interleave(2, dim=0).unsqueeze(1)
+        if self.dtype == torch.float32:
+            return mask
+        # PERF: an additive mask built once, not converted from bool by every layer's attention
+        return torch.zeros(mask.shape, device=mask.device, dtype=self.dtype).masked_fill_(~mask, float("-inf"))
+
+    def _fixed_inputs(self, mu: torch.Tensor, cond: torch.Tensor, spks: torch.Tensor) -> torch.Tensor:
+        """The input projection's cond/mu/spks columns applied once: [2B, N, dim], bias included."""
+        n = mu.shape[2]
+        packed = torch.cat([cond.transpose(1, 2), mu.transpose(1, 2), spks.unsqueeze(1).expand(-1, n, -1)], dim=-1)
+        return F.linear(packed, self._proj_cond, self.flow.decoder.estimator.input_embed.proj.bias)
+
+    def _estimate(self, k: int, x: torch.Tensor, fixed: torch.Tensor, slots: torch.Tensor, writes: torch.Tensor,
+                  rotary: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor, tail_index: torch.Tensor,
+                  continued: torch.Tensor, key_frames: int) -> torch.Tensor:
+        """One Euler step's estimator over 2B rows (stream-major, conditional then unconditional)."""
+        dit = self.flow.decoder.estimator
+        h = torch.addmm(fixed.flatten(0, 1), x.transpose(1, 2).flatten(0, 1), self._proj_x)
+        h = h.view(fixed.shape)
+        h = h + self._conv_position(k, h, slots, tail_index, continued)
+        block_mods, (scale_out, shift_out) = self._modulations[k]
+        for layer, (block, mods) in enumerate(zip(dit.transformer_blocks, block_mods, strict=True)):
+            shift1, scale1, gate1, shift2, scale2, gate2 = mods
+            normed = torch.addcmul(shift1, _layer_norm(h), scale1)
+            h = torch.addcmul(h, gate1, self._attention(k, layer, block, normed, slots, writes, rotary, mask,
+                                                        key_frames))
+            normed = torch.addcmul(shift2, _layer_norm(h), scale2)
+            h = torch.addcmul(h, gate2, block.ff.ff(normed))
+        h = torch.addcmul(shift_out, _layer_norm(h), scale_out)
+        return dit.proj_out(h).transpose(1, 2)
+
+    def _conv_position(self, k: int, h: torch.Tensor, slots: torch.Tensor, tail_index: torch.Tensor,
+                       continued: torch.Tensor) -> torch.Tensor:
+        """The causal conv position embedding from the slots' tails; the tails move past the kept frames."""
+        conv = self.flow.decoder.estimator.input_embed.conv_pos_embed
+        in1 = torch.cat([(self.tail1[k, slots] * continued).flatten(0, 1), h.transpose(1, 2)], dim=2)
+        out1 = conv.conv1(in1)
+        in2 = torch.cat([(self.tail2[k, slots] * continued).flatten(0, 1), out1], dim=2)
+        out = conv.conv2(in2).transpose(1, 2)
+        self.tail1_out[k, slots] = in1.gather(2, tail_index).unflatten(0, (-1, 2))
+        self.tail2_out[k, slots] = in2.gather(2, tail_index).unflatten(0, (-1, 2))
+        return out
+
+    def _attention(self, k: int, layer: int, block: torch.nn.Module, x: torch.Tensor, slots: torch.Tensor,
+                   writes: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
+                   key_frames: int) -> torch.Tensor:
+        """writes [B, N]: each new frame's position in its slot (the padding's: the spare frame)."""
+        a = block.attn
+        rows, n, _ = x.shape
+        heads, dh = a.heads, a.dim_head
+        qkv = F.linear(x, *self._qkv[layer]).view(rows, n, 3, heads * dh)
+        cos, sin = rotary
+        rot = cos.shape[-1]
+        # PARITY: apply_partial_rotary on q and k at once: x·cos + rotate_pairs(x)·sin in float32, rounded back
+        head = qkv[:, :, :2, :rot].float()
+        swapped = head.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+        qkv[:, :, :2, :rot].copy_(torch.addcmul(head * cos[:, :, None], swapped, sin[:, :, None]))
+        q = qkv[:, :, 0].view(rows, n, heads, dh).transpose(1, 2)
+        kv = self.kv[k, layer]
+        # [2B, N, 2, H·dh] -> [B, N, 2 rows, 2 (K, V), H, dh], written at the frames' absolute positions
+        kv[slots[:, None], :, :, :, writes] = qkv[:, :, 1:].view(-1, 2, n, 2, heads, dh).transpose(1, 2)
+        # one gather [B, 2 rows, 2, H, Lk, dh]; K and V as [2B, H, Lk, dh] views of it
+        both = kv[..., :key_frames, :].index_select(0, slots)
+        out = attend(q, both[:, :, 0].flatten(0, 1), both[:, :, 1].flatten(0, 1), mask)
+        return a.to_out[0](out.transpose(1, 2).reshape(rows, n, heads * dh))
+
+
+@dataclass
+class SlotChunk:
+    """One stream's chunk, prepared for `FlowSlotPool.chunk`: frames [start, start + valid) are computed,
+    the first `keep` of them committed, and the mel from `first_new` returned."""
+
+    slot: int
+    start: int
+    valid: int
+    keep: int
+    first_new: int
+    mu: torch.Tensor  # [1, 80, valid]
+    cond: torch.Tensor
+    spks: torch.Tensor  # [1, 80]
+    streaming: bool = True  # False: the official final pass (full attention over the whole utterance)
+
+
+class PooledFlowStream:
+    """`FlowStream`'s request state with its keys/values in a `FlowSlotPool` slot."""
+
+    def __init__(self, pool: FlowSlotPool, prompt_token: torch.Tensor, prompt_feat: torch.Tensor,
+                 embedding: torch.Tensor, prompt_blocks: PromptBlocks | None = None) -> None:
+        flow = pool.flow
+        dev = flow.input_embedding.weight.device
+        self.pool, self.flow = pool, flow
+        self.prompt_token = prompt_token.to(dev)
+        self.prompt_feat = prompt_feat.to(dev, flow.spk_embed_affine_layer.weight.dtype)
+        self.prompt_frames = prompt_feat.shape[1]
+        self.spks = flow.project_speaker(embedding.to(dev))
+        self.slot = pool.acquire(prompt_blocks)
+
+    @property
+    def length(self) -> int:
+        return self.pool.lengths[self.slot]
+
+    def frames_after(self, num_tokens: int, finalize: bool) -> int:
+        """Frames the slot holds while a call over `num_tokens` generated tokens runs."""
+        lookahead = 0 if finalize else self.flow.dims.pre_lookahead_len
+        return self.flow.ratio * (self.prompt_token.shape[1] + num_tokens - lookahead)
+
+    def prepare(self, tokens: torch.Tensor, token_offset: int, finalize: bool) -> SlotChunk:
+        """tokens [1, N] (all generated so far) -> this call's inputs (as `FlowStream.push` computes them)."""
+        flow = self.flow
+        mu = flow.token_features(torch.cat([self.prompt_token, tokens.to(self.prompt_token.device)], dim=1),
+                                 finalize)
+        total = mu.shape[2]
+        first_new = self.prompt_frames + flow.ratio * token_offset
+        start = self.length
+        if first_new < start:
+            raise ValueError(f"pooled flow stream: frames from {first_new} requested, but frames before {start} "
+                             "are committed (token_offset went backwards)")
+        if total > self.pool.max_frames:
+            raise ValueError(f"pooled flow stream: {total} frames exceed the slot's {self.pool.max_frames}")
+        block = flow.decoder.estimator.dims.static_chunk_size
+        complete = (total // block) * block if not finalize else total
+        return SlotChunk(slot=self.slot, start=start, valid=total - start, keep=complete - start,
+                         first_new=first_new, mu=mu[:, :, start:], cond=flow.conditions(self.prompt_feat,
+                                                                                          total - start, start),
+                         spks=self.spks)
+
+    def prepare_full(self, tokens: torch.Tensor, token_offset: int) -> SlotChunk:
+        """The official final pass (full attention, finalize) over every frame, in this stream's slot: its
+        keys/values overwrite the slot's (nothing is committed; the stream ends with it)."""
+        flow = self.flow
+        mu = flow.token_features(torch.cat([self.prompt_token, tokens.to(self.prompt_token.device)], dim=1), True)
+        total = mu.shape[2]
+        if total > self.pool.max_frames:
+            raise ValueError(f"pooled flow stream: {total} frames exceed the slot's {self.pool.max_frames}")
+        return SlotChunk(slot=self.slot, start=0, valid=total, keep=0,
+                         first_new=self.prompt_frames + flow.ratio * token_offset, mu=mu,
+                         cond=flow.conditions(self.prompt_feat, total, 0), spks=self.spks, streaming=False)
+
+    def close(self) -> None:
+        """Give the slot back (once)."""
+        if self.slot >= 0:
+            self.pool.release(self.slot)
+            self.slot = -1
+
+
+def pack_chunks(pool: FlowSlotPool, chunks: list[SlotChunk], frames: int
+                ) -> tuple[torch.Tensor, ...]:
+    """The `chunk` inputs of several streams, each padded to `frames` new frames."""
+    dev = pool.device
+    noise = pool.flow.decoder.rand_noise
+    x0 = torch.zeros(len(chunks), noise.shape[1], frames, device=dev, dtype=torch.float32)
+    mu = torch.zeros(len(chunks), noise.shape[1], frames, device=dev, dtype=pool.dtype)
+    cond = torch.zeros_like(mu)
+    for i, c in enumerate(chunks):
+        x0[i, :, :c.valid] = pool.flow.decoder.noise(c.start, c.valid)[0]
+        mu[i, :, :c.valid] = c.mu[0]
+        cond[i, :, :c.valid] = c.cond[0]
+    spks = torch.cat([c.spks for c in chunks]).to(pool.dtype)
+    meta = torch.tensor([[c.slot, c.start, c.valid, c.keep] for c in chunks], dtype=torch.long).T.to(dev)
+    return x0, mu, cond, spks, meta[0], meta[1], meta[2], meta[3]
+
+
+def finish_chunks(pool: FlowSlotPool, chunks: list[SlotChunk], x1: torch.Tensor) -> list[torch.Tensor]:
+    """Advance the slots' committed lengths; each stream's new mel [1, 80, m] float32 from `first_new`."""
+    slots = torch.tensor([c.slot for c in chunks], device=pool.device)
+    pool.tail1[:, slots] = pool.tail1_out[:, slots]
+    pool.tail2[:, slots] = pool.tail2_out[:, slots]
+    out = []
+    for i, c in enumerate(chunks):
+        pool.lengths[c.slot] = c.start + c.keep
+        # a copy: x1 may be a CUDA graph's static output, overwritten by its next replay
+        out.append(x1[i:i + 1, :, c.first_new - c.start:c.valid].float().clone())
+    return out
+
+
+def run_chunks(pool: FlowSlotPool, chunks: list[SlotChunk], frames: int | None = None,
+               key_frames: int | None = None) -> list[torch.Tensor]:
+    """Eager batched chunks, all block-causal or all full passes (the same computation the engine captures
+    in a CUDA graph)."""
+    frames = frames or max(c.valid for c in chunks)
+    key_frames = key_frames or max(c.start + c.valid for c in chunks)
+    streaming = {c.streaming for c in chunks}
+    if len(streaming) != 1:
+        raise ValueError("run_chunks: block-causal chunks and full passes run in separate calls")
+    x1 = pool.chunk(*pack_chunks(pool, chunks, frames), key_frames=key_frames, streaming=streaming.pop())
+    return finish_chunks(pool, chunks, x1)
