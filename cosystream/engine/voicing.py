@@ -377,6 +377,8 @@ class Voicing:
     def _emit(self, req: RequestState, seg: Segment, is_final: bool, pcm: np.ndarray, flow_s: float,
               vocoder_s: float, now: float) -> None:
         t = req.times
+        if pcm.shape[0] == 0 and not is_final:  # audio withheld for the next chunk: the client has nothing yet
+            return
         self._count_miss(req, is_final, now)
         if req.is_first_chunk:
             t.first_chunk_flow_s, t.first_chunk_vocoder_s = flow_s, vocoder_s
