@@ -65,6 +65,14 @@ MAX_RETRY_AFTER_S = 60.0
 _SMALL_BATCH_SHARE = 4
 # Decode-step periods longer than this are idle gaps, not steps.
 _MAX_STEP_S = 0.05
+# Weight kept by the phase-cost fit's past at each new phase (≈ the last 30 phases of a kind count).
+PHASE_FIT_DECAY = 0.97
+# Share of a phase's cost that is per call rather than per chunk, while the fit has seen one phase size
+# only: on the H100 one first chunk takes 25 ms and sixteen in one call 79 ms (docs/benchmarks.md, "Where
+# one stream's first audio goes"), a fixed ≈ 21 ms. Measured phases of other sizes replace it.
+PRIOR_FIXED_SHARE = 0.8
+# Variance of the phase sizes (chunks²) the fit needs before it trusts its own slope.
+_MIN_SIZE_VARIANCE = 0.25
 
 
 @dataclass(slots=True)
@@ -90,6 +98,8 @@ class StreamView:
     first_ready_s: float | None = None  # when its first chunk's tokens were all there
     opens_ahead: bool = False  # its stream could open now, ahead of its first chunk
     voice_at_hand: bool = True  # opening it copies a prompt state (False: builds one, a phase of its own)
+    lm_pending: bool = False  # its segment waits for an LM row (or its prefill): no token yet
+    slot_since_s: float | None = None  # when it took the flow slot it holds (None: it holds none)
 
     def ode(self) -> Hashable | None:
         """The ODE key (`ode_key`, or `ode_key_of()` once: asking the runner costs host time)."""
@@ -111,7 +121,8 @@ class WorkerView:
     preempt_asked: bool = False
     dry_asked: bool = False
     started_s: float = 0.0  # when its batch was handed over
-    predicted_s: float = 0.0  # the cost model's prediction of that batch
+    predicted_s: float = 0.0  # the cost model's prediction of that batch (what is left of it, from started_s)
+    phase_end_s: float | None = None  # predicted end of its running phase (None: unknown, the batch's end)
 
 
 @dataclass(slots=True)
@@ -189,6 +200,49 @@ class _Ewma:
             self.value = x if self.value is None else self.value + self.weight * (x - self.value)
 
 
+class _PhaseLine:
+    """seconds = fixed + per_chunk × chunks for one kind of worker phase: an exponentially weighted
+    least-squares fit of the phases seen. A flow call (and its vocoder call) costs nearly as much for one
+    chunk as for sixteen, so a per-chunk average measured at one batch size is wrong at every other.
+    While every phase seen had about the same size, the split between the two terms is PRIOR_FIXED_SHARE."""
+
+    def __init__(self, decay: float = PHASE_FIT_DECAY) -> None:
+        self.decay = decay
+        self.w = self.wn = self.wnn = self.wy = self.wny = 0.0
+
+    def observe(self, chunks: int, seconds: float) -> None:
+        if chunks <= 0 or not math.isfinite(seconds) or seconds < 0:
+            return
+        d, n = self.decay, float(chunks)
+        self.w, self.wn, self.wnn = d * self.w + 1, d * self.wn + n, d * self.wnn + n * n
+        self.wy, self.wny = d * self.wy + seconds, d * self.wny + n * seconds
+
+    @property
+    def measured(self) -> bool:
+        return self.w > 0
+
+    def line(self) -> tuple[float, float]:
+        """(fixed seconds per phase, seconds per chunk); (0, 0) before any phase."""
+        if self.w <= 0:
+            return 0.0, 0.0
+        mean_n, mean_y = self.wn / self.w, self.wy / self.w
+        var_n = self.wnn / self.w - mean_n * mean_n
+        if var_n >= _MIN_SIZE_VARIANCE:
+            per = (self.wny / self.w - mean_n * mean_y) / var_n
+            if per >= 0:
+                fixed = mean_y - per * mean_n
+                if fixed >= 0:
+                    return fixed, per
+                return 0.0, self.wny / self.wnn  # through the origin: no negative fixed cost
+        # one size seen (or a fit that makes no physical sense): the prior split of the mean phase
+        fixed = PRIOR_FIXED_SHARE * mean_y
+        return fixed, (mean_y - fixed) / mean_n
+
+    def seconds(self, chunks: int) -> float:
+        fixed, per = self.line()
+        return fixed + per * chunks if chunks > 0 else 0.0
+
+
 class CostModel:
     """Measured costs of the GPU's work on this device. Written by the engine thread only (the admission
     path reads floats, which is safe in CPython)."""
@@ -197,7 +251,8 @@ class CostModel:
         self._step = _Ewma(0.2)
         self._prefill = _Ewma(0.2)
         self._lm_hold = _Ewma(0.1)  # seconds a segment holds its LM row
-        self._per_job: dict[str, _Ewma] = {}  # worker seconds per chunk, by phase kind
+        self._slot_hold = _Ewma(0.1)  # seconds a stream holds its flow slot (open to release)
+        self._phases: dict[str, _PhaseLine] = {}  # worker seconds per phase by kind and chunks in it
         self._final_busy_s = 0.0
         self._finals_done = 0.0
 
@@ -215,6 +270,9 @@ class CostModel:
     def observe_lm_hold(self, seconds: float) -> None:
         self._lm_hold.observe(seconds)
 
+    def observe_slot_hold(self, seconds: float) -> None:
+        self._slot_hold.observe(seconds)
+
     def observe_phase(self, kind: str, jobs: int, seconds: float) -> None:
         """A worker phase of `jobs` chunks of one kind ("first", "chunks", "final") took `seconds`; a paused
         phase of final passes comes with jobs=0 (its time counts towards the passes that finish later)."""
@@ -223,27 +281,42 @@ class CostModel:
             self._finals_done = 0.9 * self._finals_done + jobs
             return
         if jobs > 0:
-            self._per_job.setdefault(kind, _Ewma(0.2)).observe(seconds / jobs)
+            self._phases.setdefault(kind, _PhaseLine()).observe(jobs, seconds)
 
     def final_pass_s(self) -> float:
         """Worker seconds per official final pass (0 before one was measured)."""
         return self._final_busy_s / self._finals_done if self._finals_done > 0 else 0.0
 
-    def chunk_s(self, kind: str) -> float:
-        """Worker seconds per chunk in a phase of `kind` (0 before one was measured)."""
+    def phase_s(self, kind: str, chunks: int) -> float:
+        """Predicted worker seconds of a phase of `chunks` chunks of `kind` ("first", "chunks", "final");
+        an unmeasured chunk kind borrows the other's line (0 before either was measured)."""
         if kind == "final":
-            return self.final_pass_s()
-        value = self._per_job.get(kind)
-        if value is None or value.value is None:
-            other = self._per_job.get("first" if kind == "chunks" else "chunks")
-            return other.value if other is not None and other.value is not None else 0.0
-        return value.value
+            return self.final_pass_s() * chunks
+        line = self._phases.get(kind)
+        if line is None or not line.measured:
+            line = self._phases.get("first" if kind == "chunks" else "chunks")
+            if line is None:
+                return 0.0
+        return line.seconds(chunks)
+
+    def phase_line(self, kind: str) -> tuple[float, float]:
+        """(fixed seconds per phase, seconds per chunk) of a chunk kind, as `phase_s` uses it."""
+        chunks = self.phase_s(kind, 2) - self.phase_s(kind, 1)
+        return self.phase_s(kind, 1) - chunks, chunks
+
+    def chunk_s(self, kind: str) -> float:
+        """Worker seconds of one chunk voiced alone in a phase of `kind` (0 before one was measured)."""
+        return self.phase_s(kind, 1)
 
     def prefill_s(self) -> float:
         return self._prefill.value or 0.0
 
     def lm_hold_s(self) -> float | None:
         return self._lm_hold.value
+
+    def slot_hold_s(self) -> float | None:
+        """Seconds a stream holds its flow slot; the LM row's hold stands in before one was measured."""
+        return self._slot_hold.value if self._slot_hold.value is not None else self._lm_hold.value
 
 
 class Scheduler:
@@ -502,86 +575,201 @@ class Scheduler:
         return Verdict(False, predicted, reason, retry)
 
     def _predict(self, view: EngineView, now: float, tokens: int, pending_new: int) -> tuple[float, int]:
-        """(predicted first audio of the newcomer from now, running streams it would make late)."""
-        cost, step_s = self.cost, self.cost.decode_step_s or 0.0
-        ahead = view.lm_waiting + pending_new + 1 - view.free_lm_slots
-        hold = cost.lm_hold_s()
-        if ahead <= 0:
-            lm_wait = 0.0
-        elif hold is None:  # it would queue for an LM row, and no stream has held one yet: no prediction
-            lm_wait = math.inf
-        else:
-            lm_wait = ahead * hold / max(1, view.lm_slots)
-        ready_at = max(now + lm_wait + cost.prefill_s() + tokens * step_s, now + self._slot_wait(view, pending_new))
-        jobs = self._next_chunks(view, now, step_s)
-        for _ in range(pending_new):  # admitted since the view: modelled as the newcomer
-            jobs.append((ready_at, 0, now + self.first_audio_target_s, cost.chunk_s("first"), None))
-        free_at = now
+        """(predicted first audio of the newcomer from now, running streams it would make late): every known
+        stream's next chunk, and the first chunks of streams still waiting for an LM row, admitted since the
+        view (still in the frontend or the inbox) and the newcomer, each when its tokens and a flow slot are
+        there, voiced by a simulation of the worker's batches (`simulate_worker`) from its current batch on."""
+        step_s = self.cost.decode_step_s or 0.0
+        deadline = now + (self.budget_s or self.first_audio_target_s)
+        jobs = self._next_chunks(view, now, step_s, [(f"pending{i}", tokens, deadline) for i in range(pending_new)])
+        free_at, carried = self._worker_state(view, now)
+        before = simulate_worker(jobs + carried, free_at, self.cost, view.max_batch)
+        with_new = self._next_chunks(view, now, step_s, [(f"pending{i}", tokens, deadline) for i in range(pending_new)]
+                                     + [("new", tokens, deadline)])
+        after = simulate_worker(with_new + carried, free_at, self.cost, view.max_batch)
+        deadlines = {job.key: job.deadline_s for job in jobs}
+        broken = sum(1 for key, finish in before.items()
+                     if isinstance(key, _Key) and finish <= deadlines[key] < after[key])
+        return after["new"] - now, broken
+
+    @staticmethod
+    def _worker_state(view: EngineView, now: float) -> tuple[float, list[WorkJob]]:
+        """When the worker can take a new batch, and what is left of its current one: it is free for urgent
+        chunks once its running phase ends; its unstarted phases go on after them (one job of their cost)."""
         worker = view.worker
-        if worker is not None and worker.busy:
-            free_at = max(now, worker.started_s + worker.predicted_s)
-        before = _edf_finish(jobs, free_at)
-        new = (ready_at, 0, now + (self.budget_s or self.first_audio_target_s), cost.chunk_s("first"), "new")
-        after = _edf_finish(jobs + [new], free_at)
-        broken = sum(1 for key, (finish, deadline) in before.items()
-                     if key not in (None, "new") and finish <= deadline < after[key][0])
-        return after["new"][0] - now, broken
+        if worker is None or not worker.busy:
+            return now, []
+        end = max(now, worker.started_s + worker.predicted_s)
+        phase_end = end if worker.phase_end_s is None else min(end, max(now, worker.phase_end_s))
+        rest = end - phase_end
+        return phase_end, ([WorkJob(phase_end, 1, math.inf, "batch", None, rest)] if rest > 0 else [])
 
-    def _slot_wait(self, view: EngineView, pending_new: int) -> float:
-        """How long the newcomer's first chunk waits for a flow slot: the streams waiting for one ahead of it
-        (unopened streams that need one, those admitted since the view, itself) beyond the free slots, each
-        slot freed once per hold. A stream holds its slot from its first chunk (or open-ahead) until its LM
-        is done (released before the official final pass): the measured LM row hold stands in for it,
-        slightly pessimistic. No hold measured yet: it would queue with no prediction (inf)."""
-        if view.free_flow_slots is None:
-            return 0.0
-        wanting = sum(1 for s in view.streams if not s.opened and s.needs_slot) + pending_new + 1
-        excess = wanting - view.free_flow_slots
-        if excess <= 0:
-            return 0.0
-        hold = self.cost.lm_hold_s()
-        if hold is None:
-            return math.inf
-        slots = view.flow_slots if view.flow_slots is not None else view.free_flow_slots
-        return excess * hold / max(1, slots)
-
-    def _next_chunks(self, view: EngineView, now: float, step_s: float) -> list[tuple]:
-        """(ready at, class, deadline, cost, key) of every running stream's next chunk not yet on the worker.
-        Classes as the worker's phases run them: a client about to run dry (`DRY_S`) ahead of first chunks
-        (it preempts the worker and goes first in its batch), then first chunks, then the rest."""
-        jobs = []
+    def _next_chunks(self, view: EngineView, now: float, step_s: float,
+                     newcomers: Sequence[tuple[str, int, float]] = ()) -> list[WorkJob]:
+        """Every stream's next chunk not yet on the worker, with when it can start: its tokens (now, after the
+        decode steps still missing, or after its wait for an LM row, prefill and first chunk's steps) and, for
+        a stream to open, a flow slot. `newcomers`: (key, first chunk tokens, deadline) of streams not in the
+        view, behind its streams in line for an LM row. Classes as the worker's phases run them: a client
+        about to run dry (`DRY_S`) ahead of first chunks, then the rest."""
+        cost = self.cost
+        pending = sorted((s for s in view.streams if s.first and s.lm_pending and not s.planned),
+                         key=lambda s: s.arrival_s)
+        rows = _LMRows(view, now, cost, ahead=view.lm_waiting - len(pending))
+        lm_ready = {id(s): rows.next() + cost.prefill_s() + s.missing_tokens * step_s for s in pending}
+        entries: list[tuple[float, WorkJob, bool]] = []  # (tokens ready at, job, needs a flow slot)
+        slots = _FlowSlots(view, now, cost)
         for s in view.streams:
             if s.planned:
+                if not s.opened and s.needs_slot:
+                    slots.take(now)  # on the worker, opening its stream: a free slot is its
                 continue
-            if s.ready or s.final_waits:
-                ready_at = now
+            if id(s) in lm_ready:
+                tokens_at = lm_ready[id(s)]
+            elif s.ready or s.final_waits or (s.first and s.missing_tokens == 0):  # (a first: maybe no slot yet)
+                tokens_at = now
             elif s.decoding_audio and s.missing_tokens > 0:
-                ready_at = now + s.missing_tokens * step_s
+                tokens_at = now + s.missing_tokens * step_s
             else:
                 continue
             kind = "first" if s.first else "final" if s.next_final else "chunks"
-            cls = 0 if s.first else -1 if s.deadline_s - ready_at < DRY_S else 1
-            jobs.append((ready_at, cls, s.deadline_s, self.cost.chunk_s(kind), s.key))
+            cls = 0 if s.first else -1 if s.deadline_s - tokens_at < DRY_S else 1
+            entries.append((tokens_at, WorkJob(tokens_at, cls, s.deadline_s, kind, _Key(s.key)),
+                            s.needs_slot and not s.opened))
+        for key, num_tokens, deadline in newcomers:
+            tokens_at = rows.next() + cost.prefill_s() + num_tokens * step_s
+            entries.append((tokens_at, WorkJob(tokens_at, 0, deadline, "first", key), view.free_flow_slots is not None))
+        jobs = []
+        for tokens_at, job, needs_slot in sorted(entries, key=lambda e: (e[0], e[1].deadline_s)):
+            if needs_slot:
+                job.ready_s = slots.take(tokens_at)
+            jobs.append(job)
         return jobs
 
 
-def _edf_finish(jobs: list[tuple], free_at: float) -> dict:
-    """Finish time and deadline of each job on one worker that runs, whenever it is free, the released
-    job of the highest class (lowest number: clients about to run dry, then first chunks) with the
-    earliest deadline."""
-    pending = sorted(jobs, key=lambda j: j[0])
-    heap: list[tuple] = []
+@dataclass(slots=True)
+class WorkJob:
+    """A piece of the worker's work in `simulate_worker`: a chunk, or the rest of the batch it runs now."""
+
+    ready_s: float  # when it can start (tokens and flow slot there)
+    cls: int  # -1: a client about to run dry, 0: a first chunk, 1: the rest (the worker's phase order)
+    deadline_s: float
+    kind: str  # "first", "chunks", "final" (a phase of its own kind), "batch": the worker's current batch
+    key: Hashable
+    cost_s: float = 0.0  # "batch" only: its predicted seconds
+
+
+@dataclass(frozen=True, slots=True)
+class _Key:
+    """A running stream's key in the simulation (newcomers have plain string keys)."""
+
+    key: Hashable
+
+
+class _LMRows:
+    """When the next stream in line gets an LM row: at once while rows are free, then one per measured hold
+    time / rows (inf before any stream held a row: no prediction). `ahead`: segments in line first (later
+    segments of running requests, which the view does not list as new streams)."""
+
+    def __init__(self, view: EngineView, now: float, cost: CostModel, ahead: int = 0) -> None:
+        self.now, self.free, self.rows, self.hold = now, view.free_lm_slots, max(1, view.lm_slots), cost.lm_hold_s()
+        self.taken = max(0, ahead)
+
+    def next(self) -> float:
+        ahead = self.taken + 1 - self.free
+        self.taken += 1
+        if ahead <= 0:
+            return self.now
+        return math.inf if self.hold is None else self.now + ahead * self.hold / self.rows
+
+
+class _FlowSlots:
+    """The flow-slot pool over time: a stream that takes a slot holds it for the measured slot hold from
+    when it starts; one held now comes back `hold` after it was taken (at once if that time has passed).
+    No pool: every stream opens at once. No hold measured yet and no free slot: never (inf)."""
+
+    def __init__(self, view: EngineView, now: float, cost: CostModel) -> None:
+        self.pooled = view.free_flow_slots is not None
+        self.hold = cost.slot_hold_s()
+        free = view.free_flow_slots or 0
+        since = [s.slot_since_s for s in view.streams if s.slot_since_s is not None]
+        # slots held by streams the view does not date (none in the engine's views): back one by one over a hold
+        undated = max(0, (view.flow_slots or 0) - free - len(since))
+        held = [] if self.hold is None else (
+            [max(now, t + self.hold) for t in since] + [now + self.hold * (j + 1) / undated for j in range(undated)])
+        self.heap = [now] * free + held
+        heapq.heapify(self.heap)
+
+    def take(self, wanted_s: float) -> float:
+        """When a stream that wants a slot from `wanted_s` on starts in one (and takes it)."""
+        if not self.pooled:
+            return wanted_s
+        if not self.heap:
+            return math.inf
+        start = max(wanted_s, heapq.heappop(self.heap))
+        if self.hold is not None:
+            heapq.heappush(self.heap, start + self.hold)
+        return start
+
+
+def simulate_worker(jobs: Sequence[WorkJob], free_at: float, cost: CostModel, max_batch: int) -> dict:
+    """Finish time of each job's phase (by key) on a worker that runs as the scheduler has it run: when free,
+    it takes every job ready (at most `max_batch`, by class, then deadline) as one batch, voiced in phases:
+    clients about to run dry, first chunks, later chunks, official final passes (FINAL_PHASE_STREAMS a
+    phase), the rest of an earlier batch; each phase costs the cost model's fixed + per-chunk seconds for its
+    size. A client about to run dry or a first chunk that becomes ready while a batch runs preempts it after
+    the running phase: the batch's unstarted jobs go back to the queue and join the next batch."""
+    pending = sorted(jobs, key=lambda j: j.ready_s)
+    queue: list[WorkJob] = []
     out: dict = {}
-    t, i, seq = free_at, 0, 0
-    while i < len(pending) or heap:
-        if not heap and pending[i][0] > t:
-            t = pending[i][0]
-        while i < len(pending) and pending[i][0] <= t:
-            ready_at, cls, deadline, cost, key = pending[i]
-            heapq.heappush(heap, (cls, deadline, seq, cost, key))
-            i, seq = i + 1, seq + 1
-        _, deadline, _, cost, key = heapq.heappop(heap)
-        t += cost
-        if key is not None:
-            out[key] = (t, deadline)
+    t, i = free_at, 0
+
+    def release(until: float) -> bool:
+        nonlocal i
+        urgent = False
+        while i < len(pending) and pending[i].ready_s <= until:
+            queue.append(pending[i])
+            urgent = urgent or pending[i].cls <= 0
+            i += 1
+        return urgent
+
+    while i < len(pending) or queue:
+        release(t)
+        if not queue:
+            if math.isinf(pending[i].ready_s):
+                for job in pending[i:]:
+                    out[job.key] = math.inf
+                break
+            t = pending[i].ready_s
+            continue
+        queue.sort(key=lambda j: (j.cls, j.deadline_s))
+        batch, queue[:] = queue[:max_batch], queue[max_batch:]
+        phases = _sim_phases(batch)
+        for k, phase in enumerate(phases):
+            t += _phase_cost(phase, cost)
+            for job in phase:
+                out[job.key] = t
+            if k + 1 < len(phases) and release(t):  # preempted: the rest joins the next batch
+                queue.extend(job for rest in phases[k + 1:] for job in rest)
+                break
     return out
+
+
+def _phase_cost(phase: Sequence[WorkJob], cost: CostModel) -> float:
+    if phase[0].kind == "batch":
+        return phase[0].cost_s
+    kinds = {job.kind for job in phase}
+    kind = "first" if "first" in kinds else "final" if kinds == {"final"} else "chunks"
+    return cost.phase_s(kind, len(phase))
+
+
+def _sim_phases(batch: Sequence[WorkJob]) -> list[list[WorkJob]]:
+    """A batch's phases in the worker's order (Scheduler.phases): dry clients, first chunks, later chunks,
+    final passes in phases of FINAL_PHASE_STREAMS, then the rest of an earlier batch."""
+    dry = [j for j in batch if j.cls < 0]
+    firsts = [j for j in batch if j.cls == 0]
+    later = [j for j in batch if j.cls > 0 and j.kind == "chunks"]
+    finals = [j for j in batch if j.cls > 0 and j.kind == "final"]
+    rest = [[j] for j in batch if j.kind == "batch"]
+    phases = [phase for phase in (dry, firsts, later) if phase]
+    phases += [finals[i:i + FINAL_PHASE_STREAMS] for i in range(0, len(finals), FINAL_PHASE_STREAMS)]
+    return phases + rest
