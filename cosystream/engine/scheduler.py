@@ -602,7 +602,7 @@ class Scheduler:
         end = max(now, worker.started_s + worker.predicted_s)
         phase_end = end if worker.phase_end_s is None else min(end, max(now, worker.phase_end_s))
         rest = end - phase_end
-        return phase_end, ([WorkJob(phase_end, 1, math.inf, "batch", None, rest)] if rest > 0 else [])
+        return phase_end, ([WorkJob(phase_end, 1, -math.inf, "batch", None, rest)] if rest > 0 else [])
 
     def _next_chunks(self, view: EngineView, now: float, step_s: float,
                      newcomers: Sequence[tuple[str, int, float]] = ()) -> list[WorkJob]:
@@ -720,6 +720,11 @@ def simulate_worker(jobs: Sequence[WorkJob], free_at: float, cost: CostModel, ma
     the running phase: the batch's unstarted jobs go back to the queue and join the next batch."""
     pending = sorted(jobs, key=lambda j: j.ready_s)
     queue: list[WorkJob] = []
+    # the rest of the worker's current batch runs on unless an urgent chunk is ready when its running phase
+    # ends; then it goes back, like the unstarted jobs of any preempted batch, and always goes in the next
+    # batch, whose new jobs fill what is left of max_batch (Scheduler.plan)
+    returned = [job for job in pending if job.kind == "batch"]
+    pending = [job for job in pending if job.kind != "batch"]
     out: dict = {}
     t, i = free_at, 0
 
@@ -732,9 +737,12 @@ def simulate_worker(jobs: Sequence[WorkJob], free_at: float, cost: CostModel, ma
             i += 1
         return urgent
 
-    while i < len(pending) or queue:
+    if returned and not release(t):
+        t += sum(job.cost_s for job in returned)
+        returned = []
+    while i < len(pending) or queue or returned:
         release(t)
-        if not queue:
+        if not queue and not returned:
             if math.isinf(pending[i].ready_s):
                 for job in pending[i:]:
                     out[job.key] = math.inf
@@ -742,14 +750,15 @@ def simulate_worker(jobs: Sequence[WorkJob], free_at: float, cost: CostModel, ma
             t = pending[i].ready_s
             continue
         queue.sort(key=lambda j: (j.cls, j.deadline_s))
-        batch, queue[:] = queue[:max_batch], queue[max_batch:]
+        room = max(0, max_batch - len(returned))
+        batch, queue[:], returned = returned + queue[:room], queue[room:], []
         phases = _sim_phases(batch)
         for k, phase in enumerate(phases):
             t += _phase_cost(phase, cost)
             for job in phase:
                 out[job.key] = t
-            if k + 1 < len(phases) and release(t):  # preempted: the rest joins the next batch
-                queue.extend(job for rest in phases[k + 1:] for job in rest)
+            if k + 1 < len(phases) and release(t):  # preempted: the rest goes in the next batch
+                returned = [job for rest in phases[k + 1:] for job in rest]
                 break
     return out
 
@@ -763,13 +772,12 @@ def _phase_cost(phase: Sequence[WorkJob], cost: CostModel) -> float:
 
 
 def _sim_phases(batch: Sequence[WorkJob]) -> list[list[WorkJob]]:
-    """A batch's phases in the worker's order (Scheduler.phases): dry clients, first chunks, later chunks,
-    final passes in phases of FINAL_PHASE_STREAMS, then the rest of an earlier batch."""
+    """A batch's phases in the worker's order (Scheduler.phases): dry clients, first chunks, what is left of
+    the batch they preempted (or that runs on), later chunks, final passes in phases of FINAL_PHASE_STREAMS."""
     dry = [j for j in batch if j.cls < 0]
     firsts = [j for j in batch if j.cls == 0]
+    rest = [[j] for j in batch if j.kind == "batch"]
     later = [j for j in batch if j.cls > 0 and j.kind == "chunks"]
     finals = [j for j in batch if j.cls > 0 and j.kind == "final"]
-    rest = [[j] for j in batch if j.kind == "batch"]
-    phases = [phase for phase in (dry, firsts, later) if phase]
-    phases += [finals[i:i + FINAL_PHASE_STREAMS] for i in range(0, len(finals), FINAL_PHASE_STREAMS)]
-    return phases + rest
+    phases = [phase for phase in (dry, firsts) if phase] + rest + ([later] if later else [])
+    return phases + [finals[i:i + FINAL_PHASE_STREAMS] for i in range(0, len(finals), FINAL_PHASE_STREAMS)]
