@@ -150,7 +150,7 @@ class AsyncEngine:
         except BaseException:
             self._not_submitted += 1
             raise
-        req.predicted_first_audio_s = predicted_s
+        req.predicted_first_audio_s = req.times.predicted_first_audio_s = predicted_s
         req.emit = self._emit_or_abort(req.request_id, req.emit)
         req.times.frontend_s = loop.time() - t_submit
         req.t_submit -= req.times.frontend_s  # the request's clock starts at submission

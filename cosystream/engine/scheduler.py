@@ -578,19 +578,28 @@ class Scheduler:
         """(predicted first audio of the newcomer from now, running streams it would make late): every known
         stream's next chunk, and the first chunks of streams still waiting for an LM row, admitted since the
         view (still in the frontend or the inbox) and the newcomer, each when its tokens and a flow slot are
-        there, voiced by a simulation of the worker's batches (`simulate_worker`) from its current batch on."""
+        there, voiced by a simulation of the worker's batches (`simulate_worker`) from its current batch on.
+        Cheapest answers first (admission runs on the caller's event loop, refusals must be quick): a
+        newcomer whose tokens or flow slot alone come too late is refused without simulating the worker, and
+        the running streams' deadlines are checked only for a newcomer within the budget."""
         step_s = self.cost.decode_step_s or 0.0
+        budget = self.budget_s if self.budget_s is not None else math.inf
         deadline = now + (self.budget_s or self.first_audio_target_s)
-        jobs = self._next_chunks(view, now, step_s, [(f"pending{i}", tokens, deadline) for i in range(pending_new)])
+        newcomers = [(f"pending{i}", tokens, deadline) for i in range(pending_new)]
+        with_new = self._next_chunks(view, now, step_s, newcomers + [("new", tokens, deadline)])
+        earliest = next(job.ready_s for job in with_new if job.key == "new") + self.cost.phase_s("first", 1)
+        if earliest - now > budget:
+            return earliest - now, 0
         free_at, carried = self._worker_state(view, now)
-        before = simulate_worker(jobs + carried, free_at, self.cost, view.max_batch)
-        with_new = self._next_chunks(view, now, step_s, [(f"pending{i}", tokens, deadline) for i in range(pending_new)]
-                                     + [("new", tokens, deadline)])
         after = simulate_worker(with_new + carried, free_at, self.cost, view.max_batch)
-        deadlines = {job.key: job.deadline_s for job in jobs}
-        broken = sum(1 for key, finish in before.items()
-                     if isinstance(key, _Key) and finish <= deadlines[key] < after[key])
-        return after["new"] - now, broken
+        predicted = after["new"] - now
+        if predicted > budget:
+            return predicted, 0
+        jobs = self._next_chunks(view, now, step_s, newcomers)
+        before = simulate_worker(jobs + carried, free_at, self.cost, view.max_batch)
+        broken = sum(1 for job in jobs if isinstance(job.key, _Key)
+                     and before[job.key] <= job.deadline_s < after[job.key])
+        return predicted, broken
 
     @staticmethod
     def _worker_state(view: EngineView, now: float) -> tuple[float, list[WorkJob]]:
