@@ -723,30 +723,33 @@ class _FlowSlots:
 def simulate_worker(jobs: Sequence[WorkJob], free_at: float, cost: CostModel, max_batch: int) -> dict:
     """Finish time of each job's phase (by key) on a worker that runs as the scheduler has it run: when free,
     it takes every job ready (at most `max_batch`, by class, then deadline) as one batch, voiced in phases:
-    clients about to run dry, first chunks, later chunks, official final passes (FINAL_PHASE_STREAMS a
-    phase), the rest of an earlier batch; each phase costs the cost model's fixed + per-chunk seconds for its
-    size. A client about to run dry or a first chunk that becomes ready while a batch runs preempts it after
-    the running phase: the batch's unstarted jobs go back to the queue and join the next batch."""
+    clients about to run dry (a later chunk whose deadline is within DRY_S when the batch forms), first
+    chunks, the rest of an earlier batch, later chunks, official final passes (FINAL_PHASE_STREAMS a phase);
+    each phase costs the cost model's fixed + per-chunk seconds for its size. A first chunk that becomes
+    ready, or a client that comes within DRY_S of running dry, while a batch runs preempts it after the
+    running phase: the batch's unstarted jobs always go in the next batch (Scheduler.plan), whose new jobs
+    fill what is left of max_batch. The rest of the worker's current batch runs on the same way."""
     pending = sorted(jobs, key=lambda j: j.ready_s)
     queue: list[WorkJob] = []
-    # the rest of the worker's current batch runs on unless an urgent chunk is ready when its running phase
-    # ends; then it goes back, like the unstarted jobs of any preempted batch, and always goes in the next
-    # batch, whose new jobs fill what is left of max_batch (Scheduler.plan)
     returned = [job for job in pending if job.kind == "batch"]
     pending = [job for job in pending if job.kind != "batch"]
     out: dict = {}
     t, i = free_at, 0
 
-    def release(until: float) -> bool:
+    def release(until: float) -> None:
         nonlocal i
-        urgent = False
         while i < len(pending) and pending[i].ready_s <= until:
             queue.append(pending[i])
-            urgent = urgent or pending[i].cls <= 0
             i += 1
-        return urgent
 
-    if returned and not release(t):
+    def preempted(since: float, now: float) -> bool:
+        """Did a chunk turn urgent (ready, or within DRY_S of its deadline) after `since`, by `now`?"""
+        release(now)
+        return any(job.ready_s > since if job.kind == "first" else
+                   job.deadline_s - now < DRY_S and (job.ready_s > since or job.deadline_s - since >= DRY_S)
+                   for job in queue)
+
+    if returned and not preempted(-math.inf, t):
         t += sum(job.cost_s for job in returned)
         returned = []
     while i < len(pending) or queue or returned:
@@ -758,18 +761,26 @@ def simulate_worker(jobs: Sequence[WorkJob], free_at: float, cost: CostModel, ma
                 break
             t = pending[i].ready_s
             continue
-        queue.sort(key=lambda j: (j.cls, j.deadline_s))
+        queue.sort(key=lambda j: (_class_at(j, t), j.deadline_s))
         room = max(0, max_batch - len(returned))
         batch, queue[:], returned = returned + queue[:room], queue[room:], []
-        phases = _sim_phases(batch)
+        phases = _sim_phases(batch, t)
+        start = t
         for k, phase in enumerate(phases):
             t += _phase_cost(phase, cost)
             for job in phase:
                 out[job.key] = t
-            if k + 1 < len(phases) and release(t):  # preempted: the rest goes in the next batch
+            if k + 1 < len(phases) and preempted(start, t):  # the rest goes in the next batch
                 returned = [job for rest in phases[k + 1:] for job in rest]
                 break
     return out
+
+
+def _class_at(job: WorkJob, t: float) -> int:
+    """-1: a client about to run dry at t, 0: a first chunk, 1: the rest."""
+    if job.kind == "first":
+        return 0
+    return -1 if job.kind != "batch" and job.deadline_s - t < DRY_S else 1
 
 
 def _phase_cost(phase: Sequence[WorkJob], cost: CostModel) -> float:
@@ -780,13 +791,15 @@ def _phase_cost(phase: Sequence[WorkJob], cost: CostModel) -> float:
     return cost.phase_s(kind, len(phase))
 
 
-def _sim_phases(batch: Sequence[WorkJob]) -> list[list[WorkJob]]:
-    """A batch's phases in the worker's order (Scheduler.phases): dry clients, first chunks, what is left of
-    the batch they preempted (or that runs on), later chunks, final passes in phases of FINAL_PHASE_STREAMS."""
-    dry = [j for j in batch if j.cls < 0]
-    firsts = [j for j in batch if j.cls == 0]
+def _sim_phases(batch: Sequence[WorkJob], t: float) -> list[list[WorkJob]]:
+    """A batch formed at t in the worker's phase order (Scheduler.phases): dry clients, first chunks, what is
+    left of the batch they preempted (or that runs on), later chunks, final passes in phases of
+    FINAL_PHASE_STREAMS."""
+    classes = [(_class_at(j, t), j) for j in batch]
+    dry = [j for c, j in classes if c < 0]
+    firsts = [j for c, j in classes if c == 0]
     rest = [[j] for j in batch if j.kind == "batch"]
-    later = [j for j in batch if j.cls > 0 and j.kind == "chunks"]
-    finals = [j for j in batch if j.cls > 0 and j.kind == "final"]
+    later = [j for c, j in classes if c > 0 and j.kind == "chunks"]
+    finals = [j for c, j in classes if c > 0 and j.kind == "final"]
     phases = [phase for phase in (dry, firsts) if phase] + rest + ([later] if later else [])
     return phases + [finals[i:i + FINAL_PHASE_STREAMS] for i in range(0, len(finals), FINAL_PHASE_STREAMS)]

@@ -57,10 +57,19 @@ class Chunk:
     final: bool
     deadline: float  # seconds from NOW
 
-    def urgent_class(self) -> int:
+    def urgent_class(self, t: float) -> int:
+        """At time t: 0 a first chunk, -1 a client about to run dry, 1 the rest."""
         if self.first:
             return 0
-        return -1 if self.deadline - self.ready < sched.DRY_S else 1
+        return -1 if self.deadline - t < sched.DRY_S else 1
+
+    def turned_urgent(self, since: float, now: float) -> bool:
+        """Ready by `now`, and urgent then but not yet when `since` came (a batch started)?"""
+        if self.ready > now:
+            return False
+        if self.first:
+            return self.ready > since
+        return self.urgent_class(now) < 0 and (self.ready > since or self.urgent_class(since) > 0)
 
 
 def reference_finish(chunks: list[Chunk], busy_until: float | None, rest_s: float, max_batch: int) -> dict:
@@ -83,13 +92,13 @@ def reference_finish(chunks: list[Chunk], busy_until: float | None, rest_s: floa
             for c in current[0]:
                 out[c.key] = end
             current = None
-            preempt = any(c.urgent_class() <= 0 and batch_start < c.ready <= end for c in waiting)
+            preempt = any(c.turned_urgent(batch_start, end) for c in waiting)
             if phases and preempt:  # unstarted phases go back and always go in the next batch, whose new
                 # chunks fill what is left of max_batch; the rest of the batch on the worker stays one piece
                 rest = [p for p in phases if p[0] == "rest"]
                 back = [c for p in phases if p[0] != "rest" for c in p[1]]
                 new = _take_batch(waiting, end, max(0, max_batch - len(back) - len(rest)))
-                phases = _phases_of(back + new, rest)
+                phases = _phases_of(back + new, rest, end)
                 batch_start = end
             if phases:
                 what, members, seconds = phases.pop(0)
@@ -98,7 +107,7 @@ def reference_finish(chunks: list[Chunk], busy_until: float | None, rest_s: floa
         if current is None and not phases:
             batch = _take_batch(waiting, t, max_batch)
             if batch:
-                phases = _phases_of(batch, [])
+                phases = _phases_of(batch, [], t)
                 batch_start = t
                 what, members, seconds = phases.pop(0)
                 current = (members, t + seconds)
@@ -114,18 +123,18 @@ def reference_finish(chunks: list[Chunk], busy_until: float | None, rest_s: floa
 
 
 def _take_batch(waiting: list[Chunk], t: float, max_batch: int) -> list[Chunk]:
-    ready = sorted((c for c in waiting if c.ready <= t + 1e-12), key=lambda c: (c.urgent_class(), c.deadline))
+    ready = sorted((c for c in waiting if c.ready <= t + 1e-12), key=lambda c: (c.urgent_class(t), c.deadline))
     batch = ready[:max_batch]
     for c in batch:
         waiting.remove(c)
     return batch
 
 
-def _phases_of(batch: list[Chunk], rest: list) -> list[tuple[str, list[Chunk], float]]:
-    dry = [c for c in batch if c.urgent_class() < 0]
-    firsts = [c for c in batch if c.urgent_class() == 0]
-    later = [c for c in batch if c.urgent_class() > 0 and not c.final]
-    finals = [c for c in batch if c.urgent_class() > 0 and c.final]
+def _phases_of(batch: list[Chunk], rest: list, t: float) -> list[tuple[str, list[Chunk], float]]:
+    dry = [c for c in batch if c.urgent_class(t) < 0]
+    firsts = [c for c in batch if c.urgent_class(t) == 0]
+    later = [c for c in batch if c.urgent_class(t) > 0 and not c.final]
+    finals = [c for c in batch if c.urgent_class(t) > 0 and c.final]
     out = []
     if dry:
         out.append(("dry", dry, _true_phase_s("final" if all(c.final for c in dry) else "chunks", len(dry))))
@@ -205,6 +214,8 @@ def test_the_predicted_first_audio_is_the_simulated_workers(seed):
     # admitted unless late, or unless it makes a chunk late that would have been in time without it
     without = reference_finish(chunks + newcomers[:-1], busy_until, rest_s, max_batch)
     broken = sum(1 for c in chunks if without[c.key] <= c.deadline < reference[c.key])
+    if abs(reference["new"] - budget) < 1e-9:
+        return  # on the budget itself: rounding decides, either answer is right
     assert verdict.admitted == (reference["new"] <= budget and broken == 0)
     if reference["new"] <= budget and broken:
         assert f"{broken} running stream" in verdict.reason
