@@ -331,6 +331,7 @@ class Scheduler:
                  first_audio_target_s: float | None = None) -> None:
         self.cost = cost or CostModel()
         self.budget_s = budget_s
+        self._earliest: tuple[EngineView, tuple[int, int], float] | None = None  # the last newcomer's bound
         self.first_audio_target_s = first_audio_target_s or budget_s or DEFAULT_FIRST_AUDIO_TARGET_S
 
     # ------------------------------------------------------------------ deadlines
@@ -584,10 +585,16 @@ class Scheduler:
         the running streams' deadlines are checked only for a newcomer within the budget."""
         step_s = self.cost.decode_step_s or 0.0
         budget = self.budget_s if self.budget_s is not None else math.inf
+        # the earliest first audio only grows with `now` (waits either run from now or end at fixed times), so
+        # newcomers refused on the same view with the same streams ahead are refused again at no cost
+        memo = self._earliest
+        if memo is not None and memo[0] is view and memo[1] == (pending_new, tokens) and memo[2] - now > budget:
+            return memo[2] - now, 0
         deadline = now + (self.budget_s or self.first_audio_target_s)
         newcomers = [(f"pending{i}", tokens, deadline) for i in range(pending_new)]
         with_new = self._next_chunks(view, now, step_s, newcomers + [("new", tokens, deadline)])
         earliest = next(job.ready_s for job in with_new if job.key == "new") + self.cost.phase_s("first", 1)
+        self._earliest = (view, (pending_new, tokens), earliest)
         if earliest - now > budget:
             return earliest - now, 0
         free_at, carried = self._worker_state(view, now)

@@ -278,3 +278,24 @@ def test_the_cost_model_recovers_the_fixed_and_per_chunk_cost_from_noisy_phases(
     fixed, per = cost.phase_line("first")
     assert fixed == pytest.approx(TRUE_LINES["first"][0], rel=0.15)
     assert per == pytest.approx(TRUE_LINES["first"][1], rel=0.15)
+
+
+def test_newcomers_refused_on_the_same_view_are_refused_again_with_a_lower_bound():
+    """The earliest first audio only grows with time: a later newcomer on the same view and the same streams
+    ahead is refused without a new prediction, and what it is told never exceeds a fresh prediction."""
+    cost = _cost_measured_on_this_gpu()
+    cost.observe_slot_hold(2.0)
+    holders = [StreamView(key=f"h{i}", arrival_s=NOW - 1, first=False, deadline_s=NOW + 3, opened=True,
+                          lm_decoding=True, decoding_audio=True, missing_tokens=500, slot_since_s=NOW - 0.5)
+               for i in range(4)]
+    view = EngineView(now=NOW, streams=holders, lm_decoding=True, free_flow_slots=0, flow_slots=4,
+                      worker=WorkerView(), free_lm_slots=8, lm_slots=8)
+    s = Scheduler(cost, budget_s=0.5)
+    first = s.admit(view, NOW, FIRST_TOKENS)
+    assert not first.admitted and first.predicted_first_audio_s == pytest.approx(1.5 + _true_phase_s("first", 1))
+    for later in (0.01, 0.2):
+        again = s.admit(view, NOW + later, FIRST_TOKENS)
+        fresh = Scheduler(cost, budget_s=0.5).admit(view, NOW + later, FIRST_TOKENS)
+        assert not again.admitted and not fresh.admitted
+        assert again.predicted_first_audio_s <= fresh.predicted_first_audio_s + 1e-9
+        assert again.predicted_first_audio_s == pytest.approx(first.predicted_first_audio_s - later)
