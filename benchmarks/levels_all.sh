@@ -94,6 +94,10 @@ overload)
         --timeout 60 --procs "${PROCS:-1}" --out "$OUT/overload_x${mult}_s$seed.json" 2>&1 | rows
     done
   done
+  # admission's own account: prediction error, refusal times at the server, deadline misses by stage
+  python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8000/metrics').read().decode())" \
+    > "$OUT/overload_metrics.txt" && grep -E "^cosystream_(first_audio_prediction_error|refusal)_seconds_(count|bucket)|^cosystream_(deadline_miss|admission)" \
+    "$OUT/overload_metrics.txt" | grep -v "_created"
   kill "$SERVER"; wait "$SERVER" 2>/dev/null
   stamp done
   ;;
