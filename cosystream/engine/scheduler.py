@@ -100,6 +100,9 @@ class StreamView:
     voice_at_hand: bool = True  # opening it copies a prompt state (False: builds one, a phase of its own)
     lm_pending: bool = False  # its segment waits for an LM row (or its prefill): no token yet
     slot_since_s: float | None = None  # when it took the flow slot it holds (None: it holds none)
+    row_since_s: float | None = None  # when its LM segment took the LM row it holds (None: it holds none)
+    lm_tokens: int = 0  # tokens its LM segment has generated so far
+    lm_expected_tokens: int | None = None  # ... will generate in all, when known (forced); None: as measured
 
     def ode(self) -> Hashable | None:
         """The ODE key (`ode_key`, or `ode_key_of()` once: asking the runner costs host time)."""
@@ -251,6 +254,7 @@ class CostModel:
         self._step = _Ewma(0.2)
         self._prefill = _Ewma(0.2)
         self._lm_hold = _Ewma(0.1)  # seconds a segment holds its LM row
+        self._lm_tokens = _Ewma(0.1)  # speech tokens a segment's LM generates
         self._slot_hold = _Ewma(0.1)  # seconds a stream holds its flow slot (open to release)
         self._phases: dict[str, _PhaseLine] = {}  # worker seconds per phase by kind and chunks in it
         self._final_busy_s = 0.0
@@ -269,6 +273,20 @@ class CostModel:
 
     def observe_lm_hold(self, seconds: float) -> None:
         self._lm_hold.observe(seconds)
+
+    def observe_lm_tokens(self, tokens: int) -> None:
+        self._lm_tokens.observe(float(tokens))
+
+    def lm_left_s(self, stream: StreamView, now: float) -> float | None:
+        """When the LM of a stream that holds a row is predicted done: its tokens still to come (of its forced
+        length, else of the measured tokens per segment) × the decode step now, so holds stretch as the GPU
+        loads; without those, the measured row hold after it took the row. None: nothing measured."""
+        expected = stream.lm_expected_tokens or self._lm_tokens.value
+        if expected is not None and self._step.value is not None:
+            return now + max(0.0, expected - stream.lm_tokens) * self._step.value
+        if self._lm_hold.value is not None and stream.row_since_s is not None:
+            return max(now, stream.row_since_s + self._lm_hold.value)
+        return None
 
     def observe_slot_hold(self, seconds: float) -> None:
         self._slot_hold.observe(seconds)
@@ -682,38 +700,59 @@ class _Key:
 
 
 class _LMRows:
-    """When the next stream in line gets an LM row: at once while rows are free, then one per measured hold
-    time / rows (inf before any stream held a row: no prediction). `ahead`: segments in line first (later
-    segments of running requests, which the view does not list as new streams)."""
+    """When the next stream in line gets an LM row: at once while rows are free, then as their holders give
+    them back, each when its LM is predicted done (CostModel.lm_left_s; rows the view does not date: one by
+    one over the measured row hold); a stream that takes a row holds it for that hold. No hold measured yet
+    and no free row: never (inf). `ahead`: segments in line first (later segments of running requests,
+    which the view does not list as new streams)."""
 
     def __init__(self, view: EngineView, now: float, cost: CostModel, ahead: int = 0) -> None:
-        self.now, self.free, self.rows, self.hold = now, view.free_lm_slots, max(1, view.lm_slots), cost.lm_hold_s()
-        self.taken = max(0, ahead)
+        self.now, self.hold = now, cost.lm_hold_s()
+        free = max(0, view.free_lm_slots)
+        holders = [s for s in view.streams if s.row_since_s is not None]
+        ends = [end for s in holders if (end := cost.lm_left_s(s, now)) is not None]
+        undated = max(0, view.lm_slots - free - len(ends))
+        held = ends + ([] if self.hold is None else [now + self.hold * (j + 1) / undated for j in range(undated)])
+        self.heap = [now] * free + held
+        heapq.heapify(self.heap)
+        for _ in range(max(0, ahead)):
+            self.next()
 
     def next(self) -> float:
-        ahead = self.taken + 1 - self.free
-        self.taken += 1
-        if ahead <= 0:
-            return self.now
-        return math.inf if self.hold is None else self.now + ahead * self.hold / self.rows
+        if not self.heap:
+            return math.inf
+        start = heapq.heappop(self.heap)
+        if self.hold is not None:
+            heapq.heappush(self.heap, start + self.hold)
+        return start
 
 
 class _FlowSlots:
     """The flow-slot pool over time: a stream that takes a slot holds it for the measured slot hold from
-    when it starts; one held now comes back `hold` after it was taken (at once if that time has passed).
+    when it starts; one held now comes back as `_back_at` predicts.
     No pool: every stream opens at once. No hold measured yet and no free slot: never (inf)."""
 
     def __init__(self, view: EngineView, now: float, cost: CostModel) -> None:
         self.pooled = view.free_flow_slots is not None
         self.hold = cost.slot_hold_s()
         free = view.free_flow_slots or 0
-        since = [s.slot_since_s for s in view.streams if s.slot_since_s is not None]
+        holders = [s for s in view.streams if s.slot_since_s is not None]
+        ends = [end for s in holders if (end := self._back_at(s, now, cost)) is not None]
         # slots held by streams the view does not date (none in the engine's views): back one by one over a hold
-        undated = max(0, (view.flow_slots or 0) - free - len(since))
-        held = [] if self.hold is None else (
-            [max(now, t + self.hold) for t in since] + [now + self.hold * (j + 1) / undated for j in range(undated)])
+        undated = max(0, (view.flow_slots or 0) - free - len(ends))
+        held = ends + ([] if self.hold is None else [now + self.hold * (j + 1) / undated for j in range(undated)])
         self.heap = [now] * free + held
         heapq.heapify(self.heap)
+
+    def _back_at(self, holder: StreamView, now: float, cost: CostModel) -> float | None:
+        """A held slot comes back once its stream's LM is done (its last chunks are voiced at once then: the
+        pool is short); a stream whose LM is done gives it back now; else the measured hold after it was
+        taken."""
+        if holder.lm_done:
+            return now
+        if holder.row_since_s is not None and (end := cost.lm_left_s(holder, now)) is not None:
+            return end
+        return None if self.hold is None or holder.slot_since_s is None else max(now, holder.slot_since_s + self.hold)
 
     def take(self, wanted_s: float) -> float:
         """When a stream that wants a slot from `wanted_s` on starts in one (and takes it)."""

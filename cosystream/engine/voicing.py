@@ -94,7 +94,9 @@ class Voicing:
             final_waits=not first and done and not seg.planner.finished and next_final,
             lm_done=done, opened=opened, first_ready_s=req.t_first_ready,
             needs_slot=not opened and self.t2w.needs_slot(seg.inputs, start_tokens),
-            lm_pending=seg is lm_seg and seg.lm_status == LMStatus.pending, slot_since_s=seg.t_slot)
+            lm_pending=seg is lm_seg and seg.lm_status == LMStatus.pending, slot_since_s=seg.t_slot,
+            row_since_s=lm_seg.t_row if lm_seg is not None and lm_seg.slot >= 0 else None,
+            lm_tokens=len(lm_seg.tokens) if lm_seg is not None else 0, lm_expected_tokens=req.force_tokens)
         if view.ready and opened and not next_final:
             view.ode_key_of = lambda: self._ode_key(seg, n, done)
         view.opens_ahead = (view.needs_slot and seg.bistream is None and not is_planned
@@ -411,6 +413,8 @@ class Voicing:
         last = is_final and req.audio_index == len(req.segments) - 1
         if is_final:
             t.num_tokens += len(seg.tokens)
+            if not seg.text_stream:  # (a text stream's length is its client's)
+                self.scheduler.cost.observe_lm_tokens(len(seg.tokens))
             self._slot_released(seg)  # held to the end where final chunks run in the slot
             seg.t2w = None
             req.audio_index += 1

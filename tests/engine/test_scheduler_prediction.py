@@ -299,3 +299,45 @@ def test_newcomers_refused_on_the_same_view_are_refused_again_with_a_lower_bound
         assert not again.admitted and not fresh.admitted
         assert again.predicted_first_audio_s <= fresh.predicted_first_audio_s + 1e-9
         assert again.predicted_first_audio_s == pytest.approx(first.predicted_first_audio_s - later)
+
+
+def test_a_newcomer_waits_for_the_lm_row_its_holders_give_back_after_the_measured_hold():
+    """Rows taken together come back together: four rows taken 0.2 s ago, held 3 s each, come back in
+    2.8 s, not one every 3 s / 4."""
+    cost = _cost_measured_on_this_gpu()
+    cost.observe_lm_hold(3.0)
+    holders = [StreamView(key=f"h{i}", arrival_s=NOW - 0.3, first=False, deadline_s=NOW + 2, opened=True,
+                          lm_decoding=True, decoding_audio=True, missing_tokens=500, row_since_s=NOW - 0.2)
+               for i in range(4)]
+    view = EngineView(now=NOW, streams=holders, lm_decoding=True, worker=WorkerView(), free_lm_slots=0,
+                      lm_slots=4)
+    verdict = Scheduler(cost, budget_s=10.0).admit(view, NOW, FIRST_TOKENS, pending_new=1)
+    tokens_s = PREFILL_S + FIRST_TOKENS * STEP_S
+    # the stream admitted before it takes the first row back, the newcomer the second, both at 2.8 s; their
+    # first chunks share one phase
+    assert verdict.predicted_first_audio_s == pytest.approx(2.8 + tokens_s + _true_phase_s("first", 2))
+
+
+def test_rows_and_slots_come_back_when_their_holders_lm_is_predicted_done_at_the_decode_step_now():
+    """A holder with 100 of its 250 tokens to go gives its LM row and its flow slot back in 100 steps of the
+    decode step measured now (a loaded GPU's slower step stretches the wait); one whose LM is done gives its
+    slot back at once."""
+    cost = _cost_measured_on_this_gpu()
+    cost.observe_lm_hold(0.3)  # measured on a lighter load: not what the wait is predicted from
+    cost.observe_slot_hold(0.3)
+
+    def holder(key: str, tokens: int, done: bool = False) -> StreamView:
+        return StreamView(key=key, arrival_s=NOW - 1, first=False, deadline_s=NOW + 5, opened=True, lm_done=done,
+                          lm_decoding=not done, decoding_audio=not done, missing_tokens=0 if done else 500,
+                          row_since_s=None if done else NOW - 0.1, slot_since_s=NOW - 0.1, lm_tokens=tokens,
+                          lm_expected_tokens=250)
+
+    rows_full = EngineView(now=NOW, streams=[holder("a", 150), holder("b", 100)], lm_decoding=True,
+                           worker=WorkerView(), free_lm_slots=0, lm_slots=2)
+    verdict = Scheduler(cost, budget_s=10.0).admit(rows_full, NOW, FIRST_TOKENS)
+    tokens_s = PREFILL_S + FIRST_TOKENS * STEP_S
+    assert verdict.predicted_first_audio_s == pytest.approx(100 * STEP_S + tokens_s + _true_phase_s("first", 1))
+    slots_full = EngineView(now=NOW, streams=[holder("a", 150), holder("c", 250, done=True)], lm_decoding=True,
+                            worker=WorkerView(), free_lm_slots=4, lm_slots=6, free_flow_slots=0, flow_slots=2)
+    verdict = Scheduler(cost, budget_s=10.0).admit(slots_full, NOW, FIRST_TOKENS)
+    assert verdict.predicted_first_audio_s == pytest.approx(tokens_s + _true_phase_s("first", 1))
