@@ -17,7 +17,7 @@ import torch
 from cosystream.config import ChunkSchedule
 from cosystream.engine import runners
 from cosystream.engine.chunking import ChunkPlanner
-from cosystream.engine.scheduler import CostModel
+from cosystream.engine.costs import CostModel
 from cosystream.frontend.prompt import ModelInputs
 
 CALIBRATION_PROMPT_TOKENS = 150  # the prompt length the warm-up captures graphs for

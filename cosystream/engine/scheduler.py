@@ -2,9 +2,10 @@
 
 Every stream has a playback deadline for its next chunk: a first chunk's is the request's arrival plus
 the first-audio target; a later chunk's is the moment the audio its client already has runs out (it
-plays from its first chunk on). `CostModel` predicts what the GPU's work takes (decode step, prefill,
-chunk phases by kind and size, official final passes), measured on this device: the decode step at
-warm-up, the rest from the first phases and then continuously.
+plays from its first chunk on). `CostModel` (engine/costs.py) predicts what the GPU's work takes (decode
+step, prefill, LM and flow-slot holds, chunk phases as a fixed cost per call plus a cost per chunk, official
+final passes), measured on this device at warm-up and then continuously. Admission's prediction simulates
+the engine's near future from a view (engine/prediction.py).
 
 `Scheduler` is pure: it reads an `EngineView` (typed snapshots of every live stream and of the
 token-to-wave worker) and returns decisions; it holds no thread, lock, tensor or request. The engine
@@ -34,10 +35,12 @@ else), with the refinements that keep the GPU's batches full:
 from __future__ import annotations
 
 import enum
-import heapq
 import math
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
+
+from cosystream.engine.costs import CostModel
+from cosystream.engine.prediction import StreamKey, next_chunks, simulate_worker, worker_state
 
 # A later chunk whose client has less audio left than this is urgent: it opens a batch. Long enough for
 # one batch of final passes to run ahead of it (a phase of 16 passes is a few hundred ms on an H100).
@@ -63,16 +66,6 @@ DEFAULT_FIRST_AUDIO_TARGET_S = 1.0
 MAX_RETRY_AFTER_S = 60.0
 # Chunks waiting is worth it only while the batch is small against the largest batch.
 _SMALL_BATCH_SHARE = 4
-# Decode-step periods longer than this are idle gaps, not steps.
-_MAX_STEP_S = 0.05
-# Weight kept by the phase-cost fit's past at each new phase (≈ the last 30 phases of a kind count).
-PHASE_FIT_DECAY = 0.97
-# Share of a phase's cost that is per call rather than per chunk, while the fit has seen one phase size
-# only: on the H100 one first chunk takes 25 ms and sixteen in one call 79 ms (docs/benchmarks.md, "Where
-# one stream's first audio goes"), a fixed ≈ 21 ms. Measured phases of other sizes replace it.
-PRIOR_FIXED_SHARE = 0.8
-# Variance of the phase sizes (chunks²) the fit needs before it trusts its own slope.
-_MIN_SIZE_VARIANCE = 0.25
 
 
 @dataclass(slots=True)
@@ -192,149 +185,6 @@ class Miss:
     kind: str  # "first" | "later" | "final"
     stage: str  # where the time went: "lm" (tokens came after the deadline) or "token2wav"
     late_s: float
-
-
-class _Ewma:
-    def __init__(self, weight: float) -> None:
-        self.weight, self.value = weight, None
-
-    def observe(self, x: float) -> None:
-        if math.isfinite(x) and x >= 0:
-            self.value = x if self.value is None else self.value + self.weight * (x - self.value)
-
-
-class _PhaseLine:
-    """seconds = fixed + per_chunk × chunks for one kind of worker phase: an exponentially weighted
-    least-squares fit of the phases seen. A flow call (and its vocoder call) costs nearly as much for one
-    chunk as for sixteen, so a per-chunk average measured at one batch size is wrong at every other.
-    While every phase seen had about the same size, the split between the two terms is PRIOR_FIXED_SHARE."""
-
-    def __init__(self, decay: float = PHASE_FIT_DECAY) -> None:
-        self.decay = decay
-        self.w = self.wn = self.wnn = self.wy = self.wny = 0.0
-
-    def observe(self, chunks: int, seconds: float) -> None:
-        if chunks <= 0 or not math.isfinite(seconds) or seconds < 0:
-            return
-        d, n = self.decay, float(chunks)
-        self.w, self.wn, self.wnn = d * self.w + 1, d * self.wn + n, d * self.wnn + n * n
-        self.wy, self.wny = d * self.wy + seconds, d * self.wny + n * seconds
-
-    @property
-    def measured(self) -> bool:
-        return self.w > 0
-
-    def line(self) -> tuple[float, float]:
-        """(fixed seconds per phase, seconds per chunk); (0, 0) before any phase."""
-        if self.w <= 0:
-            return 0.0, 0.0
-        mean_n, mean_y = self.wn / self.w, self.wy / self.w
-        var_n = self.wnn / self.w - mean_n * mean_n
-        if var_n >= _MIN_SIZE_VARIANCE:
-            per = (self.wny / self.w - mean_n * mean_y) / var_n
-            if per >= 0:
-                fixed = mean_y - per * mean_n
-                if fixed >= 0:
-                    return fixed, per
-                return 0.0, self.wny / self.wnn  # through the origin: no negative fixed cost
-        # one size seen (or a fit that makes no physical sense): the prior split of the mean phase
-        fixed = PRIOR_FIXED_SHARE * mean_y
-        return fixed, (mean_y - fixed) / mean_n
-
-    def seconds(self, chunks: int) -> float:
-        fixed, per = self.line()
-        return fixed + per * chunks if chunks > 0 else 0.0
-
-
-class CostModel:
-    """Measured costs of the GPU's work on this device. Written by the engine thread only (the admission
-    path reads floats, which is safe in CPython)."""
-
-    def __init__(self) -> None:
-        self._step = _Ewma(0.2)
-        self._prefill = _Ewma(0.2)
-        self._lm_hold = _Ewma(0.1)  # seconds a segment holds its LM row
-        self._lm_tokens = _Ewma(0.1)  # speech tokens a segment's LM generates
-        self._slot_hold = _Ewma(0.1)  # seconds a stream holds its flow slot (open to release)
-        self._phases: dict[str, _PhaseLine] = {}  # worker seconds per phase by kind and chunks in it
-        self._final_busy_s = 0.0
-        self._finals_done = 0.0
-
-    @property
-    def decode_step_s(self) -> float | None:
-        return self._step.value
-
-    def observe_step(self, period_s: float) -> None:
-        if period_s < _MAX_STEP_S:
-            self._step.observe(period_s)
-
-    def observe_prefill(self, seconds: float) -> None:
-        self._prefill.observe(seconds)
-
-    def observe_lm_hold(self, seconds: float) -> None:
-        self._lm_hold.observe(seconds)
-
-    def observe_lm_tokens(self, tokens: int) -> None:
-        self._lm_tokens.observe(float(tokens))
-
-    def lm_left_s(self, stream: StreamView, now: float) -> float | None:
-        """When the LM of a stream that holds a row is predicted done: its tokens still to come (of its forced
-        length, else of the measured tokens per segment) × the decode step now, so holds stretch as the GPU
-        loads; without those, the measured row hold after it took the row. None: nothing measured."""
-        expected = stream.lm_expected_tokens or self._lm_tokens.value
-        if expected is not None and self._step.value is not None:
-            return now + max(0.0, expected - stream.lm_tokens) * self._step.value
-        if self._lm_hold.value is not None and stream.row_since_s is not None:
-            return max(now, stream.row_since_s + self._lm_hold.value)
-        return None
-
-    def observe_slot_hold(self, seconds: float) -> None:
-        self._slot_hold.observe(seconds)
-
-    def observe_phase(self, kind: str, jobs: int, seconds: float) -> None:
-        """A worker phase of `jobs` chunks of one kind ("first", "chunks", "final") took `seconds`; a paused
-        phase of final passes comes with jobs=0 (its time counts towards the passes that finish later)."""
-        if kind == "final":
-            self._final_busy_s = 0.9 * self._final_busy_s + seconds
-            self._finals_done = 0.9 * self._finals_done + jobs
-            return
-        if jobs > 0:
-            self._phases.setdefault(kind, _PhaseLine()).observe(jobs, seconds)
-
-    def final_pass_s(self) -> float:
-        """Worker seconds per official final pass (0 before one was measured)."""
-        return self._final_busy_s / self._finals_done if self._finals_done > 0 else 0.0
-
-    def phase_s(self, kind: str, chunks: int) -> float:
-        """Predicted worker seconds of a phase of `chunks` chunks of `kind` ("first", "chunks", "final");
-        an unmeasured chunk kind borrows the other's line (0 before either was measured)."""
-        if kind == "final":
-            return self.final_pass_s() * chunks
-        line = self._phases.get(kind)
-        if line is None or not line.measured:
-            line = self._phases.get("first" if kind == "chunks" else "chunks")
-            if line is None:
-                return 0.0
-        return line.seconds(chunks)
-
-    def phase_line(self, kind: str) -> tuple[float, float]:
-        """(fixed seconds per phase, seconds per chunk) of a chunk kind, as `phase_s` uses it."""
-        chunks = self.phase_s(kind, 2) - self.phase_s(kind, 1)
-        return self.phase_s(kind, 1) - chunks, chunks
-
-    def chunk_s(self, kind: str) -> float:
-        """Worker seconds of one chunk voiced alone in a phase of `kind` (0 before one was measured)."""
-        return self.phase_s(kind, 1)
-
-    def prefill_s(self) -> float:
-        return self._prefill.value or 0.0
-
-    def lm_hold_s(self) -> float | None:
-        return self._lm_hold.value
-
-    def slot_hold_s(self) -> float | None:
-        """Seconds a stream holds its flow slot; the LM row's hold stands in before one was measured."""
-        return self._slot_hold.value if self._slot_hold.value is not None else self._lm_hold.value
 
 
 class Scheduler:
@@ -610,242 +460,18 @@ class Scheduler:
             return memo[2] - now, 0
         deadline = now + (self.budget_s or self.first_audio_target_s)
         newcomers = [(f"pending{i}", tokens, deadline) for i in range(pending_new)]
-        with_new = self._next_chunks(view, now, step_s, newcomers + [("new", tokens, deadline)])
+        with_new = next_chunks(view, now, self.cost, step_s, newcomers + [("new", tokens, deadline)])
         earliest = next(job.ready_s for job in with_new if job.key == "new") + self.cost.phase_s("first", 1)
         self._earliest = (view, (pending_new, tokens), earliest)
         if earliest - now > budget:
             return earliest - now, 0
-        free_at, carried = self._worker_state(view, now)
-        after = simulate_worker(with_new + carried, free_at, self.cost, view.max_batch)
+        free_at, carried = worker_state(view, now)
+        after = simulate_worker(with_new + carried, free_at, self.cost, view.max_batch, DRY_S, FINAL_PHASE_STREAMS)
         predicted = after["new"] - now
         if predicted > budget:
             return predicted, 0
-        jobs = self._next_chunks(view, now, step_s, newcomers)
-        before = simulate_worker(jobs + carried, free_at, self.cost, view.max_batch)
-        broken = sum(1 for job in jobs if isinstance(job.key, _Key)
+        jobs = next_chunks(view, now, self.cost, step_s, newcomers)
+        before = simulate_worker(jobs + carried, free_at, self.cost, view.max_batch, DRY_S, FINAL_PHASE_STREAMS)
+        broken = sum(1 for job in jobs if isinstance(job.key, StreamKey)
                      and before[job.key] <= job.deadline_s < after[job.key])
         return predicted, broken
-
-    @staticmethod
-    def _worker_state(view: EngineView, now: float) -> tuple[float, list[WorkJob]]:
-        """When the worker can take a new batch, and what is left of its current one: it is free for urgent
-        chunks once its running phase ends; its unstarted phases go on after them (one job of their cost)."""
-        worker = view.worker
-        if worker is None or not worker.busy:
-            return now, []
-        end = max(now, worker.started_s + worker.predicted_s)
-        phase_end = end if worker.phase_end_s is None else min(end, max(now, worker.phase_end_s))
-        rest = end - phase_end
-        return phase_end, ([WorkJob(phase_end, 1, -math.inf, "batch", None, rest)] if rest > 0 else [])
-
-    def _next_chunks(self, view: EngineView, now: float, step_s: float,
-                     newcomers: Sequence[tuple[str, int, float]] = ()) -> list[WorkJob]:
-        """Every stream's next chunk not yet on the worker, with when it can start: its tokens (now, after the
-        decode steps still missing, or after its wait for an LM row, prefill and first chunk's steps) and, for
-        a stream to open, a flow slot. `newcomers`: (key, first chunk tokens, deadline) of streams not in the
-        view, behind its streams in line for an LM row. Classes as the worker's phases run them: a client
-        about to run dry (`DRY_S`) ahead of first chunks, then the rest."""
-        cost = self.cost
-        pending = sorted((s for s in view.streams if s.first and s.lm_pending and not s.planned),
-                         key=lambda s: s.arrival_s)
-        rows = _LMRows(view, now, cost, ahead=view.lm_waiting - len(pending))
-        lm_ready = {id(s): rows.next() + cost.prefill_s() + s.missing_tokens * step_s for s in pending}
-        entries: list[tuple[float, WorkJob, bool]] = []  # (tokens ready at, job, needs a flow slot)
-        slots = _FlowSlots(view, now, cost)
-        for s in view.streams:
-            if s.planned:
-                if not s.opened and s.needs_slot:
-                    slots.take(now)  # on the worker, opening its stream: a free slot is its
-                continue
-            if id(s) in lm_ready:
-                tokens_at = lm_ready[id(s)]
-            elif s.ready or s.final_waits or (s.first and s.missing_tokens == 0):  # (a first: maybe no slot yet)
-                tokens_at = now
-            elif s.decoding_audio and s.missing_tokens > 0:
-                tokens_at = now + s.missing_tokens * step_s
-            else:
-                continue
-            kind = "first" if s.first else "final" if s.next_final else "chunks"
-            cls = 0 if s.first else -1 if s.deadline_s - tokens_at < DRY_S else 1
-            entries.append((tokens_at, WorkJob(tokens_at, cls, s.deadline_s, kind, _Key(s.key)),
-                            s.needs_slot and not s.opened))
-        for key, num_tokens, deadline in newcomers:
-            tokens_at = rows.next() + cost.prefill_s() + num_tokens * step_s
-            entries.append((tokens_at, WorkJob(tokens_at, 0, deadline, "first", key), view.free_flow_slots is not None))
-        jobs = []
-        for tokens_at, job, needs_slot in sorted(entries, key=lambda e: (e[0], e[1].deadline_s)):
-            if needs_slot:
-                job.ready_s = slots.take(tokens_at)
-            jobs.append(job)
-        return jobs
-
-
-@dataclass(slots=True)
-class WorkJob:
-    """A piece of the worker's work in `simulate_worker`: a chunk, or the rest of the batch it runs now."""
-
-    ready_s: float  # when it can start (tokens and flow slot there)
-    cls: int  # -1: a client about to run dry, 0: a first chunk, 1: the rest (the worker's phase order)
-    deadline_s: float
-    kind: str  # "first", "chunks", "final" (a phase of its own kind), "batch": the worker's current batch
-    key: Hashable
-    cost_s: float = 0.0  # "batch" only: its predicted seconds
-
-
-@dataclass(frozen=True, slots=True)
-class _Key:
-    """A running stream's key in the simulation (newcomers have plain string keys)."""
-
-    key: Hashable
-
-
-class _LMRows:
-    """When the next stream in line gets an LM row: at once while rows are free, then as their holders give
-    them back, each when its LM is predicted done (CostModel.lm_left_s; rows the view does not date: one by
-    one over the measured row hold); a stream that takes a row holds it for that hold. No hold measured yet
-    and no free row: never (inf). `ahead`: segments in line first (later segments of running requests,
-    which the view does not list as new streams)."""
-
-    def __init__(self, view: EngineView, now: float, cost: CostModel, ahead: int = 0) -> None:
-        self.now, self.hold = now, cost.lm_hold_s()
-        free = max(0, view.free_lm_slots)
-        holders = [s for s in view.streams if s.row_since_s is not None]
-        ends = [end for s in holders if (end := cost.lm_left_s(s, now)) is not None]
-        undated = max(0, view.lm_slots - free - len(ends))
-        held = ends + ([] if self.hold is None else [now + self.hold * (j + 1) / undated for j in range(undated)])
-        self.heap = [now] * free + held
-        heapq.heapify(self.heap)
-        for _ in range(max(0, ahead)):
-            self.next()
-
-    def next(self) -> float:
-        if not self.heap:
-            return math.inf
-        start = heapq.heappop(self.heap)
-        if self.hold is not None:
-            heapq.heappush(self.heap, start + self.hold)
-        return start
-
-
-class _FlowSlots:
-    """The flow-slot pool over time: a stream that takes a slot holds it for the measured slot hold from
-    when it starts; one held now comes back as `_back_at` predicts.
-    No pool: every stream opens at once. No hold measured yet and no free slot: never (inf)."""
-
-    def __init__(self, view: EngineView, now: float, cost: CostModel) -> None:
-        self.pooled = view.free_flow_slots is not None
-        self.hold = cost.slot_hold_s()
-        free = view.free_flow_slots or 0
-        holders = [s for s in view.streams if s.slot_since_s is not None]
-        ends = [end for s in holders if (end := self._back_at(s, now, cost)) is not None]
-        # slots held by streams the view does not date (none in the engine's views): back one by one over a hold
-        undated = max(0, (view.flow_slots or 0) - free - len(ends))
-        held = ends + ([] if self.hold is None else [now + self.hold * (j + 1) / undated for j in range(undated)])
-        self.heap = [now] * free + held
-        heapq.heapify(self.heap)
-
-    def _back_at(self, holder: StreamView, now: float, cost: CostModel) -> float | None:
-        """A held slot comes back once its stream's LM is done (its last chunks are voiced at once then: the
-        pool is short); a stream whose LM is done gives it back now; else the measured hold after it was
-        taken."""
-        if holder.lm_done:
-            return now
-        if holder.row_since_s is not None and (end := cost.lm_left_s(holder, now)) is not None:
-            return end
-        return None if self.hold is None or holder.slot_since_s is None else max(now, holder.slot_since_s + self.hold)
-
-    def take(self, wanted_s: float) -> float:
-        """When a stream that wants a slot from `wanted_s` on starts in one (and takes it)."""
-        if not self.pooled:
-            return wanted_s
-        if not self.heap:
-            return math.inf
-        start = max(wanted_s, heapq.heappop(self.heap))
-        if self.hold is not None:
-            heapq.heappush(self.heap, start + self.hold)
-        return start
-
-
-def simulate_worker(jobs: Sequence[WorkJob], free_at: float, cost: CostModel, max_batch: int) -> dict:
-    """Finish time of each job's phase (by key) on a worker that runs as the scheduler has it run: when free,
-    it takes every job ready (at most `max_batch`, by class, then deadline) as one batch, voiced in phases:
-    clients about to run dry (a later chunk whose deadline is within DRY_S when the batch forms), first
-    chunks, the rest of an earlier batch, later chunks, official final passes (FINAL_PHASE_STREAMS a phase);
-    each phase costs the cost model's fixed + per-chunk seconds for its size. A first chunk that becomes
-    ready, or a client that comes within DRY_S of running dry, while a batch runs preempts it after the
-    running phase: the batch's unstarted jobs always go in the next batch (Scheduler.plan), whose new jobs
-    fill what is left of max_batch. The rest of the worker's current batch runs on the same way."""
-    pending = sorted(jobs, key=lambda j: j.ready_s)
-    queue: list[WorkJob] = []
-    returned = [job for job in pending if job.kind == "batch"]
-    pending = [job for job in pending if job.kind != "batch"]
-    out: dict = {}
-    t, i = free_at, 0
-
-    def release(until: float) -> None:
-        nonlocal i
-        while i < len(pending) and pending[i].ready_s <= until:
-            queue.append(pending[i])
-            i += 1
-
-    def preempted(since: float, now: float) -> bool:
-        """Did a chunk turn urgent (ready, or within DRY_S of its deadline) after `since`, by `now`?"""
-        release(now)
-        return any(job.ready_s > since if job.kind == "first" else
-                   job.deadline_s - now < DRY_S and (job.ready_s > since or job.deadline_s - since >= DRY_S)
-                   for job in queue)
-
-    if returned and not preempted(-math.inf, t):
-        t += sum(job.cost_s for job in returned)
-        returned = []
-    while i < len(pending) or queue or returned:
-        release(t)
-        if not queue and not returned:
-            if math.isinf(pending[i].ready_s):
-                for job in pending[i:]:
-                    out[job.key] = math.inf
-                break
-            t = pending[i].ready_s
-            continue
-        queue.sort(key=lambda j: (_class_at(j, t), j.deadline_s))
-        room = max(0, max_batch - len(returned))
-        batch, queue[:], returned = returned + queue[:room], queue[room:], []
-        phases = _sim_phases(batch, t)
-        start = t
-        for k, phase in enumerate(phases):
-            t += _phase_cost(phase, cost)
-            for job in phase:
-                out[job.key] = t
-            if k + 1 < len(phases) and preempted(start, t):  # the rest goes in the next batch
-                returned = [job for rest in phases[k + 1:] for job in rest]
-                break
-    return out
-
-
-def _class_at(job: WorkJob, t: float) -> int:
-    """-1: a client about to run dry at t, 0: a first chunk, 1: the rest."""
-    if job.kind == "first":
-        return 0
-    return -1 if job.kind != "batch" and job.deadline_s - t < DRY_S else 1
-
-
-def _phase_cost(phase: Sequence[WorkJob], cost: CostModel) -> float:
-    if phase[0].kind == "batch":
-        return phase[0].cost_s
-    kinds = {job.kind for job in phase}
-    kind = "first" if "first" in kinds else "final" if kinds == {"final"} else "chunks"
-    return cost.phase_s(kind, len(phase))
-
-
-def _sim_phases(batch: Sequence[WorkJob], t: float) -> list[list[WorkJob]]:
-    """A batch formed at t in the worker's phase order (Scheduler.phases): dry clients, first chunks, what is
-    left of the batch they preempted (or that runs on), later chunks, final passes in phases of
-    FINAL_PHASE_STREAMS."""
-    classes = [(_class_at(j, t), j) for j in batch]
-    dry = [j for c, j in classes if c < 0]
-    firsts = [j for c, j in classes if c == 0]
-    rest = [[j] for j in batch if j.kind == "batch"]
-    later = [j for c, j in classes if c > 0 and j.kind == "chunks"]
-    finals = [j for c, j in classes if c > 0 and j.kind == "final"]
-    phases = [phase for phase in (dry, firsts) if phase] + rest + ([later] if later else [])
-    return phases + [finals[i:i + FINAL_PHASE_STREAMS] for i in range(0, len(finals), FINAL_PHASE_STREAMS)]
