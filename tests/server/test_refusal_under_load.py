@@ -62,6 +62,9 @@ def admission_on(live, monkeypatch):
     engine = live.engine
     monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, first_audio_budget_s=600.0))
     monkeypatch.setattr(engine.core, "scheduler", Scheduler(engine.core.scheduler.cost, budget_s=600.0))
+    # the session's server runs with admission off: its decision counters go back to what they were
+    monkeypatch.setattr(engine.core, "admitted", engine.core.admitted)
+    monkeypatch.setattr(engine.core, "refused", engine.core.refused)
     return engine
 
 
