@@ -14,7 +14,9 @@
 #                                                     # each request (with and without prompt passes ahead)
 #   SERVE_ARGS="--first-audio-budget-s 0.5" CAPACITY=21 MULTS="1 2 4" SEEDS="0 1 2" \
 #     COSYSTREAM_COMMIT=<hash> bash benchmarks/levels_all.sh overload  # over HTTP: open loop at MULTS x CAPACITY req/s
-#   (then: python3 benchmarks/open_loop_table.py --first-audio-deadline-s 0.5 $OUT/overload_*.json)
+#   (then: python3 benchmarks/open_loop_table.py --first-audio-deadline-s 0.5 $OUT/overload_*.json; PROCS=4 splits
+#   the client over 4 processes, so that its own event loop adds less to the refusal times it measures; the table
+#   prints the server's refusal times beside the client's either way)
 source benchmarks/gpu_prep.sh || exit 1
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -93,9 +95,13 @@ overload)
       stamp "open loop ${rate} req/s (${mult}x) over HTTP, seed $seed"
       timeout 150 python3 -m cosystream.cli bench --url http://127.0.0.1:8000 --target tts --workload /tmp/wl/workload.json \
         --warmup-requests 3 --tag commit=$C --tag "serve=$SERVE_ARGS" --rate "$rate" --duration 15 --seed "$seed" \
-        --timeout 60 --out "$OUT/overload_x${mult}_s$seed.json" 2>&1 | rows
+        --timeout 60 --procs "${PROCS:-1}" --out "$OUT/overload_x${mult}_s$seed.json" 2>&1 | rows
     done
   done
+  # admission's own account: prediction error, refusal times at the server, deadline misses by stage
+  python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8000/metrics').read().decode())" \
+    > "$OUT/overload_metrics.txt" && grep -E "^cosystream_(first_audio_prediction_error|refusal)_seconds_(count|bucket)|^cosystream_(deadline_miss|admission)" \
+    "$OUT/overload_metrics.txt" | grep -v "_created"
   kill "$SERVER"; wait "$SERVER" 2>/dev/null
   stamp done
   ;;

@@ -3,9 +3,12 @@ from the per-request records, so files written by any version of the client comp
 
     python3 benchmarks/open_loop_table.py --first-audio-deadline-s 0.5 out/overload_*.json
 
-Columns: accepted first audio p50/p90/p99, refusals and their answer time p99 (send to the 503), streams with
-underruns among the accepted, goodput (accepted audio seconds per wall second) and deadline misses (first
-audio after the deadline, plus underruns).
+Columns: accepted first audio p50/p90/p99, refusals and their answer time p99 as the client saw it (send to
+the 503) and as the server did (arrival to the start of the 503, from its Server-Timing header; "-" for files
+from servers that did not send it), streams with underruns among the accepted, goodput (accepted audio
+seconds per wall second) and deadline misses (first audio after the deadline, plus underruns). A client
+loaded with hundreds of streams adds its own event loop's lag to its refusal times: the server's column is
+the admission's answer time.
 """
 
 from __future__ import annotations
@@ -30,11 +33,13 @@ def rows(path: Path, deadline_s: float) -> list[str]:
         mine = [r for r in records if r.level == level]
         s = summarize(mine, level, "rate", 0.0, first_audio_deadline_s=deadline_s)
         refused = [r.end_s - r.start_s for r in mine if r.refused]
+        at_server = [r.server["refusal_s"] for r in mine if r.refused and "refusal_s" in (r.server or {})]
         fa = s.first_audio_s or {}
         refuse_p99 = f"{percentile(refused, 99) * 1000:.1f}" if refused else "-"
+        server_p99 = f"{percentile(at_server, 99) * 1000:.1f}" if at_server else "-"
         first_audio = " / ".join(_ms(fa, key) for key in ("p50", "p90", "p99"))
         out.append(f"| {path.name} | {level} | {s.num_requests} | {first_audio} "
-                   f"| {s.num_refused} | {refuse_p99} | {s.underrun_requests} | {s.goodput:.2f} "
+                   f"| {s.num_refused} | {refuse_p99} | {server_p99} | {s.underrun_requests} | {s.goodput:.2f} "
                    f"| {s.deadline_misses} ({s.first_audio_misses} first) |")
     return out
 
@@ -44,9 +49,9 @@ def main() -> None:
     parser.add_argument("files", nargs="+", type=Path)
     parser.add_argument("--first-audio-deadline-s", type=float, default=1.0)
     args = parser.parse_args()
-    print("| file | level | reqs | accepted first audio p50 / p90 / p99 ms | refused | refusal p99 ms "
-          "| streams with underruns | goodput s/s | deadline misses |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| file | level | reqs | accepted first audio p50 / p90 / p99 ms | refused | refusal p99 ms (client) "
+          "| refusal p99 ms (server) | streams with underruns | goodput s/s | deadline misses |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for path in args.files:
         for row in rows(path, args.first_audio_deadline_s):
             print(row)

@@ -25,6 +25,7 @@ class StageTimes:
     total_s: float = 0.0
     num_tokens: int = 0
     audio_s: float = 0.0
+    predicted_first_audio_s: float | None = None  # admission's prediction of first_audio_s (None: not predicted)
 
     @property
     def rtf(self) -> float:

@@ -156,6 +156,28 @@ def _error_code(body: str) -> str | None:
     return error.get("code") if isinstance(error, dict) else None
 
 
+def _server_time_s(value: str | None) -> float | None:
+    """The server's own time from the request's arrival to its response (`Server-Timing: app;dur=<ms>`)."""
+    for metric in (value or "").split(","):
+        name, *params = (part.strip() for part in metric.split(";"))
+        for param in params if name == "app" else ():
+            key, _, number = param.partition("=")
+            if key == "dur":
+                try:
+                    return float(number) / 1000
+                except ValueError:
+                    return None
+    return None
+
+
+def _refuse(timeline: Timeline, status: int, headers: Any) -> None:
+    """A refusal, with the server's own answer time beside the client's (a loaded client adds its lag)."""
+    timeline.refuse(status, _retry_after(headers.get("retry-after")))
+    server_s = _server_time_s(headers.get("server-timing"))
+    if server_s is not None:
+        timeline.record.server = {"refusal_s": server_s}
+
+
 def _retry_after(value: str | None) -> float | None:
     try:
         return float(value) if value is not None else None
@@ -212,7 +234,7 @@ class HttpClient:
                 if response.status_code != 200:
                     text = (await response.aread()).decode(errors="replace")
                     if response.status_code in REFUSAL_STATUSES and _error_code(text) != "engine_dead":
-                        timeline.refuse(response.status_code, _retry_after(response.headers.get("retry-after")))
+                        _refuse(timeline, response.status_code, response.headers)
                     else:
                         timeline.fail(f"HTTP {response.status_code}: {text[:MAX_ERROR_BODY]}", response.status_code)
                 else:
@@ -341,7 +363,7 @@ class RawHttpClient:
                 if status != 200:
                     text = b"".join([data async for data in conn.body(headers)]).decode(errors="replace")
                     if status in REFUSAL_STATUSES and _error_code(text) != "engine_dead":
-                        timeline.refuse(status, _retry_after(headers.get("retry-after")))
+                        _refuse(timeline, status, headers)
                     else:
                         timeline.fail(f"HTTP {status}: {text[:MAX_ERROR_BODY]}", status)
                 else:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import hashlib
+import logging
 import random
 import sys
 import time
@@ -27,7 +28,7 @@ import torch
 from cosystream.checkpoint import load_checkpoint
 from cosystream.checkpoint.hub import resolve_model
 from cosystream.config import EngineConfig
-from cosystream.engine import accounting
+from cosystream.engine import accounting, calibration
 from cosystream.engine.chunking import ChunkPlanner
 from cosystream.engine.core import EngineCore
 from cosystream.engine.devices import with_device_defaults
@@ -43,6 +44,7 @@ from cosystream.frontend import Frontend, ModelInputs, VoicePrompt
 from cosystream.outputs import AudioChunk
 from cosystream.params import Mode, SynthesisParams
 
+log = logging.getLogger("cosystream.engine")
 _CACHE_PREFIX = "flow_prompt_cache."  # voice-record extras holding the encoded flow prompt
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Requests waiting for an LM slot beyond which new ones are refused (Overloaded), whatever the budget.
@@ -144,7 +146,7 @@ class AsyncEngine:
         except BaseException:
             self._not_submitted += 1
             raise
-        req.predicted_first_audio_s = predicted_s
+        req.predicted_first_audio_s = req.times.predicted_first_audio_s = predicted_s
         req.emit = self._emit_or_abort(req.request_id, req.emit)
         req.times.frontend_s = loop.time() - t_submit
         req.t_submit -= req.times.frontend_s  # the request's clock starts at submission
@@ -430,8 +432,25 @@ class AsyncEngine:
         n += self.core.call(self.core.capture_prefill)
         n += self.core.call(self.core.lm_runner.capture_all)
         self.core.call(self.core.measure_decode_step)  # the cost model's decode step on this device
+        if self.core.lm_runner.device.type == "cuda":  # (a CPU engine learns them from its first requests)
+            try:
+                self.core.call(self.measure_phase_costs)
+            except Exception:  # admission then learns the phase costs from the first requests' phases
+                log.exception("token-to-wave phase calibration failed")
         self._freeze_heap()  # the graphs' objects too
         return n
+
+
+    def measure_phase_costs(self, sizes: tuple[int, ...] = (1, 16), prompt_tokens: int | None = None,
+                            num_tokens: int | None = None, repeats: int = 2) -> dict[tuple[str, int], float]:
+        """Warm-up (engine thread, nothing running): the token-to-wave phase costs admission predicts from
+        (engine/calibration.py), measured with a silent prompt (by default of the warm-up's lengths)."""
+        flow = self.hparams.flow
+        inputs = calibration.neutral_inputs(prompt_tokens or calibration.CALIBRATION_PROMPT_TOKENS,
+                                            flow.output_size, flow.spk_embed_dim)
+        return calibration.measure_phases(self.token2wav, self.core.scheduler.cost, inputs, self.config.schedule,
+                                          self.hparams.chunk_size, sizes, repeats,
+                                          num_tokens or calibration.CALIBRATION_TOKENS)
 
 
 def default_device() -> str:

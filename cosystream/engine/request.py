@@ -44,6 +44,7 @@ class Segment:
     text_backlog: list[int] = field(default_factory=list)  # text ids received before admission
     text_closed: bool = False
     t_row: float | None = None  # when it took its LM row (the cost model's LM hold time)
+    t_slot: float | None = None  # when its stream took the flow slot it still holds (the slot hold time)
 
     @property
     def skips_lm(self) -> bool:

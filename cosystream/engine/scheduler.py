@@ -2,9 +2,10 @@
 
 Every stream has a playback deadline for its next chunk: a first chunk's is the request's arrival plus
 the first-audio target; a later chunk's is the moment the audio its client already has runs out (it
-plays from its first chunk on). `CostModel` predicts what the GPU's work takes (decode step, prefill,
-chunk phases by kind and size, official final passes), measured on this device: the decode step at
-warm-up, the rest from the first phases and then continuously.
+plays from its first chunk on). `CostModel` (engine/costs.py) predicts what the GPU's work takes (decode
+step, prefill, LM and flow-slot holds, chunk phases as a fixed cost per call plus a cost per chunk, official
+final passes), measured on this device at warm-up and then continuously. Admission's prediction simulates
+the engine's near future from a view (engine/prediction.py).
 
 `Scheduler` is pure: it reads an `EngineView` (typed snapshots of every live stream and of the
 token-to-wave worker) and returns decisions; it holds no thread, lock, tensor or request. The engine
@@ -39,10 +40,12 @@ else), with the refinements that keep the GPU's batches full:
 from __future__ import annotations
 
 import enum
-import heapq
 import math
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
+
+from cosystream.engine.costs import CostModel
+from cosystream.engine.prediction import StreamKey, next_chunks, simulate_worker, worker_state
 
 # A later chunk whose client has less audio left than this is urgent: it opens a batch. Long enough for
 # one batch of final passes to run ahead of it (a phase of 16 passes is a few hundred ms on an H100).
@@ -70,8 +73,6 @@ DEFAULT_FIRST_AUDIO_TARGET_S = 1.0
 MAX_RETRY_AFTER_S = 60.0
 # Chunks waiting is worth it only while the batch is small against the largest batch.
 _SMALL_BATCH_SHARE = 4
-# Decode-step periods longer than this are idle gaps, not steps.
-_MAX_STEP_S = 0.05
 
 
 @dataclass(slots=True)
@@ -97,6 +98,11 @@ class StreamView:
     first_ready_s: float | None = None  # when its first chunk's tokens were all there
     opens_ahead: bool = False  # its stream could open now, ahead of its first chunk
     voice_at_hand: bool = True  # opening it copies a prompt state (False: builds one, a phase of its own)
+    lm_pending: bool = False  # its segment waits for an LM row (or its prefill): no token yet
+    slot_since_s: float | None = None  # when it took the flow slot it holds (None: it holds none)
+    row_since_s: float | None = None  # when its LM segment took the LM row it holds (None: it holds none)
+    lm_tokens: int = 0  # tokens its LM segment has generated so far
+    lm_expected_tokens: int | None = None  # ... will generate in all, when known (forced); None: as measured
 
     def ode(self) -> Hashable | None:
         """The ODE key (`ode_key`, or `ode_key_of()` once: asking the runner costs host time)."""
@@ -118,7 +124,8 @@ class WorkerView:
     preempt_asked: bool = False
     dry_asked: bool = False
     started_s: float = 0.0  # when its batch was handed over
-    predicted_s: float = 0.0  # the cost model's prediction of that batch
+    predicted_s: float = 0.0  # the cost model's prediction of that batch (what is left of it, from started_s)
+    phase_end_s: float | None = None  # predicted end of its running phase (None: unknown, the batch's end)
 
 
 @dataclass(slots=True)
@@ -188,72 +195,6 @@ class Miss:
     late_s: float
 
 
-class _Ewma:
-    def __init__(self, weight: float) -> None:
-        self.weight, self.value = weight, None
-
-    def observe(self, x: float) -> None:
-        if math.isfinite(x) and x >= 0:
-            self.value = x if self.value is None else self.value + self.weight * (x - self.value)
-
-
-class CostModel:
-    """Measured costs of the GPU's work on this device. Written by the engine thread only (the admission
-    path reads floats, which is safe in CPython)."""
-
-    def __init__(self) -> None:
-        self._step = _Ewma(0.2)
-        self._prefill = _Ewma(0.2)
-        self._lm_hold = _Ewma(0.1)  # seconds a segment holds its LM row
-        self._per_job: dict[str, _Ewma] = {}  # worker seconds per chunk, by phase kind
-        self._final_busy_s = 0.0
-        self._finals_done = 0.0
-
-    @property
-    def decode_step_s(self) -> float | None:
-        return self._step.value
-
-    def observe_step(self, period_s: float) -> None:
-        if period_s < _MAX_STEP_S:
-            self._step.observe(period_s)
-
-    def observe_prefill(self, seconds: float) -> None:
-        self._prefill.observe(seconds)
-
-    def observe_lm_hold(self, seconds: float) -> None:
-        self._lm_hold.observe(seconds)
-
-    def observe_phase(self, kind: str, jobs: int, seconds: float) -> None:
-        """A worker phase of `jobs` chunks of one kind ("first", "chunks", "final") took `seconds`; a paused
-        phase of final passes comes with jobs=0 (its time counts towards the passes that finish later)."""
-        if kind == "final":
-            self._final_busy_s = 0.9 * self._final_busy_s + seconds
-            self._finals_done = 0.9 * self._finals_done + jobs
-            return
-        if jobs > 0:
-            self._per_job.setdefault(kind, _Ewma(0.2)).observe(seconds / jobs)
-
-    def final_pass_s(self) -> float:
-        """Worker seconds per official final pass (0 before one was measured)."""
-        return self._final_busy_s / self._finals_done if self._finals_done > 0 else 0.0
-
-    def chunk_s(self, kind: str) -> float:
-        """Worker seconds per chunk in a phase of `kind` (0 before one was measured)."""
-        if kind == "final":
-            return self.final_pass_s()
-        value = self._per_job.get(kind)
-        if value is None or value.value is None:
-            other = self._per_job.get("first" if kind == "chunks" else "chunks")
-            return other.value if other is not None and other.value is not None else 0.0
-        return value.value
-
-    def prefill_s(self) -> float:
-        return self._prefill.value or 0.0
-
-    def lm_hold_s(self) -> float | None:
-        return self._lm_hold.value
-
-
 class Scheduler:
     """Decisions from an EngineView and the cost model. `first_audio_target_s`: the first chunk's deadline
     after arrival; `budget_s`: admission's limit on the predicted first audio (None: admit every stream)."""
@@ -266,6 +207,7 @@ class Scheduler:
                  first_audio_target_s: float | None = None) -> None:
         self.cost = cost or CostModel()
         self.budget_s = budget_s
+        self._earliest: tuple[EngineView, tuple[int, int], float] | None = None  # the last newcomer's bound
         self.first_audio_target_s = first_audio_target_s or budget_s or DEFAULT_FIRST_AUDIO_TARGET_S
 
     # ------------------------------------------------------------------ deadlines
@@ -539,86 +481,34 @@ class Scheduler:
         return Verdict(False, predicted, reason, retry)
 
     def _predict(self, view: EngineView, now: float, tokens: int, pending_new: int) -> tuple[float, int]:
-        """(predicted first audio of the newcomer from now, running streams it would make late)."""
-        cost, step_s = self.cost, self.cost.decode_step_s or 0.0
-        ahead = view.lm_waiting + pending_new + 1 - view.free_lm_slots
-        hold = cost.lm_hold_s()
-        if ahead <= 0:
-            lm_wait = 0.0
-        elif hold is None:  # it would queue for an LM row, and no stream has held one yet: no prediction
-            lm_wait = math.inf
-        else:
-            lm_wait = ahead * hold / max(1, view.lm_slots)
-        ready_at = max(now + lm_wait + cost.prefill_s() + tokens * step_s, now + self._slot_wait(view, pending_new))
-        jobs = self._next_chunks(view, now, step_s)
-        for _ in range(pending_new):  # admitted since the view: modelled as the newcomer
-            jobs.append((ready_at, 0, now + self.first_audio_target_s, cost.chunk_s("first"), None))
-        free_at = now
-        worker = view.worker
-        if worker is not None and worker.busy:
-            free_at = max(now, worker.started_s + worker.predicted_s)
-        before = _edf_finish(jobs, free_at)
-        new = (ready_at, 0, now + (self.budget_s or self.first_audio_target_s), cost.chunk_s("first"), "new")
-        after = _edf_finish(jobs + [new], free_at)
-        broken = sum(1 for key, (finish, deadline) in before.items()
-                     if key not in (None, "new") and finish <= deadline < after[key][0])
-        return after["new"][0] - now, broken
-
-    def _slot_wait(self, view: EngineView, pending_new: int) -> float:
-        """How long the newcomer's first chunk waits for a flow slot: the streams waiting for one ahead of it
-        (unopened streams that need one, those admitted since the view, itself) beyond the free slots, each
-        slot freed once per hold. A stream holds its slot from its first chunk (or open-ahead) until its LM
-        is done (released before the official final pass): the measured LM row hold stands in for it,
-        slightly pessimistic. No hold measured yet: it would queue with no prediction (inf)."""
-        if view.free_flow_slots is None:
-            return 0.0
-        wanting = sum(1 for s in view.streams if not s.opened and s.needs_slot) + pending_new + 1
-        excess = wanting - view.free_flow_slots
-        if excess <= 0:
-            return 0.0
-        hold = self.cost.lm_hold_s()
-        if hold is None:
-            return math.inf
-        slots = view.flow_slots if view.flow_slots is not None else view.free_flow_slots
-        return excess * hold / max(1, slots)
-
-    def _next_chunks(self, view: EngineView, now: float, step_s: float) -> list[tuple]:
-        """(ready at, class, deadline, cost, key) of every running stream's next chunk not yet on the worker.
-        Classes as the worker's phases run them: a client about to run dry (`DRY_S`) ahead of first chunks
-        (it preempts the worker and goes first in its batch), then first chunks, then the rest."""
-        jobs = []
-        for s in view.streams:
-            if s.planned:
-                continue
-            if s.ready or s.final_waits:
-                ready_at = now
-            elif s.decoding_audio and s.missing_tokens > 0:
-                ready_at = now + s.missing_tokens * step_s
-            else:
-                continue
-            kind = "first" if s.first else "final" if s.next_final else "chunks"
-            cls = 0 if s.first else -1 if s.deadline_s - ready_at < DRY_S else 1
-            jobs.append((ready_at, cls, s.deadline_s, self.cost.chunk_s(kind), s.key))
-        return jobs
-
-
-def _edf_finish(jobs: list[tuple], free_at: float) -> dict:
-    """Finish time and deadline of each job on one worker that runs, whenever it is free, the released
-    job of the highest class (lowest number: clients about to run dry, then first chunks) with the
-    earliest deadline."""
-    pending = sorted(jobs, key=lambda j: j[0])
-    heap: list[tuple] = []
-    out: dict = {}
-    t, i, seq = free_at, 0, 0
-    while i < len(pending) or heap:
-        if not heap and pending[i][0] > t:
-            t = pending[i][0]
-        while i < len(pending) and pending[i][0] <= t:
-            ready_at, cls, deadline, cost, key = pending[i]
-            heapq.heappush(heap, (cls, deadline, seq, cost, key))
-            i, seq = i + 1, seq + 1
-        _, deadline, _, cost, key = heapq.heappop(heap)
-        t += cost
-        if key is not None:
-            out[key] = (t, deadline)
-    return out
+        """(predicted first audio of the newcomer from now, running streams it would make late): every known
+        stream's next chunk, and the first chunks of streams still waiting for an LM row, admitted since the
+        view (still in the frontend or the inbox) and the newcomer, each when its tokens and a flow slot are
+        there, voiced by a simulation of the worker's batches (`simulate_worker`) from its current batch on.
+        Cheapest answers first (admission runs on the caller's event loop, refusals must be quick): a
+        newcomer whose tokens or flow slot alone come too late is refused without simulating the worker, and
+        the running streams' deadlines are checked only for a newcomer within the budget."""
+        step_s = self.cost.decode_step_s or 0.0
+        budget = self.budget_s if self.budget_s is not None else math.inf
+        # the earliest first audio only grows with `now` (waits either run from now or end at fixed times), so
+        # newcomers refused on the same view with the same streams ahead are refused again at no cost
+        memo = self._earliest
+        if memo is not None and memo[0] is view and memo[1] == (pending_new, tokens) and memo[2] - now > budget:
+            return memo[2] - now, 0
+        deadline = now + (self.budget_s or self.first_audio_target_s)
+        newcomers = [(f"pending{i}", tokens, deadline) for i in range(pending_new)]
+        with_new = next_chunks(view, now, self.cost, step_s, newcomers + [("new", tokens, deadline)])
+        earliest = next(job.ready_s for job in with_new if job.key == "new") + self.cost.phase_s("first", 1)
+        self._earliest = (view, (pending_new, tokens), earliest)
+        if earliest - now > budget:
+            return earliest - now, 0
+        free_at, carried = worker_state(view, now)
+        after = simulate_worker(with_new + carried, free_at, self.cost, view.max_batch, DRY_S, FINAL_PHASE_STREAMS)
+        predicted = after["new"] - now
+        if predicted > budget:
+            return predicted, 0
+        jobs = next_chunks(view, now, self.cost, step_s, newcomers)
+        before = simulate_worker(jobs + carried, free_at, self.cost, view.max_batch, DRY_S, FINAL_PHASE_STREAMS)
+        broken = sum(1 for job in jobs if isinstance(job.key, StreamKey)
+                     and before[job.key] <= job.deadline_s < after[job.key])
+        return predicted, broken

@@ -484,7 +484,11 @@ class Token2WavRunner:
         out: list[torch.Tensor | None] = [None] * len(items)
         groups: dict[tuple[int, bool], list[int]] = {}
         for i, mel in enumerate(inputs):
-            groups.setdefault((mel.shape[-1], items[i][0].source_cache is None), []).append(i)
+            st, new_mel, final = items[i]
+            if self._defers(st, mel, final):
+                out[i] = self._defer(st, mel, new_mel.shape[-1])
+                continue
+            groups.setdefault((mel.shape[-1], st.source_cache is None), []).append(i)
         for members in groups.values():
             for part in range(0, len(members), REPLAY_ROWS):
                 idx = members[part:part + REPLAY_ROWS]
@@ -493,6 +497,19 @@ class Token2WavRunner:
                     st, _, final = items[i]
                     out[i] = self._continue(st, inputs[i], wavs[j], sources[j], final)
         return out  # type: ignore[return-value]
+
+    @staticmethod
+    def _defers(st: Token2WavState, mel: torch.Tensor, final: bool) -> bool:
+        """Is this a stream's first vocoder input, not its last, and shorter than the overlap it must withhold
+        (MEL_CACHE_FRAMES: a first chunk of fewer than 4 tokens)? Cross-fading needs a whole overlap's tail."""
+        return not final and st.source_cache is None and mel.shape[-1] < MEL_CACHE_FRAMES
+
+    def _defer(self, st: Token2WavState, mel: torch.Tensor, new_frames: int) -> torch.Tensor:
+        """Keep a too-short first vocoder input for the next call, which vocodes it with its own frames as the
+        stream's first call (the same audio as one longer first chunk); this chunk's audio is empty."""
+        st.mel_cache = mel
+        st.frames_done += new_frames  # _noise counts the kept frames from the stream's start
+        return torch.zeros(0, device=mel.device, dtype=torch.float32)
 
     def _vocoder_input(self, st: Token2WavState, mel: torch.Tensor) -> torch.Tensor:
         mel = mel.to(self.hift.conv_pre.weight.dtype)

@@ -52,6 +52,8 @@ class Voicing:
         self.added_total = 0  # requests the engine thread has taken in (views count them)
         self._published_at = -math.inf
         self._worker_free_at = 0.0  # the cost model's prediction for the batch on the worker
+        self._phase_costs: list[float] = []  # ... of its phases not yet back (the first is running)
+        self._phase_started = 0.0  # when its running phase began
         self.misses: dict[tuple[str, str], tuple[int, float]] = {}  # (kind, stage) -> (count, seconds late)
         self.first_audio_predicted_s = 0.0  # sums over first chunks of admitted requests with a prediction
         self.first_audio_measured_s = 0.0
@@ -91,7 +93,10 @@ class Voicing:
             missing_tokens=max(0, seg.planner.tokens_needed() - n), next_final=next_final,
             final_waits=not first and done and not seg.planner.finished and next_final,
             lm_done=done, opened=opened, first_ready_s=req.t_first_ready,
-            needs_slot=not opened and self.t2w.needs_slot(seg.inputs, start_tokens))
+            needs_slot=not opened and self.t2w.needs_slot(seg.inputs, start_tokens),
+            lm_pending=seg is lm_seg and seg.lm_status == LMStatus.pending, slot_since_s=seg.t_slot,
+            row_since_s=lm_seg.t_row if lm_seg is not None and lm_seg.slot >= 0 else None,
+            lm_tokens=len(lm_seg.tokens) if lm_seg is not None else 0, lm_expected_tokens=req.force_tokens)
         if view.ready and opened and not next_final:
             view.ode_key_of = lambda: self._ode_key(seg, n, done)
         view.opens_ahead = (view.needs_slot and seg.bistream is None and not is_planned
@@ -118,7 +123,9 @@ class Voicing:
             worker=None if worker is None else WorkerView(
                 busy=self._in_flight is not None, first_keys=frozenset(self._first_in_flight),
                 preempt_asked=worker.preempt.is_set(), dry_asked=worker.dry.is_set(),
-                started_s=now, predicted_s=max(0.0, self._worker_free_at - now) if self._in_flight else 0.0),
+                started_s=now, predicted_s=max(0.0, self._worker_free_at - now) if self._in_flight else 0.0,
+                phase_end_s=self._phase_started + self._phase_costs[0] if self._in_flight and self._phase_costs
+                else None),
             free_lm_slots=len(self.free_slots), lm_slots=self.lm_runner.max_slots, lm_waiting=len(self.waiting),
             added=self.added_total)
         return engine, by_key
@@ -186,7 +193,9 @@ class Voicing:
         if self._chunks is not None:
             self._in_flight = batch
             self._first_in_flight = {id(job.req) for job in batch if job.req.is_first_chunk and job.plan is not None}
-            self._worker_free_at = now + self._predict_s(batch)
+            self._phase_costs = [self._predict_s(phase) for phase in phases]
+            self._phase_started = now
+            self._worker_free_at = now + sum(self._phase_costs)
             self._chunks.submit(phases)
             return
         for i, phase in enumerate(phases):  # inline: riders of phase i + 1 join it (run_jobs)
@@ -201,10 +210,11 @@ class Voicing:
                 end = time.perf_counter()
                 self._chunks_done(ChunksDone(part, results, error, end, end - t0, True, kind=kind))
 
-    def _predict_s(self, jobs: list[ChunkJob]) -> float:
-        cost = self.scheduler.cost
-        return sum(cost.chunk_s("first" if job.first else "final" if job.plan is not None and job.plan.is_final
-                                else "chunks") for job in jobs if job.plan is not None)
+    def _predict_s(self, phase: list[ChunkJob]) -> float:
+        """The cost model's seconds for one phase (phase_kind) of a batch."""
+        voiced = [job for job in phase if job.plan is not None]
+        kind = phase_kind(voiced) if voiced else "open"
+        return 0.0 if kind == "open" else self.scheduler.cost.phase_s(kind, len(voiced))
 
     def _open_streams(self, opens: list[list[int]], by_key: dict[int, RequestState]) -> None:
         """Hand the idle worker a batch that only opens streams (ahead of their first chunk)."""
@@ -214,6 +224,7 @@ class Voicing:
         self._in_flight = [job for phase in phases for job in phase]
         self._first_in_flight = set()
         self._worker_free_at = time.perf_counter()
+        self._phase_costs = []
         self._chunks.submit(phases)
 
     def _maybe_preempt(self, now: float) -> None:
@@ -284,7 +295,14 @@ class Voicing:
             return
         if any(job.seg is seg for job in (self._in_flight or []) + self._returned):
             return  # released once that chunk is voiced (_job_done)
+        self._slot_released(seg)
         self._t2w_later(self.t2w.release, seg.t2w)
+
+    def _slot_released(self, seg: Segment) -> None:
+        """A stream gives its flow slot back at the end of its work: the cost model learns the hold."""
+        if seg.t_slot is not None:
+            self.scheduler.cost.observe_slot_hold(time.perf_counter() - seg.t_slot)
+            seg.t_slot = None
 
     def _open_args(self, req: RequestState, seg: Segment) -> dict:
         return dict(inputs=seg.inputs, voice_key=req.voice_key, key=(req.request_id, req.audio_index),
@@ -312,12 +330,16 @@ class Voicing:
             done = {id(job) for job in jobs}
             self._in_flight = [job for job in self._in_flight if id(job) not in done]
             self._first_in_flight -= {id(job.req) for job in jobs}
-            self._worker_free_at = now + self._predict_s(self._in_flight)
+            self._phase_costs = self._phase_costs[1:]
+            self._phase_started = now
+            self._worker_free_at = now + sum(self._phase_costs)
         self.t2w_chunks += len(voiced)
         for job in jobs:  # streams the batch opened belong to their segments now (or are given back)
             if job.open_args is not None and job.state is not None:
                 if job.req.request_id in self.requests and not job.req.cancelled:
                     job.seg.t2w = job.state
+                    job.seg.t_slot = now if self.t2w.needs_slot(job.seg.inputs, self._start_tokens(job.req, job.seg)) \
+                        else None
                 else:
                     self.t2w.release(job.state)
         if self._in_flight is None:
@@ -382,6 +404,8 @@ class Voicing:
     def _emit(self, req: RequestState, seg: Segment, is_final: bool, pcm: np.ndarray, flow_s: float,
               vocoder_s: float, now: float) -> None:
         t = req.times
+        if pcm.shape[0] == 0 and not is_final:  # audio withheld for the next chunk: the client has nothing yet
+            return
         self._count_miss(req, is_final, now)
         if req.is_first_chunk:
             t.first_chunk_flow_s, t.first_chunk_vocoder_s = flow_s, vocoder_s
@@ -394,6 +418,9 @@ class Voicing:
         last = is_final and req.audio_index == len(req.segments) - 1
         if is_final:
             t.num_tokens += len(seg.tokens)
+            if not seg.text_stream:  # (a text stream's length is its client's)
+                self.scheduler.cost.observe_lm_tokens(len(seg.tokens))
+            self._slot_released(seg)  # held to the end where final chunks run in the slot
             seg.t2w = None
             req.audio_index += 1
         if last:
@@ -427,6 +454,7 @@ class Voicing:
             if seg.t2w is not None:  # its flow slot comes back after the batch on the worker, if any
                 self._t2w_later(self.t2w.release, seg.t2w)
             seg.t2w = None
+            seg.t_slot = None
         self.requests.pop(req.request_id, None)
         if req in self.waiting:
             self.waiting.remove(req)

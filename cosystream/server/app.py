@@ -59,17 +59,22 @@ DESCRIPTION = """Streaming CosyVoice2 text-to-speech.
 class BodyLimitMiddleware:
     """413 for request bodies over `max_bytes`, checked on Content-Length and again while reading
     (chunked uploads have no length), so an oversized upload is never buffered whole.
-    Also stamps the arrival time used for first-audio latency."""
+    Also stamps the arrival time used for first-audio latency, and tells the client how long the server
+    took from that arrival to the start of its response (`Server-Timing: app;dur=<ms>`): a client loaded with
+    streams can tell its own event loop's lag from the server's. Refusals (503, 429) are also timed in
+    `cosystream_refusal_seconds`."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, metrics: Any = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] in ("http", "websocket"):
             scope.setdefault("state", {})["t_arrival"] = time.perf_counter()
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        send = self._timed(scope["state"]["t_arrival"], send)
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             return await self._too_large().response()(scope, receive, send)
@@ -85,6 +90,20 @@ class BodyLimitMiddleware:
             return message
 
         await self.app(scope, limited_receive, send)
+
+    def _timed(self, t_arrival: float, send: Send) -> Send:
+        async def timed_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                elapsed = time.perf_counter() - t_arrival
+                headers = list(message.get("headers", []))
+                headers.append((b"server-timing", f"app;dur={elapsed * 1000:.3f}".encode()))
+                message = {**message, "headers": headers}
+                status = message.get("status")
+                if self.metrics is not None and status in (429, 503):
+                    self.metrics.refusal.labels(str(status)).observe(elapsed)
+            await send(message)
+
+        return timed_send
 
     def _too_large(self) -> ApiError:
         return ApiError(413, "payload_too_large", f"body: larger than the limit of {self.max_bytes} bytes")
@@ -150,7 +169,7 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> FastAPI:
     app = FastAPI(title="cosystream", version="0.1.0", description=DESCRIPTION, lifespan=_lifespan)
     app.state.server = ServerState(engine, settings)
     install_handlers(app)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_upload_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_upload_bytes, metrics=app.state.server.metrics)
     exempt_paths = settings.auth_exempt_paths
     if settings.playground:  # the page is public; the API calls it makes carry the user's key
         playground_files = asset_files()

@@ -29,6 +29,8 @@ STAGES = {"queue_s": "queue", "frontend_s": "frontend", "llm_prefill_s": "llm_pr
           "first_chunk_vocoder_s": "first_chunk_vocoder", "first_audio_s": "first_audio", "total_s": "total"}
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0,
                      30.0, 60.0)
+REFUSAL_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
+ERROR_BUCKETS_S = (-1.0, -0.5, -0.25, -0.1, -0.05, -0.025, 0.0, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 RTF_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
 
 
@@ -47,6 +49,12 @@ class ServerMetrics:
         self.audio_seconds = Counter("cosystream_audio_seconds", "seconds of audio produced", registry=r)
         self.active_streams = Gauge("cosystream_active_streams", "synthesis responses being streamed now",
                                     ["endpoint"], registry=r)
+        self.refusal = Histogram("cosystream_refusal_seconds", "request arrival to the start of a 503/429 "
+                                 "refusal being written (admission's answer time at the server)", ["status"],
+                                 buckets=REFUSAL_BUCKETS_S, registry=r)
+        self.first_audio_error = Histogram(
+            "cosystream_first_audio_prediction_error_seconds", "measured minus predicted first audio of each "
+            "admitted request (positive: admission was optimistic)", buckets=ERROR_BUCKETS_S, registry=r)
         self.unauthorized = Counter("cosystream_unauthorized", "requests refused for a missing or wrong API key",
                                     registry=r)
         r.register(_EngineCollector(engine))
@@ -63,6 +71,9 @@ class ServerMetrics:
             value = getattr(times, field, None)
             if isinstance(value, (int, float)):
                 self.stages.labels(stage).observe(value)
+        predicted = getattr(times, "predicted_first_audio_s", None)
+        if isinstance(predicted, (int, float)) and times.first_audio_s > 0:
+            self.first_audio_error.observe(times.first_audio_s - predicted)
         audio_s = getattr(times, "audio_s", 0.0)
         if audio_s > 0:
             self.audio_seconds.inc(audio_s)

@@ -119,6 +119,8 @@ class StageTimes(BaseModel):
     num_tokens: int = 0
     audio_s: float = 0.0
     rtf: float | None = None
+    predicted_first_audio_s: float | None = Field(
+        None, description="the engine admission's prediction of first_audio_s (null: admission off)")
 
 
 class StartedEvent(BaseModel):

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from cosystream.engine import costs
 from cosystream.engine import scheduler as sched
 from cosystream.engine.scheduler import CostModel, EngineView, JobView, Preempt, Scheduler, StreamView, WorkerView
 
@@ -308,11 +309,15 @@ def test_admission_predicts_the_first_audio_from_the_decode_step_and_the_chunks_
     verdict = s.admit(_view(_later("a", 5.0, ready=False), free_lm_slots=4, lm_slots=8), NOW, 30)
     assert verdict.admitted
     assert verdict.predicted_first_audio_s == pytest.approx(30 * 0.01 + 0.1)
-    # twelve first chunks ahead of it, ready now (earlier deadlines): the worker is free at 1.2 s, then its own
+    # twelve first chunks ahead of it, ready now: voiced together in one phase (measured at one size only:
+    # PRIOR_FIXED_SHARE of it per call), which ends after its tokens are there; then its own phase
+    fixed, per = 0.1 * costs.PRIOR_FIXED_SHARE, 0.1 * (1 - costs.PRIOR_FIXED_SHARE)
     crowd = [_first(f"f{i}", ready=True) for i in range(12)]
-    refused = s.admit(_view(*crowd, free_lm_slots=4, lm_slots=8), NOW, 30)
+    burst = s.admit(_view(*crowd, free_lm_slots=4, lm_slots=8), NOW, 30)
+    assert burst.predicted_first_audio_s == pytest.approx(fixed + 12 * per + 0.1)
+    assert fixed + 12 * per > 30 * 0.01  # (the newcomer's tokens come while that phase runs)
+    refused = Scheduler(s.cost, budget_s=0.4).admit(_view(*crowd, free_lm_slots=4, lm_slots=8), NOW, 30)
     assert not refused.admitted and "budget" in refused.reason
-    assert refused.predicted_first_audio_s == pytest.approx(0.1 * 13)
     assert refused.retry_after_s >= 1.0
     # streams admitted since the view count as newcomers ahead of it
     assert not s.admit(_view(_later("a", 5.0, ready=False), free_lm_slots=4, lm_slots=8), NOW, 30,
@@ -353,10 +358,11 @@ def test_admission_waits_for_a_flow_slot_when_the_pool_is_taken():
     late = s.admit(_view(*waiting, free_slots=14, flow_slots=28, free_lm_slots=4, lm_slots=64), NOW, 30,
                    pending_new=8)
     assert not late.admitted and late.predicted_first_audio_s > 8 * 4.0 / 28
-    # free slots (or no pool): the LM side alone, as before
+    # free slots (or no pool): the thirteen first chunks go at once in one phase, the newcomer's after it
+    fixed, per = 0.1 * costs.PRIOR_FIXED_SHARE, 0.1 * (1 - costs.PRIOR_FIXED_SHARE)
     for free in (28, None):
         verdict = s.admit(_view(*waiting, free_slots=free, flow_slots=28, free_lm_slots=4, lm_slots=64), NOW, 30)
-        assert verdict.admitted and verdict.predicted_first_audio_s == pytest.approx(30 * 0.01 + 0.1)
+        assert verdict.admitted and verdict.predicted_first_audio_s == pytest.approx(fixed + 13 * per + 0.1)
     # no stream has held its row yet: no prediction of the slot queue, refused rather than queued
     unmeasured = Scheduler(_cost(step_s=0.01, first_s=0.1), budget_s=1.0).admit(taken, NOW, 30)
     assert not unmeasured.admitted and unmeasured.retry_after_s == sched.MAX_RETRY_AFTER_S
@@ -385,9 +391,11 @@ def test_the_cost_model_learns_each_kind_and_final_passes_from_paused_phases():
     cost.observe_step(0.004)
     cost.observe_step(1.0)  # an idle gap, not a step
     assert cost.decode_step_s == pytest.approx(0.004)
-    cost.observe_phase("chunks", 4, 0.2)
-    assert cost.chunk_s("chunks") == pytest.approx(0.05)
-    assert cost.chunk_s("first") == pytest.approx(0.05)  # unmeasured: the other chunk kind stands in
+    cost.observe_phase("chunks", 4, 0.2)  # one phase size seen: the prior split of its cost
+    assert cost.phase_s("chunks", 4) == pytest.approx(0.2)
+    assert cost.phase_line("chunks") == pytest.approx((0.2 * costs.PRIOR_FIXED_SHARE,
+                                                       0.2 * (1 - costs.PRIOR_FIXED_SHARE) / 4))
+    assert cost.phase_s("first", 4) == pytest.approx(0.2)  # unmeasured: the other chunk kind stands in
     cost.observe_phase("final", 0, 0.3)  # paused between Euler steps: its time counts for the passes after
     cost.observe_phase("final", 2, 0.1)
     assert cost.final_pass_s() == pytest.approx((0.9 * 0.3 + 0.1) / 2)

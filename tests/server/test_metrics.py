@@ -103,3 +103,28 @@ def test_scheduler_counters_carry_kind_and_stage_labels():
     assert value(samples, "cosystream_admission_total", decision="refused") == 3
     assert value(samples, "cosystream_first_audio_measured_seconds_total") == 1.8
     assert value(samples, "cosystream_first_audio_predictions_total") == 7
+
+
+def test_each_admitted_request_s_prediction_error_is_observed():
+    from cosystream.outputs import StageTimes
+    from cosystream.server.metrics import ServerMetrics
+
+    class Engine:
+        def stats(self) -> dict:
+            return {}
+
+    metrics = ServerMetrics(Engine())
+    metrics.observe_done("tts", StageTimes(first_audio_s=0.30, total_s=1.0, audio_s=2.0,
+                                           predicted_first_audio_s=0.22), 0.31)
+    metrics.observe_done("tts", StageTimes(first_audio_s=0.10, total_s=1.0, audio_s=2.0,
+                                           predicted_first_audio_s=0.17), 0.11)
+    metrics.observe_done("tts", StageTimes(first_audio_s=0.10, total_s=1.0, audio_s=2.0), 0.11)  # no prediction
+    samples = {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+               for family in text_string_to_metric_families(metrics.render().decode())
+               for sample in family.samples}
+    assert value(samples, "cosystream_first_audio_prediction_error_seconds_count") == 2
+    # one optimistic by 0.08 s, one pessimistic by 0.07 s
+    assert value(samples, "cosystream_first_audio_prediction_error_seconds_bucket", le="-0.1") == 0
+    assert value(samples, "cosystream_first_audio_prediction_error_seconds_bucket", le="-0.05") == 1
+    assert value(samples, "cosystream_first_audio_prediction_error_seconds_bucket", le="0.05") == 1
+    assert value(samples, "cosystream_first_audio_prediction_error_seconds_bucket", le="0.1") == 2

@@ -135,3 +135,13 @@ def test_a_bad_prompt_recording_is_an_error_event(live, after_start, status, cod
     error = events[-1]
     assert error["type"] == "error" and error["error"]["code"] == code and message in error["error"]["message"]
     assert close_code == status and frames == []
+
+
+@pytest.mark.parametrize(("tokens", "first_hop"), [(1, None), (2, None), (6, 1)])
+def test_a_stream_of_a_few_tokens_or_a_tiny_first_hop_is_whole(live, tokens, first_hop):
+    start = {"type": "start", "voice": VOICE, "force_tokens": tokens, "response_format": "pcm", "text": "Hi."}
+    if first_hop is not None:
+        start["first_hop"] = first_hop
+    events, frames, close_code = run_session(live.ws_url + "/v1/tts/stream", [start, {"type": "end"}])
+    assert close_code == 1000 and events[-1]["type"] == "done", events[-1]
+    assert decode(b"".join(frames), "pcm").shape == (tokens * SAMPLES_PER_TOKEN,)
