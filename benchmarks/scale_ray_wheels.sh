@@ -14,6 +14,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RAY_VERSION=${RAY_VERSION:-2.60.0}
+# grpcio-reflection's generated code refuses a grpcio older than its own version: match the image's grpcio (1.84.0)
+GRPC_VERSION=${GRPC_VERSION:-1.84.0}
 BUNDLE=.whl_ray/ray_site.tar.xz
 # installed in the device image (/work/.library/device/KINDS.md, "Python packages already there"): not carried
 HAVE="aiohttp aiohappyeyeballs aiosignal annotated_types anyio attrs certifi charset_normalizer click cloudpickle
@@ -37,7 +39,7 @@ bundle)
   PLAT=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any)
   for n in 5 17 24 27 28 31 34 35; do PLAT+=(--platform "manylinux_2_${n}_x86_64"); done
   python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp "${PLAT[@]}" \
-    -d "$stage/wheels" "ray[serve]==$RAY_VERSION"
+    -d "$stage/wheels" "ray[serve]==$RAY_VERSION" "grpcio-reflection==$GRPC_VERSION"
   for wheel in "$stage"/wheels/*.whl; do
     name=$(basename "$wheel" | cut -d- -f1 | tr 'A-Z.-' 'a-z__')
     if grep -qw "$name" <<< "$HAVE"; then rm "$wheel"; fi
@@ -53,6 +55,10 @@ install)
   if [ ! -d /tmp/site_ray/ray ]; then
     [ -f "$BUNDLE" ] || { echo "scale_ray_wheels.sh: $BUNDLE is missing: carry .whl_ray (made by 'bundle')" >&2; exit 1; }
     python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1], "r:xz").extractall(sys.argv[2])' "$BUNDLE" /tmp/site_ray
+    # wheels beside the bundle replace its copies (a bundle made before a version pin changed)
+    if compgen -G ".whl_ray/*.whl" > /dev/null; then
+      python3 -m pip install -q --no-deps --no-index --upgrade --target /tmp/site_ray .whl_ray/*.whl
+    fi
   fi
   PYTHONPATH=/tmp/site_ray:${PYTHONPATH:-} python3 -c "import ray, ray.serve; print('ray', ray.__version__)"
   ;;
