@@ -135,6 +135,9 @@ class CV3Token2WavRunner:
         return blocks
 
     def opened(self) -> None:
+        """A batch that only opened streams: wait for its work (this thread's stream) so its stage times
+        can be read."""
+        self._sync()
         self.watch.settle()
 
     def release(self, state: CV3Token2WavState) -> None:
@@ -267,6 +270,7 @@ class CV3Token2WavRunner:
                 state.finished = True
                 self._leave_pool(state, keep_state=False)
             results.append((wav[0].float().cpu().numpy(), f_s, v_s))
+        self._sync()  # the laps' events are read next (a batch may have voiced nothing to copy)
         self.watch.settle()
         return results
 
