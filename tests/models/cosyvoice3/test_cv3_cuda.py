@@ -63,7 +63,7 @@ def test_bf16_decode_distributions_close_to_the_official(cv3_checkpoint, cv3_loa
     assert float(tv.max()) < 0.05
 
 
-# vc_long on CUDA: every call's mel is within MEL_ATOL, and the vocoder on the official mels is exact (next test),
+# vc_long on CUDA: every call's mel is within MEL_ATOL, and the vocoder fed the official mels passes (next test),
 # yet 4 of 96,000 samples of the 8.4 s stream end 7.0e-3 (H100) and 7.4e-3 (H200) off: the CUDA mel differences,
 # larger than the CPU's 6.9e-6 that README §C3's audio tolerance was measured with, move f0, and the float32
 # source phase integrates that over seconds. Expected to fail until the phase is carried so that it cannot drift.
