@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -158,7 +159,8 @@ def main() -> None:
     tol = args.tol if args.tol is not None else (1e-5 if dtype == torch.float32 else 0.05)
     audio_tol = args.audio_tol if args.audio_tol is not None else (1e-4 if dtype == torch.float32 else 0.1)
     flow, hift = build(args, device, dtype)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = os.environ.get("COSYSTREAM_COMMIT") or subprocess.run(  # the device's copy has a stale .git
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"CosyVoice3 {args.size} flow per chunk, pooled fast path vs eager · {name} · {args.dtype} · "
           f"prompt {args.prompt_tokens} · {args.tokens} tokens · graphs {not args.no_graphs} · commit {commit}\n")

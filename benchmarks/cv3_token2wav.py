@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import tempfile
 import time
@@ -110,7 +111,8 @@ def main() -> None:
                 floor_ms = dit_flops(hp, computed, keys) / (args.peak_tflops * 1e12) * 1e3
                 rows.append((call.num_tokens, call.token_offset, call.finalize, new, dit_ms, floor_ms, voc_ms,
                              official_ms))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = os.environ.get("COSYSTREAM_COMMIT") or subprocess.run(  # the device's copy has a stale .git
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"CosyVoice3 {args.size} token2wav per chunk · {name} · {args.dtype} · prompt {args.prompt_tokens} · "
           f"{args.tokens} tokens · commit {commit}\n")
