@@ -13,9 +13,10 @@ import ast
 import json
 import operator
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
@@ -437,36 +438,37 @@ def _mel_dims(r: _Reader) -> MelDims:
     )
 
 
-def _stream_fields(r: _Reader) -> dict[str, Any]:
-    """The top-level rates and chunk size that both families' `HParams` open with."""
-    return dict(
+_HP = TypeVar("_HP", "HParams", "CV3HParams")
+
+
+def _read_release(yaml_path: Path, qwen_config_path: Path, make: Callable[..., _HP], family: str,
+                  llm: Callable[[_Reader, dict[str, Any]], LLMDims], flow: Callable[[_Reader], Any],
+                  hift: Callable[[_Reader], Any]) -> tuple[_HP, _Reader]:
+    """Both families' hparams: the yaml's rates, then `llm`, `flow` and `hift` (the family's readers of
+    those sections) and the mel settings, in that order; the rates checked. Returns (hparams, reader)."""
+    data = read_hyperpyyaml(yaml_path, overrides={"qwen_pretrain_path": str(qwen_config_path.parent)})
+    r = _Reader(yaml_path.name, data)
+    hp = make(
+        version=family.lower(),
         sample_rate=r.num("sample_rate"),
         token_frame_rate=r.num("token_frame_rate", default=25),
         token_mel_ratio=r.num("token_mel_ratio", default=2),
         chunk_size=r.num("chunk_size", default=25),
+        llm=llm(r, _qwen_config(qwen_config_path)),
+        flow=flow(r),
+        hift=hift(r),
+        mel=_mel_dims(r),
     )
-
-
-def _check_rates(r: _Reader, sample_rate: int, token_mel_ratio: int, family: str) -> None:
-    if sample_rate != 24000 or token_mel_ratio != 2:
+    if hp.sample_rate != 24000 or hp.token_mel_ratio != 2:
         raise CheckpointError(
-            f"{r.file}: sample_rate {sample_rate} / token_mel_ratio {token_mel_ratio} unsupported "
+            f"{r.file}: sample_rate {hp.sample_rate} / token_mel_ratio {hp.token_mel_ratio} unsupported "
             f"({family} uses 24000 / 2)")
+    return hp, r
 
 
 def load_hparams(yaml_path: Path, qwen_config_path: Path) -> HParams:
     """Read the model's yaml and the Qwen2 config into an `HParams`; errors name the file and key."""
-    data = read_hyperpyyaml(yaml_path, overrides={"qwen_pretrain_path": str(qwen_config_path.parent)})
-    r = _Reader(yaml_path.name, data)
-    hp = HParams(
-        version="cosyvoice2",
-        **_stream_fields(r),
-        llm=_llm_dims(r, _qwen_config(qwen_config_path)),
-        flow=_flow_dims(r),
-        hift=_hift_dims(r),
-        mel=_mel_dims(r),
-    )
-    _check_rates(r, hp.sample_rate, hp.token_mel_ratio, "CosyVoice2")
+    hp, _ = _read_release(yaml_path, qwen_config_path, HParams, "CosyVoice2", _llm_dims, _flow_dims, _hift_dims)
     return hp
 
 
@@ -592,17 +594,8 @@ def _cv3_hift_dims(r: _Reader) -> CausalHiftDims:
 
 def load_hparams_cv3(yaml_path: Path, qwen_config_path: Path) -> CV3HParams:
     """Read `cosyvoice3.yaml` and the Qwen2 config into a `CV3HParams`; errors name the file and key."""
-    data = read_hyperpyyaml(yaml_path, overrides={"qwen_pretrain_path": str(qwen_config_path.parent)})
-    r = _Reader(yaml_path.name, data)
-    hp = CV3HParams(
-        version="cosyvoice3",
-        **_stream_fields(r),
-        llm=_cv3_llm_dims(r, _qwen_config(qwen_config_path)),
-        flow=_cv3_flow_dims(r),
-        hift=_cv3_hift_dims(r),
-        mel=_mel_dims(r),
-    )
-    _check_rates(r, hp.sample_rate, hp.token_mel_ratio, "CosyVoice3")
+    hp, r = _read_release(yaml_path, qwen_config_path, CV3HParams, "CosyVoice3", _cv3_llm_dims, _cv3_flow_dims,
+                          _cv3_hift_dims)
     if hp.flow.input_size != hp.flow.output_size or hp.flow.dit.mel_dim != hp.flow.output_size:
         raise CheckpointError(f"{r.file}: flow input_size {hp.flow.input_size}, output_size "
                               f"{hp.flow.output_size} and DiT mel_dim {hp.flow.dit.mel_dim} must agree")
