@@ -137,13 +137,15 @@ class SpeechLM(nn.Module):
     # ------------------------------------------------------------------ input assembly (spec/llm.md §3)
     def embed_prompt(self, text_ids: torch.Tensor, speech_tokens: torch.Tensor,
                      prompt_text_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """[SOS] ⊕ E_text(T_p ⊕ T) ⊕ [TASK_ID] ⊕ E_speech(S_p) -> [L0, d] (1-D id tensors in)."""
-        dev = self.llm_embedding.weight.device
+        """[SOS] ⊕ E_text(T_p ⊕ T) ⊕ [TASK_ID] ⊕ E_speech(S_p) -> [L0, d] (1-D id tensors in); the SOS and
+        TASK_ID rows are `special_rows()` (a subclass places them elsewhere)."""
+        dev = self.speech_embedding.weight.device
         ids = text_ids if prompt_text_ids is None else torch.cat([prompt_text_ids, text_ids])
+        sos, task = self.special_rows()
         return torch.cat([
-            self.llm_embedding.weight[0:1],
+            sos[None],
             self.text_embedding(ids.to(dev, torch.long)),
-            self.llm_embedding.weight[1:2],
+            task[None],
             self.speech_embedding(speech_tokens.to(dev, torch.long)),
         ])
 

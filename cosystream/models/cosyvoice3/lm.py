@@ -96,14 +96,7 @@ class CosyVoice3LM(SpeechLM):
             raise ValueError("<|endofprompt|> not detected in CosyVoice3 text or prompt_text: CosyVoice3 "
                              "needs it in the prompt text (or, without a prompt, at the end of the "
                              "system prefix of the target text)")
-        dev = self.speech_embedding.weight.device
-        special = self.speech_embedding.weight
-        return torch.cat([
-            special[self.sos:self.sos + 1],
-            self.text_embedding(ids.to(dev, torch.long)),
-            special[self.task_id:self.task_id + 1],
-            self.speech_embedding(speech_tokens.to(dev, torch.long)),
-        ])
+        return super().embed_prompt(ids, speech_tokens)
 
     def sampler_scores(self, logp: torch.Tensor, step: int, min_len: int) -> torch.Tensor:
         """What the official sampler receives at `step`: logp with the `ignore_eos` index at −inf
