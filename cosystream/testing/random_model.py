@@ -8,19 +8,21 @@ half a gigabyte and only run once per registered voice, outside the hot path.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from cosystream.checkpoint.hparams import load_hparams
 from cosystream.models.qwen2 import official_keys
-from cosystream.testing.onnx_standins import write_campplus, write_speech_tokenizer
 from cosystream.testing.release_layout import (
     byte_vocab,
     llm_shapes,
     random_llm_state,
+    reseed_torch,
+    start_model_dir,
     write_byte_bpe_tokenizer,
+    write_side_models,
+    write_yaml_and_qwen_config,
 )
 from cosystream.testing.release_layout import unfold_weight_norm as _unfold_weight_norm
 from cosystream.testing.yaml_template import SIZES, qwen_config, render_yaml
@@ -30,23 +32,16 @@ _SPECIAL_TEXT_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 def random_checkpoint(out_dir: str | Path, size: str = "tiny", seed: int = 0) -> Path:
     """Create `out_dir` (must not already hold a model) and return it."""
-    if size not in SIZES:
-        raise ValueError(f"size: one of {sorted(SIZES)}, got {size!r}")
-    out = Path(out_dir)
-    if (out / "cosyvoice2.yaml").exists():
-        raise FileExistsError(f"{out}: already holds a model (cosyvoice2.yaml exists)")
-    (out / "CosyVoice-BlankEN").mkdir(parents=True, exist_ok=True)
+    out = start_model_dir(out_dir, size, SIZES, ("cosyvoice2.yaml",))
     dims = SIZES[size]
-    (out / "cosyvoice2.yaml").write_text(render_yaml(dims))
-    _write_tokenizer(out / "CosyVoice-BlankEN", dims.text_vocab)
-    (out / "CosyVoice-BlankEN" / "config.json").write_text(json.dumps(qwen_config(dims), indent=2))
-    hp = load_hparams(out / "cosyvoice2.yaml", out / "CosyVoice-BlankEN" / "config.json")
+    yaml_path, config = write_yaml_and_qwen_config(out, "cosyvoice2.yaml", render_yaml(dims), qwen_config(dims),
+                                                   lambda folder: _write_tokenizer(folder, dims.text_vocab))
+    hp = load_hparams(yaml_path, config)
     gen = torch.Generator().manual_seed(seed)
     torch.save(_llm_state(hp.llm, gen), out / "llm.pt")
     torch.save(_module_state("flow", hp, gen), out / "flow.pt")
     torch.save(_module_state("hift", hp, gen), out / "hift.pt")
-    write_speech_tokenizer(out / "speech_tokenizer_v2.onnx", seed)
-    write_campplus(out / "campplus.onnx", seed)
+    write_side_models(out, "speech_tokenizer_v2.onnx", seed)
     return out
 
 
@@ -55,7 +50,7 @@ def _llm_state(dims, gen: torch.Generator) -> dict[str, torch.Tensor]:
 
 
 def _module_state(which: str, hp, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+    reseed_torch(gen)
     if which == "flow":
         from cosystream.models.flow import Flow
 

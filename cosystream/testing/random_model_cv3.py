@@ -8,7 +8,6 @@ real ids (`<|endofprompt|>` = 151646, which the LM requires); the vocabulary row
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,13 +18,16 @@ from cosystream.models.cosyvoice3.flow import CV3Flow
 from cosystream.models.cosyvoice3.hift import CausalHiFT
 from cosystream.models.cosyvoice3.lm import official_keys
 from cosystream.models.hift import is_weight_norm_key
-from cosystream.testing.onnx_standins import write_campplus, write_speech_tokenizer
 from cosystream.testing.release_layout import (
     byte_vocab,
     llm_shapes,
     random_llm_state,
+    reseed_torch,
+    start_model_dir,
     unfold_weight_norm,
     write_byte_bpe_tokenizer,
+    write_side_models,
+    write_yaml_and_qwen_config,
 )
 from cosystream.testing.yaml_template import FamilyYaml, qwen_config, render_family_yaml
 
@@ -97,26 +99,17 @@ def qwen_config_cv3(size: CV3Size) -> dict:
 
 def random_checkpoint_cv3(out_dir: str | Path, size: str = "tiny", seed: int = 0) -> Path:
     """Create `out_dir` (must not already hold a model) and return it."""
-    if size not in SIZES_CV3:
-        raise ValueError(f"size: one of {sorted(SIZES_CV3)}, got {size!r}")
-    out = Path(out_dir)
-    for name in ("cosyvoice2.yaml", "cosyvoice3.yaml"):
-        if (out / name).exists():
-            raise FileExistsError(f"{out}: already holds a model ({name} exists)")
-    blank = out / "CosyVoice-BlankEN"
-    blank.mkdir(parents=True, exist_ok=True)
+    out = start_model_dir(out_dir, size, SIZES_CV3, ("cosyvoice2.yaml", "cosyvoice3.yaml"))
     dims = SIZES_CV3[size]
-    (out / "cosyvoice3.yaml").write_text(render_yaml_cv3(dims))
-    _write_tokenizer(blank)
-    (blank / "config.json").write_text(json.dumps(qwen_config_cv3(dims), indent=2))
-    hp = load_hparams_cv3(out / "cosyvoice3.yaml", blank / "config.json")
+    yaml_path, config = write_yaml_and_qwen_config(out, "cosyvoice3.yaml", render_yaml_cv3(dims),
+                                                   qwen_config_cv3(dims), _write_tokenizer)
+    hp = load_hparams_cv3(yaml_path, config)
     gen = torch.Generator().manual_seed(seed)
     torch.save(_llm_state(hp, gen), out / "llm.pt")
-    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+    reseed_torch(gen)
     torch.save({k: v.contiguous() for k, v in CV3Flow(hp.flow).state_dict().items()}, out / "flow.pt")
     torch.save(unfold_weight_norm(CausalHiFT(hp.hift).state_dict(), is_weight_norm_key), out / "hift.pt")
-    write_speech_tokenizer(out / "speech_tokenizer_v3.onnx", seed)
-    write_campplus(out / "campplus.onnx", seed)
+    write_side_models(out, "speech_tokenizer_v3.onnx", seed)
     return out
 
 

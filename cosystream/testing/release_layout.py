@@ -9,7 +9,45 @@ from pathlib import Path
 
 import torch
 
+from cosystream.testing.onnx_standins import write_campplus, write_speech_tokenizer
+
 ShapeOf = Callable[[str], tuple[int, ...]]
+
+TEXT_LM_DIR = "CosyVoice-BlankEN"  # the Qwen2 config and text tokenizer, beside the yaml
+
+
+def start_model_dir(out_dir: str | Path, size: str, sizes: Iterable[str], yaml_names: Iterable[str]) -> Path:
+    """Check `size`, refuse a folder that already holds a model (one of `yaml_names` exists), and create
+    the folder with its text-LM subfolder."""
+    if size not in sizes:
+        raise ValueError(f"size: one of {sorted(sizes)}, got {size!r}")
+    out = Path(out_dir)
+    for name in yaml_names:
+        if (out / name).exists():
+            raise FileExistsError(f"{out}: already holds a model ({name} exists)")
+    (out / TEXT_LM_DIR).mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def write_yaml_and_qwen_config(out: Path, yaml_name: str, yaml_text: str, qwen: dict,
+                               write_tokenizer: Callable[[Path], None]) -> tuple[Path, Path]:
+    """The model yaml, the text tokenizer and the Qwen2 `config.json`; returns (yaml path, config path)."""
+    (out / yaml_name).write_text(yaml_text)
+    write_tokenizer(out / TEXT_LM_DIR)
+    config = out / TEXT_LM_DIR / "config.json"
+    config.write_text(json.dumps(qwen, indent=2))
+    return out / yaml_name, config
+
+
+def reseed_torch(gen: torch.Generator) -> None:
+    """Seed torch's global generator from `gen` (the modules' own initialisers draw from it)."""
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+
+
+def write_side_models(out: Path, speech_tokenizer_name: str, seed: int) -> None:
+    """The two ONNX stand-ins: the speech tokenizer (`speech_tokenizer_name`) and CAM++."""
+    write_speech_tokenizer(out / speech_tokenizer_name, seed)
+    write_campplus(out / "campplus.onnx", seed)
 
 
 def llm_shapes(dims) -> ShapeOf:
