@@ -13,9 +13,10 @@ import ast
 import json
 import operator
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
@@ -333,6 +334,22 @@ def _speech_lm_dims(r: _Reader, qwen: dict[str, Any], target_suffix: str, width_
     )
 
 
+def _cfm_args(r: _Reader) -> dict[str, Any]:
+    """The flow decoder's `cfm_params` mapping (an `omegaconf.DictConfig` node or a plain mapping)."""
+    cfm = r.get("flow.decoder.cfm_params")
+    cfm_args = cfm.args.get("content", cfm.args) if isinstance(cfm, Tagged) else cfm
+    if not isinstance(cfm_args, dict):
+        raise CheckpointError(f"{r.file}: flow.decoder.cfm_params must be a mapping")
+    return cfm_args
+
+
+def _t_scheduler(r: _Reader, cfm_args: dict[str, Any]) -> str:
+    scheduler = str(cfm_args.get("t_scheduler", "cosine"))
+    if scheduler != "cosine":
+        raise CheckpointError(f"{r.file}: flow t_scheduler {scheduler!r} is not supported (only 'cosine')")
+    return scheduler
+
+
 def _flow_dims(r: _Reader) -> FlowDims:
     r.node("flow", target_suffix="CausalMaskedDiffWithXvec")
     r.node("flow.encoder", target_suffix="UpsampleConformerEncoder")
@@ -340,10 +357,7 @@ def _flow_dims(r: _Reader) -> FlowDims:
     channels = r.ints("flow.decoder.estimator.channels")
     if len(channels) != 1:
         raise CheckpointError(f"{r.file}: flow.decoder.estimator.channels must hold one width, got {channels}")
-    cfm = r.get("flow.decoder.cfm_params")
-    cfm_args = cfm.args.get("content", cfm.args) if isinstance(cfm, Tagged) else cfm
-    if not isinstance(cfm_args, dict):
-        raise CheckpointError(f"{r.file}: flow.decoder.cfm_params must be a mapping")
+    cfm_args = _cfm_args(r)
     encoder = EncoderDims(
         output_size=r.num("flow.encoder.output_size"),
         attention_heads=r.num("flow.encoder.attention_heads"),
@@ -362,9 +376,7 @@ def _flow_dims(r: _Reader) -> FlowDims:
         num_heads=r.num("flow.decoder.estimator.num_heads"),
         static_chunk_size=r.num("flow.decoder.estimator.static_chunk_size", default=50),
     )
-    scheduler = str(cfm_args.get("t_scheduler", "cosine"))
-    if scheduler != "cosine":
-        raise CheckpointError(f"{r.file}: flow t_scheduler {scheduler!r} is not supported (only 'cosine')")
+    scheduler = _t_scheduler(r, cfm_args)
     return FlowDims(
         input_size=r.num("flow.input_size"),
         output_size=r.num("flow.output_size"),
@@ -384,9 +396,14 @@ def _hift_dims(r: _Reader) -> HiftDims:
     r.node("hift", target_suffix="HiFTGenerator")
     if r.get("hift").target.endswith("CausalHiFTGenerator"):
         raise CheckpointError(f"{r.file}: CausalHiFTGenerator (CosyVoice3) is not supported yet")
+    return HiftDims(**_hift_fields(r))
+
+
+def _hift_fields(r: _Reader) -> dict[str, Any]:
+    """The `HiftDims` fields, read alike from the CosyVoice2 and the CosyVoice3 vocoder node."""
     dil = r.get("hift.resblock_dilation_sizes")
     sdil = r.get("hift.source_resblock_dilation_sizes")
-    return HiftDims(
+    return dict(
         in_channels=r.num("hift.in_channels"),
         base_channels=r.num("hift.base_channels"),
         nb_harmonics=r.num("hift.nb_harmonics"),
@@ -421,25 +438,37 @@ def _mel_dims(r: _Reader) -> MelDims:
     )
 
 
-def load_hparams(yaml_path: Path, qwen_config_path: Path) -> HParams:
-    """Read the model's yaml and the Qwen2 config into an `HParams`; errors name the file and key."""
+_HP = TypeVar("_HP", "HParams", "CV3HParams")
+
+
+def _read_release(yaml_path: Path, qwen_config_path: Path, make: Callable[..., _HP], family: str,
+                  llm: Callable[[_Reader, dict[str, Any]], LLMDims], flow: Callable[[_Reader], Any],
+                  hift: Callable[[_Reader], Any]) -> tuple[_HP, _Reader]:
+    """Both families' hparams: the yaml's rates, then `llm`, `flow` and `hift` (the family's readers of
+    those sections) and the mel settings, in that order; the rates checked. Returns (hparams, reader)."""
     data = read_hyperpyyaml(yaml_path, overrides={"qwen_pretrain_path": str(qwen_config_path.parent)})
     r = _Reader(yaml_path.name, data)
-    hp = HParams(
-        version="cosyvoice2",
+    hp = make(
+        version=family.lower(),
         sample_rate=r.num("sample_rate"),
         token_frame_rate=r.num("token_frame_rate", default=25),
         token_mel_ratio=r.num("token_mel_ratio", default=2),
         chunk_size=r.num("chunk_size", default=25),
-        llm=_llm_dims(r, _qwen_config(qwen_config_path)),
-        flow=_flow_dims(r),
-        hift=_hift_dims(r),
+        llm=llm(r, _qwen_config(qwen_config_path)),
+        flow=flow(r),
+        hift=hift(r),
         mel=_mel_dims(r),
     )
     if hp.sample_rate != 24000 or hp.token_mel_ratio != 2:
         raise CheckpointError(
             f"{r.file}: sample_rate {hp.sample_rate} / token_mel_ratio {hp.token_mel_ratio} unsupported "
-            "(CosyVoice2 uses 24000 / 2)")
+            f"({family} uses 24000 / 2)")
+    return hp, r
+
+
+def load_hparams(yaml_path: Path, qwen_config_path: Path) -> HParams:
+    """Read the model's yaml and the Qwen2 config into an `HParams`; errors name the file and key."""
+    hp, _ = _read_release(yaml_path, qwen_config_path, HParams, "CosyVoice2", _llm_dims, _flow_dims, _hift_dims)
     return hp
 
 
@@ -517,13 +546,8 @@ def _cv3_flow_dims(r: _Reader) -> CV3FlowDims:
     r.node("flow.pre_lookahead_layer", target_suffix="PreLookaheadLayer")
     r.node("flow.decoder", target_suffix="CausalConditionalCFM")
     r.node("flow.decoder.estimator", target_suffix="DiT")
-    cfm = r.get("flow.decoder.cfm_params")
-    cfm_args = cfm.args.get("content", cfm.args) if isinstance(cfm, Tagged) else cfm
-    if not isinstance(cfm_args, dict):
-        raise CheckpointError(f"{r.file}: flow.decoder.cfm_params must be a mapping")
-    scheduler = str(cfm_args.get("t_scheduler", "cosine"))
-    if scheduler != "cosine":
-        raise CheckpointError(f"{r.file}: flow t_scheduler {scheduler!r} is not supported (only 'cosine')")
+    cfm_args = _cfm_args(r)
+    scheduler = _t_scheduler(r, cfm_args)
     est = "flow.decoder.estimator."
     mel_dim = r.num(est + "mel_dim", default=80)
     dit = DiTDims(
@@ -562,50 +586,16 @@ def _cv3_flow_dims(r: _Reader) -> CV3FlowDims:
 def _cv3_hift_dims(r: _Reader) -> CausalHiftDims:
     r.node("hift", target_suffix="CausalHiFTGenerator")
     r.node("hift.f0_predictor", target_suffix="CausalConvRNNF0Predictor")
-    dil = r.get("hift.resblock_dilation_sizes")
-    sdil = r.get("hift.source_resblock_dilation_sizes")
     return CausalHiftDims(
-        in_channels=r.num("hift.in_channels"),
-        base_channels=r.num("hift.base_channels"),
-        nb_harmonics=r.num("hift.nb_harmonics"),
-        sampling_rate=r.num("hift.sampling_rate"),
-        nsf_alpha=r.num("hift.nsf_alpha", float),
-        nsf_sigma=r.num("hift.nsf_sigma", float),
-        nsf_voiced_threshold=r.num("hift.nsf_voiced_threshold", float),
-        upsample_rates=r.ints("hift.upsample_rates"),
-        upsample_kernel_sizes=r.ints("hift.upsample_kernel_sizes"),
-        istft_n_fft=r.num("hift.istft_params.n_fft"),
-        istft_hop_len=r.num("hift.istft_params.hop_len"),
-        resblock_kernel_sizes=r.ints("hift.resblock_kernel_sizes"),
-        resblock_dilation_sizes=tuple(tuple(int(x) for x in d) for d in dil),
-        source_resblock_kernel_sizes=r.ints("hift.source_resblock_kernel_sizes"),
-        source_resblock_dilation_sizes=tuple(tuple(int(x) for x in d) for d in sdil),
-        lrelu_slope=r.num("hift.lrelu_slope", float, default=0.1),
-        audio_limit=r.num("hift.audio_limit", float, default=0.99),
-        f0_cond_channels=r.num("hift.f0_predictor.cond_channels"),
+        **_hift_fields(r),
         conv_pre_look_right=r.num("hift.conv_pre_look_right", default=4),
     )
 
 
 def load_hparams_cv3(yaml_path: Path, qwen_config_path: Path) -> CV3HParams:
     """Read `cosyvoice3.yaml` and the Qwen2 config into a `CV3HParams`; errors name the file and key."""
-    data = read_hyperpyyaml(yaml_path, overrides={"qwen_pretrain_path": str(qwen_config_path.parent)})
-    r = _Reader(yaml_path.name, data)
-    hp = CV3HParams(
-        version="cosyvoice3",
-        sample_rate=r.num("sample_rate"),
-        token_frame_rate=r.num("token_frame_rate", default=25),
-        token_mel_ratio=r.num("token_mel_ratio", default=2),
-        chunk_size=r.num("chunk_size", default=25),
-        llm=_cv3_llm_dims(r, _qwen_config(qwen_config_path)),
-        flow=_cv3_flow_dims(r),
-        hift=_cv3_hift_dims(r),
-        mel=_mel_dims(r),
-    )
-    if hp.sample_rate != 24000 or hp.token_mel_ratio != 2:
-        raise CheckpointError(
-            f"{r.file}: sample_rate {hp.sample_rate} / token_mel_ratio {hp.token_mel_ratio} unsupported "
-            "(CosyVoice3 uses 24000 / 2)")
+    hp, r = _read_release(yaml_path, qwen_config_path, CV3HParams, "CosyVoice3", _cv3_llm_dims, _cv3_flow_dims,
+                          _cv3_hift_dims)
     if hp.flow.input_size != hp.flow.output_size or hp.flow.dit.mel_dim != hp.flow.output_size:
         raise CheckpointError(f"{r.file}: flow input_size {hp.flow.input_size}, output_size "
                               f"{hp.flow.output_size} and DiT mel_dim {hp.flow.dit.mel_dim} must agree")

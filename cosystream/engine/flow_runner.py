@@ -30,13 +30,13 @@ from cosystream.kernels import reference as reference_kernels
 from cosystream.kernels import triton_usable
 from cosystream.models.estimator import PooledKV, StepTimes
 from cosystream.models.flow import LOOKAHEAD_CONTEXT, UP_CONTEXT, UPSAMPLE, EncoderState, Flow
-from cosystream.models.flow_stream import FlowStream, PromptCache
+from cosystream.models.flow_stream import EncoderProgress, FlowStream, PromptCache
 
 _ENCODER_ROWS = (1, 2, 4, 8, 16, 32)  # streams per batched encoder step (graph buckets)
 
 
 @dataclass
-class PooledStream:
+class PooledStream(EncoderProgress):
     """A stream's place in the pool: its slot, encoder state and how many frames are final."""
 
     slot: int
@@ -44,14 +44,6 @@ class PooledStream:
     encoder: EncoderState
     is_finished: bool = False
     closed: bool = False  # its slot was given back
-
-    @property
-    def num_tokens(self) -> int:
-        return self.encoder.num_tokens
-
-    @property
-    def num_frames(self) -> int:
-        return UPSAMPLE * self.encoder.num_tokens
 
 
 class FlowRunner(WholePasses):

@@ -82,15 +82,10 @@ class PromptCache:
         return cls(t["prompt_tokens"], t["prompt_mel"], t["spks"], enc, t["kv"], t["conv"])
 
 
-@dataclass
-class FlowStreamState:
-    """Mutable per-request flow state; `kv` [steps, blocks, 2, 2, capacity, inner], `conv` as PromptCache."""
+class EncoderProgress:
+    """How far a stream is, read from its `encoder` state (for the per-stream state classes)."""
 
-    prompt: PromptCache
     encoder: EncoderState
-    kv: torch.Tensor
-    conv: torch.Tensor
-    is_finished: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -100,6 +95,17 @@ class FlowStreamState:
     @property
     def num_frames(self) -> int:
         return UPSAMPLE * self.encoder.num_tokens
+
+
+@dataclass
+class FlowStreamState(EncoderProgress):
+    """Mutable per-request flow state; `kv` [steps, blocks, 2, 2, capacity, inner], `conv` as PromptCache."""
+
+    prompt: PromptCache
+    encoder: EncoderState
+    kv: torch.Tensor
+    conv: torch.Tensor
+    is_finished: bool = False
 
     def reserve(self, num_frames: int) -> None:
         self.kv = grow_axis(self.kv, 4, num_frames)

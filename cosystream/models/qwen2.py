@@ -137,13 +137,15 @@ class SpeechLM(nn.Module):
     # ------------------------------------------------------------------ input assembly (spec/llm.md §3)
     def embed_prompt(self, text_ids: torch.Tensor, speech_tokens: torch.Tensor,
                      prompt_text_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """[SOS] ⊕ E_text(T_p ⊕ T) ⊕ [TASK_ID] ⊕ E_speech(S_p) -> [L0, d] (1-D id tensors in)."""
-        dev = self.llm_embedding.weight.device
+        """[SOS] ⊕ E_text(T_p ⊕ T) ⊕ [TASK_ID] ⊕ E_speech(S_p) -> [L0, d] (1-D id tensors in); the SOS and
+        TASK_ID rows are `special_rows()` (a subclass places them elsewhere)."""
+        dev = self.speech_embedding.weight.device
         ids = text_ids if prompt_text_ids is None else torch.cat([prompt_text_ids, text_ids])
+        sos, task = self.special_rows()
         return torch.cat([
-            self.llm_embedding.weight[0:1],
+            sos[None],
             self.text_embedding(ids.to(dev, torch.long)),
-            self.llm_embedding.weight[1:2],
+            task[None],
             self.speech_embedding(speech_tokens.to(dev, torch.long)),
         ])
 
@@ -282,9 +284,12 @@ def official_keys(dims: LLMDims) -> list[str]:
     """Every key of an official CosyVoice2 llm.pt (spec/checkpoints.md §3.1)."""
     keys = ["llm_embedding.weight", "speech_embedding.weight", "llm_decoder.weight", "llm_decoder.bias",
             _QWEN + "embed_tokens.weight", _QWEN + "norm.weight", "llm.model.lm_head.weight"]
-    for i in range(dims.num_layers):
-        keys += [f"{_QWEN}layers.{i}.{name}" for name in _LAYER_KEYS]
-    return keys
+    return keys + official_layer_keys(dims)
+
+
+def official_layer_keys(dims: LLMDims) -> list[str]:
+    """The official keys of the Qwen2 decoder layers, layer by layer (the same in both families' llm.pt)."""
+    return [f"{_QWEN}layers.{i}.{name}" for i in range(dims.num_layers) for name in _LAYER_KEYS]
 
 
 _LAYER_KEYS = (
@@ -300,19 +305,29 @@ def convert_official_state(state: dict[str, torch.Tensor], dims: LLMDims) -> dic
     Raises CheckpointError naming every missing or unexpected official key; shapes are checked by the
     caller's strict load against the model built from the yaml.
     """
-    expected = official_keys(dims)
-    missing = [k for k in expected if k not in state]
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        parts = ([f"missing keys: {_short(missing)}"] if missing else []) + (
-            [f"unexpected keys: {_short(unexpected)}"] if unexpected else [])
-        raise CheckpointError("llm.pt: does not match the model built from the yaml; " + "; ".join(parts))
+    check_official_keys(state, official_keys(dims))
     out = {
         "text_embedding.weight": state[_QWEN + "embed_tokens.weight"],
         "norm.weight": state[_QWEN + "norm.weight"],
         **{k: state[k] for k in ("speech_embedding.weight", "llm_embedding.weight", "llm_decoder.weight",
                                   "llm_decoder.bias")},
     }
+    return out | fused_layers(state, dims)
+
+
+def check_official_keys(state: dict[str, torch.Tensor], expected: list[str]) -> None:
+    """CheckpointError naming every key of `expected` that llm.pt lacks and every key it has beyond them."""
+    missing = [k for k in expected if k not in state]
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        parts = ([f"missing keys: {_short(missing)}"] if missing else []) + (
+            [f"unexpected keys: {_short(unexpected)}"] if unexpected else [])
+        raise CheckpointError("llm.pt: does not match the model built from the yaml; " + "; ".join(parts))
+
+
+def fused_layers(state: dict[str, torch.Tensor], dims: LLMDims) -> dict[str, torch.Tensor]:
+    """The official decoder layers under `SpeechLM` names: q/k/v and gate/up concatenated into one weight."""
+    out: dict[str, torch.Tensor] = {}
     for i in range(dims.num_layers):
         src, dst = f"{_QWEN}layers.{i}.", f"layers.{i}."
         out[dst + "input_layernorm.weight"] = state[src + "input_layernorm.weight"]

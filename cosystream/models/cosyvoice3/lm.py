@@ -11,8 +11,7 @@ import torch
 from torch import nn
 
 from cosystream.checkpoint.hparams import EXTRA_SPEECH_IDS, LLMDims
-from cosystream.errors import CheckpointError
-from cosystream.models.qwen2 import _LAYER_KEYS, _QWEN, SpeechLM
+from cosystream.models.qwen2 import _QWEN, SpeechLM, check_official_keys, fused_layers, official_layer_keys
 
 ENDOFPROMPT_ID = 151646  # PARITY: `<|endofprompt|>`, hard-coded by CosyVoice3LM.inference
 # PARITY: "FSQ silent and breath" ids dropped by CosyVoice3Model.llm_job after more than 5 in a row.
@@ -97,14 +96,7 @@ class CosyVoice3LM(SpeechLM):
             raise ValueError("<|endofprompt|> not detected in CosyVoice3 text or prompt_text: CosyVoice3 "
                              "needs it in the prompt text (or, without a prompt, at the end of the "
                              "system prefix of the target text)")
-        dev = self.speech_embedding.weight.device
-        special = self.speech_embedding.weight
-        return torch.cat([
-            special[self.sos:self.sos + 1],
-            self.text_embedding(ids.to(dev, torch.long)),
-            special[self.task_id:self.task_id + 1],
-            self.speech_embedding(speech_tokens.to(dev, torch.long)),
-        ])
+        return super().embed_prompt(ids, speech_tokens)
 
     def sampler_scores(self, logp: torch.Tensor, step: int, min_len: int) -> torch.Tensor:
         """What the official sampler receives at `step`: logp with the `ignore_eos` index at −inf
@@ -141,39 +133,16 @@ def official_keys(dims: LLMDims) -> list[str]:
     """Every key of an official CosyVoice3 llm.pt (spec/checkpoints.md §3.2)."""
     keys = ["speech_embedding.weight", "llm_decoder.weight", _QWEN + "embed_tokens.weight", _QWEN + "norm.weight",
             "llm.model.lm_head.weight"]
-    for i in range(dims.num_layers):
-        keys += [f"{_QWEN}layers.{i}.{name}" for name in _LAYER_KEYS]
-    return keys
+    return keys + official_layer_keys(dims)
 
 
 def convert_official_state(state: dict[str, torch.Tensor], dims: LLMDims) -> dict[str, torch.Tensor]:
     """Map a CosyVoice3 llm.pt onto `CosyVoice3LM` names (q/k/v and gate/up fused, tied lm_head dropped)."""
-    expected = official_keys(dims)
-    missing = [k for k in expected if k not in state]
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        parts = ([f"missing keys: {_short(missing)}"] if missing else []) + (
-            [f"unexpected keys: {_short(unexpected)}"] if unexpected else [])
-        raise CheckpointError("llm.pt: does not match the model built from the yaml; " + "; ".join(parts))
+    check_official_keys(state, official_keys(dims))
     out = {
         "text_embedding.weight": state[_QWEN + "embed_tokens.weight"],
         "norm.weight": state[_QWEN + "norm.weight"],
         "speech_embedding.weight": state["speech_embedding.weight"],
         "llm_decoder.weight": state["llm_decoder.weight"],
     }
-    for i in range(dims.num_layers):
-        src, dst = f"{_QWEN}layers.{i}.", f"layers.{i}."
-        out[dst + "input_layernorm.weight"] = state[src + "input_layernorm.weight"]
-        out[dst + "post_attention_layernorm.weight"] = state[src + "post_attention_layernorm.weight"]
-        out[dst + "o_proj.weight"] = state[src + "self_attn.o_proj.weight"]
-        out[dst + "down_proj.weight"] = state[src + "mlp.down_proj.weight"]
-        for kind in ("weight", "bias"):
-            out[dst + f"qkv_proj.{kind}"] = torch.cat(
-                [state[f"{src}self_attn.{p}_proj.{kind}"] for p in ("q", "k", "v")])
-        out[dst + "gate_up_proj.weight"] = torch.cat(
-            [state[src + "mlp.gate_proj.weight"], state[src + "mlp.up_proj.weight"]])
-    return out
-
-
-def _short(keys: list[str], limit: int = 8) -> str:
-    return ", ".join(keys[:limit]) + (f" (and {len(keys) - limit} more)" if len(keys) > limit else "")
+    return out | fused_layers(state, dims)
