@@ -62,8 +62,9 @@ def noise_prefix_file(set_dir: Path) -> Path:
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Without a GPU the kernel tests that take a `device` run Triton's CPU interpreter, minutes per test:
-    they are `slow` there (on a GPU they take seconds and stay in the default run)."""
+    """Without a GPU the kernel tests that take a `device` run Triton's CPU interpreter, up to a minute per
+    test: they are `slow` there (on a GPU they take seconds and stay in the default run). Under xdist the
+    items are grouped and ordered for the workers."""
     if not torch.cuda.is_available():
         for item in items:
             if "device" in getattr(item, "fixturenames", ()) and _is_kernel_test(item):
@@ -103,7 +104,8 @@ def _share_cores_among_workers() -> None:
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if "OMP_NUM_THREADS" in os.environ or workers <= 1:
         return
-    threads = max(1, len(os.sched_getaffinity(0)) // workers)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = max(1, cores // workers)
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
 
