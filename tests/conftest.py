@@ -23,6 +23,9 @@ SHIPPED = REPO / "tests" / "fixtures"  # the golden sets shipped with the reposi
 DEFAULT_SET = SHIPPED / "cosyvoice2-tiny"
 DEFAULT_SET_CV3 = SHIPPED / "cosyvoice3-tiny"
 NOISE_PREFIX_FILE = "cfm_rand_noise_prefix.safetensors"
+# Under pytest-xdist (`-n 2 --dist loadgroup --no-loadscope-reorder`, as .ci/run runs the suite) every worker
+# collects the same items and the controller hands them out one group at a time.
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 
 
 def fixture_set_dir() -> Path:
@@ -59,13 +62,56 @@ def noise_prefix_file(set_dir: Path) -> Path:
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Without a GPU the kernel tests that take a `device` run Triton's CPU interpreter, minutes per test:
-    they are `slow` there (on a GPU they take seconds and stay in the default run)."""
-    if torch.cuda.is_available():
-        return
+    """Without a GPU the kernel tests that take a `device` run Triton's CPU interpreter, up to a minute per
+    test: they are `slow` there (on a GPU they take seconds and stay in the default run). Under xdist the
+    items are grouped and ordered for the workers."""
+    if not torch.cuda.is_available():
+        for item in items:
+            if "device" in getattr(item, "fixturenames", ()) and _is_kernel_test(item):
+                item.add_marker(pytest.mark.slow)
+    if XDIST_WORKER is not None:
+        items[:] = _grouped_for_workers(items)
+
+
+def _is_kernel_test(item: pytest.Item) -> bool:
+    return Path(str(item.fspath)).is_relative_to(KERNEL_TESTS)
+
+
+def _worker_group(item: pytest.Item) -> str:
+    """A test module stays on one worker, so its module-scoped fixtures (an engine, a server) are built once;
+    the kernel tests (session fixtures only, each one long in the interpreter) spread out one by one; every
+    Ray test shares one worker, so only one local Ray cluster runs at a time."""
+    if item.get_closest_marker("ray") is not None:
+        return "ray"
+    return item.nodeid if _is_kernel_test(item) else item.nodeid.split("::", 1)[0]
+
+
+def _grouped_for_workers(items: list[pytest.Item]) -> list[pytest.Item]:
+    """Items tagged with their worker group, the groups holding a slow test first (collection order
+    otherwise): the long ones start early and the many short ones fill both workers up to the end."""
+    groups: dict[str, list[pytest.Item]] = {}
     for item in items:
-        if "device" in getattr(item, "fixturenames", ()) and Path(str(item.fspath)).is_relative_to(KERNEL_TESTS):
-            item.add_marker(pytest.mark.slow)
+        name = _worker_group(item)
+        item.add_marker(pytest.mark.xdist_group(name))
+        groups.setdefault(name, []).append(item)
+    ordered = sorted(groups.values(), key=lambda group: not any(i.get_closest_marker("slow") for i in group))
+    return [item for group in ordered for item in group]
+
+
+def _share_cores_among_workers() -> None:
+    """Each xdist worker gets its share of the cores for torch's threads (and the processes it starts):
+    two workers with a thread per core each would fight over the same cores."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if "OMP_NUM_THREADS" in os.environ or workers <= 1:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = max(1, cores // workers)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+
+
+if XDIST_WORKER is not None:
+    _share_cores_among_workers()
 
 
 @pytest.fixture(scope="session")
