@@ -401,8 +401,7 @@ class AsyncEngine:
     def cached_uploads(self) -> list[str]:
         """Hex digests (of the recording's bytes and its transcript) of the uploaded prompts this process holds
         analysed, most recently used last: what a router matches a request's upload against."""
-        with self._uploads_lock:
-            return [key[len(_UPLOAD_PREFIX):] for key in self._uploads]
+        return [key[len(_UPLOAD_PREFIX):] for key in self._uploads.held()]
 
     def stats(self) -> dict[str, float]:
         return {**self.core.stats(), **accounting.gauges(self), **self._prompt_stats()}

@@ -51,6 +51,11 @@ class UploadCache:
     def __getitem__(self, key: str) -> VoicePrompt:
         return self._entries[key][0]
 
+    def held(self) -> list[str]:
+        """The keys held, least recently used first (a copy: other threads add and drop entries)."""
+        with self._lock:
+            return list(self._entries)
+
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()

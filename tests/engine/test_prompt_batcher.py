@@ -152,6 +152,8 @@ def test_cpu_engines_keep_the_onnx_analysis(frontend, checkpoint):
 def test_uploaded_recordings_are_reused_by_content_and_bounded(engine, monkeypatch):
     """The engine keeps the analyses of recordings sent with requests, keyed by content, at most
     `max_entries` of them, the least recently used dropped first."""
+    from cosystream.engine.upload_cache import UPLOAD_KEY_PREFIX
+
     ae = engine.async_engine
     analysed: list[int] = []
     real = ae.prompt_batcher.make_voice_prompt
@@ -173,8 +175,10 @@ def test_uploaded_recordings_are_reused_by_content_and_bounded(engine, monkeypat
     assert len(ae._uploads) == 2 and len(analysed) == 3
     resolve(recordings[0])
     assert len(analysed) == 3
-    resolve(recordings[1])
+    _, key_b = resolve(recordings[1])
     assert len(analysed) == 4 and len(ae._uploads) == 2
+    # what a replica reports to the router: the digests it holds, most recently used last
+    assert [k.removeprefix(UPLOAD_KEY_PREFIX) for k in (key_a, key_b)] == ae.cached_uploads()
 
 
 def test_a_graph_the_torch_runner_cannot_run_keeps_the_onnx_analysis(frontend, checkpoint, monkeypatch, caplog):
