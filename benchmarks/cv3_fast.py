@@ -20,17 +20,13 @@ and on a CPU:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-from cosystream.checkpoint.hparams import CV3HParams, load_hparams_cv3
 from cosystream.config import ChunkSchedule
 from cosystream.engine.chunking import ChunkPlanner
 from cosystream.engine.cv3_token2wav import CV3Token2WavRunner
@@ -38,17 +34,9 @@ from cosystream.frontend.prompt import ModelInputs
 from cosystream.models.cosyvoice3.flow import CV3Flow
 from cosystream.models.cosyvoice3.hift import CausalHiFT, HiftStream
 from cosystream.models.cosyvoice3.stream import ChunkCall
-from cosystream.testing.random_model_cv3 import SIZES_CV3, qwen_config_cv3, render_yaml_cv3
+from cosystream.testing.random_model_cv3 import SIZES_CV3, hparams_cv3
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def hparams(size: str) -> CV3HParams:
-    with tempfile.TemporaryDirectory() as tmp:
-        d = Path(tmp)
-        (d / "cosyvoice3.yaml").write_text(render_yaml_cv3(SIZES_CV3[size]))
-        (d / "config.json").write_text(json.dumps(qwen_config_cv3(SIZES_CV3[size])))
-        return load_hparams_cv3(d / "cosyvoice3.yaml", d / "config.json")
 
 
 def sync(device: torch.device) -> None:
@@ -57,7 +45,7 @@ def sync(device: torch.device) -> None:
 
 
 def build(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> tuple[CV3Flow, CausalHiFT]:
-    hp = hparams(args.size)
+    hp = hparams_cv3(args.size)
     torch.manual_seed(0)
     flow = CV3Flow(hp.flow).to(device=device, dtype=dtype).eval()
     flow.decoder.rand_noise = flow.decoder.rand_noise.float()

@@ -15,30 +15,19 @@ Prints a Markdown table (device, dtype, commit in the header). Example (GPU):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-from cosystream.checkpoint.hparams import CV3HParams, load_hparams_cv3
+from cosystream.checkpoint.hparams import CV3HParams
 from cosystream.models.cosyvoice3.flow import CV3Flow
 from cosystream.models.cosyvoice3.hift import CausalHiFT
 from cosystream.models.cosyvoice3.stream import StreamSchedule, Token2WavStream
-from cosystream.testing.random_model_cv3 import SIZES_CV3, qwen_config_cv3, render_yaml_cv3
+from cosystream.testing.random_model_cv3 import SIZES_CV3, hparams_cv3
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def hparams(size: str) -> CV3HParams:
-    with tempfile.TemporaryDirectory() as tmp:
-        d = Path(tmp)
-        (d / "cosyvoice3.yaml").write_text(render_yaml_cv3(SIZES_CV3[size]))
-        (d / "config.json").write_text(json.dumps(qwen_config_cv3(SIZES_CV3[size])))
-        return load_hparams_cv3(d / "cosyvoice3.yaml", d / "config.json")
 
 
 def dit_flops(hp: CV3HParams, new: int, keys: int) -> float:
@@ -73,7 +62,7 @@ def main() -> None:
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense peak of the device (H100 SXM bf16)")
     args = p.parse_args()
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
-    hp = hparams(args.size)
+    hp = hparams_cv3(args.size)
     torch.manual_seed(0)
     flow = CV3Flow(hp.flow).to(device=device, dtype=dtype).eval()
     flow.decoder.rand_noise = flow.decoder.rand_noise.float()

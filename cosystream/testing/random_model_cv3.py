@@ -8,6 +8,8 @@ real ids (`<|endofprompt|>` = 151646, which the LM requires); the vocabulary row
 
 from __future__ import annotations
 
+import json
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,3 +133,12 @@ def _write_tokenizer(folder: Path) -> None:
     vocab = byte_vocab()
     vocab.update(QWEN_SPECIALS)  # in the vocabulary too, so that added tokens continue after 151645
     write_byte_bpe_tokenizer(folder, vocab, QWEN_SPECIALS)
+
+
+def hparams_cv3(size: str) -> CV3HParams:
+    """The hyperparameters a random model of `size` has, without writing its weights (benchmarks, tests)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        (d / "cosyvoice3.yaml").write_text(render_yaml_cv3(SIZES_CV3[size]))
+        (d / "config.json").write_text(json.dumps(qwen_config_cv3(SIZES_CV3[size])))
+        return load_hparams_cv3(d / "cosyvoice3.yaml", d / "config.json")
