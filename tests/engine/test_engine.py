@@ -10,6 +10,7 @@ import pytest
 
 from cosystream.errors import BadInput
 from cosystream.params import Mode, SamplingParams, SynthesisParams
+from cosystream.testing.concurrency import synthesize_concurrently
 
 TEXTS = ["hello there.", "good morning to you.", "a short line.", "the quick brown fox.",
          "one more sentence here.", "speech engines batch well.", "tiny model test.", "last one."]
@@ -32,16 +33,7 @@ def test_concurrent_requests_equal_requests_run_alone(engine, voice):
     params = [SynthesisParams(text=t, voice=voice, sampling=SamplingParams(greedy=True, seed=i))
               for i, t in enumerate(TEXTS)]
     alone = [engine.synthesize(p) for p in params]
-    results: list = [None] * len(params)
-
-    def worker(i: int) -> None:
-        results[i] = engine.synthesize(params[i])
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(params))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=600)
+    results = synthesize_concurrently(engine, params)
     for a, b in zip(alone, results, strict=True):
         assert b is not None and a.num_chunks == b.num_chunks
         assert a.times.num_tokens == b.times.num_tokens > 0

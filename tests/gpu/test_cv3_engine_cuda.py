@@ -4,14 +4,13 @@ CUDA; CI (CPU only) does not run it. Lengths are forced: N speech tokens → 960
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 import torch
 
 from cosystream.engine.sync_engine import Engine
 from cosystream.params import SamplingParams, SynthesisParams
+from cosystream.testing.concurrency import synthesize_concurrently
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -57,16 +56,7 @@ def test_text_streaming_and_voice_conversion_on_cuda(engine, cv3_dir):
 def test_concurrent_streams_on_cuda_keep_their_lengths(engine):
     params = [SynthesisParams(text=f"Sentence number {i} is here.", voice="v", force_tokens=40 + 10 * i,
                               sampling=SamplingParams(seed=i)) for i in range(6)]
-    results: list = [None] * len(params)
-
-    def worker(i: int) -> None:
-        results[i] = engine.synthesize(params[i])
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(params))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=600)
+    results = synthesize_concurrently(engine, params)
     for p, r in zip(params, results, strict=True):
         assert r is not None and r.pcm.shape == (p.force_tokens * SAMPLES_PER_TOKEN,)
     assert engine.async_engine.core.num_active == 0

@@ -13,7 +13,6 @@ the requests carry the features the official model received.
 from __future__ import annotations
 
 import dataclasses
-import threading
 from typing import Any
 
 import numpy as np
@@ -27,6 +26,7 @@ from cosystream.errors import BadInput
 from cosystream.frontend.prompt import BuiltinSpeaker, ModelInputs, VoicePrompt
 from cosystream.models.cosyvoice3.lm import ENDOFPROMPT_ID, MAX_SILENT_RUN, SILENT_TOKENS, SilentTokenFilter
 from cosystream.params import SamplingParams, SynthesisParams
+from cosystream.testing.concurrency import synthesize_concurrently
 
 AUDIO_ATOL = 5e-3  # README §C3: e2e streamed audio per call
 SAMPLES_PER_TOKEN = 960  # 24 kHz, 25 Hz tokens
@@ -270,16 +270,7 @@ def test_concurrent_requests_equal_requests_run_alone(engine, voice):
     params = [SynthesisParams(text=t, voice=voice, sampling=SamplingParams(greedy=True, seed=i), **m)
               for i, (t, m) in enumerate(zip(texts, modes, strict=True))]
     alone = [engine.synthesize(p) for p in params]
-    together: list = [None] * len(params)
-
-    def worker(i: int) -> None:
-        together[i] = engine.synthesize(params[i])
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(params))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=600)
+    together = synthesize_concurrently(engine, params)
     for a, b in zip(alone, together, strict=True):
         assert b is not None and a.num_chunks == b.num_chunks and a.times.num_tokens == b.times.num_tokens > 0
         np.testing.assert_allclose(b.pcm, a.pcm, rtol=0, atol=1e-5)
