@@ -126,6 +126,44 @@ def run_batch(args: argparse.Namespace, flow: CV3Flow, hift: CausalHiFT, batch: 
     return rows, worst, worst_wav, note
 
 
+def profile_batch(args: argparse.Namespace, flow: CV3Flow, hift: CausalHiFT, batch: int, device: torch.device
+                  ) -> str:
+    """The kernels of one whole plan of B streams on the pooled path without graphs (a graph replays the same
+    kernels), flow and vocoder calls only: torch.profiler's table, by device time."""
+    block = flow.decoder.estimator.dims.static_chunk_size
+    gen = torch.Generator().manual_seed(batch)
+    prompt = torch.randint(0, 6561, (args.prompt_tokens,), generator=gen, dtype=torch.int32)
+    inputs = ModelInputs(mode="zero_shot", text_ids=torch.zeros(0, dtype=torch.int32),
+                         xvector=torch.randn(192, generator=gen), flow_prompt_speech_tokens=prompt,
+                         prompt_mel=torch.randn(2 * args.prompt_tokens, 80, generator=gen))
+    tokens = [torch.randint(0, 6561, (args.tokens,), generator=gen).tolist() for _ in range(batch)]
+    slot_frames = flow.ratio * (args.prompt_tokens + args.tokens) + block
+    runner = CV3Token2WavRunner(flow, hift, flow_slots=batch, slot_frames=slot_frames, cuda_graphs=False)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+
+    def one_plan() -> None:
+        states = [runner.start(inputs, voice_key="bench") for _ in range(batch)]
+        planner = ChunkPlanner(ChunkSchedule(), args.prompt_tokens, block=block // flow.ratio)
+        while (plan := planner.next_plan(args.tokens, done=True)) is not None:
+            mels, _ = runner.flow_chunks([(s, t, plan) for s, t in zip(states, tokens, strict=True)])
+            runner.vocode_chunks([(s, mel, plan.is_final) for s, mel in zip(states, mels, strict=True)])
+            if plan.is_final:
+                for s in states:
+                    runner.release(s)
+
+    with torch.inference_mode():
+        one_plan()  # warm: allocator, autotuning
+        sync(device)
+        with torch.profiler.profile(activities=activities) as prof:
+            one_plan()
+            sync(device)
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    return f"### batch {batch}: one whole plan, pooled path, no graphs\n\n```\n" + \
+        prof.key_averages().table(sort_by=sort, row_limit=args.profile_rows) + "\n```\n"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", default="0.5b", choices=sorted(SIZES_CV3))
@@ -136,6 +174,9 @@ def main() -> None:
     p.add_argument("--batches", default="1,8,16", help="streams voiced together, comma-separated")
     p.add_argument("--repeats", type=int, default=2, help="runs of the whole plan; the last one is reported")
     p.add_argument("--no-graphs", action="store_true", help="the pooled path without CUDA graphs")
+    p.add_argument("--profile", action="store_true",
+                   help="also print torch.profiler's kernel table of one whole plan per batch size")
+    p.add_argument("--profile-rows", type=int, default=30)
     p.add_argument("--tol", type=float, default=None,
                    help="largest ‖Δmel‖/‖mel‖ of a chunk allowed between the paths (default: 1e-5 float32, "
                         "0.05 bf16/fp16)")
@@ -167,6 +208,9 @@ def main() -> None:
         if not worst_wav <= audio_tol:
             failed.append(("audio", batch, worst_wav))
     print("\n" + "\n".join(notes))
+    if args.profile:
+        for batch in (int(b) for b in args.batches.split(",")):
+            print("\n" + profile_batch(args, flow, hift, batch, device))
     if failed:
         print(f"MISMATCH: fast and eager paths differ by more than {tol} (mel) / {audio_tol} (audio), relative "
               f"RMS: {failed}")
