@@ -26,6 +26,7 @@ class StageTimes:
     num_tokens: int = 0
     audio_s: float = 0.0
     predicted_first_audio_s: float | None = None  # admission's prediction of first_audio_s (None: not predicted)
+    predicted_first_chunk_start_s: float | None = None  # ... of first_chunk_start_s (tokens and flow slot there)
 
     @property
     def rtf(self) -> float:

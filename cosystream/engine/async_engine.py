@@ -37,6 +37,7 @@ from cosystream.engine.lm_runner import RowSampling
 from cosystream.engine.load_log import loading
 from cosystream.engine.prompt_batcher import PromptBatcher
 from cosystream.engine.request import RequestState, Segment
+from cosystream.engine.scheduler import Verdict
 from cosystream.engine.upload_cache import UPLOAD_KEY_PREFIX, UploadCache
 from cosystream.engine.voices import VoiceInfo, VoiceStore, check_voice_name, default_db_path
 from cosystream.errors import BadInput, CosyStreamError, Overloaded, VoiceExists
@@ -128,7 +129,7 @@ class AsyncEngine:
         self._check_text(params)
         if self.core.queue_depth >= MAX_WAITING:
             raise Overloaded(f"queue full ({self.core.queue_depth} waiting); retry later", retry_after_s=1.0)
-        predicted_s = self._admit(params)
+        verdict = self._admit(params)
         queue: asyncio.Queue[AudioChunk | BaseException] = asyncio.Queue()
 
         def emit(item: AudioChunk | BaseException) -> None:
@@ -146,7 +147,9 @@ class AsyncEngine:
         except BaseException:
             self._not_submitted += 1
             raise
-        req.predicted_first_audio_s = req.times.predicted_first_audio_s = predicted_s
+        if verdict is not None:
+            req.predicted_first_audio_s = req.times.predicted_first_audio_s = verdict.predicted_first_audio_s
+            req.times.predicted_first_chunk_start_s = verdict.predicted_start_s
         req.emit = self._emit_or_abort(req.request_id, req.emit)
         req.times.frontend_s = loop.time() - t_submit
         req.t_submit -= req.times.frontend_s  # the request's clock starts at submission
@@ -187,9 +190,9 @@ class AsyncEngine:
         verdict = core.scheduler.admit(view, time.perf_counter(), schedule.first_hop + schedule.lookahead, pending)
         return verdict.predicted_first_audio_s, verdict.admitted
 
-    def _admit(self, params: SynthesisParams) -> float | None:
+    def _admit(self, params: SynthesisParams) -> Verdict | None:
         """Admission (EngineConfig.first_audio_budget_s): Overloaded unless the scheduler predicts this
-        stream's first audio within the budget with every running stream on time; returns the prediction."""
+        stream's first audio within the budget with every running stream on time; returns its verdict."""
         if self.config.first_audio_budget_s is None:
             return None
         schedule = self.config.schedule
@@ -198,7 +201,7 @@ class AsyncEngine:
         if not verdict.admitted:
             raise Overloaded(f"overloaded: {verdict.reason}; retry later", retry_after_s=verdict.retry_after_s)
         self._admitted += 1
-        return verdict.predicted_first_audio_s
+        return verdict
 
     def _cheap_frontend(self, params: SynthesisParams) -> bool:
         """Is preparing this request quick enough for the event loop (see INLINE_FRONTEND_CHARS)?"""

@@ -89,6 +89,7 @@ class CostModel:
         self._lm_hold = _Ewma(0.1)  # seconds a segment holds its LM row
         self._lm_tokens = _Ewma(0.1)  # speech tokens a segment's LM generates
         self._slot_hold = _Ewma(0.1)  # seconds a stream holds its flow slot (open to release)
+        self._slot_tail = _Ewma(0.1)  # seconds from a slot holder's LM done to its slot back
         self._phases: dict[str, _PhaseLine] = {}  # worker seconds per phase by kind and chunks in it
         self._final_busy_s = 0.0
         self._finals_done = 0.0
@@ -123,6 +124,14 @@ class CostModel:
 
     def observe_slot_hold(self, seconds: float) -> None:
         self._slot_hold.observe(seconds)
+
+    def observe_slot_tail(self, seconds: float) -> None:
+        self._slot_tail.observe(seconds)
+
+    def slot_tail_s(self) -> float:
+        """Seconds a flow slot stays held after its stream's LM is done: the chunks still to voice and the
+        wait for the worker, measured (0 before one was), so it grows as the worker's queue does."""
+        return self._slot_tail.value or 0.0
 
     def observe_phase(self, kind: str, jobs: int, seconds: float) -> None:
         """A worker phase of `jobs` chunks of one kind ("first", "chunks", "final") took `seconds`; a paused

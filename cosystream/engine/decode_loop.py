@@ -234,6 +234,7 @@ class DecodeLoop:
 
     def _lm_done(self, req: RequestState, seg: Segment) -> None:
         seg.lm_status = LMStatus.done
+        seg.t_lm_done = time.perf_counter()
         if seg.t_row is not None and not seg.text_stream:  # a text stream's row waits for its client
             self.scheduler.cost.observe_lm_hold(time.perf_counter() - seg.t_row)
         self._release_slot(seg)

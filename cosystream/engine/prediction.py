@@ -135,13 +135,14 @@ class _FlowSlots:
         heapq.heapify(self.heap)
 
     def _back_at(self, holder: StreamView, now: float, cost: CostModel) -> float | None:
-        """A held slot comes back once its stream's LM is done (its last chunks are voiced at once then: the
-        pool is short); a stream whose LM is done gives it back now; else the measured hold after it was
-        taken."""
+        """A held slot comes back the measured slot tail after its stream's LM is done (its last chunks and
+        the wait for the worker; CostModel.slot_tail_s), the LM's end predicted while it decodes; else the
+        measured hold after it was taken."""
+        tail = cost.slot_tail_s()
         if holder.lm_done:
-            return now
+            return max(now, (now if holder.lm_done_s is None else holder.lm_done_s) + tail)
         if holder.row_since_s is not None and (end := cost.lm_left_s(holder, now)) is not None:
-            return end
+            return end + tail
         return None if self.hold is None or holder.slot_since_s is None else max(now, holder.slot_since_s + self.hold)
 
     def take(self, wanted_s: float) -> float:

@@ -45,6 +45,7 @@ class Segment:
     text_closed: bool = False
     t_row: float | None = None  # when it took its LM row (the cost model's LM hold time)
     t_slot: float | None = None  # when its stream took the flow slot it still holds (the slot hold time)
+    t_lm_done: float | None = None  # when its LM finished (the cost model's slot tail: LM done to slot back)
 
     @property
     def skips_lm(self) -> bool:

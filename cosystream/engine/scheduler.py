@@ -91,6 +91,7 @@ class StreamView:
     next_final: bool = False  # its next chunk is the official final pass
     final_waits: bool = False  # ... and it could run now (LM done, not the first chunk)
     lm_done: bool = False  # the LM finished the segment being voiced
+    lm_done_s: float | None = None  # ... when it did (None: not done, or not dated)
     opened: bool = False  # its token-to-wave stream is open
     needs_slot: bool = False  # opening it takes a flow slot
     ode_key: Hashable | None = None  # the ODE call its next chunk would share (None: none / unknown) ...
@@ -184,6 +185,7 @@ class Verdict:
     predicted_first_audio_s: float  # from the request's arrival
     reason: str = ""
     retry_after_s: float = 1.0
+    predicted_start_s: float | None = None  # ... its first chunk's tokens and flow slot there (None: not predicted)
 
 
 @dataclass(slots=True)
@@ -470,18 +472,20 @@ class Scheduler:
         budget and every running stream that meets its next deadline still does with the newcomer's work."""
         if self.budget_s is None or view is None:
             return Verdict(True, 0.0)
-        predicted, broken = self._predict(view, now, first_chunk_tokens, pending_new)
+        predicted, broken, start = self._predict(view, now, first_chunk_tokens, pending_new)
         idle = not view.streams and pending_new == 0  # refusing would help no one
         if idle or (predicted <= self.budget_s and broken == 0):
-            return Verdict(True, predicted)
+            return Verdict(True, predicted, predicted_start_s=start)
         retry = min(MAX_RETRY_AFTER_S, max(1.0, predicted - self.budget_s))
         reason = (f"predicted first audio in {predicted:.2f} s, over the budget of {self.budget_s:g} s"
                   if predicted > self.budget_s else
                   f"admitting it would make {broken} running stream(s) miss their playback deadline")
-        return Verdict(False, predicted, reason, retry)
+        return Verdict(False, predicted, reason, retry, start)
 
-    def _predict(self, view: EngineView, now: float, tokens: int, pending_new: int) -> tuple[float, int]:
-        """(predicted first audio of the newcomer from now, running streams it would make late): every known
+    def _predict(self, view: EngineView, now: float, tokens: int, pending_new: int
+                 ) -> tuple[float, int, float | None]:
+        """(predicted first audio of the newcomer from now, running streams it would make late, when its first
+        chunk can start from now: tokens and flow slot there; None when a remembered refusal answers): every known
         stream's next chunk, and the first chunks of streams still waiting for an LM row, admitted since the
         view (still in the frontend or the inbox) and the newcomer, each when its tokens and a flow slot are
         there, voiced by a simulation of the worker's batches (`simulate_worker`) from its current batch on.
@@ -494,21 +498,22 @@ class Scheduler:
         # newcomers refused on the same view with the same streams ahead are refused again at no cost
         memo = self._earliest
         if memo is not None and memo[0] is view and memo[1] == (pending_new, tokens) and memo[2] - now > budget:
-            return memo[2] - now, 0
+            return memo[2] - now, 0, None
         deadline = now + (self.budget_s or self.first_audio_target_s)
         newcomers = [(f"pending{i}", tokens, deadline) for i in range(pending_new)]
         with_new = next_chunks(view, now, self.cost, step_s, newcomers + [("new", tokens, deadline)])
-        earliest = next(job.ready_s for job in with_new if job.key == "new") + self.cost.phase_s("first", 1)
+        start = next(job.ready_s for job in with_new if job.key == "new") - now
+        earliest = now + start + self.cost.phase_s("first", 1)
         self._earliest = (view, (pending_new, tokens), earliest)
         if earliest - now > budget:
-            return earliest - now, 0
+            return earliest - now, 0, start
         free_at, carried = worker_state(view, now)
         after = simulate_worker(with_new + carried, free_at, self.cost, view.max_batch, DRY_S, FINAL_PHASE_STREAMS)
         predicted = after["new"] - now
         if predicted > budget:
-            return predicted, 0
+            return predicted, 0, start
         jobs = next_chunks(view, now, self.cost, step_s, newcomers)
         before = simulate_worker(jobs + carried, free_at, self.cost, view.max_batch, DRY_S, FINAL_PHASE_STREAMS)
         broken = sum(1 for job in jobs if isinstance(job.key, StreamKey)
                      and before[job.key] <= job.deadline_s < after[job.key])
-        return predicted, broken
+        return predicted, broken, start

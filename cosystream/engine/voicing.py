@@ -92,7 +92,7 @@ class Voicing:
             decoding_audio=seg is lm_seg and seg.lm_status == LMStatus.decoding,
             missing_tokens=max(0, seg.planner.tokens_needed() - n), next_final=next_final,
             final_waits=not first and done and not seg.planner.finished and next_final,
-            lm_done=done, opened=opened, first_ready_s=req.t_first_ready,
+            lm_done=done, lm_done_s=seg.t_lm_done, opened=opened, first_ready_s=req.t_first_ready,
             needs_slot=not opened and self.t2w.needs_slot(seg.inputs, start_tokens),
             lm_pending=seg is lm_seg and seg.lm_status == LMStatus.pending, slot_since_s=seg.t_slot,
             row_since_s=lm_seg.t_row if lm_seg is not None and lm_seg.slot >= 0 else None,
@@ -301,7 +301,10 @@ class Voicing:
     def _slot_released(self, seg: Segment) -> None:
         """A stream gives its flow slot back at the end of its work: the cost model learns the hold."""
         if seg.t_slot is not None:
-            self.scheduler.cost.observe_slot_hold(time.perf_counter() - seg.t_slot)
+            now = time.perf_counter()
+            self.scheduler.cost.observe_slot_hold(now - seg.t_slot)
+            if seg.t_lm_done is not None and not seg.text_stream:  # (a text stream's LM ends with its client)
+                self.scheduler.cost.observe_slot_tail(now - seg.t_lm_done)
             seg.t_slot = None
 
     def _open_args(self, req: RequestState, seg: Segment) -> dict:

@@ -121,6 +121,9 @@ class StageTimes(BaseModel):
     rtf: float | None = None
     predicted_first_audio_s: float | None = Field(
         None, description="the engine admission's prediction of first_audio_s (null: admission off)")
+    predicted_first_chunk_start_s: float | None = Field(
+        None, description="... of first_chunk_start_s: when its tokens and a flow slot are there (null: not "
+                          "predicted)")
 
 
 class StartedEvent(BaseModel):

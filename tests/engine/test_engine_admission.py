@@ -47,6 +47,9 @@ def small(model_dir, fixture_dir, tmp_path_factory):
 def test_a_burst_beyond_the_lm_rows_is_refused_at_once_and_the_admitted_keep_their_first_audio(small):
     core = small.async_engine.core
     alone = small.synthesize(_params(0))  # teaches the cost model this machine's decode step, chunk, LM hold
+    predicted = small.synthesize(_params(1)).times  # (the first one had no view to predict from)
+    assert predicted.predicted_first_chunk_start_s is not None and predicted.predicted_first_audio_s is not None
+    assert 0 <= predicted.predicted_first_chunk_start_s <= predicted.predicted_first_audio_s
     budget = 2 * alone.times.first_audio_s
     core.scheduler = Scheduler(core.scheduler.cost, budget_s=budget)
     stats = core.stats()

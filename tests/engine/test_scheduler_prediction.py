@@ -341,3 +341,28 @@ def test_rows_and_slots_come_back_when_their_holders_lm_is_predicted_done_at_the
                             worker=WorkerView(), free_lm_slots=4, lm_slots=6, free_flow_slots=0, flow_slots=2)
     verdict = Scheduler(cost, budget_s=10.0).admit(slots_full, NOW, FIRST_TOKENS)
     assert verdict.predicted_first_audio_s == pytest.approx(tokens_s + _true_phase_s("first", 1))
+
+
+def test_slots_come_back_the_measured_tail_after_their_holders_lm_is_done():
+    """A slot is held after its stream's LM ends (its last chunks wait for the worker, and CosyVoice3's final
+    pass reads the slot): measured as the slot tail, it delays the slot's return from the LM's end on, both
+    for a holder whose LM ended 0.1 s ago and for one still decoding."""
+    cost = _cost_measured_on_this_gpu()
+    cost.observe_slot_hold(0.3)
+    cost.observe_slot_tail(0.4)
+    assert cost.slot_tail_s() == pytest.approx(0.4)
+    done = StreamView(key="d", arrival_s=NOW - 2, first=False, deadline_s=NOW + 5, opened=True, lm_done=True,
+                      lm_done_s=NOW - 0.1, slot_since_s=NOW - 1.5, lm_tokens=250, lm_expected_tokens=250)
+    decoding = StreamView(key="r", arrival_s=NOW - 1, first=False, deadline_s=NOW + 5, opened=True,
+                          lm_decoding=True, decoding_audio=True, missing_tokens=500, row_since_s=NOW - 0.5,
+                          slot_since_s=NOW - 0.5, lm_tokens=150, lm_expected_tokens=250)
+    tokens_s = PREFILL_S + FIRST_TOKENS * STEP_S
+    first_s = _true_phase_s("first", 1)
+
+    def predicted(holder: StreamView) -> float:
+        view = EngineView(now=NOW, streams=[holder], lm_decoding=True, worker=WorkerView(), free_lm_slots=4,
+                          lm_slots=6, free_flow_slots=0, flow_slots=1)
+        return Scheduler(cost, budget_s=10.0).admit(view, NOW, FIRST_TOKENS).predicted_first_audio_s
+
+    assert predicted(done) == pytest.approx(max(tokens_s, 0.3) + first_s)
+    assert predicted(decoding) == pytest.approx(100 * STEP_S + 0.4 + first_s)
