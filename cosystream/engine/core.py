@@ -38,7 +38,7 @@ from cosystream.engine.decode_loop import DecodeLoop, _Step
 from cosystream.engine.lm_runner import RowSampling
 from cosystream.engine.request import LMStatus, RequestState
 from cosystream.engine.scheduler import Scheduler, Verdict
-from cosystream.engine.trace import trace_to_env_file
+from cosystream.engine.trace import DecisionTrace
 from cosystream.engine.voicing import Voicing
 from cosystream.errors import EngineDead
 
@@ -74,7 +74,7 @@ def _holds_cuda(obj: Any, depth: int = 3) -> bool:
 class EngineCore(DecodeLoop, Voicing):
     def __init__(self, lm_runner: runners.SpeechLMRunner, token2wav: runners.Token2WavRunner,
                  lm: runners.SpeechLMModel, config: EngineConfig, scheduler: Scheduler | None = None) -> None:
-        trace_to_env_file()
+        self.trace = DecisionTrace.from_env()
         self.lm_runner = lm_runner
         self.t2w = token2wav
         self.lm = lm
@@ -133,6 +133,8 @@ class EngineCore(DecodeLoop, Voicing):
         self._thread.join(timeout=30)
         if self._chunks is not None:
             self._chunks.stop()
+        if self.trace is not None:
+            self.trace.close()
 
     def admit(self, first_chunk_tokens: int, pending: int = 0) -> Verdict:
         """Would a stream arriving now get its first audio within the budget, with every running stream

@@ -19,16 +19,13 @@ from cosystream.engine import faults, runners
 from cosystream.engine.chunk_worker import ChunkJob, ChunksDone, ChunkWorker, phase_kind, run_jobs
 from cosystream.engine.request import LMStatus, RequestState, Segment
 from cosystream.engine.scheduler import EngineView, JobView, Plan, Preempt, Scheduler, StreamView, WorkerView
-from cosystream.engine.trace import decision_record
+from cosystream.engine.trace import DecisionTrace
 from cosystream.outputs import AudioChunk
 
 if TYPE_CHECKING:
     from cosystream.engine.chunk_worker import Message
 
 log = logging.getLogger("cosystream.engine")
-# Scheduling decisions as JSON lines, when a developer asks for them (COSYSTREAM_TRACE=<file>): what the idle
-# worker was given and why streams waited (engine/trace.py).
-trace = logging.getLogger("cosystream.engine.trace")
 # The view that admission reads is rebuilt at least this often while a batch runs on the worker (a
 # stale view misses at most a few decode steps' tokens; streams submitted since are counted apart).
 PUBLISH_EVERY_S = 0.01
@@ -50,6 +47,7 @@ class Voicing:
     _returned: list[ChunkJob]
     _after_batch: list[Callable[[], None]]
     _deferred_calls: list[Message]
+    trace: DecisionTrace | None
 
     def _init_voicing(self) -> None:
         self.published: EngineView | None = None  # the latest full view (admission reads it)
@@ -158,8 +156,8 @@ class Voicing:
         view, by_key = self._view(now, {id(job.seg) for job in returned})
         self._publish(view)
         plan = self.scheduler.plan(view, [self._job_view(job, now) for job in returned])
-        if trace.isEnabledFor(logging.DEBUG):
-            trace.debug(decision_record(view, plan, len(returned)))
+        if self.trace is not None:
+            self.trace.write(view, plan, len(returned))
         if plan.phases:
             self._run_batch(plan, returned, by_key, now)
             if self._chunks is None:  # ran inline: streams moved on (or ended) since the view
