@@ -59,7 +59,7 @@ more)
 http)
   stamp "server start"
   SERVE_LOG_LEVEL=warning source benchmarks/serve_bg.sh || exit 1
-  BENCH="python3 -m cosystream.cli bench --url http://127.0.0.1:8000 --target tts --workload /tmp/wl/workload.json \
+  BENCH="python3 -m cosystream.cli bench --url http://127.0.0.1:$PORT --target tts --workload /tmp/wl/workload.json \
     --warmup-requests 3 --tag commit=$C"
   for run in 1 2; do
     for client in httpx raw; do
@@ -78,7 +78,7 @@ http_open)
   SERVE_LOG_LEVEL=warning source benchmarks/serve_bg.sh || exit 1
   for seed in ${SEEDS:-0 1}; do
     stamp "open loop 15 req/s over HTTP, seed $seed"
-    timeout 100 python3 -m cosystream.cli bench --url http://127.0.0.1:8000 --target tts --workload /tmp/wl/workload.json \
+    timeout 100 python3 -m cosystream.cli bench --url http://127.0.0.1:$PORT --target tts --workload /tmp/wl/workload.json \
       --warmup-requests 3 --tag commit=$C --rate 15 --duration 15 --seed "$seed" --out "$OUT/http_open_s$seed.json" 2>&1 | rows
   done
   kill "$SERVER"; wait "$SERVER" 2>/dev/null
@@ -93,14 +93,15 @@ overload)
     rate=$(python3 -c "print(round(${CAPACITY:-21} * $mult, 2))")
     for seed in ${SEEDS:-0 1 2}; do
       stamp "open loop ${rate} req/s (${mult}x) over HTTP, seed $seed"
-      timeout 150 python3 -m cosystream.cli bench --url http://127.0.0.1:8000 --target tts --workload /tmp/wl/workload.json \
-        --warmup-requests 3 --tag commit=$C --tag "serve=$SERVE_ARGS" --rate "$rate" --duration 15 --seed "$seed" \
+      timeout 150 python3 -m cosystream.cli bench --url "http://127.0.0.1:$PORT" --target tts \
+        --workload /tmp/wl/workload.json --warmup-requests 3 --tag commit=$C --tag "serve=$SERVE_ARGS" --rate "$rate" \
+        --duration "${DURATION:-15}" --seed "$seed" \
         --timeout 60 --procs "${PROCS:-1}" --out "$OUT/overload_x${mult}_s$seed.json" 2>&1 | rows
     done
   done
   # admission's own account: prediction error, refusal times at the server, deadline misses by stage
-  python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8000/metrics').read().decode())" \
-    > "$OUT/overload_metrics.txt" && grep -E "^cosystream_(first_audio_prediction_error|refusal)_seconds_(count|bucket)|^cosystream_(deadline_miss|admission)" \
+  python3 -c "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1]).read().decode())" \
+    "http://127.0.0.1:$PORT/metrics" > "$OUT/overload_metrics.txt" && grep -E "^cosystream_(first_audio_prediction_error|refusal)_seconds_(count|bucket)|^cosystream_(deadline_miss|admission)" \
     "$OUT/overload_metrics.txt" | grep -v "_created"
   kill "$SERVER"; wait "$SERVER" 2>/dev/null
   stamp done

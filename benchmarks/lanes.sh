@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Several measurements at once on one multi-GPU machine, one lane per GPU group, so that a before/after pair
+# (or a scale-out run beside them) shares one lease and one machine start. Each lane runs its parts in order
+# with CUDA_VISIBLE_DEVICES set to its GPUs and a port of its own; its results and log go to one archive,
+# $OUT/lane_<name>.tar.gz (the device call brings back at most 8 files).
+#
+#   COSYSTREAM_COMMIT=<hash> bash benchmarks/lanes.sh "ray=0,1:scale_ray" "base=2:overload_base" \
+#       "new=3:overload,zeroshot"
+#
+# A lane is NAME=GPUS:PART[,PART...]; parts:
+#   scale_ray      REPLICAS=${REPLICAS:-2} bash benchmarks/scale_ray.sh all (the single-process server and Ray)
+#   overload       levels_all.sh overload on this tree (SERVE_ARGS, CAPACITY, MULTS, SEEDS, PROCS, DURATION as
+#                  there), with the scheduler's decision trace (COSYSTREAM_TRACE)
+#   overload_base  the same on the baseline package in .base (git archive <commit> cosystream benchmarks | tar
+#                  -x -C .base), the benchmark scripts of this tree
+#   cv3            CosyVoice3 0.5B random model: the pooled flow per chunk (cv3_fast.py) and the engine at 1 and
+#                  16 streams (bench_engine.py)
+#   zeroshot       levels_all.sh zeroshot (registered voice and a new recording each request, c=1,16)
+# Shared preparation (wheels, the 0.5B CosyVoice2 model in /tmp/m05, the workload) runs once, before the lanes.
+set -u
+OUT=${OUT:?set OUT to a folder for the results}
+export PYTHONUNBUFFERED=1 COSYSTREAM_COMMIT=${COSYSTREAM_COMMIT:-unknown}
+stamp() { echo "== $(date +%T) $*"; }
+
+prep() {
+  source benchmarks/gpu_prep.sh || exit 1
+  python3 benchmarks/workload.py /tmp/wl > /dev/null || exit 1
+  nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
+}
+
+part() {  # $1: part, $2: lane folder, $3: port
+  local dir=$2
+  case "$1" in
+  scale_ray)
+    OUT=$dir/scale PORT=$3 bash benchmarks/scale_ray.sh all ;;
+  overload)
+    OUT=$dir PORT=$3 COSYSTREAM_TRACE=$dir/trace.jsonl bash benchmarks/levels_all.sh overload ;;
+  overload_base)
+    OUT=$dir PORT=$3 PKG=$PWD/.base COSYSTREAM_TRACE=$dir/trace.jsonl bash benchmarks/levels_all.sh overload ;;
+  cv3)
+    [ -f /tmp/cv3/llm.pt ] || python3 -m cosystream.cli make-random-model --family cosyvoice3 --size 0.5b /tmp/cv3 \
+      > "$dir/make_cv3.log" 2>&1
+    stamp "cv3: pooled flow per chunk, batches 1, 16"
+    timeout 150 python3 benchmarks/cv3_fast.py --device cuda --dtype bfloat16 --batches 1,16 > "$dir/cv3_fast.txt" 2>&1
+    grep -E "^\| (1|16) |MISMATCH|fast ==" "$dir/cv3_fast.txt"
+    stamp "cv3: engine c=1,16"
+    timeout 200 python3 benchmarks/bench_engine.py --model-dir /tmp/cv3 --device cuda --dtype bfloat16 \
+      --warmup-requests 3 --timeout 150 --concurrency 1,16 --requests-per-level 32 --out "$dir/cv3_engine.json" 2>&1 \
+      | grep -E "^\| [cro]|^\| level|Error|Traceback"
+    stamp "cv3: offline, 32 at once"
+    timeout 150 python3 benchmarks/bench_engine.py --model-dir /tmp/cv3 --device cuda --dtype bfloat16 \
+      --warmup-requests 3 --timeout 120 --offline --concurrency 32 --requests-per-level 64 \
+      --out "$dir/cv3_offline.json" 2>&1 | grep -E "^\| [cro]|^\| level|Error|Traceback"
+    stamp "cv3: over HTTP, c=1"
+    python3 -m cosystream.cli serve --model-dir /tmp/cv3 --port "$3" --log-level warning > "$dir/serve_cv3.log" 2>&1 &
+    local server=$!
+    if python3 benchmarks/wait_ready.py "http://127.0.0.1:$3" --pid "$server" --log "$dir/serve_cv3.log"; then
+      timeout 120 python3 -m cosystream.cli bench --url "http://127.0.0.1:$3" --target tts \
+        --workload /tmp/wl/workload.json --warmup-requests 3 --concurrency 1 --requests-per-level 32 \
+        --out "$dir/cv3_http.json" 2>&1 | grep -E "^\| [cro]|^\| level|Error|Traceback"
+    fi
+    kill -INT "$server"; wait "$server" ;;
+  zeroshot)
+    OUT=$dir bash benchmarks/levels_all.sh zeroshot ;;
+  *) echo "lanes.sh: unknown part $1" >&2; return 2 ;;
+  esac
+}
+
+lane() {  # $1: NAME=GPUS:PARTS, $2: port
+  local name=${1%%=*} rest=${1#*=} gpus parts dir p
+  gpus=${rest%%:*}; parts=${rest#*:}; dir=/tmp/lanes/$name
+  mkdir -p "$dir"
+  (
+    export CUDA_VISIBLE_DEVICES=$gpus
+    for p in ${parts//,/ }; do
+      stamp "lane $name (GPUs $gpus): $p"
+      part "$p" "$dir" "$2"
+    done
+    stamp "lane $name: done"
+  ) > "$dir/lane.log" 2>&1
+  tar -czf "$OUT/lane_$name.tar.gz" -C /tmp/lanes "$name"
+}
+
+mkdir -p "$OUT" /tmp/lanes
+stamp prep
+prep
+port=8000 pids=()
+for spec in "$@"; do
+  lane "$spec" "$port" &
+  pids+=($!)
+  port=$((port + 1))
+done
+wait "${pids[@]}"
+stamp "all lanes done"
+for spec in "$@"; do
+  name=${spec%%=*}
+  echo "---- lane $name"; grep -E "^== |^\| |MISMATCH|Error|Traceback|NOT met|met" "/tmp/lanes/$name/lane.log" | tail -40
+done
