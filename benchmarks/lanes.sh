@@ -70,17 +70,17 @@ lane() {  # $1: NAME=GPUS:PARTS, $2: port
   local name=${1%%=*} rest=${1#*=} gpus parts dir p
   gpus=${rest%%:*}; parts=${rest#*:}; dir=/tmp/lanes/$name
   mkdir -p "$dir"
-  (
-    export CUDA_VISIBLE_DEVICES=$gpus
-    for p in ${parts//,/ }; do
-      stamp "lane $name (GPUs $gpus): $p"
-      part "$p" "$dir" "$2"
+  # a lane past LANE_S seconds is stopped (the device call has a limit), its results so far still archived
+  CUDA_VISIBLE_DEVICES=$gpus timeout -k 10 "${LANE_S:-560}" bash -c '
+    for p in ${3//,/ }; do
+      stamp "lane $1 (GPUs $CUDA_VISIBLE_DEVICES): $p"
+      part "$p" "$2" "$4"
     done
-    stamp "lane $name: done"
-  ) > "$dir/lane.log" 2>&1
+    stamp "lane $1: done"' _ "$name" "$dir" "$parts" "$2" > "$dir/lane.log" 2>&1
   tar -czf "$OUT/lane_$name.tar.gz" -C /tmp/lanes "$name"
 }
 
+export -f stamp part
 mkdir -p "$OUT" /tmp/lanes
 stamp prep
 prep
