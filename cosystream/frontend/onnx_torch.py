@@ -5,6 +5,12 @@ runs the released models and the fixtures' stand-ins. Float initialisers live on
 in the compute dtype; integer and boolean tensors that only describe shapes (constants, `Shape`
 results and what is computed from them) stay on the CPU, so shape arithmetic never waits for the GPU.
 
+Shape arithmetic is folded per input shape (`ShapeFolding`): the nodes whose results follow from the
+constants and the shapes alone (a real export has as many of them as compute nodes: Shape, Gather,
+Unsqueeze, Concat, ConstantOfShape, Equal, Where, ...) run once per input shape, and a call with a shape
+seen before runs only the compute nodes. Each of those nodes is a host-side torch call, so on a GPU
+this is what bounds a small network's time, not the device.
+
 A graph with an operator that is not implemented here is refused when it is loaded
 (`UnsupportedGraph`, naming the operators), so a caller can keep onnxruntime for it.
 
@@ -14,7 +20,9 @@ operator the table lacks is what `UnsupportedGraph` names), read and tested toge
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +44,11 @@ _ONNX_TO_TORCH_DTYPE = {
 _FLOAT_ONNX_TYPES = {1, 10, 11, 16}
 MAX_CPU_NUMEL = 1024  # integer/boolean results up to this size stay on the CPU (shapes, lengths, small masks)
 
+FOLD_CACHE_SHAPES = 32  # input shapes whose folded shape arithmetic is kept (least recently used dropped)
+
 Attrs = dict[str, Any]
 OpFn = Callable[["_Context", list[Any], Attrs], list[torch.Tensor]]
+Step = tuple[OpFn, tuple[str, ...], tuple[str, ...], Attrs, tuple[str, ...]]
 
 
 class _Context:
@@ -522,15 +533,86 @@ class _Node:
         self.op_type, self.inputs, self.outputs, self.attrs, self.name = op_type, inputs, outputs, attrs, name
 
 
+def shape_determined(nodes: Sequence[_Node], constants: set[str], outputs: set[str]) -> list[bool]:
+    """Per node: are its results fixed by the constants and the graph inputs' shapes alone? True for Shape and
+    for every node that reads only such values (graph outputs excluded: a caller may keep them)."""
+    known = set(constants)
+    flags = []
+    for node in nodes:
+        static = (node.op_type == "Shape" or all(n in known for n in node.inputs if n)) \
+            and not any(n in outputs for n in node.outputs)
+        if static:
+            known.update(n for n in node.outputs if n)
+        flags.append(static)
+    return flags
+
+
+@dataclass
+class FoldedShapes:
+    """The shape arithmetic of one input shape: every shape-determined value, and the shape each Shape node
+    read (to tell, for a new input shape, which of these values stay the same)."""
+
+    values: dict[str, torch.Tensor] = field(default_factory=dict)
+    shapes_read: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+
+@dataclass
+class CallStats:
+    """What the last call ran: operator calls (each one host-side torch call or more), shape-determined values
+    taken from the fold cache or from the folding of another shape, and whether the input shape was cached."""
+
+    ops_run: int = 0
+    values_reused: int = 0
+    shape_cached: bool = False
+
+
+class ShapeFolding:
+    """The shape-determined nodes of a plan, evaluated once per input shape (an LRU of FOLD_CACHE_SHAPES shapes).
+
+    A shape not cached yet runs the whole plan, but a shape-determined node whose inputs did not change from
+    the last folding (a Shape node that reads the same shape, nodes downstream of unchanged values only) takes
+    that folding's value instead of running: a new prompt length re-derives only the values that depend on
+    the length. Every value is the one the plain interpretation gives (the same ops on the same inputs).
+    """
+
+    def __init__(self, static: list[bool], capacity: int = FOLD_CACHE_SHAPES) -> None:
+        self.static = static
+        self.capacity = capacity
+        self._cache: OrderedDict[tuple, FoldedShapes] = OrderedDict()
+        self._last: FoldedShapes | None = None
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def get(self, key: tuple) -> FoldedShapes | None:
+        folded = self._cache.get(key)
+        if folded is not None:
+            self._cache.move_to_end(key)
+        return folded
+
+    def put(self, key: tuple, folded: FoldedShapes) -> None:
+        self._cache[key] = folded
+        self._cache.move_to_end(key)
+        while len(self._cache) > self.capacity:
+            self._cache.popitem(last=False)
+        self._last = folded
+
+    @property
+    def reference(self) -> FoldedShapes | None:
+        """The latest folding, whose unchanged values a new shape reuses."""
+        return self._last
+
+
 class TorchOnnxGraph:
     """One ONNX model, callable on torch tensors: `graph({"feats": x, ...}) -> {"indices": y, ...}`.
 
     Float inputs are cast to `dtype` on `device`; outputs are returned where they were computed.
+    `fold_shapes=False` interprets every node on every call (the reference the folding is tested against).
     Thread-compatible, not thread-safe: one caller at a time (the analyser's worker).
     """
 
     def __init__(self, path: str | Path, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, fold_shapes: bool = True) -> None:
         import onnx
         from onnx import numpy_helper
 
@@ -559,10 +641,20 @@ class TorchOnnxGraph:
         for node in self.nodes:
             if node.op_type == "Constant":
                 self.constants[node.outputs[0]] = self._constant(node)
-        self._plan = self._build_plan([n for n in self.nodes if n.op_type != "Constant"])
+        computed = [n for n in self.nodes if n.op_type != "Constant"]
+        self._plan = self._build_plan(computed)
+        static = shape_determined(computed, set(self.constants), set(self.output_names))
+        self._dynamic_plan = self._build_plan([n for n, s in zip(computed, static, strict=True) if not s])
+        self.folding = ShapeFolding(static) if fold_shapes else None
+        self.stats = CallStats()
 
-    def _build_plan(self, nodes: list[_Node]) -> list[tuple[OpFn, tuple[str, ...], tuple[str, ...], Attrs,
-                                                           tuple[str, ...]]]:
+    @property
+    def node_counts(self) -> dict[str, int]:
+        """Nodes run per call: all of them without folding, the compute nodes alone with a cached shape."""
+        return {"constants": len(self.nodes) - len(self._plan), "plan": len(self._plan),
+                "compute": len(self._dynamic_plan)}
+
+    def _build_plan(self, nodes: list[_Node]) -> list[Step]:
         last: dict[str, int] = {}
         for index, node in enumerate(nodes):
             for name in node.inputs:
@@ -571,7 +663,10 @@ class TorchOnnxGraph:
         keep = set(self.output_names)
         plan = []
         for index, node in enumerate(nodes):
-            frees = tuple(dict.fromkeys(n for n in node.inputs if last.get(n) == index and n not in keep))
+            # inputs read for the last time, and results no later node of this plan reads (in the compute
+            # plan, a tensor only the folded shape arithmetic read)
+            done = [n for n in node.inputs if last.get(n) == index] + [n for n in node.outputs if n not in last]
+            frees = tuple(dict.fromkeys(n for n in done if n and n not in keep))
             plan.append((_op_for(node), tuple(node.inputs), tuple(node.outputs), node.attrs, frees))
         return plan
 
@@ -595,24 +690,75 @@ class TorchOnnxGraph:
         raise UnsupportedGraph(f"{self.path.name}: Constant node {node.name!r} has no supported value")
 
     def __call__(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        values: dict[str, torch.Tensor] = dict(self.constants)
+        given: dict[str, torch.Tensor] = {}
         for name in self.input_names:
             if name not in inputs:
                 raise ValueError(f"{self.path.name}: missing input {name!r}")
             tensor = inputs[name]
             if self.input_types.get(name) in _FLOAT_ONNX_TYPES:
                 tensor = tensor.to(device=self.ctx.device, dtype=self.ctx.dtype)
-            values[name] = tensor
-        ctx, settle = self.ctx, self.ctx.device.type != "cpu"
+            given[name] = tensor
         with torch.inference_mode():
-            for fn, names, outputs, attrs, frees in self._plan:
+            if self.folding is None:
+                values = self._run(self._plan, {**self.constants, **given})
+            else:
+                values = self._run_folded(self.folding, given)
+        return {name: values[name] for name in self.output_names}
+
+    def _run(self, plan: list[Step], values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        ctx, settle = self.ctx, self.ctx.device.type != "cpu"
+        for fn, names, outputs, attrs, frees in plan:
+            outs = fn(ctx, [values[name] if name else None for name in names], attrs)
+            for name, out in zip(outputs, outs, strict=False):
+                if name:
+                    values[name] = self._settle(out) if settle else out
+            for name in frees:
+                del values[name]
+        self.stats = CallStats(ops_run=len(plan))
+        return values
+
+    def _run_folded(self, folding: ShapeFolding, given: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        key = tuple((name, tuple(t.shape), t.dtype) for name, t in given.items())
+        folded = folding.get(key)
+        if folded is not None:
+            values = self._run(self._dynamic_plan, {**self.constants, **folded.values, **given})
+            self.stats = CallStats(ops_run=len(self._dynamic_plan), values_reused=len(folded.values),
+                                   shape_cached=True)
+            return values
+        folded, values = self._fold(folding, {**self.constants, **given})
+        folding.put(key, folded)
+        return values
+
+    def _fold(self, folding: ShapeFolding, values: dict[str, torch.Tensor]
+              ) -> tuple[FoldedShapes, dict[str, torch.Tensor]]:
+        """The whole plan for a new input shape, recording its shape-determined values; those that cannot differ
+        from the reference folding's (every input unchanged) are taken from it instead of computed."""
+        ctx, settle = self.ctx, self.ctx.device.type != "cpu"
+        reference, folded = folding.reference, FoldedShapes()
+        changed: set[str] = set()
+        ops_run = reused = 0
+        for index, (fn, names, outputs, attrs, frees) in enumerate(self._plan):
+            static = folding.static[index]
+            if static and fn is _shape:
+                folded.shapes_read[index] = tuple(values[names[0]].shape)
+            if static and reference is not None and _unchanged(index, names, folded, reference, changed):
+                for name in outputs:
+                    if name:
+                        values[name] = folded.values[name] = reference.values[name]
+                reused += 1
+            else:
                 outs = fn(ctx, [values[name] if name else None for name in names], attrs)
+                ops_run += 1
                 for name, out in zip(outputs, outs, strict=False):
                     if name:
                         values[name] = self._settle(out) if settle else out
-                for name in frees:
-                    del values[name]
-        return {name: values[name] for name in self.output_names}
+                        if static:
+                            folded.values[name] = values[name]
+                            changed.add(name)
+            for name in frees:
+                del values[name]
+        self.stats = CallStats(ops_run=ops_run, values_reused=reused)
+        return folded, values
 
     def _settle(self, out: torch.Tensor) -> torch.Tensor:
         """A CPU result larger than shape bookkeeping (a mask expanded to [B, T, T]) moves to the device, where
@@ -620,3 +766,12 @@ class TorchOnnxGraph:
         if out.is_cpu and out.numel() > MAX_CPU_NUMEL:
             return self.ctx.to_compute(out)
         return out
+
+
+def _unchanged(index: int, names: tuple[str, ...], folded: FoldedShapes, reference: FoldedShapes,
+               changed: set[str]) -> bool:
+    """Does shape-determined node `index` give what it gave in the reference folding? A Shape node does when it
+    read the same shape; any other when none of its inputs was recomputed for this shape."""
+    if index in folded.shapes_read:
+        return reference.shapes_read.get(index) == folded.shapes_read[index]
+    return not any(name in changed for name in names)
