@@ -195,6 +195,9 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 class TorchPromptAnalyzer:
     """Speech tokenizer (v2 or v3) + CAM++ + the three spectral front ends, in torch, for lists of prompts.
 
+    `fold_shapes=False` interprets every node of the two graphs on every call (see `TorchOnnxGraph`), to
+    measure what the folding saves.
+
     `speaker_threads` > 0 runs CAM++ on onnxruntime on the CPU instead, that many prompts at once, while
     the device computes the tokens and mels: an option for a CAM++ graph that cannot batch prompts of
     different lengths (its batch mode is measured), where one device call per prompt may cost more than
@@ -205,11 +208,12 @@ class TorchPromptAnalyzer:
 
     def __init__(self, speech_tokenizer: str | Path, campplus: str | Path, mel_dims: MelDims,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 speaker_threads: int = 0) -> None:
+                 speaker_threads: int = 0, fold_shapes: bool = True) -> None:
         self.device = torch.device(device)
         self.dtype = dtype
         self.mel_dims = mel_dims
-        self.tokenizer = BatchedGraph(TorchOnnxGraph(speech_tokenizer, self.device, dtype), sequence_axis=2)
+        self.tokenizer = BatchedGraph(TorchOnnxGraph(speech_tokenizer, self.device, dtype, fold_shapes),
+                                      sequence_axis=2)
         with self._exact():
             self.tokenizer.probe_batching(channels=_feature_channels(self.tokenizer, axis=1))
         self.speaker: BatchedGraph | None = None
@@ -219,7 +223,7 @@ class TorchPromptAnalyzer:
             self._cpu_speaker = SpeakerEncoder(campplus)
             self._speaker_pool = ThreadPoolExecutor(speaker_threads, thread_name_prefix="campplus")
         else:
-            self.speaker = BatchedGraph(TorchOnnxGraph(campplus, self.device, dtype), sequence_axis=1)
+            self.speaker = BatchedGraph(TorchOnnxGraph(campplus, self.device, dtype, fold_shapes), sequence_axis=1)
             with self._exact():
                 self.speaker.probe_batching(channels=_feature_channels(self.speaker, axis=2))
 
