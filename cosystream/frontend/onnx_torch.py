@@ -533,6 +533,18 @@ class _Node:
         self.op_type, self.inputs, self.outputs, self.attrs, self.name = op_type, inputs, outputs, attrs, name
 
 
+def _shape_distance(a: tuple, b: tuple) -> int | None:
+    """Sum of the absolute differences of two fold keys' dimensions; None when their inputs differ otherwise."""
+    if len(a) != len(b):
+        return None
+    total = 0
+    for (name_a, shape_a, dtype_a), (name_b, shape_b, dtype_b) in zip(a, b, strict=True):
+        if name_a != name_b or dtype_a != dtype_b or len(shape_a) != len(shape_b):
+            return None
+        total += sum(abs(x - y) for x, y in zip(shape_a, shape_b, strict=True))
+    return total
+
+
 def shape_determined(nodes: Sequence[_Node], constants: set[str], outputs: set[str]) -> list[bool]:
     """Per node: are its results fixed by the constants and the graph inputs' shapes alone? True for Shape and
     for every node that reads only such values (graph outputs excluded: a caller may keep them)."""
@@ -570,16 +582,16 @@ class ShapeFolding:
     """The shape-determined nodes of a plan, evaluated once per input shape (an LRU of FOLD_CACHE_SHAPES shapes).
 
     A shape not cached yet runs the whole plan, but a shape-determined node whose inputs did not change from
-    the last folding (a Shape node that reads the same shape, nodes downstream of unchanged values only) takes
-    that folding's value instead of running: a new prompt length re-derives only the values that depend on
-    the length. Every value is the one the plain interpretation gives (the same ops on the same inputs).
+    the folding of the nearest cached shape (a Shape node that reads the same shape, nodes that read only
+    values equal to that folding's) takes that folding's value instead of running: a new prompt length
+    re-derives only the values that depend on the length. Every value is the one the plain interpretation
+    gives (the same ops on equal inputs).
     """
 
     def __init__(self, static: list[bool], capacity: int = FOLD_CACHE_SHAPES) -> None:
         self.static = static
         self.capacity = capacity
         self._cache: OrderedDict[tuple, FoldedShapes] = OrderedDict()
-        self._last: FoldedShapes | None = None
 
     def __len__(self) -> int:
         return len(self._cache)
@@ -595,12 +607,17 @@ class ShapeFolding:
         self._cache.move_to_end(key)
         while len(self._cache) > self.capacity:
             self._cache.popitem(last=False)
-        self._last = folded
 
-    @property
-    def reference(self) -> FoldedShapes | None:
-        """The latest folding, whose unchanged values a new shape reuses."""
-        return self._last
+    def reference_for(self, key: tuple) -> FoldedShapes | None:
+        """The folding a new input shape reuses unchanged values from: the cached one of the nearest input shape
+        (a prompt a few frames longer shares nearly all its shape arithmetic; one across a segment or
+        stride boundary of the graph less). None: nothing cached."""
+        best, best_distance = None, None
+        for cached, folded in self._cache.items():
+            distance = _shape_distance(key, cached)
+            if distance is not None and (best_distance is None or distance < best_distance):
+                best, best_distance = folded, distance
+        return best
 
 
 class TorchOnnxGraph:
@@ -725,16 +742,16 @@ class TorchOnnxGraph:
             self.stats = CallStats(ops_run=len(self._dynamic_plan), values_reused=len(folded.values),
                                    shape_cached=True)
             return values
-        folded, values = self._fold(folding, {**self.constants, **given})
+        folded, values = self._fold(folding, folding.reference_for(key), {**self.constants, **given})
         folding.put(key, folded)
         return values
 
-    def _fold(self, folding: ShapeFolding, values: dict[str, torch.Tensor]
+    def _fold(self, folding: ShapeFolding, reference: FoldedShapes | None, values: dict[str, torch.Tensor]
               ) -> tuple[FoldedShapes, dict[str, torch.Tensor]]:
         """The whole plan for a new input shape, recording its shape-determined values; those that cannot differ
         from the reference folding's (every input unchanged) are taken from it instead of computed."""
         ctx, settle = self.ctx, self.ctx.device.type != "cpu"
-        reference, folded = folding.reference, FoldedShapes()
+        folded = FoldedShapes()
         changed: set[str] = set()
         ops_run = reused = 0
         for index, (fn, names, outputs, attrs, frees) in enumerate(self._plan):
@@ -754,7 +771,8 @@ class TorchOnnxGraph:
                         values[name] = self._settle(out) if settle else out
                         if static:
                             folded.values[name] = values[name]
-                            changed.add(name)
+                            if not _same_value(values[name], reference, name):
+                                changed.add(name)
             for name in frees:
                 del values[name]
         self.stats = CallStats(ops_run=ops_run, values_reused=reused)
@@ -766,6 +784,16 @@ class TorchOnnxGraph:
         if out.is_cpu and out.numel() > MAX_CPU_NUMEL:
             return self.ctx.to_compute(out)
         return out
+
+
+def _same_value(value: torch.Tensor, reference: FoldedShapes | None, name: str) -> bool:
+    """Is a recomputed shape value what the reference folding had (a shape's channel count, when only the
+    length changed)? Then nodes that read it need not run again. Compared on the CPU only, and only small."""
+    if reference is None:
+        return False
+    before = reference.values.get(name)
+    return (before is not None and value.is_cpu and before.is_cpu and value.numel() <= MAX_CPU_NUMEL
+            and value.dtype == before.dtype and torch.equal(value, before))
 
 
 def _unchanged(index: int, names: tuple[str, ...], folded: FoldedShapes, reference: FoldedShapes,

@@ -141,3 +141,18 @@ def test_shape_determined_marks_shape_arithmetic_only(tmp_path):
         out = graph({"x": x, "n": torch.tensor([n])})["out"]
         assert torch.equal(out, x.reshape(3, 4, 2) * n)
     assert graph.stats.shape_cached and graph.stats.ops_run == 3
+
+
+def test_a_new_length_starts_from_the_nearest_cached_one(realistic):
+    """From a folding of 251 frames, 131 frames re-derives more than from one of 130 (the stride and the
+    segment count of CAM++'s context pooling differ from 251's, not from 130's); the results are exact."""
+    plain = TorchOnnxGraph(realistic["campplus"], fold_shapes=False)
+    ops = []
+    for history in ((251,), (251, 130)):
+        graph = TorchOnnxGraph(realistic["campplus"])
+        for seed, frames in enumerate(history):
+            graph(_inputs(graph, frames, 1, seed))
+        inputs = _inputs(graph, 131, 1, 99)
+        assert torch.equal(graph(inputs)["output"], plain(inputs)["output"])
+        ops.append(graph.stats.ops_run)
+    assert ops[1] < ops[0]
