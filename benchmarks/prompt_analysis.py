@@ -3,7 +3,7 @@ and what bf16/fp16 change in the tokens and x-vectors against the ONNX (float32)
 
     python benchmarks/prompt_analysis.py --model-dir MODEL_DIR --device cuda \
         [--seconds 6] [--batch-sizes 1,4,16] [--dtypes float32,bfloat16,float16] [--speaker-threads 8] \
-        [--repeats 5] [--out FILE.json]
+        [--graph-threads 4] [--compare-unfolded] [--repeats 5] [--out FILE.json]
 
 Prompts are synthetic voiced signals of `--seconds` (each one a little longer than the one before,
 `--jitter-ms`, so every batch holds distinct lengths as real traffic does; 0 gives equal lengths) at
@@ -19,7 +19,8 @@ repeated is reported beside it (`cached_shapes`). Per graph, the report gives th
 call ran (new length / cached shape / without folding) and, on CUDA, the host synchronisations of one
 analysis of the largest batch (counted by torch's sync debug mode; the copies of the results back to
 the CPU are among them). `--compare-unfolded` also times float32 with every node interpreted on every
-call (the runner without shape folding).
+call (the runner without shape folding). `--graph-threads N` also times float32 with CAM++'s calls (one
+per distinct prompt length) on N threads at once, each on its own CUDA stream.
 """
 
 from __future__ import annotations
@@ -179,18 +180,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report["onnx_cpu_ms_per_prompt"] = timed_ms(lambda: onnx_analysis(onnx_tok, onnx_spk, mel_dims, prompts[0]),
                                                 args.repeats)
     fresh = NewLengths(mel_dims.sampling_rate)
-    variants = [(name, 0, True) for name in args.dtypes.split(",")]
+    # (dtype, CAM++ CPU threads, shape folding, graph call threads)
+    variants = [(name, 0, True, 1) for name in args.dtypes.split(",")]
     if args.speaker_threads > 0:
-        variants += [(name, args.speaker_threads, True) for name in args.dtypes.split(",")]
+        variants += [(name, args.speaker_threads, True, 1) for name in args.dtypes.split(",")]
     if args.compare_unfolded:
-        variants.append(("float32", 0, False))
-    for name, threads, fold in variants:
+        variants.append(("float32", 0, False, 1))
+    if args.graph_threads > 1:
+        variants.append(("float32", 0, True, args.graph_threads))
+    for name, threads, fold, graph_threads in variants:
         analyzer = TorchPromptAnalyzer(tokenizer_path, campplus_path, mel_dims, args.device, DTYPES[name],
-                                       speaker_threads=threads, fold_shapes=fold)
+                                       speaker_threads=threads, fold_shapes=fold, graph_threads=graph_threads)
         entry = measure(analyzer, prompts, batch_sizes, fresh, args.repeats)
         entry.update(agreement(reference, analyzer.analyse(prompts)))
         label = name if threads == 0 else f"{name}+campplus_cpu{threads}"
-        report["dtypes"][label if fold else f"{label}_unfolded"] = entry
+        label += "" if fold else "_unfolded"
+        label += "" if graph_threads == 1 else f"+graph_threads{graph_threads}"
+        report["dtypes"][label] = entry
         analyzer.close()
     return report
 
@@ -247,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speaker-threads", type=int, default=8,
                    help="also time CAM++ on onnxruntime on the CPU, this many prompts at once (0: skip)")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--graph-threads", type=int, default=0,
+                   help="also time float32 with CAM++'s calls on this many threads at once (0 or 1: skip)")
     p.add_argument("--compare-unfolded", action="store_true",
                    help="also time float32 with the runner's shape folding off (every node on every call)")
     p.add_argument("--out", help="write the report as JSON here")

@@ -44,6 +44,9 @@ ANALYSIS_DTYPE = torch.float32
 # 0: CAM++ on the GPU; N > 0: CAM++ on onnxruntime on the CPU, N prompts at once, beside the GPU work
 # (benchmarks/prompt_analysis.py --speaker-threads measures which is faster for prompts of distinct lengths)
 SPEAKER_THREADS = 0
+# CAM++ calls (one per distinct prompt length) run on this many threads at once, each on its own CUDA stream
+# (benchmarks/prompt_analysis.py --graph-threads measures what it gains)
+GRAPH_THREADS = 1
 
 
 @dataclass
@@ -96,7 +99,8 @@ class PromptBatcher:
         if not use_torch:
             return cls(frontend)
         try:
-            analyzer = TorchPromptAnalyzer.from_checkpoint(checkpoint, device, ANALYSIS_DTYPE, SPEAKER_THREADS)
+            analyzer = TorchPromptAnalyzer.from_checkpoint(checkpoint, device, ANALYSIS_DTYPE, SPEAKER_THREADS,
+                                                           GRAPH_THREADS)
         except UnsupportedGraph as exc:
             log.warning("prompt analysis stays on onnxruntime: %s", exc)
             return cls(frontend)

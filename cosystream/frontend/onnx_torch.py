@@ -20,6 +20,7 @@ operator the table lacks is what `UnsupportedGraph` names), read and tested toge
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -592,28 +593,33 @@ class ShapeFolding:
         self.static = static
         self.capacity = capacity
         self._cache: OrderedDict[tuple, FoldedShapes] = OrderedDict()
+        self._lock = threading.Lock()  # calls of one graph may run on several threads
 
     def __len__(self) -> int:
         return len(self._cache)
 
     def get(self, key: tuple) -> FoldedShapes | None:
-        folded = self._cache.get(key)
-        if folded is not None:
-            self._cache.move_to_end(key)
-        return folded
+        with self._lock:
+            folded = self._cache.get(key)
+            if folded is not None:
+                self._cache.move_to_end(key)
+            return folded
 
     def put(self, key: tuple, folded: FoldedShapes) -> None:
-        self._cache[key] = folded
-        self._cache.move_to_end(key)
-        while len(self._cache) > self.capacity:
-            self._cache.popitem(last=False)
+        with self._lock:
+            self._cache[key] = folded
+            self._cache.move_to_end(key)
+            while len(self._cache) > self.capacity:
+                self._cache.popitem(last=False)
 
     def reference_for(self, key: tuple) -> FoldedShapes | None:
         """The folding a new input shape reuses unchanged values from: the cached one of the nearest input shape
         (a prompt a few frames longer shares nearly all its shape arithmetic; one across a segment or
         stride boundary of the graph less). None: nothing cached."""
         best, best_distance = None, None
-        for cached, folded in self._cache.items():
+        with self._lock:
+            entries = list(self._cache.items())
+        for cached, folded in entries:
             distance = _shape_distance(key, cached)
             if distance is not None and (best_distance is None or distance < best_distance):
                 best, best_distance = folded, distance
@@ -625,7 +631,8 @@ class TorchOnnxGraph:
 
     Float inputs are cast to `dtype` on `device`; outputs are returned where they were computed.
     `fold_shapes=False` interprets every node on every call (the reference the folding is tested against).
-    Thread-compatible, not thread-safe: one caller at a time (the analyser's worker).
+    Calls may run on several threads at once (each on its own values; the fold cache is locked); `stats`
+    describes the call that finished last.
     """
 
     def __init__(self, path: str | Path, device: str | torch.device = "cpu",

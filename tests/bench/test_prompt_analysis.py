@@ -13,7 +13,7 @@ def test_prompt_analysis_benchmark_reports_times_and_agreement(fixture_dir, tmp_
     args = bench.build_parser().parse_args(
         ["--model-dir", str(fixture_dir / "model"), "--device", "cpu", "--seconds", "1", "--batch-sizes", "1,3",
          "--dtypes", "float32,bfloat16", "--speaker-threads", "2", "--repeats", "1", "--compare-unfolded",
-         "--out", str(out)])
+         "--graph-threads", "2", "--out", str(out)])
     report = bench.run(args)
     bench.print_report(report)
     out.write_text(json.dumps(report))
@@ -36,3 +36,6 @@ def test_prompt_analysis_benchmark_reports_times_and_agreement(fixture_dir, tmp_
         assert report["dtypes"]["float32_unfolded"]["graph_ops_per_call"][graph]["ops_cached_shape"] == ops["plan"]
     assert fp32["host_syncs_largest_batch"] is None  # counted on CUDA only
     assert fp32["batch3_cached_shapes_ms_per_prompt"] > 0
+    threaded = report["dtypes"]["float32+graph_threads2"]
+    assert threaded["prompts_all_tokens_equal"] == 3
+    assert threaded["xvector_max_abs_diff"] == fp32["xvector_max_abs_diff"]  # the same results, computed at once

@@ -156,3 +156,18 @@ def test_a_new_length_starts_from_the_nearest_cached_one(realistic):
         assert torch.equal(graph(inputs)["output"], plain(inputs)["output"])
         ops.append(graph.stats.ops_run)
     assert ops[1] < ops[0]
+
+
+def test_calls_on_several_threads_share_the_fold_cache_exactly(realistic):
+    from concurrent.futures import ThreadPoolExecutor
+
+    plain, folded = TorchOnnxGraph(realistic["campplus"], fold_shapes=False), TorchOnnxGraph(realistic["campplus"])
+    folded.folding.capacity = 3  # evictions while other threads read
+    work = [(frames, seed) for seed, frames in enumerate((120, 121, 120, 180, 121, 122, 180, 120) * 2)]
+
+    def call(item: tuple[int, int]) -> bool:
+        inputs = _inputs(plain, item[0], 1, item[1])
+        return torch.equal(folded(inputs)["output"], plain(inputs)["output"])
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(call, work))
