@@ -5,7 +5,7 @@ runs the released models and the fixtures' stand-ins. Float initialisers live on
 in the compute dtype; integer and boolean tensors that only describe shapes (constants, `Shape`
 results and what is computed from them) stay on the CPU, so shape arithmetic never waits for the GPU.
 
-Shape arithmetic is folded per input shape (`ShapeFolding`): the nodes whose results follow from the
+Shape arithmetic is folded per input shape (`shape_folding.ShapeFolding`): the nodes whose results follow from the
 constants and the shapes alone (a real export has as many of them as compute nodes: Shape, Gather,
 Unsqueeze, Concat, ConstantOfShape, Equal, Where, ...) run once per input shape, and a call with a shape
 seen before runs only the compute nodes. Each of those nodes is a host-side torch call, so on a GPU
@@ -20,10 +20,7 @@ operator the table lacks is what `UnsupportedGraph` names), read and tested toge
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +29,14 @@ import torch
 import torch.nn.functional as F
 
 from cosystream.errors import CheckpointError
+from cosystream.frontend.shape_folding import (
+    CallStats,
+    FoldedShapes,
+    ShapeFolding,
+    same_value,
+    shape_determined,
+    unchanged,
+)
 
 
 class UnsupportedGraph(CheckpointError):
@@ -44,8 +49,6 @@ _ONNX_TO_TORCH_DTYPE = {
 }
 _FLOAT_ONNX_TYPES = {1, 10, 11, 16}
 MAX_CPU_NUMEL = 1024  # integer/boolean results up to this size stay on the CPU (shapes, lengths, small masks)
-
-FOLD_CACHE_SHAPES = 32  # input shapes whose folded shape arithmetic is kept (least recently used dropped)
 
 Attrs = dict[str, Any]
 OpFn = Callable[["_Context", list[Any], Attrs], list[torch.Tensor]]
@@ -534,98 +537,6 @@ class _Node:
         self.op_type, self.inputs, self.outputs, self.attrs, self.name = op_type, inputs, outputs, attrs, name
 
 
-def _shape_distance(a: tuple, b: tuple) -> int | None:
-    """Sum of the absolute differences of two fold keys' dimensions; None when their inputs differ otherwise."""
-    if len(a) != len(b):
-        return None
-    total = 0
-    for (name_a, shape_a, dtype_a), (name_b, shape_b, dtype_b) in zip(a, b, strict=True):
-        if name_a != name_b or dtype_a != dtype_b or len(shape_a) != len(shape_b):
-            return None
-        total += sum(abs(x - y) for x, y in zip(shape_a, shape_b, strict=True))
-    return total
-
-
-def shape_determined(nodes: Sequence[_Node], constants: set[str], outputs: set[str]) -> list[bool]:
-    """Per node: are its results fixed by the constants and the graph inputs' shapes alone? True for Shape and
-    for every node that reads only such values (graph outputs excluded: a caller may keep them)."""
-    known = set(constants)
-    flags = []
-    for node in nodes:
-        static = (node.op_type == "Shape" or all(n in known for n in node.inputs if n)) \
-            and not any(n in outputs for n in node.outputs)
-        if static:
-            known.update(n for n in node.outputs if n)
-        flags.append(static)
-    return flags
-
-
-@dataclass
-class FoldedShapes:
-    """The shape arithmetic of one input shape: every shape-determined value, and the shape each Shape node
-    read (to tell, for a new input shape, which of these values stay the same)."""
-
-    values: dict[str, torch.Tensor] = field(default_factory=dict)
-    shapes_read: dict[int, tuple[int, ...]] = field(default_factory=dict)
-
-
-@dataclass
-class CallStats:
-    """What the last call ran: operator calls (each one host-side torch call or more), shape-determined values
-    taken from the fold cache or from the folding of another shape, and whether the input shape was cached."""
-
-    ops_run: int = 0
-    values_reused: int = 0
-    shape_cached: bool = False
-
-
-class ShapeFolding:
-    """The shape-determined nodes of a plan, evaluated once per input shape (an LRU of FOLD_CACHE_SHAPES shapes).
-
-    A shape not cached yet runs the whole plan, but a shape-determined node whose inputs did not change from
-    the folding of the nearest cached shape (a Shape node that reads the same shape, nodes that read only
-    values equal to that folding's) takes that folding's value instead of running: a new prompt length
-    re-derives only the values that depend on the length. Every value is the one the plain interpretation
-    gives (the same ops on equal inputs).
-    """
-
-    def __init__(self, static: list[bool], capacity: int = FOLD_CACHE_SHAPES) -> None:
-        self.static = static
-        self.capacity = capacity
-        self._cache: OrderedDict[tuple, FoldedShapes] = OrderedDict()
-        self._lock = threading.Lock()  # calls of one graph may run on several threads
-
-    def __len__(self) -> int:
-        return len(self._cache)
-
-    def get(self, key: tuple) -> FoldedShapes | None:
-        with self._lock:
-            folded = self._cache.get(key)
-            if folded is not None:
-                self._cache.move_to_end(key)
-            return folded
-
-    def put(self, key: tuple, folded: FoldedShapes) -> None:
-        with self._lock:
-            self._cache[key] = folded
-            self._cache.move_to_end(key)
-            while len(self._cache) > self.capacity:
-                self._cache.popitem(last=False)
-
-    def reference_for(self, key: tuple) -> FoldedShapes | None:
-        """The folding a new input shape reuses unchanged values from: the cached one of the nearest input shape
-        (a prompt a few frames longer shares nearly all its shape arithmetic; one across a segment or
-        stride boundary of the graph less). None: nothing cached."""
-        best, best_distance = None, None
-        with self._lock:
-            entries = list(self._cache.items())
-        for cached, folded in entries:
-            distance = _shape_distance(key, cached)
-            if distance is not None and (best_distance is None or distance < best_distance):
-                best, best_distance = folded, distance
-        return best
-
-
 class TorchOnnxGraph:
     """One ONNX model, callable on torch tensors: `graph({"feats": x, ...}) -> {"indices": y, ...}`.
 
@@ -765,7 +676,7 @@ class TorchOnnxGraph:
             static = folding.static[index]
             if static and fn is _shape:
                 folded.shapes_read[index] = tuple(values[names[0]].shape)
-            if static and reference is not None and _unchanged(index, names, folded, reference, changed):
+            if static and reference is not None and unchanged(index, names, folded, reference, changed):
                 for name in outputs:
                     if name:
                         values[name] = folded.values[name] = reference.values[name]
@@ -778,7 +689,7 @@ class TorchOnnxGraph:
                         values[name] = self._settle(out) if settle else out
                         if static:
                             folded.values[name] = values[name]
-                            if not _same_value(values[name], reference, name):
+                            if not same_value(values[name], reference, name):
                                 changed.add(name)
             for name in frees:
                 del values[name]
@@ -791,22 +702,3 @@ class TorchOnnxGraph:
         if out.is_cpu and out.numel() > MAX_CPU_NUMEL:
             return self.ctx.to_compute(out)
         return out
-
-
-def _same_value(value: torch.Tensor, reference: FoldedShapes | None, name: str) -> bool:
-    """Is a recomputed shape value what the reference folding had (a shape's channel count, when only the
-    length changed)? Then nodes that read it need not run again. Compared on the CPU only, and only small."""
-    if reference is None:
-        return False
-    before = reference.values.get(name)
-    return (before is not None and value.is_cpu and before.is_cpu and value.numel() <= MAX_CPU_NUMEL
-            and value.dtype == before.dtype and torch.equal(value, before))
-
-
-def _unchanged(index: int, names: tuple[str, ...], folded: FoldedShapes, reference: FoldedShapes,
-               changed: set[str]) -> bool:
-    """Does shape-determined node `index` give what it gave in the reference folding? A Shape node does when it
-    read the same shape; any other when none of its inputs was recomputed for this shape."""
-    if index in folded.shapes_read:
-        return reference.shapes_read.get(index) == folded.shapes_read[index]
-    return not any(name in changed for name in names)

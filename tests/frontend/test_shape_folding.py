@@ -13,7 +13,8 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from cosystream.frontend.onnx_torch import TorchOnnxGraph, shape_determined
+from cosystream.frontend.onnx_torch import TorchOnnxGraph
+from cosystream.frontend.shape_folding import shape_determined
 from cosystream.testing.realistic_side_models import write_campplus, write_speech_tokenizer
 
 TOKENIZER_FRAMES = (203, 161, 203, 97, 161)  # new, new, repeated, new, repeated
