@@ -71,7 +71,7 @@ class AsyncEngine:
         self.lm, lm_runner, t2w = build_runners(ckpt, config, device, dtype)
         self.token2wav = t2w
         self.core = EngineCore(lm_runner, t2w, self.lm, config)
-        self.prompt_batcher.costs = self.core.scheduler.prompt_costs  # admission predicts with measured analyses
+        self.prompt_batcher.costs = lambda: self.core.scheduler.prompt_costs  # admission's, measured analyses
         self._admitted = 0  # streams admitted (EngineCore.admit) ...
         self._not_submitted = 0  # ... of which never reached the engine (their frontend failed)
         self.pool = ThreadPoolExecutor(max_workers=FRONTEND_THREADS, thread_name_prefix="frontend")
@@ -197,16 +197,20 @@ class AsyncEngine:
         schedule = self.config.schedule
         tokens = (params.first_hop or schedule.first_hop) + schedule.lookahead if params.stream else 0
         verdict = self.core.admit(tokens, pending=self._admitted - self._not_submitted,
-                                  prompts=self.prompt_batcher.backlog(self._new_recording(params)))
+                                  prompts=self.prompt_batcher.backlog(self.is_new_recording(params)))
         if not verdict.admitted:
             raise Overloaded(f"overloaded: {verdict.reason}; retry later", retry_after_s=verdict.retry_after_s)
         self._admitted += 1
         return verdict.predicted_first_audio_s
 
-    def _new_recording(self, params: SynthesisParams) -> bool:
-        """Does this request bring a recording whose analysis is not kept (so it waits for one)?"""
+    def is_new_recording(self, params: SynthesisParams) -> bool:
+        """Does this request bring a recording whose analysis is not kept (so admission counts the analysis it
+        will wait for)? Hashing the
+        recording (a fraction of a millisecond for a few seconds of audio) is skipped while nothing is kept."""
         if params.prompt_audio is None:
             return False
+        if not len(self._uploads):
+            return True
         key = _upload_key(params.prompt_audio, params.prompt_text or "")
         return key is None or key not in self._uploads
 

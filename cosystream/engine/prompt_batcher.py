@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -72,7 +72,8 @@ class PromptBatcher:
         self.collect_window_s = collect_window_s
         self.max_batch = max_batch
         self.stats = BatcherStats()
-        self.costs: PromptCosts | None = None  # where each analysis's seconds go (the scheduler's, in an engine)
+        # where each analysis's seconds go: in an engine, the scheduler's PromptCosts (asked at each analysis)
+        self.costs: Callable[[], PromptCosts] | None = None
         self._line = threading.Lock()  # guards the three counts below (frontend threads and the worker)
         self._queued = 0  # submitted, not in a batch yet
         self._running = 0  # in the batch analysed now ...
@@ -135,7 +136,7 @@ class PromptBatcher:
 
     def _observe(self, prompts: int, seconds: float) -> None:
         if self.costs is not None:
-            self.costs.observe_analysis(prompts, seconds)
+            self.costs().observe_analysis(prompts, seconds)
 
     def analyse(self, prompt: PromptAudio) -> PromptAnalysis:
         """Blocking: the analysis of one checked prompt, computed with whatever arrives with it."""

@@ -225,7 +225,8 @@ def test_backlog_and_measured_batches_for_admission(frontend):
 
     analyzer = GatedAnalyzer()
     batcher = PromptBatcher(frontend, analyzer, collect_window_s=0.0, max_batch=8)  # type: ignore[arg-type]
-    batcher.costs = costs = PromptCosts()
+    costs = PromptCosts()
+    batcher.costs = lambda: costs
     try:
         assert batcher.backlog() == type(batcher.backlog())(max_batch=8)  # nothing in line
         first = batcher.submit(_prompt(1.0))
@@ -251,8 +252,9 @@ def test_without_batching_nothing_waits_in_line(frontend):
     from cosystream.engine.prompt_load import PromptCosts
 
     batcher = PromptBatcher(frontend)
-    batcher.costs = PromptCosts()
+    costs = PromptCosts()
+    batcher.costs = lambda: costs
     line = batcher.backlog(new_recording=True)
     assert (line.queued, line.running, line.waiting) == (0, 0, 1)
     batcher.make_voice_prompt(_speech(1.0, seed=3))
-    assert batcher.costs.analysis_s(1) > 0.0
+    assert costs.analysis_s(1) > 0.0
