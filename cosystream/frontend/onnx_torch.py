@@ -118,6 +118,8 @@ def torch_dtype(onnx_type: int) -> torch.dtype:
 
 
 def _ints(t: torch.Tensor) -> list[int]:
+    if t.ndim == 1 and not t.dtype.is_floating_point and t.dtype != torch.bool:
+        return t.tolist()  # ints already (the common case: shape arguments; a reshape costs more than the rest)
     return [int(v) for v in t.reshape(-1).tolist()]
 
 
