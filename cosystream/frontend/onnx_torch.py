@@ -580,7 +580,7 @@ class TorchOnnxGraph:
                 self.constants[node.outputs[0]] = self._constant(node)
         computed = [n for n in self.nodes if n.op_type != "Constant"]
         self._plan = self._build_plan(computed)
-        static = shape_determined(computed, set(self.constants), set(self.output_names))
+        static = shape_determined(computed, set(self.constants), set(self.input_names), set(self.output_names))
         self._dynamic_plan = self._build_plan([n for n, s in zip(computed, static, strict=True) if not s])
         self.folding = ShapeFolding(static) if fold_shapes else None
         self.stats = CallStats()

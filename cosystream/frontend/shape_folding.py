@@ -36,16 +36,37 @@ def _shape_distance(a: tuple, b: tuple) -> int | None:
     return total
 
 
-def shape_determined(nodes: Sequence[_Node], constants: set[str], outputs: set[str]) -> list[bool]:
-    """Per node: are its results fixed by the constants and the graph inputs' shapes alone? True for Shape and
-    for every node that reads only such values (graph outputs excluded: a caller may keep them)."""
-    known = set(constants)
+# Inputs whose values (not only shapes) set an operator's output shape. Every other supported operator's output
+# shape follows from its inputs' shapes (and its attributes) alone; tests/frontend/test_shape_folding.py lists
+# them, so an operator added to the runner must be placed here or there.
+SHAPE_ARGUMENTS: dict[str, tuple[int, ...]] = {
+    "Reshape": (1,), "Expand": (1,), "Slice": (1, 2, 3, 4), "Tile": (1,), "ConstantOfShape": (0,),
+    "Range": (0, 1, 2), "Pad": (1, 3), "Split": (1,), "Squeeze": (1,), "Unsqueeze": (1,), "ReduceMean": (1,),
+    "ReduceSum": (1,), "ReduceMax": (1,), "ReduceMin": (1,), "ReduceProd": (1,), "ReduceL2": (1,),
+}
+
+
+def shape_determined(nodes: Sequence[_Node], constants: set[str], inputs: set[str], outputs: set[str]) -> list[bool]:
+    """Per node: are its results fixed by the constants and the graph inputs' shapes alone? True for a node that
+    reads only such values, and for a Shape node whose input's shape is fixed by them (not one whose shape an
+    input's values set, as a mask of `max(lengths)` frames); graph outputs excluded (a caller may keep them)."""
+    known = set(constants)  # values fixed by the input shapes
+    shaped = set(constants) | set(inputs)  # tensors whose shapes are
     flags = []
     for node in nodes:
-        static = (node.op_type == "Shape" or all(n in known for n in node.inputs if n)) \
-            and not any(n in outputs for n in node.outputs)
+        names = [n for n in node.inputs if n]
+        if node.op_type == "Shape":
+            static = bool(names) and names[0] in shaped
+        else:
+            static = all(n in known for n in names)
+        static = static and not any(n in outputs for n in node.outputs)
+        arguments = SHAPE_ARGUMENTS.get(node.op_type, ())
+        shape_fixed = static or (all(n in shaped for n in names) and all(
+            node.inputs[i] in known for i in arguments if i < len(node.inputs) and node.inputs[i]))
         if static:
             known.update(n for n in node.outputs if n)
+        if shape_fixed:
+            shaped.update(n for n in node.outputs if n)
         flags.append(static)
     return flags
 

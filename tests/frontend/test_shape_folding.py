@@ -14,7 +14,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from cosystream.frontend.onnx_torch import TorchOnnxGraph
-from cosystream.frontend.shape_folding import shape_determined
+from cosystream.frontend.shape_folding import SHAPE_ARGUMENTS, shape_determined
 from cosystream.testing.realistic_side_models import write_campplus, write_speech_tokenizer
 
 TOKENIZER_FRAMES = (203, 161, 203, 97, 161)  # new, new, repeated, new, repeated
@@ -135,7 +135,7 @@ def test_shape_determined_marks_shape_arithmetic_only(tmp_path):
                                    helper.make_tensor_value_info("n", TensorProto.INT64, [1])],
                  [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)], inits)
     graph = TorchOnnxGraph(path)
-    flags = shape_determined(graph.nodes, set(graph.constants), set(graph.output_names))
+    flags = shape_determined(graph.nodes, set(graph.constants), set(graph.input_names), set(graph.output_names))
     assert flags == [True, True, True, True, False, False, False]
     x = torch.randn(3, 8)
     for n in (2, 5):  # the int input's value changes, its shape does not: the result follows the value
@@ -172,3 +172,46 @@ def test_calls_on_several_threads_share_the_fold_cache_exactly(realistic):
 
     with ThreadPoolExecutor(4) as pool:
         assert all(pool.map(call, work))
+
+
+def test_a_shape_set_by_an_input_value_is_not_folded(tmp_path):
+    """x [B, T] cut to its first n frames, n an int input (as a mask of max(lengths) frames): the cut's shape
+    follows n's value, so the Shape node that reads it runs on every call, and each call gives its own n."""
+    import numpy as np
+
+    nodes = [helper.make_node("Unsqueeze", ["n", "zero"], ["end"]),
+             helper.make_node("Slice", ["x", "start", "end", "one"], ["cut"]),
+             helper.make_node("Shape", ["cut"], ["s"]),
+             helper.make_node("Gather", ["s", "one_scalar"], ["frames"]),
+             helper.make_node("Cast", ["frames"], ["frames_f"], to=TensorProto.FLOAT),
+             helper.make_node("Mul", ["cut", "frames_f"], ["out"])]
+    inits = [numpy_helper.from_array(np.array([0], np.int64), "zero"),
+             numpy_helper.from_array(np.array([0], np.int64), "start"),
+             numpy_helper.from_array(np.array([1], np.int64), "one"),
+             numpy_helper.from_array(np.array(1, np.int64), "one_scalar")]
+    path = _save(tmp_path, nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "T"]),
+                                   helper.make_tensor_value_info("n", TensorProto.INT64, [])],
+                 [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)], inits)
+    graph = TorchOnnxGraph(path)
+    assert shape_determined(graph.nodes, set(graph.constants), set(graph.input_names),
+                            set(graph.output_names)) == [False] * 6
+    x = torch.randn(2, 9)
+    for n in (5, 3, 5):  # the same input shapes each time
+        out = graph({"x": x, "n": torch.tensor(n)})["out"]
+        assert torch.equal(out, x[:, :n] * n)
+
+
+def test_every_operator_is_placed_for_the_folding():
+    """An operator whose output shape an input's value sets must be in SHAPE_ARGUMENTS; these are the ones whose
+    output shape follows from their inputs' shapes and attributes. A new operator must be placed in one."""
+    from cosystream.frontend.onnx_torch import SUPPORTED_OPS
+
+    shapes_only = {
+        "Add", "Sub", "Mul", "Div", "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "And", "Or", "Xor",
+        "Mod", "Pow", "Max", "Min", "Sum", "Not", "Neg", "Abs", "Sqrt", "Reciprocal", "Exp", "Log", "Erf", "Tanh",
+        "Sigmoid", "Relu", "Sin", "Cos", "Floor", "Ceil", "Round", "Sign", "Softplus", "Identity", "Dropout",
+        "Where", "Cast", "Clip", "Flatten", "Transpose", "Concat", "Gather", "Shape", "Trilu", "CumSum", "Conv",
+        "MatMul", "Gemm", "Softmax", "LogSoftmax", "LayerNormalization", "BatchNormalization",
+        "InstanceNormalization", "ArgMax", "ArgMin", "MaxPool", "AveragePool", "GlobalAveragePool", "Constant"}
+    assert set(SHAPE_ARGUMENTS) | shapes_only == set(SUPPORTED_OPS)
+    assert not set(SHAPE_ARGUMENTS) & shapes_only
