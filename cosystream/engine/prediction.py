@@ -64,8 +64,8 @@ def next_chunks(view: EngineView, now: float, cost: CostModel, step_s: float,
     decode steps still missing, or after its wait for an LM row, prefill and first chunk's steps) and, for
     a stream to open, a flow slot. `newcomers`: streams not in the view, behind its streams in line for an
     LM row, each from when its recording is analysed. A stream that builds a new voice's prompt state also
-    has a prompt pass: ready as soon as its voice is analysed with open-ahead (the worker runs it ahead of
-    the first chunk), else with its first chunk (in whose batch it runs)."""
+    has a prompt pass: ready once its LM decodes with open-ahead (the worker runs it ahead of the first
+    chunk), else with its first chunk (in whose batch it runs)."""
     pending = sorted((s for s in view.streams if s.first and s.lm_pending and not s.planned),
                      key=lambda s: s.arrival_s)
     rows = _LMRows(view, now, cost, ahead=view.lm_waiting - len(pending))
@@ -89,16 +89,18 @@ def next_chunks(view: EngineView, now: float, cost: CostModel, step_s: float,
         kind = "first" if s.first else "final" if s.next_final else "chunks"
         entries.append((tokens_at, WorkJob(tokens_at, s.deadline_s, kind, StreamKey(s.key)),
                         s.needs_slot and not s.opened))
-        if _needs_pass(s):
-            passes.append(WorkJob(now if view.open_ahead else tokens_at, s.deadline_s, "prompt",
+        if _needs_pass(s):  # ahead from when its LM decodes (now, or once it has a row and its prefill)
+            decoding = tokens_at - s.missing_tokens * step_s if id(s) in lm_ready else now
+            passes.append(WorkJob(decoding if view.open_ahead else tokens_at, s.deadline_s, "prompt",
                                   PromptPass(StreamKey(s.key))))
     for new in newcomers:
-        tokens_at = max(rows.next(), new.analysed_s) + cost.prefill_s() + new.tokens * step_s
+        decoding = max(rows.next(), new.analysed_s) + cost.prefill_s()
+        tokens_at = decoding + new.tokens * step_s
         entries.append((tokens_at, WorkJob(tokens_at, new.deadline_s, "first", new.key),
                         view.free_flow_slots is not None))
         if new.prompt_pass:
-            ready = max(now, new.analysed_s) if view.open_ahead else tokens_at
-            passes.append(WorkJob(ready, new.deadline_s, "prompt", PromptPass(new.key)))
+            passes.append(WorkJob(decoding if view.open_ahead else tokens_at, new.deadline_s, "prompt",
+                                  PromptPass(new.key)))
     jobs = list(passes)
     for tokens_at, job, needs_slot in sorted(entries, key=lambda e: (e[0], e[1].deadline_s)):
         if needs_slot:

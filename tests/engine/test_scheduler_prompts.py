@@ -141,3 +141,17 @@ def test_admitted_requests_in_the_analysis_count_ahead_of_the_newcomer():
     # (tokens at 0.3 s) goes next, before their own chunks (tokens at 0.48 s)
     assert crowd.predicted_first_audio_s == pytest.approx(_line_s(ANALYSIS, 16) + _line_s(PASSES, 16) + FIRST_S)
     assert not _scheduler(budget_s=0.45).admit(view, NOW, TOKENS, pending_new=16, prompts=line).admitted
+
+
+def test_a_pass_ahead_starts_once_the_lm_decodes():
+    """The worker opens a stream ahead of its first chunk only while its LM decodes: after the analysis and the
+    prefill. A long pass that starts then delays the first chunk; had it started at the analysis, it would not."""
+    s = _scheduler(measured=False)
+    s.cost.observe_prefill(0.2)
+    for n in (1, 16, 4, 8):
+        s.prompt_costs.observe_analysis(n, _line_s(ANALYSIS, n))
+        s.prompt_costs.observe_passes(n, 0.35 + 0.05 * n)  # one pass: 0.4 s
+    decoding = _line_s(ANALYSIS, 1) + 0.2
+    verdict = s.admit(_view(_running()), NOW, TOKENS, prompts=PromptBacklog(new_recording=True))
+    assert 0.4 > TOKENS * STEP_S > 0.4 - 0.2  # outlasts the decode steps, not the prefill and the decode steps
+    assert verdict.predicted_first_audio_s == pytest.approx(decoding + 0.4 + FIRST_S)
