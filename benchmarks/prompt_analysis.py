@@ -3,7 +3,7 @@ and what bf16/fp16 change in the tokens and x-vectors against the ONNX (float32)
 
     python benchmarks/prompt_analysis.py --model-dir MODEL_DIR --device cuda \
         [--seconds 6] [--batch-sizes 1,4,16] [--dtypes float32,bfloat16,float16] [--speaker-threads 8] \
-        [--repeats 5] [--out FILE.json]
+        [--graph-threads 4] [--compare-unfolded] [--repeats 5] [--out FILE.json]
 
 Prompts are synthetic voiced signals of `--seconds` (each one a little longer than the one before,
 `--jitter-ms`, so every batch holds distinct lengths as real traffic does; 0 gives equal lengths) at
@@ -11,14 +11,26 @@ Prompts are synthetic voiced signals of `--seconds` (each one a little longer th
 speech tokenizer, CAM++, prompt mel), as the engine's batcher runs it; batch 1 is the unbatched time,
 and the ONNX time is the engine's CPU path for one prompt. A model directory needs its
 yaml, `speech_tokenizer_v*.onnx` and `campplus.onnx` (CosyVoice2 or CosyVoice3).
+
+Every timed call gets prompts of lengths not seen before (each cut 10 ms shorter than in any earlier
+call), as real traffic with a new recording in each request: the torch runner folds its shape
+arithmetic per input shape, and a repeated shape would time only its cached path. The same batch
+repeated is reported beside it (`cached_shapes`). Per graph, the report gives the operator calls one
+call ran (new length / cached shape / without folding) and, on CUDA, the host synchronisations of one
+analysis of the largest batch (counted by torch's sync debug mode; the copies of the results back to
+the CPU are among them). `--compare-unfolded` also times float32 with every node interpreted on every
+call (the runner without shape folding). `--graph-threads N` also times float32 with CAM++'s calls (one
+per distinct prompt length) on N threads at once, each on its own CUDA stream.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -64,6 +76,19 @@ def onnx_analysis(tokenizer: SpeechTokenizer, speaker: SpeakerEncoder, mel_dims:
                           xvector=speaker.embed(prompt.wav_16k))
 
 
+class NewLengths:
+    """Prompts cut shorter by one more 10 ms step at each call: every call meets input shapes not seen before."""
+
+    def __init__(self, flow_rate: int) -> None:
+        self.flow_rate = flow_rate
+        self._steps = itertools.count(1)
+
+    def __call__(self, prompts: Sequence[PromptAudio]) -> list[PromptAudio]:
+        cut = next(self._steps)
+        return [PromptAudio(p.wav_16k[: p.wav_16k.numel() - cut * 160],
+                            p.wav_24k[: p.wav_24k.numel() - cut * self.flow_rate // 100]) for p in prompts]
+
+
 def timed_ms(fn: Callable[[], Any], repeats: int) -> float:
     """Median wall time of `fn` in ms (results come back on the CPU, so the device work is included)."""
     fn()  # warm-up: kernels, cuFFT plans, allocator
@@ -75,14 +100,58 @@ def timed_ms(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(samples)
 
 
-def parts_ms(analyzer: TorchPromptAnalyzer, prompts: Sequence[PromptAudio], repeats: int) -> dict[str, float]:
-    """Per prompt, in the largest batch: speech tokens, x-vectors and prompt mels timed apart (each synchronised
-    by its copy back to the CPU), to show which part dominates."""
-    wavs_16k = [p.wav_16k for p in prompts]
-    wavs_24k = [p.wav_24k for p in prompts]
-    return {"tokens": timed_ms(lambda: analyzer.tokenize(wavs_16k), repeats) / len(prompts),
-            "xvector": timed_ms(lambda: analyzer.embed(wavs_16k), repeats) / len(prompts),
-            "mel": timed_ms(lambda: analyzer.mels(wavs_24k), repeats) / len(prompts)}
+def timed_new_ms(fn: Callable[[Sequence[PromptAudio]], Any], prompts: Sequence[PromptAudio], fresh: NewLengths,
+                 repeats: int) -> float:
+    """Median wall time of `fn` in ms, each call (warm-up included) on prompts of lengths not seen before; the
+    cutting is outside the timed region."""
+    fn(fresh(prompts))
+    samples = []
+    for _ in range(repeats):
+        batch = fresh(prompts)
+        t0 = time.perf_counter()
+        fn(batch)
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def parts_ms(analyzer: TorchPromptAnalyzer, prompts: Sequence[PromptAudio], fresh: NewLengths,
+             repeats: int) -> dict[str, float]:
+    """Per prompt, in the largest batch of new lengths: speech tokens, x-vectors and prompt mels timed apart (each
+    synchronised by its copy back to the CPU), to show which part dominates."""
+    def wavs_16k(batch: Sequence[PromptAudio]) -> list[torch.Tensor]:
+        return [p.wav_16k for p in batch]
+
+    parts = {"tokens": lambda b: analyzer.tokenize(wavs_16k(b)), "xvector": lambda b: analyzer.embed(wavs_16k(b)),
+             "mel": lambda b: analyzer.mels([p.wav_24k for p in b])}
+    return {name: timed_new_ms(fn, prompts, fresh, repeats) / len(prompts) for name, fn in parts.items()}
+
+
+def graph_ops(analyzer: TorchPromptAnalyzer, prompts: Sequence[PromptAudio], fresh: NewLengths) -> dict[str, Any]:
+    """Operator calls of one call of each graph, for one prompt: a new length, then the same length again."""
+    graphs = {"speech_tokenizer": analyzer.tokenizer.graph}
+    if analyzer.speaker is not None:
+        graphs["campplus"] = analyzer.speaker.graph
+    batch = fresh(prompts[:1])
+    report: dict[str, Any] = {}
+    for label in ("new_length", "cached_shape"):
+        analyzer.analyse(batch)
+        for name, graph in graphs.items():
+            report.setdefault(name, dict(graph.node_counts))[f"ops_{label}"] = graph.stats.ops_run
+    return report
+
+
+def host_syncs(analyzer: TorchPromptAnalyzer, prompts: Sequence[PromptAudio]) -> int | None:
+    """Synchronisations of the host with the GPU in one analysis (torch's sync debug mode), None off CUDA."""
+    if analyzer.device.type != "cuda":
+        return None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            analyzer.analyse(prompts)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def agreement(reference: Sequence[PromptAnalysis], results: Sequence[PromptAnalysis]) -> dict[str, float]:
@@ -110,23 +179,44 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               "model_dir": str(args.model_dir), "dtypes": {}}
     report["onnx_cpu_ms_per_prompt"] = timed_ms(lambda: onnx_analysis(onnx_tok, onnx_spk, mel_dims, prompts[0]),
                                                 args.repeats)
-    variants = [(name, 0) for name in args.dtypes.split(",")]
+    fresh = NewLengths(mel_dims.sampling_rate)
+    # (dtype, CAM++ CPU threads, shape folding, graph call threads)
+    variants = [(name, 0, True, 1) for name in args.dtypes.split(",")]
     if args.speaker_threads > 0:
-        variants += [(name, args.speaker_threads) for name in args.dtypes.split(",")]
-    for name, threads in variants:
+        variants += [(name, args.speaker_threads, True, 1) for name in args.dtypes.split(",")]
+    if args.compare_unfolded:
+        variants.append(("float32", 0, False, 1))
+    if args.graph_threads > 1:
+        variants.append(("float32", 0, True, args.graph_threads))
+    for name, threads, fold, graph_threads in variants:
         analyzer = TorchPromptAnalyzer(tokenizer_path, campplus_path, mel_dims, args.device, DTYPES[name],
-                                       speaker_threads=threads)
-        entry: dict[str, Any] = {"tokenizer_batch_mode": analyzer.tokenizer.mode,
-                                 "speaker_batch_mode": analyzer.speaker_mode}
-        for size in batch_sizes:  # batch 1 is the unbatched analysis
-            batch = prompts[:size]
-            entry[f"batch{size}_ms_per_prompt"] = timed_ms(lambda a=analyzer, b=batch: a.analyse(b),
-                                                           args.repeats) / size
-        entry["parts_ms_per_prompt"] = parts_ms(analyzer, prompts[:max(batch_sizes)], args.repeats)
+                                       speaker_threads=threads, fold_shapes=fold, graph_threads=graph_threads)
+        entry = measure(analyzer, prompts, batch_sizes, fresh, args.repeats)
         entry.update(agreement(reference, analyzer.analyse(prompts)))
-        report["dtypes"][name if threads == 0 else f"{name}+campplus_cpu{threads}"] = entry
+        label = name if threads == 0 else f"{name}+campplus_cpu{threads}"
+        label += "" if fold else "_unfolded"
+        label += "" if graph_threads == 1 else f"+graph_threads{graph_threads}"
+        report["dtypes"][label] = entry
         analyzer.close()
     return report
+
+
+def measure(analyzer: TorchPromptAnalyzer, prompts: Sequence[PromptAudio], batch_sizes: Sequence[int],
+            fresh: NewLengths, repeats: int) -> dict[str, Any]:
+    entry: dict[str, Any] = {"tokenizer_batch_mode": analyzer.tokenizer.mode,
+                             "speaker_batch_mode": analyzer.speaker_mode}
+    for size in batch_sizes:  # batch 1 is the unbatched analysis
+        batch = prompts[:size]
+        entry[f"batch{size}_ms_per_prompt"] = timed_new_ms(analyzer.analyse, batch, fresh, repeats) / size
+    for size in batch_sizes:
+        batch = prompts[:size]
+        entry[f"batch{size}_cached_shapes_ms_per_prompt"] = timed_ms(lambda b=batch: analyzer.analyse(b),
+                                                                     repeats) / size
+    largest = prompts[:max(batch_sizes)]
+    entry["parts_ms_per_prompt"] = parts_ms(analyzer, largest, fresh, repeats)
+    entry["graph_ops_per_call"] = graph_ops(analyzer, prompts, fresh)
+    entry["host_syncs_largest_batch"] = host_syncs(analyzer, fresh(largest))
+    return entry
 
 
 def print_report(report: dict[str, Any]) -> None:
@@ -134,10 +224,18 @@ def print_report(report: dict[str, Any]) -> None:
           f"ONNX on the CPU: {report['onnx_cpu_ms_per_prompt']:.1f} ms per prompt")
     for name, entry in report["dtypes"].items():
         times = ", ".join(f"{k.removesuffix('_ms_per_prompt')} {v:.2f}" for k, v in entry.items()
-                          if k.startswith("batch"))
+                          if k.startswith("batch") and "cached" not in k)
+        cached = ", ".join(f"{k.removesuffix('_cached_shapes_ms_per_prompt')} {v:.2f}" for k, v in entry.items()
+                           if k.endswith("_cached_shapes_ms_per_prompt"))
         parts = ", ".join(f"{k} {v:.2f}" for k, v in entry["parts_ms_per_prompt"].items())
         times += f" (largest batch: {parts})"
-        print(f"  {name}: ms per prompt: {times}; modes {entry['tokenizer_batch_mode']}/{entry['speaker_batch_mode']}")
+        print(f"  {name}: ms per prompt, new lengths: {times}; modes {entry['tokenizer_batch_mode']}/"
+              f"{entry['speaker_batch_mode']}")
+        print(f"    repeated batch (cached shapes): {cached}; host syncs in one largest batch: "
+              f"{entry['host_syncs_largest_batch']}")
+        for graph, ops in entry["graph_ops_per_call"].items():
+            print(f"    {graph}: operator calls per call: new length {ops['ops_new_length']}, cached shape "
+                  f"{ops['ops_cached_shape']} (plan {ops['plan']} nodes, compute {ops['compute']})")
         print(f"    vs ONNX: tokens {entry['token_agreement']:.4%} equal, {entry['prompts_all_tokens_equal']}/"
               f"{entry['prompts']} prompts all equal; x-vector max |diff| {entry['xvector_max_abs_diff']:.2e}, "
               f"min cosine {entry['xvector_min_cosine']:.6f}")
@@ -155,6 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speaker-threads", type=int, default=8,
                    help="also time CAM++ on onnxruntime on the CPU, this many prompts at once (0: skip)")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--graph-threads", type=int, default=0,
+                   help="also time float32 with CAM++'s calls on this many threads at once (0 or 1: skip)")
+    p.add_argument("--compare-unfolded", action="store_true",
+                   help="also time float32 with the runner's shape folding off (every node on every call)")
     p.add_argument("--out", help="write the report as JSON here")
     return p
 

@@ -15,7 +15,6 @@ import argparse
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
 
 from cosystream.errors import CosyStreamError
 
@@ -102,20 +101,8 @@ def run_list(args: argparse.Namespace) -> int:
             created = time.strftime("%Y-%m-%d %H:%M", time.localtime(voice.created_at))
             text = voice.prompt_text if len(voice.prompt_text) <= MAX_LISTED_TEXT else \
                 voice.prompt_text[: MAX_LISTED_TEXT - 3] + "..."
-            family = _family(store, voice.name)
-            print(f"{voice.name:<{width}}  {family:<10}  {voice.prompt_seconds:8.1f}  {created}  {text}")
+            print(f"{voice.name:<{width}}  {voice.family:<10}  {voice.prompt_seconds:8.1f}  {created}  {text}")
     return 0
-
-
-def _family(store: Any, name: str) -> str:
-    """The model family whose frontend analysed the voice (its features serve only that family's models);
-    "-" when the voice was deleted since it was listed."""
-    from cosystream.errors import UnknownVoice
-
-    try:
-        return store.get(name).prompt.family
-    except UnknownVoice:
-        return "-"
 
 
 def run_delete(args: argparse.Namespace) -> int:

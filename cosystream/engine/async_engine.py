@@ -72,6 +72,7 @@ class AsyncEngine:
         self.lm, lm_runner, t2w = build_runners(ckpt, config, device, dtype)
         self.token2wav = t2w
         self.core = EngineCore(lm_runner, t2w, self.lm, config)
+        self.prompt_batcher.costs = lambda: self.core.scheduler.prompt_costs  # admission's, measured analyses
         self._admitted = 0  # streams admitted (EngineCore.admit) ...
         self._not_submitted = 0  # ... of which never reached the engine (their frontend failed)
         self.pool = ThreadPoolExecutor(max_workers=FRONTEND_THREADS, thread_name_prefix="frontend")
@@ -187,7 +188,8 @@ class AsyncEngine:
         core = self.core
         view = core.published
         pending = max(0, self._admitted - self._not_submitted - (view.added if view is not None else 0))
-        verdict = core.scheduler.admit(view, time.perf_counter(), schedule.first_hop + schedule.lookahead, pending)
+        verdict = core.scheduler.admit(view, time.perf_counter(), schedule.first_hop + schedule.lookahead, pending,
+                                       self.prompt_batcher.backlog())
         return verdict.predicted_first_audio_s, verdict.admitted
 
     def _admit(self, params: SynthesisParams) -> Verdict | None:
@@ -197,11 +199,23 @@ class AsyncEngine:
             return None
         schedule = self.config.schedule
         tokens = (params.first_hop or schedule.first_hop) + schedule.lookahead if params.stream else 0
-        verdict = self.core.admit(tokens, pending=self._admitted - self._not_submitted)
+        verdict = self.core.admit(tokens, pending=self._admitted - self._not_submitted,
+                                  prompts=self.prompt_batcher.backlog(self.is_new_recording(params)))
         if not verdict.admitted:
             raise Overloaded(f"overloaded: {verdict.reason}; retry later", retry_after_s=verdict.retry_after_s)
         self._admitted += 1
         return verdict
+
+    def is_new_recording(self, params: SynthesisParams) -> bool:
+        """Does this request bring a recording whose analysis is not kept (so admission counts the analysis it
+        will wait for)? Hashing the
+        recording (a fraction of a millisecond for a few seconds of audio) is skipped while nothing is kept."""
+        if params.prompt_audio is None:
+            return False
+        if not len(self._uploads):
+            return True
+        key = _upload_key(params.prompt_audio, params.prompt_text or "")
+        return key is None or key not in self._uploads
 
     def _cheap_frontend(self, params: SynthesisParams) -> bool:
         """Is preparing this request quick enough for the event loop (see INLINE_FRONTEND_CHARS)?"""

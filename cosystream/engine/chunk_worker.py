@@ -39,6 +39,7 @@ class ChunkJob:
     first: bool = False  # the request's first chunk (snapshot when planned: the worker reads no request state)
     pausable: bool = False  # an official final pass: its phase may pause between Euler steps
     due: bool = False  # ... that is due: it pauses only for a client about to run dry
+    builds_prompt: bool = False  # opening its stream runs the flow over a new voice's prompt (a prompt pass)
 
 
 # ------------------------------------------------------------------ messages to the engine thread

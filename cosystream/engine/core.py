@@ -36,6 +36,7 @@ from cosystream.engine.chunk_worker import (
 )
 from cosystream.engine.decode_loop import DecodeLoop, _Step
 from cosystream.engine.lm_runner import RowSampling
+from cosystream.engine.prompt_load import PromptBacklog
 from cosystream.engine.request import LMStatus, RequestState
 from cosystream.engine.scheduler import Scheduler, Verdict
 from cosystream.engine.trace import DecisionTrace
@@ -136,14 +137,15 @@ class EngineCore(DecodeLoop, Voicing):
         if self.trace is not None:
             self.trace.close()
 
-    def admit(self, first_chunk_tokens: int, pending: int = 0) -> Verdict:
+    def admit(self, first_chunk_tokens: int, pending: int = 0, prompts: PromptBacklog | None = None) -> Verdict:
         """Would a stream arriving now get its first audio within the budget, with every running stream
         still on time (Scheduler.admit on the latest view)? Any thread; it reads a published snapshot and
-        takes well under a millisecond. `pending`: streams admitted that the engine has not taken in yet."""
+        takes well under a millisecond. `pending`: streams admitted that the engine has not taken in yet;
+        `prompts`: the prompt analysis as the stream finds it (PromptBatcher.backlog)."""
         view = self.published
         if view is not None:
             pending = max(0, pending - view.added)
-        verdict = self.scheduler.admit(view, time.perf_counter(), first_chunk_tokens, pending)
+        verdict = self.scheduler.admit(view, time.perf_counter(), first_chunk_tokens, pending, prompts)
         if verdict.admitted:
             self.admitted += 1
         else:

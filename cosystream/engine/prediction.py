@@ -3,15 +3,18 @@
 Each stream's next chunk becomes a `WorkJob` that can start once its tokens are there (after the decode
 steps it still misses, or after its wait for an LM row, its prefill and its first chunk's steps) and, for
 a stream still to open, a flow slot; LM rows and flow slots come back when their holders' LM is
-predicted done (`_LMRows`, `_FlowSlots`). `simulate_worker` then runs those jobs through the
-token-to-wave worker as the scheduler has it batch them. Pure functions of the view and the cost model.
+predicted done (`_LMRows`, `_FlowSlots`). A stream whose opening builds a new voice's prompt state adds
+a prompt pass (a `WorkJob` of kind "prompt", keyed `PromptPass`), and a newcomer that brings a recording
+starts its LM only once the recording is analysed (`Newcomer.analysed_s`). `simulate_worker` then runs
+those jobs through the token-to-wave worker as the scheduler has it batch them. Pure functions of the
+view and the cost models.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -32,17 +35,43 @@ def worker_state(view: EngineView, now: float) -> tuple[float, list[WorkJob]]:
     return phase_end, ([WorkJob(phase_end, -math.inf, "batch", None, rest)] if rest > 0 else [])
 
 
+@dataclass(frozen=True, slots=True)
+class Newcomer:
+    """A stream not in the view (admitted since it was made, or the one admission decides on)."""
+
+    key: str
+    tokens: int  # its first chunk's tokens
+    deadline_s: float
+    analysed_s: float = -math.inf  # when its recording is analysed, so its LM can start (-inf: nothing to wait)
+    prompt_pass: bool = False  # opening its stream runs the flow over a new prompt
+
+
+@dataclass(frozen=True, slots=True)
+class PromptPass:
+    """The key of a stream's prompt pass in the simulation (the stream's own key is its chunk's)."""
+
+    key: Hashable
+
+
+def _needs_pass(s: StreamView) -> bool:
+    """Does opening this stream still build a new voice's prompt state (not on the worker yet)?"""
+    return not s.voice_at_hand and not s.opened and not s.planned
+
+
 def next_chunks(view: EngineView, now: float, cost: CostModel, step_s: float,
-                newcomers: Sequence[tuple[str, int, float]] = ()) -> list[WorkJob]:
+                newcomers: Sequence[Newcomer] = ()) -> list[WorkJob]:
     """Every stream's next chunk not yet on the worker, with when it can start: its tokens (now, after the
     decode steps still missing, or after its wait for an LM row, prefill and first chunk's steps) and, for
-    a stream to open, a flow slot. `newcomers`: (key, first chunk tokens, deadline) of streams not in the
-    view, behind its streams in line for an LM row."""
+    a stream to open, a flow slot. `newcomers`: streams not in the view, behind its streams in line for an
+    LM row, each from when its recording is analysed. A stream that builds a new voice's prompt state also
+    has a prompt pass: ready once its LM decodes with open-ahead (the worker runs it ahead of the first
+    chunk), else with its first chunk (in whose batch it runs)."""
     pending = sorted((s for s in view.streams if s.first and s.lm_pending and not s.planned),
                      key=lambda s: s.arrival_s)
     rows = _LMRows(view, now, cost, ahead=view.lm_waiting - len(pending))
     lm_ready = {id(s): rows.next() + cost.prefill_s() + s.missing_tokens * step_s for s in pending}
     entries: list[tuple[float, WorkJob, bool]] = []  # (tokens ready at, job, needs a flow slot)
+    passes: list[WorkJob] = []
     slots = _FlowSlots(view, now, cost)
     for s in view.streams:
         if s.planned:
@@ -60,10 +89,19 @@ def next_chunks(view: EngineView, now: float, cost: CostModel, step_s: float,
         kind = "first" if s.first else "final" if s.next_final else "chunks"
         entries.append((tokens_at, WorkJob(tokens_at, s.deadline_s, kind, StreamKey(s.key)),
                         s.needs_slot and not s.opened))
-    for key, num_tokens, deadline in newcomers:
-        tokens_at = rows.next() + cost.prefill_s() + num_tokens * step_s
-        entries.append((tokens_at, WorkJob(tokens_at, deadline, "first", key), view.free_flow_slots is not None))
-    jobs = []
+        if _needs_pass(s):  # ahead from when its LM decodes (now, or once it has a row and its prefill)
+            decoding = tokens_at - s.missing_tokens * step_s if id(s) in lm_ready else now
+            passes.append(WorkJob(decoding if view.open_ahead else tokens_at, s.deadline_s, "prompt",
+                                  PromptPass(StreamKey(s.key))))
+    for new in newcomers:
+        decoding = max(rows.next(), new.analysed_s) + cost.prefill_s()
+        tokens_at = decoding + new.tokens * step_s
+        entries.append((tokens_at, WorkJob(tokens_at, new.deadline_s, "first", new.key),
+                        view.free_flow_slots is not None))
+        if new.prompt_pass:
+            passes.append(WorkJob(decoding if view.open_ahead else tokens_at, new.deadline_s, "prompt",
+                                  PromptPass(new.key)))
+    jobs = list(passes)
     for tokens_at, job, needs_slot in sorted(entries, key=lambda e: (e[0], e[1].deadline_s)):
         if needs_slot:
             job.ready_s = slots.take(tokens_at)
@@ -77,7 +115,8 @@ class WorkJob:
 
     ready_s: float  # when it can start (tokens and flow slot there)
     deadline_s: float
-    kind: str  # "first", "chunks", "final" (a phase of its own kind), "batch": the worker's current batch
+    kind: str  # "first", "chunks", "final" (a phase of its own kind), "prompt" (a stream's prompt pass),
+    #            "batch": the worker's current batch
     key: Hashable
     cost_s: float = 0.0  # "batch" only: its predicted seconds
 
@@ -158,15 +197,18 @@ class _FlowSlots:
 
 
 def simulate_worker(jobs: Sequence[WorkJob], free_at: float, cost: CostModel, max_batch: int, dry_s: float,
-                    final_phase_streams: int) -> dict:
+                    final_phase_streams: int, passes_s: Callable[[int], float] | None = None) -> dict:
     """Finish time of each job's phase (by key) on a worker that runs as the scheduler has it run: when free,
     it takes every job ready (at most `max_batch`, by class, then deadline) as one batch, voiced in phases:
     clients about to run dry (a later chunk whose deadline is within dry_s when the batch forms), first
     chunks, the rest of an earlier batch, later chunks, official final passes (final_phase_streams a phase);
-    each phase costs the cost model's fixed + per-chunk seconds for its size. A first chunk that becomes
-    ready, or a client that comes within dry_s of running dry, while a batch runs preempts it after the
-    running phase: the batch's unstarted jobs always go in the next batch (Scheduler.plan), whose new jobs
-    fill what is left of max_batch. The rest of the worker's current batch runs on the same way."""
+    each phase costs the cost model's fixed + per-chunk seconds for its size. Prompt passes are work of the
+    first chunks' class: those of streams whose first chunk is in the batch run in that chunk's phase, the
+    others in one phase after the first chunks; `passes_s(n)`: seconds of n passes (None: free). A first
+    chunk or prompt pass that becomes ready, or a client that comes within dry_s of running dry, while a
+    batch runs preempts it after the running phase: the batch's unstarted jobs always go in the next batch
+    (Scheduler.plan), whose new jobs fill what is left of max_batch. The rest of the worker's current batch
+    runs on the same way."""
     pending = sorted(jobs, key=lambda j: j.ready_s)
     queue: list[WorkJob] = []
     returned = [job for job in pending if job.kind == "batch"]
@@ -183,7 +225,7 @@ def simulate_worker(jobs: Sequence[WorkJob], free_at: float, cost: CostModel, ma
     def preempted(since: float, now: float) -> bool:
         """Did a chunk turn urgent (ready, or within dry_s of its deadline) after `since`, by `now`?"""
         release(now)
-        return any(job.ready_s > since if job.kind == "first" else
+        return any(job.ready_s > since if job.kind in ("first", "prompt") else
                    job.deadline_s - now < dry_s and (job.ready_s > since or job.deadline_s - since >= dry_s)
                    for job in queue)
 
@@ -205,7 +247,7 @@ def simulate_worker(jobs: Sequence[WorkJob], free_at: float, cost: CostModel, ma
         phases = _sim_phases(batch, t, dry_s, final_phase_streams)
         start = t
         for k, phase in enumerate(phases):
-            t += _phase_cost(phase, cost)
+            t += _phase_cost(phase, cost, passes_s)
             for job in phase:
                 out[job.key] = t
             if k + 1 < len(phases) and preempted(start, t):  # the rest goes in the next batch
@@ -215,29 +257,38 @@ def simulate_worker(jobs: Sequence[WorkJob], free_at: float, cost: CostModel, ma
 
 
 def _class_at(job: WorkJob, t: float, dry_s: float) -> int:
-    """-1: a client about to run dry at t, 0: a first chunk, 1: the rest."""
-    if job.kind == "first":
+    """-1: a client about to run dry at t, 0: a first chunk or a prompt pass, 1: the rest."""
+    if job.kind in ("first", "prompt"):
         return 0
     return -1 if job.kind != "batch" and job.deadline_s - t < dry_s else 1
 
 
-def _phase_cost(phase: Sequence[WorkJob], cost: CostModel) -> float:
+def _phase_cost(phase: Sequence[WorkJob], cost: CostModel, passes_s: Callable[[int], float] | None) -> float:
     if phase[0].kind == "batch":
         return phase[0].cost_s
-    kinds = {job.kind for job in phase}
-    kind = "first" if "first" in kinds else "final" if kinds == {"final"} else "chunks"
-    return cost.phase_s(kind, len(phase))
+    voiced = [job for job in phase if job.kind != "prompt"]
+    passes = len(phase) - len(voiced)
+    seconds = passes_s(passes) if passes and passes_s is not None else 0.0
+    if voiced:
+        kinds = {job.kind for job in voiced}
+        kind = "first" if "first" in kinds else "final" if kinds == {"final"} else "chunks"
+        seconds += cost.phase_s(kind, len(voiced))
+    return seconds
 
 
 def _sim_phases(batch: Sequence[WorkJob], t: float, dry_s: float, final_phase_streams: int) -> list[list[WorkJob]]:
-    """A batch formed at t in the worker's phase order (Scheduler.phases): dry clients, first chunks, what is
-    left of the batch they preempted (or that runs on), later chunks, final passes in phases of
-    final_phase_streams."""
+    """A batch formed at t in the worker's phase order (Scheduler.phases): dry clients, first chunks (with the
+    prompt passes of their streams), other prompt passes, what is left of the batch they preempted (or that
+    runs on), later chunks, final passes in phases of final_phase_streams."""
     classes = [(_class_at(j, t, dry_s), j) for j in batch]
     dry = [j for c, j in classes if c < 0]
-    firsts = [j for c, j in classes if c == 0]
+    firsts = [j for c, j in classes if c == 0 and j.kind == "first"]
+    in_line = {j.key for j in firsts}
+    passes = [j for j in batch if j.kind == "prompt"]
+    with_chunk = [j for j in passes if j.key.key in in_line]  # opened by its first chunk, in its phase
+    ahead = [j for j in passes if j.key.key not in in_line]
     rest = [[j] for j in batch if j.kind == "batch"]
     later = [j for c, j in classes if c > 0 and j.kind == "chunks"]
     finals = [j for c, j in classes if c > 0 and j.kind == "final"]
-    phases = [phase for phase in (dry, firsts) if phase] + rest + ([later] if later else [])
+    phases = [phase for phase in (dry, with_chunk + firsts, ahead) if phase] + rest + ([later] if later else [])
     return phases + [finals[i:i + final_phase_streams] for i in range(0, len(finals), final_phase_streams)]

@@ -7,6 +7,9 @@ arrived: the first prompt opens a batch, which takes whatever else arrives withi
 next batch. Waiting is on a queue (no sleeping, no polling). Decoding, resampling and the
 transcript stay on the calling thread, so they run in parallel with the GPU work.
 
+Admission reads `backlog()` (recordings waiting and the batch running) and, through `costs`, the measured
+seconds of each analysis (engine/prompt_load.py).
+
 On the CPU, or where the torch runner cannot run the model's graphs, the frontend's ONNX
 analysis is used unchanged.
 """
@@ -17,13 +20,14 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
 from cosystream.checkpoint import Checkpoint
+from cosystream.engine.prompt_load import PromptBacklog, PromptCosts
 from cosystream.errors import CosyStreamError
 from cosystream.frontend import AudioInput, Frontend, VoicePrompt
 from cosystream.frontend.audio import PromptAudio
@@ -40,6 +44,9 @@ ANALYSIS_DTYPE = torch.float32
 # 0: CAM++ on the GPU; N > 0: CAM++ on onnxruntime on the CPU, N prompts at once, beside the GPU work
 # (benchmarks/prompt_analysis.py --speaker-threads measures which is faster for prompts of distinct lengths)
 SPEAKER_THREADS = 0
+# CAM++ calls (one per distinct prompt length) run on this many threads at once, each on its own CUDA stream
+# (benchmarks/prompt_analysis.py --graph-threads measures what it gains)
+GRAPH_THREADS = 1
 
 
 @dataclass
@@ -65,6 +72,12 @@ class PromptBatcher:
         self.collect_window_s = collect_window_s
         self.max_batch = max_batch
         self.stats = BatcherStats()
+        # where each analysis's seconds go: in an engine, the scheduler's PromptCosts (asked at each analysis)
+        self.costs: Callable[[], PromptCosts] | None = None
+        self._line = threading.Lock()  # guards the three counts below (frontend threads and the worker)
+        self._queued = 0  # submitted, not in a batch yet
+        self._running = 0  # in the batch analysed now ...
+        self._running_since: float | None = None  # ... since then (time.perf_counter)
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._closed = False
         self._stream = (torch.cuda.Stream(analyzer.device)
@@ -87,7 +100,8 @@ class PromptBatcher:
         if not use_torch:
             return cls(frontend)
         try:
-            analyzer = TorchPromptAnalyzer.from_checkpoint(checkpoint, device, ANALYSIS_DTYPE, SPEAKER_THREADS)
+            analyzer = TorchPromptAnalyzer.from_checkpoint(checkpoint, device, ANALYSIS_DTYPE, SPEAKER_THREADS,
+                                                           GRAPH_THREADS)
         except UnsupportedGraph as exc:
             log.warning("prompt analysis stays on onnxruntime: %s", exc)
             return cls(frontend)
@@ -106,8 +120,23 @@ class PromptBatcher:
     def make_voice_prompt(self, audio: AudioInput, prompt_text: str = "") -> VoicePrompt:
         """What `Frontend.make_voice_prompt` returns, with the audio analysed in a batch when batching."""
         if self.analyzer is None:
-            return self.frontend.make_voice_prompt(audio, prompt_text)
+            t0 = time.perf_counter()
+            prompt = self.frontend.make_voice_prompt(audio, prompt_text)
+            self._observe(1, time.perf_counter() - t0)  # the frontend's own analysis, one prompt per thread
+            return prompt
         return self.frontend.make_voice_prompt(audio, prompt_text, analyse=self.analyse)
+
+    def backlog(self, new_recording: bool = False) -> PromptBacklog:
+        """The analysis as a request arriving now finds it (its own recording new or not). Without batching,
+        each recording is analysed on its own frontend thread: nothing waits in line."""
+        if self.analyzer is None:
+            return PromptBacklog(new_recording, max_batch=1)
+        with self._line:
+            return PromptBacklog(new_recording, self._queued, self._running, self._running_since, self.max_batch)
+
+    def _observe(self, prompts: int, seconds: float) -> None:
+        if self.costs is not None:
+            self.costs().observe_analysis(prompts, seconds)
 
     def analyse(self, prompt: PromptAudio) -> PromptAnalysis:
         """Blocking: the analysis of one checked prompt, computed with whatever arrives with it."""
@@ -117,6 +146,8 @@ class PromptBatcher:
         if self._closed or self.analyzer is None:
             raise CosyStreamError("prompt analysis: the batcher is closed")
         job = _Job(prompt)
+        with self._line:
+            self._queued += 1
         self._queue.put(job)
         return job.future
 
@@ -145,7 +176,14 @@ class PromptBatcher:
             if first is None:
                 return
             batch, stop = self._collect(first)
-            self._run(batch)
+            with self._line:
+                self._queued -= len(batch)
+                self._running, self._running_since = len(batch), time.perf_counter()
+            try:
+                self._run(batch)
+            finally:
+                with self._line:
+                    self._running, self._running_since = 0, None
             if stop:
                 return
 
@@ -165,6 +203,7 @@ class PromptBatcher:
         return batch, False
 
     def _run(self, batch: Sequence[_Job]) -> None:
+        t0 = time.perf_counter()
         try:
             results = self._analyse([job.prompt for job in batch])
         except Exception as exc:  # one bad prompt must not fail the others: retry each alone
@@ -174,6 +213,7 @@ class PromptBatcher:
             else:
                 batch[0].future.set_exception(exc)
             return
+        self._observe(len(batch), time.perf_counter() - t0)
         self.stats.batches += 1
         self.stats.prompts += len(batch)
         self.stats.largest_batch = max(self.stats.largest_batch, len(batch))

@@ -34,7 +34,9 @@ else), with the refinements that keep the GPU's batches full:
   worker is preempted for them after its running phase, so the pass is done while the LM still decodes
   the first chunk's tokens instead of in front of that chunk;
 * admission: a new stream is admitted only when the predicted finish of its first chunk is within the
-  budget and no running stream that meets its deadline now would miss it with the newcomer's work.
+  budget and no running stream that meets its deadline now would miss it with the newcomer's work; a
+  newcomer that brings a new recording waits for its analysis behind the recordings queued before it,
+  and its prompt pass and those of the streams still to open are worker time (engine/prompt_load.py).
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from cosystream.engine.costs import CostModel
-from cosystream.engine.prediction import StreamKey, next_chunks, simulate_worker, worker_state
+from cosystream.engine.prediction import Newcomer, PromptPass, StreamKey, next_chunks, simulate_worker, worker_state
+from cosystream.engine.prompt_load import PromptBacklog, PromptCosts, analysis_ends
 
 # A later chunk whose client has less audio left than this is urgent: it opens a batch. Long enough for
 # one batch of final passes to run ahead of it (a phase of 16 passes is a few hundred ms on an H100).
@@ -208,8 +211,9 @@ class Scheduler:
     def __init__(self, cost: CostModel | None = None, budget_s: float | None = None,
                  first_audio_target_s: float | None = None) -> None:
         self.cost = cost or CostModel()
+        self.prompt_costs = PromptCosts()  # new recordings' analysis and prompt passes, measured
         self.budget_s = budget_s
-        self._earliest: tuple[EngineView, tuple[int, int], float] | None = None  # the last newcomer's bound
+        self._earliest: tuple[EngineView, tuple, float] | None = None  # the last newcomer's bound
         self.first_audio_target_s = first_audio_target_s or budget_s or DEFAULT_FIRST_AUDIO_TARGET_S
 
     # ------------------------------------------------------------------ deadlines
@@ -465,14 +469,18 @@ class Scheduler:
         return {view.streams[i].key for _, i in waiting[:due]}
 
     # ------------------------------------------------------------------ admission
-    def admit(self, view: EngineView | None, now: float, first_chunk_tokens: int, pending_new: int = 0) -> Verdict:
+    def admit(self, view: EngineView | None, now: float, first_chunk_tokens: int, pending_new: int = 0,
+              prompts: PromptBacklog | None = None) -> Verdict:
         """Admit a new stream arriving at `now` whose first chunk needs `first_chunk_tokens` tokens?
-        `view`: the engine's latest published view; `pending_new`: streams admitted since it was made.
+        `view`: the engine's latest published view; `pending_new`: streams admitted since it was made;
+        `prompts`: the prompt analysis as the newcomer finds it (whether it brings a new recording, and the
+        recordings of admitted requests in line for the analysis: the first of the pending streams).
         Admitted when the budget is off, when nothing runs, or when its predicted first audio is within the
         budget and every running stream that meets its next deadline still does with the newcomer's work."""
         if self.budget_s is None or view is None:
             return Verdict(True, 0.0)
-        predicted, broken, start = self._predict(view, now, first_chunk_tokens, pending_new)
+        predicted, broken, start = self._predict(view, now, first_chunk_tokens, pending_new,
+                                                 prompts or PromptBacklog())
         idle = not view.streams and pending_new == 0  # refusing would help no one
         if idle or (predicted <= self.budget_s and broken == 0):
             return Verdict(True, predicted, predicted_start_s=start)
@@ -482,8 +490,21 @@ class Scheduler:
                   f"admitting it would make {broken} running stream(s) miss their playback deadline")
         return Verdict(False, predicted, reason, retry, start)
 
-    def _predict(self, view: EngineView, now: float, tokens: int, pending_new: int
-                 ) -> tuple[float, int, float | None]:
+    def _newcomers(self, now: float, tokens: int, pending_new: int, prompts: PromptBacklog
+                   ) -> tuple[list[Newcomer], Newcomer]:
+        """The streams admitted since the view and the newcomer, each with when its recording is analysed: the
+        first pending ones hold the recordings in the analysis now (in their frontend), in line order; the
+        newcomer's, if it brings one, is analysed last."""
+        deadline = now + (self.budget_s or self.first_audio_target_s)
+        ends = analysis_ends(prompts, self.prompt_costs, now) if prompts.waiting else []
+        in_line = ends[:prompts.running + prompts.queued]
+        pending = [Newcomer(f"pending{i}", tokens, deadline, *((in_line[i], True) if i < len(in_line) else ()))
+                   for i in range(pending_new)]
+        new = Newcomer("new", tokens, deadline, *((ends[-1], True) if prompts.new_recording else ()))
+        return pending, new
+
+    def _predict(self, view: EngineView, now: float, tokens: int, pending_new: int,
+                 prompts: PromptBacklog) -> tuple[float, int, float | None]:
         """(predicted first audio of the newcomer from now, running streams it would make late, when its first
         chunk can start from now: tokens and flow slot there; None when a remembered refusal answers): every known
         stream's next chunk, and the first chunks of streams still waiting for an LM row, admitted since the
@@ -497,23 +518,26 @@ class Scheduler:
         # the earliest first audio only grows with `now` (waits either run from now or end at fixed times), so
         # newcomers refused on the same view with the same streams ahead are refused again at no cost
         memo = self._earliest
-        if memo is not None and memo[0] is view and memo[1] == (pending_new, tokens) and memo[2] - now > budget:
+        if memo is not None and memo[0] is view and memo[1] == (pending_new, tokens, prompts) \
+                and memo[2] - now > budget:
             return memo[2] - now, 0, None
-        deadline = now + (self.budget_s or self.first_audio_target_s)
-        newcomers = [(f"pending{i}", tokens, deadline) for i in range(pending_new)]
-        with_new = next_chunks(view, now, self.cost, step_s, newcomers + [("new", tokens, deadline)])
+        newcomers, new = self._newcomers(now, tokens, pending_new, prompts)
+        with_new = next_chunks(view, now, self.cost, step_s, [*newcomers, new])
         start = next(job.ready_s for job in with_new if job.key == "new") - now
         earliest = now + start + self.cost.phase_s("first", 1)
-        self._earliest = (view, (pending_new, tokens), earliest)
+        self._earliest = (view, (pending_new, tokens, prompts), earliest)
         if earliest - now > budget:
             return earliest - now, 0, start
         free_at, carried = worker_state(view, now)
-        after = simulate_worker(with_new + carried, free_at, self.cost, view.max_batch, DRY_S, FINAL_PHASE_STREAMS)
-        predicted = after["new"] - now
+        passes_s = self.prompt_costs.passes_s
+        after = simulate_worker(with_new + carried, free_at, self.cost, view.max_batch, DRY_S, FINAL_PHASE_STREAMS,
+                                passes_s)
+        predicted = max(after["new"], after.get(PromptPass("new"), -math.inf)) - now
         if predicted > budget:
             return predicted, 0, start
         jobs = next_chunks(view, now, self.cost, step_s, newcomers)
-        before = simulate_worker(jobs + carried, free_at, self.cost, view.max_batch, DRY_S, FINAL_PHASE_STREAMS)
+        before = simulate_worker(jobs + carried, free_at, self.cost, view.max_batch, DRY_S, FINAL_PHASE_STREAMS,
+                                 passes_s)
         broken = sum(1 for job in jobs if isinstance(job.key, StreamKey)
                      and before[job.key] <= job.deadline_s < after[job.key])
         return predicted, broken, start

@@ -1,9 +1,10 @@
 """VoiceStore: registered voices and their precomputed prompt artefacts, persisted in SQLite.
 
 A voice is registered once (the frontend's `VoicePrompt`, spec/frontend.md §7-§9) and reused by
-every request. Each record holds the prompt tensors and an `extras` dict where the engine keeps
-per-voice caches (e.g. the flow's encoded prompt); tensors are stored as safetensors bytes in
-the rows, so every write is one SQLite transaction: a crash leaves the previous state.
+every request of a model of its family (CosyVoice2 or CosyVoice3: listed with the voice). Each
+record holds the prompt tensors and an `extras` dict where the engine keeps per-voice caches (e.g.
+the flow's encoded prompt); tensors are stored as safetensors bytes in the rows, so every write is one
+SQLite transaction: a crash leaves the previous state.
 Plain Python + CPU tensors: no CUDA, no model code.
 """
 
@@ -25,10 +26,10 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from cosystream.errors import BadInput, UnknownVoice, VoiceExists
-from cosystream.frontend.prompt import VoicePrompt
+from cosystream.frontend.prompt import DEFAULT_FAMILY, VoicePrompt
 
 DB_FILE_NAME = "voices.db"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: voices.family (a version-1 database gains it when opened, read from each prompt)
 MAX_VOICE_NAME_CHARS = 64
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # registration: names that are safe in any file system
 NAME_RULE = "registered voices use only A-Z a-z 0-9 _ . -"
@@ -41,14 +42,15 @@ _SCHEMA = (
         prompt_text TEXT NOT NULL,
         num_prompt_tokens INTEGER NOT NULL,
         created_at REAL NOT NULL,
-        updated_at REAL NOT NULL)""",
+        updated_at REAL NOT NULL,
+        family TEXT NOT NULL DEFAULT 'cosyvoice2')""",
     """CREATE TABLE IF NOT EXISTS voice_blobs (
         name TEXT NOT NULL REFERENCES voices(name) ON DELETE CASCADE,
         kind TEXT NOT NULL,
         data BLOB NOT NULL,
         PRIMARY KEY (name, kind))""",
 )
-_COLUMNS = "name, prompt_text, num_prompt_tokens, created_at, updated_at"  # VoiceInfo's field order
+_COLUMNS = "name, prompt_text, num_prompt_tokens, created_at, updated_at, family"  # VoiceInfo's field order
 _PROMPT = "prompt"  # voice_blobs.kind of the VoicePrompt tensors
 _EXTRAS = "extras"  # voice_blobs.kind of the engine's caches
 
@@ -69,6 +71,7 @@ class VoiceInfo:
     num_prompt_tokens: int  # 25 Hz speech tokens of the prompt
     created_at: float  # unix seconds
     updated_at: float  # unix seconds; changes with set_extras
+    family: str = DEFAULT_FAMILY  # the model family whose frontend made the prompt (the models it serves)
 
     @property
     def prompt_seconds(self) -> float:
@@ -136,6 +139,25 @@ def _check_extras(extras: dict[str, torch.Tensor] | None) -> dict[str, torch.Ten
     return extras
 
 
+def _upgrade(conn: sqlite3.Connection) -> None:
+    """A version-1 database (no family column): add it, each voice's family read from its stored prompt (one
+    transaction: another process opening the file meanwhile sees it before or after, never half done)."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        if "family" in {row[1] for row in conn.execute("PRAGMA table_info(voices)")}:  # new, or upgraded meanwhile
+            conn.execute("COMMIT")
+            return
+        conn.execute(f"ALTER TABLE voices ADD COLUMN family TEXT NOT NULL DEFAULT '{DEFAULT_FAMILY}'")
+        prompts = conn.execute("SELECT name, data FROM voice_blobs WHERE kind = ?", (_PROMPT,)).fetchall()
+        for name, data in prompts:
+            family = VoicePrompt.from_tensors(load_tensors(data)).family
+            conn.execute("UPDATE voices SET family = ? WHERE name = ?", (family, name))
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+
+
 class VoiceStore:
     """Persistent voices. Safe to share between threads (one connection behind a lock) and with
     other processes (SQLite WAL; writers wait up to 5 s for each other).
@@ -160,6 +182,8 @@ class VoiceStore:
                                f"cosystream supports ({SCHEMA_VERSION})")
             for statement in _SCHEMA:
                 conn.execute(statement)
+            if version < SCHEMA_VERSION:
+                _upgrade(conn)
             conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         except (sqlite3.Error, OSError) as exc:
             raise BadInput(f"db: cannot open {self.path} as a voice database ({exc})") from None
@@ -187,12 +211,12 @@ class VoiceStore:
             raise BadInput(f"prompt_text: expected a string, got {type(prompt_text).__name__}")
         extras = _check_extras(extras)
         now = time.time()
-        info = VoiceInfo(name, prompt_text, int(prompt.prompt_speech_tokens.shape[0]), now, now)
+        info = VoiceInfo(name, prompt_text, int(prompt.prompt_speech_tokens.shape[0]), now, now, prompt.family)
         with self._transaction(write=True) as conn:
             if conn.execute("SELECT 1 FROM voices WHERE name = ?", (name,)).fetchone():
                 raise VoiceExists(f"name: a voice named {name!r} already exists (delete it first)")
-            conn.execute("INSERT INTO voices VALUES (?, ?, ?, ?, ?)",
-                         (name, prompt_text, info.num_prompt_tokens, now, now))
+            conn.execute(f"INSERT INTO voices ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)",
+                         (name, prompt_text, info.num_prompt_tokens, now, now, info.family))
             conn.execute("INSERT INTO voice_blobs VALUES (?, ?, ?)", (name, _PROMPT, encode_tensors(prompt.tensors())))
             conn.execute("INSERT INTO voice_blobs VALUES (?, ?, ?)", (name, _EXTRAS, encode_tensors(extras)))
         return info

@@ -103,7 +103,7 @@ class Voicing:
             view.ode_key_of = lambda: self._ode_key(seg, n, done)
         view.opens_ahead = (view.needs_slot and seg.bistream is None and not is_planned
                             and seg.lm_status in (LMStatus.decoding, LMStatus.done))
-        if view.opens_ahead:
+        if view.opens_ahead or not opened:  # (admission counts the prompt passes of every stream to open)
             view.voice_at_hand = self.t2w.has_prompt(req.voice_key, req.voice_cache)
         return view
 
@@ -180,7 +180,8 @@ class Voicing:
                 if job is None and jv.prompt_pass:  # opens ahead of its first chunk: a new voice's prompt pass
                     req = by_key[jv.key]
                     job = jobs[jv.key] = ChunkJob(req, req.audio_segment, None,
-                                                  open_args=self._open_args(req, req.audio_segment))
+                                                  open_args=self._open_args(req, req.audio_segment),
+                                                  builds_prompt=True)
                 elif job is None:
                     req = by_key[jv.key]
                     seg = req.audio_segment
@@ -215,20 +216,23 @@ class Voicing:
                 self._chunks_done(ChunksDone(part, results, error, end, end - t0, True, kind=kind))
 
     def _predict_s(self, phase: list[ChunkJob]) -> float:
-        """The cost model's seconds for one phase (phase_kind) of a batch."""
+        """The cost model's seconds for one phase (phase_kind) of a batch; a phase that only opens streams costs
+        its prompt passes (streams of voices at hand open for nothing)."""
         voiced = [job for job in phase if job.plan is not None]
-        kind = phase_kind(voiced) if voiced else "open"
-        return 0.0 if kind == "open" else self.scheduler.cost.phase_s(kind, len(voiced))
+        if not voiced:
+            return self.scheduler.prompt_costs.passes_s(sum(job.builds_prompt for job in phase))
+        return self.scheduler.cost.phase_s(phase_kind(voiced), len(voiced))
 
     def _open_streams(self, opens: list[list[int]], by_key: dict[int, RequestState]) -> None:
         """Hand the idle worker a batch that only opens streams (ahead of their first chunk)."""
-        phases = [[ChunkJob(by_key[key], by_key[key].audio_segment, None,
-                            open_args=self._open_args(by_key[key], by_key[key].audio_segment)) for key in phase]
-                  for phase in opens]
+        phases = [[ChunkJob(req, req.audio_segment, None, open_args=self._open_args(req, req.audio_segment),
+                            builds_prompt=not self.t2w.has_prompt(req.voice_key, req.voice_cache))
+                   for req in (by_key[key] for key in phase)] for phase in opens]
         self._in_flight = [job for phase in phases for job in phase]
         self._first_in_flight = set()
-        self._worker_free_at = time.perf_counter()
-        self._phase_costs = []
+        self._phase_costs = [self._predict_s(phase) for phase in phases]
+        self._phase_started = time.perf_counter()
+        self._worker_free_at = self._phase_started + sum(self._phase_costs)
         self._chunks.submit(phases)
 
     def _maybe_preempt(self, now: float) -> None:
@@ -381,7 +385,10 @@ class Voicing:
         """Feed the cost model; phases of official final passes (a paused one comes back with no jobs) are
         also engine stats."""
         voiced = sum(1 for job in msg.jobs if job.plan is not None)
-        if msg.kind == "open":
+        if msg.kind == "open":  # the prompt passes of new voices (at hand, a stream opens for next to nothing)
+            passes = sum(job.builds_prompt for job in msg.jobs)
+            if passes:
+                self.scheduler.prompt_costs.observe_passes(passes, msg.busy_s)
             return
         self.scheduler.cost.observe_phase(msg.kind, voiced, msg.busy_s)
         if msg.kind == "final":

@@ -5,6 +5,12 @@ runs the released models and the fixtures' stand-ins. Float initialisers live on
 in the compute dtype; integer and boolean tensors that only describe shapes (constants, `Shape`
 results and what is computed from them) stay on the CPU, so shape arithmetic never waits for the GPU.
 
+Shape arithmetic is folded per input shape (`shape_folding.ShapeFolding`): the nodes whose results follow from the
+constants and the shapes alone (a real export has as many of them as compute nodes: Shape, Gather,
+Unsqueeze, Concat, ConstantOfShape, Equal, Where, ...) run once per input shape, and a call with a shape
+seen before runs only the compute nodes. Each of those nodes is a host-side torch call, so on a GPU
+this is what bounds a small network's time, not the device.
+
 A graph with an operator that is not implemented here is refused when it is loaded
 (`UnsupportedGraph`, naming the operators), so a caller can keep onnxruntime for it.
 
@@ -23,6 +29,14 @@ import torch
 import torch.nn.functional as F
 
 from cosystream.errors import CheckpointError
+from cosystream.frontend.shape_folding import (
+    CallStats,
+    FoldedShapes,
+    ShapeFolding,
+    same_value,
+    shape_determined,
+    unchanged,
+)
 
 
 class UnsupportedGraph(CheckpointError):
@@ -38,6 +52,7 @@ MAX_CPU_NUMEL = 1024  # integer/boolean results up to this size stay on the CPU 
 
 Attrs = dict[str, Any]
 OpFn = Callable[["_Context", list[Any], Attrs], list[torch.Tensor]]
+Step = tuple[OpFn, tuple[str, ...], tuple[str, ...], Attrs, tuple[str, ...]]
 
 
 class _Context:
@@ -103,6 +118,8 @@ def torch_dtype(onnx_type: int) -> torch.dtype:
 
 
 def _ints(t: torch.Tensor) -> list[int]:
+    if t.ndim == 1 and not t.dtype.is_floating_point and t.dtype != torch.bool:
+        return t.tolist()  # ints already (the common case: shape arguments; a reshape costs more than the rest)
     return [int(v) for v in t.reshape(-1).tolist()]
 
 
@@ -526,11 +543,13 @@ class TorchOnnxGraph:
     """One ONNX model, callable on torch tensors: `graph({"feats": x, ...}) -> {"indices": y, ...}`.
 
     Float inputs are cast to `dtype` on `device`; outputs are returned where they were computed.
-    Thread-compatible, not thread-safe: one caller at a time (the analyser's worker).
+    `fold_shapes=False` interprets every node on every call (the reference the folding is tested against).
+    Calls may run on several threads at once (each on its own values; the fold cache is locked); `stats`
+    describes the call that finished last.
     """
 
     def __init__(self, path: str | Path, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, fold_shapes: bool = True) -> None:
         import onnx
         from onnx import numpy_helper
 
@@ -559,10 +578,20 @@ class TorchOnnxGraph:
         for node in self.nodes:
             if node.op_type == "Constant":
                 self.constants[node.outputs[0]] = self._constant(node)
-        self._plan = self._build_plan([n for n in self.nodes if n.op_type != "Constant"])
+        computed = [n for n in self.nodes if n.op_type != "Constant"]
+        self._plan = self._build_plan(computed)
+        static = shape_determined(computed, set(self.constants), set(self.input_names), set(self.output_names))
+        self._dynamic_plan = self._build_plan([n for n, s in zip(computed, static, strict=True) if not s])
+        self.folding = ShapeFolding(static) if fold_shapes else None
+        self.stats = CallStats()
 
-    def _build_plan(self, nodes: list[_Node]) -> list[tuple[OpFn, tuple[str, ...], tuple[str, ...], Attrs,
-                                                           tuple[str, ...]]]:
+    @property
+    def node_counts(self) -> dict[str, int]:
+        """Nodes run per call: all of them without folding, the compute nodes alone with a cached shape."""
+        return {"constants": len(self.nodes) - len(self._plan), "plan": len(self._plan),
+                "compute": len(self._dynamic_plan)}
+
+    def _build_plan(self, nodes: list[_Node]) -> list[Step]:
         last: dict[str, int] = {}
         for index, node in enumerate(nodes):
             for name in node.inputs:
@@ -571,7 +600,10 @@ class TorchOnnxGraph:
         keep = set(self.output_names)
         plan = []
         for index, node in enumerate(nodes):
-            frees = tuple(dict.fromkeys(n for n in node.inputs if last.get(n) == index and n not in keep))
+            # inputs read for the last time, and results no later node of this plan reads (in the compute
+            # plan, a tensor only the folded shape arithmetic read)
+            done = [n for n in node.inputs if last.get(n) == index] + [n for n in node.outputs if n not in last]
+            frees = tuple(dict.fromkeys(n for n in done if n and n not in keep))
             plan.append((_op_for(node), tuple(node.inputs), tuple(node.outputs), node.attrs, frees))
         return plan
 
@@ -595,24 +627,76 @@ class TorchOnnxGraph:
         raise UnsupportedGraph(f"{self.path.name}: Constant node {node.name!r} has no supported value")
 
     def __call__(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        values: dict[str, torch.Tensor] = dict(self.constants)
+        given: dict[str, torch.Tensor] = {}
         for name in self.input_names:
             if name not in inputs:
                 raise ValueError(f"{self.path.name}: missing input {name!r}")
             tensor = inputs[name]
             if self.input_types.get(name) in _FLOAT_ONNX_TYPES:
                 tensor = tensor.to(device=self.ctx.device, dtype=self.ctx.dtype)
-            values[name] = tensor
-        ctx, settle = self.ctx, self.ctx.device.type != "cpu"
+            given[name] = tensor
         with torch.inference_mode():
-            for fn, names, outputs, attrs, frees in self._plan:
+            if self.folding is None:
+                values = self._run(self._plan, {**self.constants, **given})
+            else:
+                values = self._run_folded(self.folding, given)
+        return {name: values[name] for name in self.output_names}
+
+    def _run(self, plan: list[Step], values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        ctx, settle = self.ctx, self.ctx.device.type != "cpu"
+        for fn, names, outputs, attrs, frees in plan:
+            outs = fn(ctx, [values[name] if name else None for name in names], attrs)
+            for name, out in zip(outputs, outs, strict=False):
+                if name:
+                    values[name] = self._settle(out) if settle else out
+            for name in frees:
+                del values[name]
+        self.stats = CallStats(ops_run=len(plan))
+        return values
+
+    def _run_folded(self, folding: ShapeFolding, given: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        key = tuple((name, tuple(t.shape), t.dtype) for name, t in given.items())
+        folded = folding.get(key)
+        if folded is not None:
+            values = self._run(self._dynamic_plan, {**self.constants, **folded.values, **given})
+            self.stats = CallStats(ops_run=len(self._dynamic_plan), values_reused=len(folded.values),
+                                   shape_cached=True)
+            return values
+        folded, values = self._fold(folding, folding.reference_for(key), {**self.constants, **given})
+        folding.put(key, folded)
+        return values
+
+    def _fold(self, folding: ShapeFolding, reference: FoldedShapes | None, values: dict[str, torch.Tensor]
+              ) -> tuple[FoldedShapes, dict[str, torch.Tensor]]:
+        """The whole plan for a new input shape, recording its shape-determined values; those that cannot differ
+        from the reference folding's (every input unchanged) are taken from it instead of computed."""
+        ctx, settle = self.ctx, self.ctx.device.type != "cpu"
+        folded = FoldedShapes()
+        changed: set[str] = set()
+        ops_run = reused = 0
+        for index, (fn, names, outputs, attrs, frees) in enumerate(self._plan):
+            static = folding.static[index]
+            if static and fn is _shape:
+                folded.shapes_read[index] = tuple(values[names[0]].shape)
+            if static and reference is not None and unchanged(index, names, folded, reference, changed):
+                for name in outputs:
+                    if name:
+                        values[name] = folded.values[name] = reference.values[name]
+                reused += 1
+            else:
                 outs = fn(ctx, [values[name] if name else None for name in names], attrs)
+                ops_run += 1
                 for name, out in zip(outputs, outs, strict=False):
                     if name:
                         values[name] = self._settle(out) if settle else out
-                for name in frees:
-                    del values[name]
-        return {name: values[name] for name in self.output_names}
+                        if static:
+                            folded.values[name] = values[name]
+                            if not same_value(values[name], reference, name):
+                                changed.add(name)
+            for name in frees:
+                del values[name]
+        self.stats = CallStats(ops_run=ops_run, values_reused=reused)
+        return folded, values
 
     def _settle(self, out: torch.Tensor) -> torch.Tensor:
         """A CPU result larger than shape bookkeeping (a mask expanded to [B, T, T]) moves to the device, where

@@ -12,12 +12,17 @@ once: the three spectral front ends run on the device, and the two official ONNX
 Which mode a graph allows is measured when it is loaded, not assumed (`probe_batching`): the graph
 must give each prompt of a batch the result it gives that prompt alone, with loud noise in the
 padding. Results are CPU tensors, equal to the unbatched ones.
+
+The calls of a `same_length` or `single` graph (CAM++ over prompts of distinct lengths: one call each)
+may run on `threads` threads at once, each on its own CUDA stream: a call of a small network is bound
+by the host's work per operator, and torch releases the GIL inside each operator.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -64,6 +69,12 @@ class BatchedGraph:
         self.output_name = graph.output_names[0]
         self.frames_per_output: int | None = None  # set by the probe for graphs with a length input
         self.mode = "single"
+        self.threads = 1  # calls run at once when a list needs several (see the module's docstring)
+        self._pool: ThreadPoolExecutor | None = None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
 
     def run(self, features: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Per-prompt features [C, T_i] (feature axis first) -> one output row per prompt."""
@@ -73,13 +84,39 @@ class BatchedGraph:
         for index, feats in enumerate(features):
             key = feats.shape[-1] if self.mode == "same_length" else index
             groups.setdefault(key, []).append(index)
+        calls = [(torch.stack([features[i] for i in members]), [features[i].shape[-1] for i in members])
+                 for members in groups.values()]
         results: list[torch.Tensor | None] = [None] * len(features)
-        for members in groups.values():
-            stacked = torch.stack([features[i] for i in members])
-            lengths = [features[i].shape[-1] for i in members]
-            for i, row in zip(members, self._call(stacked, lengths), strict=True):
+        for members, rows in zip(groups.values(), self._call_all(calls), strict=True):
+            for i, row in zip(members, rows, strict=True):
                 results[i] = row
         return _complete(results)
+
+    def _call_all(self, calls: list[tuple[torch.Tensor, list[int]]]) -> list[list[torch.Tensor]]:
+        """`_call` of each (batch, lengths), on up to `threads` threads at once (each on a CUDA stream of its own,
+        ordered after the caller's stream, which waits for them before the rows are used)."""
+        if self.threads <= 1 or len(calls) < 2:
+            return [self._call(batch, lengths) for batch, lengths in calls]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="graph-call")
+        device = self.graph.ctx.device
+        if device.type != "cuda":
+            return list(self._pool.map(lambda call: self._call(*call), calls))
+        caller = torch.cuda.current_stream(device)
+
+        def on_own_stream(call: tuple[torch.Tensor, list[int]]) -> tuple[list[torch.Tensor], torch.cuda.Stream]:
+            stream = _thread_stream(device)
+            stream.wait_stream(caller)
+            with torch.cuda.stream(stream):
+                rows = self._call(*call)
+            for row in rows:
+                row.record_stream(caller)  # the caller's stream reads it: not reused before that work is done
+            return rows, stream
+
+        done = list(self._pool.map(on_own_stream, calls))
+        for _, stream in done:
+            caller.wait_stream(stream)
+        return [rows for rows, _ in done]
 
     def _run_padded(self, features: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         # longest first: a graph may size its output by the first length of the batch
@@ -159,6 +196,19 @@ class BatchedGraph:
         return _same(rows[1], alone)
 
 
+_THREAD_STREAMS = threading.local()
+
+
+def _thread_stream(device: torch.device) -> torch.cuda.Stream:
+    """This thread's own CUDA stream on `device` (made once)."""
+    streams = getattr(_THREAD_STREAMS, "by_device", None)
+    if streams is None:
+        streams = _THREAD_STREAMS.by_device = {}
+    if device not in streams:
+        streams[device] = torch.cuda.Stream(device)
+    return streams[device]
+
+
 @contextlib.contextmanager
 def ieee_float32(active: bool) -> Iterator[None]:
     """No TF32 in float32 convolutions and matmuls while active. cuDNN convolutions use TF32 by default
@@ -195,6 +245,10 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 class TorchPromptAnalyzer:
     """Speech tokenizer (v2 or v3) + CAM++ + the three spectral front ends, in torch, for lists of prompts.
 
+    `fold_shapes=False` interprets every node of the two graphs on every call (see `TorchOnnxGraph`), to
+    measure what the folding saves. `graph_threads` > 1 runs that many calls of a graph at once where a list
+    needs several (CAM++ over prompts of distinct lengths; see `BatchedGraph`).
+
     `speaker_threads` > 0 runs CAM++ on onnxruntime on the CPU instead, that many prompts at once, while
     the device computes the tokens and mels: an option for a CAM++ graph that cannot batch prompts of
     different lengths (its batch mode is measured), where one device call per prompt may cost more than
@@ -205,11 +259,12 @@ class TorchPromptAnalyzer:
 
     def __init__(self, speech_tokenizer: str | Path, campplus: str | Path, mel_dims: MelDims,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 speaker_threads: int = 0) -> None:
+                 speaker_threads: int = 0, fold_shapes: bool = True, graph_threads: int = 1) -> None:
         self.device = torch.device(device)
         self.dtype = dtype
         self.mel_dims = mel_dims
-        self.tokenizer = BatchedGraph(TorchOnnxGraph(speech_tokenizer, self.device, dtype), sequence_axis=2)
+        self.tokenizer = BatchedGraph(TorchOnnxGraph(speech_tokenizer, self.device, dtype, fold_shapes),
+                                      sequence_axis=2)
         with self._exact():
             self.tokenizer.probe_batching(channels=_feature_channels(self.tokenizer, axis=1))
         self.speaker: BatchedGraph | None = None
@@ -219,15 +274,18 @@ class TorchPromptAnalyzer:
             self._cpu_speaker = SpeakerEncoder(campplus)
             self._speaker_pool = ThreadPoolExecutor(speaker_threads, thread_name_prefix="campplus")
         else:
-            self.speaker = BatchedGraph(TorchOnnxGraph(campplus, self.device, dtype), sequence_axis=1)
+            self.speaker = BatchedGraph(TorchOnnxGraph(campplus, self.device, dtype, fold_shapes), sequence_axis=1)
             with self._exact():
                 self.speaker.probe_batching(channels=_feature_channels(self.speaker, axis=2))
+            self.speaker.threads = graph_threads
 
     @classmethod
     def from_checkpoint(cls, checkpoint: Checkpoint, device: str | torch.device = "cpu",
-                        dtype: torch.dtype = torch.float32, speaker_threads: int = 0) -> TorchPromptAnalyzer:
+                        dtype: torch.dtype = torch.float32, speaker_threads: int = 0,
+                        graph_threads: int = 1) -> TorchPromptAnalyzer:
         files = checkpoint.files
-        return cls(files.speech_tokenizer, files.campplus, checkpoint.hparams.mel, device, dtype, speaker_threads)
+        return cls(files.speech_tokenizer, files.campplus, checkpoint.hparams.mel, device, dtype, speaker_threads,
+                   graph_threads=graph_threads)
 
     @property
     def speaker_mode(self) -> str:
@@ -235,9 +293,12 @@ class TorchPromptAnalyzer:
         return self.speaker.mode if self.speaker is not None else "onnxruntime_cpu"
 
     def close(self) -> None:
-        """Stop the CPU speaker threads, if any."""
+        """Stop the CPU speaker threads and the graphs' call threads, if any."""
         if self._speaker_pool is not None:
             self._speaker_pool.shutdown(wait=False)
+        for graph in (self.tokenizer, self.speaker):
+            if graph is not None:
+                graph.close()
 
     def _exact(self) -> contextlib.AbstractContextManager[None]:
         return ieee_float32(self.dtype == torch.float32 and self.device.type == "cuda")

@@ -15,6 +15,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile as StarletteUploadFile
 
 from cosystream.errors import UnknownVoice
+from cosystream.frontend.prompt import DEFAULT_FAMILY
 from cosystream.params import Mode, SamplingParams, SynthesisParams
 from cosystream.server.errors import ApiError, bad_input, from_validation_errors, to_api_error
 from cosystream.server.inputs import (
@@ -180,7 +181,7 @@ def voice_out(info: Any) -> Voice:
     seconds = getattr(info, "prompt_seconds", None)
     return Voice(name=info.name, prompt_text=info.prompt_text, num_prompt_tokens=tokens,
                  prompt_seconds=seconds if seconds is not None else tokens / TOKENS_PER_S,
-                 created_at=getattr(info, "created_at", None))
+                 created_at=getattr(info, "created_at", None), family=getattr(info, "family", DEFAULT_FAMILY))
 
 
 VOICE_NAME_PATH = Path(..., min_length=1, max_length=MAX_VOICE_NAME_CHARS, description="a registered voice")

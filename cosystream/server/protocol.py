@@ -215,6 +215,8 @@ class Voice(BaseModel):
     num_prompt_tokens: int = Field(description="25 Hz speech tokens of the prompt")
     prompt_seconds: float
     created_at: float | None = Field(None, description="unix seconds")
+    family: str = Field(description="the model family whose frontend analysed the prompt (cosyvoice2 or "
+                                    "cosyvoice3): the voice serves models of that family only")
 
 
 class VoiceList(BaseModel):

@@ -12,7 +12,8 @@ def test_prompt_analysis_benchmark_reports_times_and_agreement(fixture_dir, tmp_
     out = tmp_path / "report.json"
     args = bench.build_parser().parse_args(
         ["--model-dir", str(fixture_dir / "model"), "--device", "cpu", "--seconds", "1", "--batch-sizes", "1,3",
-         "--dtypes", "float32,bfloat16", "--speaker-threads", "2", "--repeats", "1", "--out", str(out)])
+         "--dtypes", "float32,bfloat16", "--speaker-threads", "2", "--repeats", "1", "--compare-unfolded",
+         "--graph-threads", "2", "--out", str(out)])
     report = bench.run(args)
     bench.print_report(report)
     out.write_text(json.dumps(report))
@@ -29,3 +30,12 @@ def test_prompt_analysis_benchmark_reports_times_and_agreement(fixture_dir, tmp_
     assert hybrid["speaker_batch_mode"] == "onnxruntime_cpu" and hybrid["prompts_all_tokens_equal"] == 3
     assert hybrid["xvector_max_abs_diff"] == 0.0  # the same onnxruntime session and features as the reference
     assert "bfloat16" in capsys.readouterr().out
+    # operator calls per graph call: a cached shape runs the compute nodes alone, a new length at most the plan
+    for graph, ops in fp32["graph_ops_per_call"].items():
+        assert ops["ops_cached_shape"] == ops["compute"] <= ops["ops_new_length"] <= ops["plan"], graph
+        assert report["dtypes"]["float32_unfolded"]["graph_ops_per_call"][graph]["ops_cached_shape"] == ops["plan"]
+    assert fp32["host_syncs_largest_batch"] is None  # counted on CUDA only
+    assert fp32["batch3_cached_shapes_ms_per_prompt"] > 0
+    threaded = report["dtypes"]["float32+graph_threads2"]
+    assert threaded["prompts_all_tokens_equal"] == 3
+    assert threaded["xvector_max_abs_diff"] == fp32["xvector_max_abs_diff"]  # the same results, computed at once

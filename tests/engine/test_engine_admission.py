@@ -89,3 +89,28 @@ def test_one_text_limit_for_every_entry_point_of_the_engine(small):
 
     with pytest.raises(BadInput, match="more than the limit of 200"):
         small.synthesize(SynthesisParams(text=pieces(), voice="v"))
+
+
+def test_a_new_recording_is_predicted_to_wait_for_its_analysis(small, fixture_dir):
+    """A request that brings a recording the engine has not analysed: admission adds the analysis it waits for
+    (measured on this machine by the analyses before it); a recording the engine keeps adds nothing."""
+    engine = small.async_engine
+
+    def zero_shot(audio: bytes) -> SynthesisParams:
+        return SynthesisParams(text="hello there.", mode="zero_shot", prompt_audio=audio, prompt_text="Hello there.",
+                               force_tokens=8, sampling=SamplingParams(greedy=True, seed=1))
+
+    recording = (fixture_dir / "prompt_24k.wav").read_bytes()
+    other = recording[:-480]  # 10 ms shorter: another recording
+    assert engine.is_new_recording(zero_shot(recording))
+    small.synthesize(zero_shot(recording))  # analysed (and measured), then kept
+    assert not engine.is_new_recording(zero_shot(recording))
+    assert engine.is_new_recording(zero_shot(other))
+    assert not engine.is_new_recording(_params(0))  # a registered voice
+    analysis_s = engine.core.scheduler.prompt_costs.analysis_s(1)
+    assert analysis_s > 0.0
+    # the engine idle: the same view, with and without a new recording to analyse first
+    tokens = 28
+    kept = engine.core.admit(tokens, prompts=engine.prompt_batcher.backlog(new_recording=False))
+    new = engine.core.admit(tokens, prompts=engine.prompt_batcher.backlog(new_recording=True))
+    assert new.predicted_first_audio_s - kept.predicted_first_audio_s == pytest.approx(analysis_s, rel=0.05)

@@ -217,3 +217,44 @@ def test_requests_with_a_recording_are_prepared_on_the_batchers_threads(frontend
         batched.close()
         plain.close()
         default.shutdown()
+
+
+def test_backlog_and_measured_batches_for_admission(frontend):
+    """Admission reads what waits for the analysis (PromptBatcher.backlog) and the seconds each batch took."""
+    from cosystream.engine.prompt_load import PromptCosts
+
+    analyzer = GatedAnalyzer()
+    batcher = PromptBatcher(frontend, analyzer, collect_window_s=0.0, max_batch=8)  # type: ignore[arg-type]
+    costs = PromptCosts()
+    batcher.costs = lambda: costs
+    try:
+        assert batcher.backlog() == type(batcher.backlog())(max_batch=8)  # nothing in line
+        first = batcher.submit(_prompt(1.0))
+        assert analyzer.started.wait(timeout=10)
+        later = [batcher.submit(_prompt(float(i))) for i in range(2, 5)]
+        line = batcher.backlog(new_recording=True)
+        assert (line.new_recording, line.running, line.queued, line.max_batch) == (True, 1, 3, 8)
+        assert line.running_since_s is not None and line.waiting == 5
+        assert costs.analysis_s(1) == 0.0  # nothing measured yet
+        analyzer.release.set()
+        for future in [first, *later]:
+            future.result(timeout=10)
+        batcher.close()  # the worker has finished its last batch
+        after = batcher.backlog()
+        assert (after.running, after.queued, after.running_since_s) == (0, 0, None)
+        assert costs.analysis_s(1) > 0.0 and costs.analysis_s(3) >= costs.analysis_s(1)
+    finally:
+        batcher.close()
+
+
+def test_without_batching_nothing_waits_in_line(frontend):
+    """The frontend's own analysis runs on each request's thread: no line, each call measured as one prompt."""
+    from cosystream.engine.prompt_load import PromptCosts
+
+    batcher = PromptBatcher(frontend)
+    costs = PromptCosts()
+    batcher.costs = lambda: costs
+    line = batcher.backlog(new_recording=True)
+    assert (line.queued, line.running, line.waiting) == (0, 0, 1)
+    batcher.make_voice_prompt(_speech(1.0, seed=3))
+    assert costs.analysis_s(1) > 0.0

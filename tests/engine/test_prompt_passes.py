@@ -11,6 +11,7 @@ import io
 import threading
 
 import numpy as np
+import pytest
 import soundfile as sf
 from engine_threads import synthesize_together
 
@@ -61,9 +62,11 @@ def _hold_until_submitted(core, count: int) -> threading.Thread:
     return thread
 
 
-def test_new_recordings_arriving_together_get_one_batched_prompt_pass(model_dir, fixture_dir, tmp_path):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_new_recordings_arriving_together_get_one_batched_prompt_pass(model_dir, fixture_dir, tmp_path, overlap):
     count = 3
-    eng = Engine.from_pretrained(model_dir, voices_db=str(tmp_path / "v.db"), max_streams=4)
+    eng = Engine.from_pretrained(model_dir, voices_db=str(tmp_path / "v.db"), max_streams=4,
+                                 overlap_token2wav=overlap)
     try:
         core, t2w = eng.async_engine.core, eng.async_engine.core.t2w
         t2w.pool = FlowRunner(t2w.flow, num_slots=count + 1, max_frames=512, use_graphs=False)
@@ -81,6 +84,9 @@ def test_new_recordings_arriving_together_get_one_batched_prompt_pass(model_dir,
         # three new voices, one flow call over their prompts (the trimmed one has fewer tokens, one boundary)
         assert stats["flow_prompts_built"] == count
         assert stats["flow_prompt_build_calls"] == 1 and stats["flow_prompt_build_largest"] == count
+        if overlap:  # the worker ran them ahead of the first chunks, a phase of their own: admission knows
+            # what such passes cost now (inline, they run in the first chunks' phase)
+            assert core.scheduler.prompt_costs.passes_s(count) > 0.0
         assert sorted(t2w.pool.free) == list(range(count + 1))
         assert len({bytes(np.asarray(r.pcm[:4800]).tobytes()) for r in results}) == count  # three voices
     finally:

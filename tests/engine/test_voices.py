@@ -62,6 +62,37 @@ def test_a_voice_keeps_the_family_of_the_model_that_analysed_it(store):
     old = store.get("old").prompt
     assert old.family == "cosyvoice2"
     assert all(torch.equal(old.tensors()[k], v) for k, v in legacy.items())
+    # the listing names each voice's family without loading its tensors
+    assert {info.name: info.family for info in store.list()} == {"cv3": "cosyvoice3", "old": "cosyvoice2"}
+    assert store.get("cv3").info.family == "cosyvoice3"
+
+
+def test_a_version_1_database_gains_the_family_of_each_voice(tmp_path):
+    """A store written before voices listed their family: opening it adds the column, read from each prompt."""
+    import dataclasses
+
+    from safetensors.torch import save
+
+    path = tmp_path / "v1.db"
+    prompts = {"carol": dataclasses.replace(make_prompt(seed=2), family="cosyvoice3").tensors(),
+               "dave": {k: v for k, v in make_prompt(seed=3).tensors().items() if k != "family"}}  # pre-CV3 record
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE voices (name TEXT PRIMARY KEY, prompt_text TEXT NOT NULL, "
+                     "num_prompt_tokens INTEGER NOT NULL, created_at REAL NOT NULL, updated_at REAL NOT NULL)")
+        conn.execute("CREATE TABLE voice_blobs (name TEXT NOT NULL REFERENCES voices(name) ON DELETE CASCADE, "
+                     "kind TEXT NOT NULL, data BLOB NOT NULL, PRIMARY KEY (name, kind))")
+        for name, tensors in prompts.items():
+            conn.execute("INSERT INTO voices VALUES (?, 'hi', 12, 1.0, 2.0)", (name,))
+            conn.execute("INSERT INTO voice_blobs VALUES (?, 'prompt', ?)", (name, save(tensors)))
+            conn.execute("INSERT INTO voice_blobs VALUES (?, 'extras', ?)", (name, save({})))
+        conn.execute("PRAGMA user_version=1")
+    for _ in range(2):  # upgraded once; the second open finds it done
+        with VoiceStore(path) as store:
+            assert [(i.name, i.family, i.num_prompt_tokens, i.created_at) for i in store.list()] == [
+                ("carol", "cosyvoice3", 12, 1.0), ("dave", "cosyvoice2", 12, 1.0)]
+            assert store.get("carol").prompt.family == "cosyvoice3"
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == voices.SCHEMA_VERSION
 
 
 def test_add_then_get_round_trips_every_tensor(store):

@@ -142,6 +142,20 @@ def test_lengths_follow_the_prompt(prompts, batched, fixture_set):
         assert result.xvector.dtype == torch.float32 and result.tokens.min() >= 0
 
 
+def test_graph_calls_on_several_threads_give_the_same_results(fixture_set, prompts, batched):
+    """graph_threads: CAM++'s calls (one per distinct length) run at once; every result equals the serial one."""
+    threaded = TorchPromptAnalyzer(fixture_set.tokenizer, fixture_set.campplus, fixture_set.mel_dims,
+                                   graph_threads=3)
+    try:
+        assert threaded.speaker is not None and threaded.speaker.threads == 3
+        assert threaded.speaker_mode in ("same_length", "single")  # several calls for these prompts
+        for _ in range(2):  # new shapes, then cached ones
+            for result, serial in zip(threaded.analyse(prompts), batched, strict=True):
+                assert torch.equal(result.xvector, serial.xvector) and torch.equal(result.tokens, serial.tokens)
+    finally:
+        threaded.close()
+
+
 def test_empty_batch(analyzer):
     assert analyzer.analyse([]) == []
 

@@ -48,6 +48,13 @@ def test_the_model_card_names_the_family(live_cv3):
         assert client.get("/v1/models/cosyvoice3").json() == card
 
 
+def test_voices_list_their_family(live_cv3):
+    with live_cv3.client() as client:
+        listed = {v["name"]: v for v in client.get("/v1/voices").json()["voices"]}
+        assert listed[VOICE]["family"] == "cosyvoice3"
+        assert client.get(f"/v1/voices/{VOICE}").json()["family"] == "cosyvoice3"
+
+
 @pytest.mark.parametrize("body", [
     {"voice": VOICE},  # zero-shot
     {"voice": VOICE, "mode": "cross_lingual"},

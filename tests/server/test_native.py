@@ -98,7 +98,12 @@ def test_voice_lifecycle(client):
     assert created.status_code == 201, created.text
     assert created.json()["name"] == "bob" and created.json()["num_prompt_tokens"] > 0
     assert client.get("/v1/voices/bob").json()["prompt_text"] == "Bob speaking."
-    assert {"alice", "bob"} <= {v["name"] for v in client.get("/v1/voices").json()["voices"]}
+    listed = {v["name"]: v for v in client.get("/v1/voices").json()["voices"]}
+    assert {"alice", "bob"} <= set(listed)
+    # each voice names the family whose frontend analysed it: this server's model's
+    family = client.get("/v1/models").json()["data"][0]["family"]
+    assert listed["bob"]["family"] == created.json()["family"] == family
+    assert client.get("/v1/voices/bob").json()["family"] == family
     spoken = client.post("/v1/tts", json={"text": TEXT, "voice": "bob", "force_tokens": 2, "response_format": "pcm"})
     assert decode(spoken.content, "pcm").shape == (2 * SAMPLES_PER_TOKEN,)
     duplicate = client.post("/v1/voices", data={"name": "bob", "prompt_text": "again"},
