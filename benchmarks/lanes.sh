@@ -16,7 +16,8 @@
 #   cv3            CosyVoice3 0.5B random model: the pooled flow per chunk (cv3_fast.py) and the engine at 1 and
 #                  16 streams (bench_engine.py)
 #   zeroshot       levels_all.sh zeroshot (registered voice and a new recording each request, c=1,16)
-# Shared preparation (wheels, the 0.5B CosyVoice2 model in /tmp/m05, the workload) runs once, before the lanes.
+#   prompt_analysis  benchmarks/prompt_analysis.py on the released side-model architectures (/tmp/m05r)
+# Shared preparation (wheels, the 0.5B CosyVoice2 model in /tmp/m05 and /tmp/m05r, the workload) runs once, first.
 set -u
 OUT=${OUT:?set OUT to a folder for the results}
 export PYTHONUNBUFFERED=1 COSYSTREAM_COMMIT=${COSYSTREAM_COMMIT:-unknown}
@@ -25,6 +26,10 @@ stamp() { echo "== $(date +%T) $*"; }
 prep() {
   source benchmarks/gpu_prep.sh || exit 1
   python3 benchmarks/workload.py /tmp/wl > /dev/null || exit 1
+  if [ ! -f /tmp/m05r/.realistic ]; then  # /tmp/m05 with the released side-model architectures (levels_all.sh)
+    mkdir -p /tmp/m05r && for f in /tmp/m05/*; do ln -sfn "$f" /tmp/m05r/; done
+    python3 -m cosystream.testing.realistic_side_models /tmp/m05r && touch /tmp/m05r/.realistic
+  fi
   nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
 }
 
@@ -62,6 +67,12 @@ part() {  # $1: part, $2: lane folder, $3: port
     kill -INT "$server"; wait "$server" ;;
   zeroshot)
     OUT=$dir bash benchmarks/levels_all.sh zeroshot ;;
+  prompt_analysis)
+    stamp "prompt analysis: folded vs unfolded graphs, CAM++ on 8 CPU threads, 4 graph threads, batches 1, 16"
+    timeout 200 python3 benchmarks/prompt_analysis.py --model-dir /tmp/m05r --device cuda --seconds 6 \
+      --batch-sizes 1,16 --dtypes float32 --speaker-threads 8 --compare-unfolded --graph-threads 4 --repeats 2 \
+      --out "$dir/prompt_analysis.json" > "$dir/prompt_analysis.txt" 2>&1
+    tail -40 "$dir/prompt_analysis.txt" ;;
   *) echo "lanes.sh: unknown part $1" >&2; return 2 ;;
   esac
 }
