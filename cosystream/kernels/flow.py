@@ -53,22 +53,25 @@ def pooled_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor
     _kernels().pooled_attention_kernel[grid](
         q, pool_k, pool_v, out, rows, q_pos.contiguous(), key_limit, num_q, q.stride(0), q.stride(1),
         pool_k.stride(0), pool_k.stride(1), head_dim ** -0.5, CHUNK=chunk, HEAD_DIM=head_dim, INNER=inner,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.warps, num_stages=t.stages, **_pdl(q, batch * num_q))
+        PRECISION=_precision(q), BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.warps, num_stages=t.stages,
+        **_pdl(q, batch * num_q))
     return out
 
 
 def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
-                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `reference.add_layer_norm` for x [R, T, C] (any strides) and residual contiguous."""
+                   eps: float, gate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `reference.add_layer_norm` for x [R, T, C] (any strides), residual contiguous and
+    gate [C] contiguous."""
     k = _kernels()
     rows, num_t, n_cols = x.shape
+    assert gate is None or (residual is not None and gate.is_contiguous() and gate.numel() == n_cols)
     out = torch.empty(rows, num_t, n_cols, device=x.device, dtype=x.dtype)
     total = torch.empty_like(out)
     block_t = 16
     k.add_layer_norm_kernel[(rows, -(-num_t // block_t))](
-        x, out if residual is None else residual, weight, bias, out, total, num_t, x.stride(0), x.stride(1),
-        x.stride(2), n_cols, eps, HAS_RES=residual is not None, BLOCK=k.next_power_of_2(n_cols), BLOCK_T=block_t,
-        **_pdl(x, rows * num_t))
+        x, out if residual is None else residual, out if gate is None else gate, weight, bias, out, total, num_t,
+        x.stride(0), x.stride(1), x.stride(2), n_cols, eps, HAS_RES=residual is not None, HAS_GATE=gate is not None,
+        BLOCK=k.next_power_of_2(n_cols), BLOCK_T=block_t, **_pdl(x, rows * num_t))
     return out, total
 
 
@@ -97,6 +100,22 @@ def pool_write(k: torch.Tensor, v: torch.Tensor, pool_k: torch.Tensor, pool_v: t
     kern.pool_write_kernel[(batch, num_c)](k, v, pool_k, pool_v, rows, write_pos.contiguous(), num_c, k.stride(0),
                                            k.stride(1), pool_k.stride(0), pool_k.stride(1), INNER=inner,
                                            **_pdl(k, batch * num_c))
+
+
+def partial_rotary_pool_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool_k: torch.Tensor,
+                              pool_v: torch.Tensor, rows: torch.Tensor, write_pos: torch.Tensor) -> None:
+    """Same contract as `reference.partial_rotary_pool_write`; qkv [R, C, 3·inner] with a unit last stride,
+    cos / sin [R, C, rot] contiguous. PERF: one launch for the rotary of q and k (the torch statements:
+    a cast, a flip, a multiply, an addcmul and a copy back) and the pool write (an indexed scatter)."""
+    kern = _kernels()
+    batch, num_c, width = qkv.shape
+    inner, rot = width // 3, cos.shape[-1]
+    assert qkv.stride(2) == 1 and cos.is_contiguous() and sin.is_contiguous() and cos.shape == (batch, num_c, rot)
+    assert pool_k.stride() == pool_v.stride() and pool_k.stride(2) == 1 and rot % 2 == 0 and rot <= inner
+    kern.rotary_pool_write_kernel[(batch, num_c)](
+        qkv, cos, sin, pool_k, pool_v, rows, write_pos.contiguous(), num_c, qkv.stride(0), qkv.stride(1),
+        pool_k.stride(0), pool_k.stride(1), INNER=inner, BLOCK=kern.next_power_of_2(inner), ROT=rot,
+        HALF=kern.next_power_of_2(rot // 2), **_pdl(qkv, batch * num_c))
 
 
 def _precision(x: torch.Tensor) -> str:
