@@ -412,3 +412,39 @@ def linear_residual_kernel(x_ptr, sx_r, sx_t, sx_k, w_ptr, b_ptr, res_ptr, out_p
     if HAS_RES:
         y = (y.to(tl.float32) + tl.load(res_ptr + at, mask=mask, other=0.0).to(tl.float32)).to(dt)
     tl.store(out_ptr + at, y, mask=mask)
+
+
+@triton.jit
+def grouped_conv_mish_kernel(x_ptr, w_ptr, b_ptr, res_ptr, out_ptr, num_t, n_ch, sx_r, sx_c, sx_t, so_r, so_c,
+                             so_t, GROUP: tl.constexpr, TAPS: tl.constexpr, BLOCK_G: tl.constexpr,
+                             BLOCK_T: tl.constexpr, HAS_RES: tl.constexpr, PRECISION: tl.constexpr,
+                             PDL: tl.constexpr):
+    if PDL:
+        follow_previous()
+    r = tl.program_id(0)
+    g = tl.program_id(1)
+    offs_t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_g = tl.arange(0, BLOCK_G)  # a group's channels, padded to a tensor-core width
+    g_ok = offs_g < GROUP
+    t_ok = offs_t < num_t
+    ch = g * GROUP + offs_g
+    x_base = x_ptr + r * sx_r + ch[:, None] * sx_c
+    acc = tl.zeros((BLOCK_G, BLOCK_T), tl.float32)
+    # out[co, t] = Σ_k W_k[co, ci] · x[ci, t + k]: one [G, G] @ [G, BLOCK_T] product per tap (weight taps-first)
+    for k in range(TAPS):
+        xk = tl.load(x_base + (offs_t[None, :] + k) * sx_t, mask=g_ok[:, None] & t_ok[None, :], other=0.0)
+        wk = tl.load(w_ptr + (k * n_ch + ch[:, None]) * GROUP + offs_g[None, :],
+                     mask=g_ok[:, None] & g_ok[None, :], other=0.0)
+        acc += tl.dot(wk, xk, input_precision=PRECISION)
+    dt = out_ptr.dtype.element_ty
+    bias = tl.load(b_ptr + ch, mask=g_ok, other=0.0).to(tl.float32)
+    # PARITY: cuDNN returns the conv rounded and torch adds the bias after it, rounded again; Mish rounded
+    h = (acc.to(dt).to(tl.float32) + bias[:, None]).to(dt).to(tl.float32)
+    e = tl.exp(tl.minimum(h, 20.0))
+    n = (1.0 + e) * (1.0 + e)
+    y = tl.where(h > 20.0, h, h * (n - 1.0) / (n + 1.0))
+    dst = r * so_r + ch[:, None] * so_c + offs_t[None, :] * so_t
+    ok = g_ok[:, None] & t_ok[None, :]
+    if HAS_RES:  # PARITY: residual + Mish's rounded output, rounded
+        y = y.to(dt).to(tl.float32) + tl.load(res_ptr + dst, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + dst, y.to(dt), mask=ok)

@@ -136,6 +136,14 @@ def partial_rotary_pool_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.T
     pool_write(parts[:, :, 1], parts[:, :, 2], pool_k, pool_v, rows, write_pos)
 
 
+def grouped_conv_mish(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                      residual: torch.Tensor | None = None) -> torch.Tensor:
+    """mish(grouped conv1d of x [R, C, T_in] without padding), weight [C, C / groups, K]: [R, C, T_in − K + 1];
+    with residual [R, T, C]: residual + that, transposed to [R, T, C] (the DiT's conv position embedding)."""
+    y = F.mish(F.conv1d(x, weight, bias, groups=x.shape[1] // weight.shape[1]))
+    return y if residual is None else residual + y.transpose(1, 2)
+
+
 def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
                    eps: float, gate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(layer_norm(s), s) over the last dimension with s = x + residual, or residual + gate · x with a gate

@@ -68,12 +68,12 @@ def test_add_layer_norm_with_a_gate(device: str, dtype: torch.dtype) -> None:
 
 
 def _pool_chunks(pool: FlowSlotPool, gen: torch.Generator, streaming: bool) -> list[SlotChunk]:
-    """Block-causal: two streams with committed frames (random keys in their slots, as after earlier
-    chunks) and one starting at frame 0; full passes: three from frame 0 over stale slots. Chunks of
-    different lengths (padded in the batch); small, for Triton's CPU interpreter."""
+    """Block-causal: a stream with committed frames (random keys in its slot, as after earlier chunks) and
+    one starting at frame 0; full passes: two from frame 0 over stale slots. Chunks of different lengths
+    (padded in the batch); small, for Triton's CPU interpreter."""
     block = pool.dims.static_chunk_size
     chunks = []
-    spans = [(0, block, 9), (2, 2 * block, 5), (1, 0, 20)] if streaming else [(0, 0, 30), (2, 0, 9), (1, 0, 20)]
+    spans = [(2, block + 1, 9), (1, 0, 20)] if streaming else [(2, 0, 30), (1, 0, 9)]
     for slot, start, valid in spans:
         mu = torch.randn(1, pool.dims.mel_dim, valid, generator=gen).to(pool.device, pool.dtype)
         cond = torch.randn(1, pool.dims.mel_dim, valid, generator=gen).to(pool.device, pool.dtype)
@@ -89,8 +89,11 @@ def test_pool_chunk_through_the_triton_ops_equals_the_torch_ops(device: str, dty
     """The tiny DiT's batched chunk (Euler steps, padding, committed keys, block-causal or full attention)
     with the pool's ops swapped: same keys/values written, same x1."""
     torch.manual_seed(0)
-    # two Euler steps instead of the model's ten: the same ops per step, a fifth of the interpreter's time
-    cv3 = CV3Flow(dataclasses.replace(hparams_cv3("tiny").flow, n_timesteps=2)).to(device=device, dtype=dtype).eval()
+    # two Euler steps instead of the model's ten and conv groups of 32 channels instead of 4: the same ops,
+    # a small part of the interpreter's time (test_grouped_conv_mish covers groups of 4)
+    hp = hparams_cv3("tiny").flow
+    hp = dataclasses.replace(hp, n_timesteps=2, dit=dataclasses.replace(hp.dit, conv_pos_groups=2))
+    cv3 = CV3Flow(hp).to(device=device, dtype=dtype).eval()
     cv3.decoder.rand_noise = cv3.decoder.rand_noise.float()
     block = cv3.decoder.estimator.dims.static_chunk_size
     pool = FlowSlotPool(cv3, num_slots=3, max_frames=4 * block)
@@ -116,3 +119,19 @@ def test_pool_chunk_through_the_triton_ops_equals_the_torch_ops(device: str, dty
         assert _rel(kvs[1][:, :, :, rows, written], kvs[0][:, :, :, rows, written]) < \
             (2e-2 if dtype == torch.bfloat16 else 1e-5)
         assert torch.equal(kvs[1][:, :, :, rows, :c.start], kvs[0][:, :, :, rows, :c.start])
+
+
+@pytest.mark.parametrize(("channels", "groups", "with_residual"), [(64, 16, False), (128, 2, True), (96, 3, True)])
+def test_grouped_conv_mish(device: str, dtype: torch.dtype, channels: int, groups: int, with_residual: bool) -> None:
+    """The DiT's conv position embedding: 31 taps, groups of 4 (padded to a tensor-core width), 64 and 32
+    channels each, over a strided input (a cat of the tail and a transposed view, as in the pool)."""
+    g = torch.Generator().manual_seed(34)
+    frames, taps = 21, 31
+    x = torch.randn(3, frames + taps - 1, channels, generator=g).to(device, dtype).transpose(1, 2)
+    weight = (torch.randn(channels, channels // groups, taps, generator=g) / 8).to(device, dtype)
+    bias = torch.randn(channels, generator=g).to(device, dtype)
+    res = torch.randn(3, frames, channels, generator=g).to(device, dtype) if with_residual else None
+    out = flow.grouped_conv_mish(x, weight, bias, res)
+    want = reference.grouped_conv_mish(x, weight, bias, res)
+    assert out.shape == want.shape == ((3, frames, channels) if with_residual else (3, channels, frames))
+    assert _rel(out, want) < (1e-2 if dtype == torch.bfloat16 else 1e-5)

@@ -241,7 +241,7 @@ class FlowSlotPool:
         ops = self.ops
         h = torch.addmm(fixed.flatten(0, 1), x.transpose(1, 2).flatten(0, 1), self._proj_x)
         h = h.view(fixed.shape)
-        h = h + self._conv_position(k, h, slots, tail_index, continued)
+        h = self._with_conv_position(k, h, slots, tail_index, continued)
         mods = self._modulations[k]
         normed, h = ops.add_layer_norm(h, None, *mods.norms[0], _LN_EPS)
         for layer, block in enumerate(dit.transformer_blocks):
@@ -251,14 +251,16 @@ class FlowSlotPool:
             normed, h = ops.add_layer_norm(y, h, *mods.norms[2 * layer + 2], _LN_EPS, gate=mods.gates[2 * layer + 1])
         return dit.proj_out(normed).transpose(1, 2)
 
-    def _conv_position(self, k: int, h: torch.Tensor, slots: torch.Tensor, tail_index: torch.Tensor,
-                       continued: torch.Tensor) -> torch.Tensor:
-        """The causal conv position embedding from the slots' tails; the tails move past the kept frames."""
+    def _with_conv_position(self, k: int, h: torch.Tensor, slots: torch.Tensor, tail_index: torch.Tensor,
+                            continued: torch.Tensor) -> torch.Tensor:
+        """h [2B, N, dim] plus its causal conv position embedding (two grouped convs + Mish, each over the
+        slot's tail and the N new frames only); the tails move past the kept frames."""
         conv = self.flow.decoder.estimator.input_embed.conv_pos_embed
+        conv1, conv2 = conv.conv1[0], conv.conv2[0]
         in1 = torch.cat([(self.tail1[k, slots] * continued).flatten(0, 1), h.transpose(1, 2)], dim=2)
-        out1 = conv.conv1(in1)
+        out1 = self.ops.grouped_conv_mish(in1, conv1.weight, conv1.bias)
         in2 = torch.cat([(self.tail2[k, slots] * continued).flatten(0, 1), out1], dim=2)
-        out = conv.conv2(in2).transpose(1, 2)
+        out = self.ops.grouped_conv_mish(in2, conv2.weight, conv2.bias, residual=h)
         self.tail1_out[k, slots] = in1.gather(2, tail_index).unflatten(0, (-1, 2))
         self.tail2_out[k, slots] = in2.gather(2, tail_index).unflatten(0, (-1, 2))
         return out
