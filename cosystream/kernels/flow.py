@@ -137,12 +137,14 @@ def grouped_conv_mish(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
         assert residual.shape == (rows, num_t, n_ch) and residual.is_contiguous()
         out = torch.empty_like(residual)
         so = (out.stride(0), out.stride(2), out.stride(1))  # written as [R, C, T] through [R, T, C] strides
-    block_t = 32 if rows * num_t <= SMALL_ROWS else 64
+    # frames a program: more of them share each weight tap read (16 groups × 31 taps of [64, 64]) where
+    # there are enough programs to fill the GPU anyway
+    block_t, warps = {0: (32, 4), 1: (64, 4), 2: (128, 8)}[row_class(rows * num_t)]
     grid = (rows, n_ch // group, -(-num_t // block_t))
     kern.grouped_conv_mish_kernel[grid](
         x, _taps_outer(weight), bias, out if residual is None else residual, out, num_t, n_ch, *x.stride(), *so,
         GROUP=group, TAPS=taps, BLOCK_G=max(16, kern.next_power_of_2(group)), BLOCK_T=block_t,
-        HAS_RES=residual is not None, PRECISION=_precision(x), num_warps=4, **_pdl(x, rows * num_t))
+        HAS_RES=residual is not None, PRECISION=_precision(x), num_warps=warps, **_pdl(x, rows * num_t))
     return out
 
 
