@@ -79,6 +79,7 @@ class FlowSlotPool:
         proj = dit.input_embed.proj.weight.detach()
         self._proj_x = proj[:, :d.mel_dim].t().contiguous()
         self._proj_cond = proj[:, d.mel_dim:].contiguous()
+        self._proj_out = dit.proj_out.weight.detach().unsqueeze(-1)  # [mel, dim, 1]: a 1x1 conv's weight
         # built here, not in `chunk`: a host-to-device copy cannot be captured in a CUDA graph
         inv_freq = dit.rotary_embed.inv_freq
         self._rotary_sign = torch.tensor([-1.0, 1.0], device=dev, dtype=inv_freq.dtype).repeat(inv_freq.shape[0])
@@ -206,13 +207,13 @@ class FlowSlotPool:
         # the conditioning part of the input projection is the same at every step: computed once
         fixed = self._fixed_inputs(*rows)
         cfg = self.flow.decoder.cfg_rate
-        x = x0
+        bias = self.flow.decoder.estimator.proj_out.bias
+        x, xr = x0, x0.repeat_interleave(2, dim=0).to(self.dtype)
         for k, dt in enumerate(self.flow.decoder.dt_steps):
-            xr = x.repeat_interleave(2, dim=0).to(self.dtype)
-            v = self._estimate(k, xr, fixed, slots, attention, rotary, tail_index,
-                               continued).float().view(batch, 2, d.mel_dim, n)
-            # PARITY: v = (1 + λ)·v_c − λ·v_u, x += dt·v in float32 (CV3CFM.euler)
-            x = x + dt * ((1.0 + cfg) * v[:, 0] - cfg * v[:, 1])
+            h = self._estimate(k, xr, fixed, slots, attention, rotary, tail_index, continued)
+            # PARITY: v = proj_out(h), then (1 + λ)·v_c − λ·v_u and x += dt·v in float32 (CV3CFM.euler); the
+            # next step's rows are x twice in the model's dtype. One launch on CUDA (proj_out as a 1x1 conv).
+            x, xr = self.ops.project_cfg_euler(h.transpose(1, 2), self._proj_out, bias, x, dt, cfg)
         return x
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -232,7 +233,8 @@ class FlowSlotPool:
     def _estimate(self, k: int, x: torch.Tensor, fixed: torch.Tensor, slots: torch.Tensor, attention: PoolRows,
                   rotary: tuple[torch.Tensor, torch.Tensor], tail_index: torch.Tensor,
                   continued: torch.Tensor) -> torch.Tensor:
-        """One Euler step's estimator over 2B rows (stream-major, conditional then unconditional).
+        """One Euler step's estimator over 2B rows (stream-major, conditional then unconditional), up to
+        the final adaLN norm: [2B, N, dim] (`proj_out` is applied with the Euler update).
 
         Each gated residual add rides in the LayerNorm after it (`add_layer_norm`): h += gate·y, then
         the adaLN-modulated norm of h, one pass over h instead of an addcmul, a norm and a modulate.
@@ -249,7 +251,7 @@ class FlowSlotPool:
             normed, h = ops.add_layer_norm(y, h, *mods.norms[2 * layer + 1], _LN_EPS, gate=mods.gates[2 * layer])
             y = block.ff.ff(normed)
             normed, h = ops.add_layer_norm(y, h, *mods.norms[2 * layer + 2], _LN_EPS, gate=mods.gates[2 * layer + 1])
-        return dit.proj_out(normed).transpose(1, 2)
+        return normed
 
     def _with_conv_position(self, k: int, h: torch.Tensor, slots: torch.Tensor, tail_index: torch.Tensor,
                             continued: torch.Tensor) -> torch.Tensor:
