@@ -34,6 +34,8 @@ from cosystream.kernels import triton_usable
 from cosystream.models.cosyvoice3.dit import _LN_EPS, DiT, DiTCache
 from cosystream.models.cosyvoice3.flow import CV3Flow, PromptBlocks
 
+KEY_FRAMES_STEP = 192  # key-length buckets of the torch statements' pooled chunks (a multiple of 16: an aligned mask)
+
 
 class FlowSlotPool:
     """Keys/values and conv tails of `num_slots` streams, up to `max_frames` frames each (prompt
@@ -90,6 +92,17 @@ class FlowSlotPool:
         d = flow.decoder.estimator.dims
         itemsize = flow.decoder.estimator.proj_out.weight.element_size()
         return len(flow.decoder.t_steps) * d.depth * 2 * 2 * d.heads * d.dim_head * itemsize
+
+    def key_frames(self, longest: int) -> int:
+        """The key length Lk of a chunk whose rows end at most at frame `longest` (a graph's static shape).
+
+        The Triton attention reads each row's keys only up to its own limit, so one Lk, the buffer's, serves
+        every chunk: one graph per (batch, frames, kind), and no capture mid-traffic for a new prompt length.
+        The torch statements gather [0, Lk) of every row, so there Lk is `longest` rounded up to
+        KEY_FRAMES_STEP."""
+        if self.ops is flow_kernels:
+            return self.buffer_frames
+        return min(-(-longest // KEY_FRAMES_STEP) * KEY_FRAMES_STEP, self.buffer_frames)
 
     # ------------------------------------------------------------------ slots
     def acquire(self, blocks: PromptBlocks | None) -> int:
