@@ -145,7 +145,7 @@ def pool_write_kernel(k_ptr, v_ptr, pk_ptr, pv_ptr, rows_ptr, pos_ptr, num_c, s_
 @triton.jit
 def rotary_pool_write_kernel(qkv_ptr, cos_ptr, sin_ptr, pk_ptr, pv_ptr, rows_ptr, pos_ptr, num_c, s_r, s_c,
                              pool_row_stride, pool_frame_stride, INNER: tl.constexpr, BLOCK: tl.constexpr,
-                             ROT: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr):
+                             ROT: tl.constexpr, HALF: tl.constexpr, WRITE: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         follow_previous()
     r = tl.program_id(0)
@@ -166,10 +166,6 @@ def rotary_pool_write_kernel(qkv_ptr, cos_ptr, sin_ptr, pk_ptr, pv_ptr, rows_ptr
     q_o = tl.load(src + even + 1, mask=pair_ok, other=0.0).to(tl.float32)
     k_e = tl.load(src + INNER + even, mask=pair_ok, other=0.0).to(tl.float32)
     k_o = tl.load(src + INNER + even + 1, mask=pair_ok, other=0.0).to(tl.float32)
-    offs = tl.arange(0, BLOCK)
-    ok = offs < INNER
-    k = tl.load(src + INNER + offs, mask=ok, other=0.0)
-    v = tl.load(src + 2 * INNER + offs, mask=ok, other=0.0)
     # PARITY: rotated in float32, rounded once to the model's dtype
     rq_e, rq_o = (q_e * cos_e + q_o * sin_e).to(dt), (q_o * cos_o + q_e * sin_o).to(dt)
     rk_e, rk_o = (k_e * cos_e + k_o * sin_e).to(dt), (k_o * cos_o + k_e * sin_o).to(dt)
@@ -177,13 +173,18 @@ def rotary_pool_write_kernel(qkv_ptr, cos_ptr, sin_ptr, pk_ptr, pv_ptr, rows_ptr
     tl.store(src + even + 1, rq_o, mask=pair_ok)
     tl.store(src + INNER + even, rk_e, mask=pair_ok)
     tl.store(src + INNER + even + 1, rk_o, mask=pair_ok)
-    frame = tl.load(pos_ptr + r * num_c + c)
-    dst = tl.load(rows_ptr + r).to(tl.int64) * pool_row_stride + frame * pool_frame_stride
-    # the key's rotated channels from registers, the rest as loaded (no read back of this program's stores)
-    tl.store(pk_ptr + dst + even, rk_e, mask=pair_ok)
-    tl.store(pk_ptr + dst + even + 1, rk_o, mask=pair_ok)
-    tl.store(pk_ptr + dst + offs, k, mask=ok & (offs >= ROT))
-    tl.store(pv_ptr + dst + offs, v, mask=ok)
+    if WRITE:
+        offs = tl.arange(0, BLOCK)
+        ok = offs < INNER
+        k = tl.load(src + INNER + offs, mask=ok & (offs >= ROT), other=0.0)
+        v = tl.load(src + 2 * INNER + offs, mask=ok, other=0.0)
+        frame = tl.load(pos_ptr + r * num_c + c)
+        dst = tl.load(rows_ptr + r).to(tl.int64) * pool_row_stride + frame * pool_frame_stride
+        # the key's rotated channels from registers, the rest as loaded (channels this program does not store)
+        tl.store(pk_ptr + dst + even, rk_e, mask=pair_ok)
+        tl.store(pk_ptr + dst + even + 1, rk_o, mask=pair_ok)
+        tl.store(pk_ptr + dst + offs, k, mask=ok & (offs >= ROT))
+        tl.store(pv_ptr + dst + offs, v, mask=ok)
 
 
 @triton.jit

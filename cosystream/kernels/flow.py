@@ -104,20 +104,23 @@ def pool_write(k: torch.Tensor, v: torch.Tensor, pool_k: torch.Tensor, pool_v: t
                                            **_pdl(k, batch * num_c))
 
 
-def partial_rotary_pool_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool_k: torch.Tensor,
-                              pool_v: torch.Tensor, rows: torch.Tensor, write_pos: torch.Tensor) -> None:
-    """Same contract as `reference.partial_rotary_pool_write`; qkv [R, C, 3·inner] with a unit last stride,
-    cos / sin [R, C, rot] contiguous. PERF: one launch for the rotary of q and k (the torch statements:
-    a cast, a flip, a multiply, an addcmul and a copy back) and the pool write (an indexed scatter)."""
+def partial_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Same contract as `reference.partial_rotary`; qkv [R, C, 3·inner] with a unit last stride, cos / sin
+    [R, C, rot] contiguous. PERF: one launch for the rotary of q and k (the torch statements: a cast, a
+    flip, a multiply, an addcmul and a copy back) and the pool write (an indexed scatter)."""
     kern = _kernels()
     batch, num_c, width = qkv.shape
     inner, rot = width // 3, cos.shape[-1]
     assert qkv.stride(2) == 1 and cos.is_contiguous() and sin.is_contiguous() and cos.shape == (batch, num_c, rot)
-    assert pool_k.stride() == pool_v.stride() and pool_k.stride(2) == 1 and rot % 2 == 0 and rot <= inner
+    assert rot % 2 == 0 and rot <= inner
+    pool_k, pool_v, rows, write_pos = pool if pool is not None else (qkv, qkv, qkv, qkv)
+    assert pool is None or (pool_k.stride() == pool_v.stride() and pool_k.stride(2) == 1)
     kern.rotary_pool_write_kernel[(batch, num_c)](
         qkv, cos, sin, pool_k, pool_v, rows, write_pos.contiguous(), num_c, qkv.stride(0), qkv.stride(1),
-        pool_k.stride(0), pool_k.stride(1), INNER=inner, BLOCK=kern.next_power_of_2(inner), ROT=rot,
-        HALF=kern.next_power_of_2(rot // 2), **_pdl(qkv, batch * num_c))
+        pool_k.stride(0) if pool is not None else 0, pool_k.stride(1) if pool is not None else 0, INNER=inner,
+        BLOCK=kern.next_power_of_2(inner), ROT=rot, HALF=kern.next_power_of_2(rot // 2), WRITE=pool is not None,
+        **_pdl(qkv, batch * num_c))
 
 
 def grouped_conv_mish(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,

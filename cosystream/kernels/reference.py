@@ -120,10 +120,11 @@ def pooled_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor
     return out.transpose(1, 2).reshape(batch, num_q, inner)
 
 
-def partial_rotary_pool_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool_k: torch.Tensor,
-                              pool_v: torch.Tensor, rows: torch.Tensor, write_pos: torch.Tensor) -> None:
+def partial_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """Rotate the first `rot` channels of q and k in place (x-transformers' interleaved pairs; the rest of
-    each vector keeps its position), then write k and v into the pool as `pool_write` does.
+    each vector keeps its position), then, given pool = (pool_k, pool_v, rows, write_pos), write k and v
+    into the pool as `pool_write` does.
 
     qkv [R, C, 3·inner] = [q | k | v]; cos / sin [R, C, rot] float32 with each pair's angle twice and the
     sine signed (−, +), so that rotated = x·cos + swap_pairs(x)·sin, computed in float32 and rounded once.
@@ -133,7 +134,8 @@ def partial_rotary_pool_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.T
     head = parts[:, :, :2, :rot].float()
     swapped = head.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
     parts[:, :, :2, :rot].copy_(torch.addcmul(head * cos[:, :, None], swapped, sin[:, :, None]))
-    pool_write(parts[:, :, 1], parts[:, :, 2], pool_k, pool_v, rows, write_pos)
+    if pool is not None:
+        pool_write(parts[:, :, 1], parts[:, :, 2], *pool)
 
 
 def grouped_conv_mish(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,

@@ -25,7 +25,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize(("heads", "dim_head", "rot"), [(2, 32, 32), (4, 16, 8)])
-def test_partial_rotary_pool_write(device: str, dtype: torch.dtype, heads: int, dim_head: int, rot: int) -> None:
+def test_partial_rotary_and_pool_write(device: str, dtype: torch.dtype, heads: int, dim_head: int, rot: int) -> None:
     """q and k rotated on their first `rot` channels in place, k and v stored at their pool rows and frames,
     every other pool entry untouched."""
     g = torch.Generator().manual_seed(31)
@@ -38,8 +38,8 @@ def test_partial_rotary_pool_write(device: str, dtype: torch.dtype, heads: int, 
     pool_rows = torch.tensor([5, 0, 3, 2], device=device)
     writes = torch.tensor([0, 9, 20, 33], device=device)[:, None] + torch.arange(frames, device=device)
     want_qkv, want_pool = qkv.clone(), pool.clone()
-    reference.partial_rotary_pool_write(want_qkv, cos, sin, want_pool[0], want_pool[1], pool_rows, writes)
-    flow.partial_rotary_pool_write(qkv, cos, sin, pool[0], pool[1], pool_rows, writes)
+    reference.partial_rotary(want_qkv, cos, sin, (want_pool[0], want_pool[1], pool_rows, writes))
+    flow.partial_rotary(qkv, cos, sin, (pool[0], pool[1], pool_rows, writes))
     tol = dict(rtol=1.6e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(qkv, want_qkv, **tol)
     torch.testing.assert_close(pool, want_pool, **tol)
@@ -48,6 +48,12 @@ def test_partial_rotary_pool_write(device: str, dtype: torch.dtype, heads: int, 
     assert torch.equal(qkv[..., inner + rot:], want_qkv[..., inner + rot:])
     assert torch.equal(pool[:, :, :, rot:], want_pool[:, :, :, rot:])
     assert not torch.equal(want_qkv[..., :rot], qkv.new_zeros(1))  # the rotation did something
+    # without a pool: the same rotation, nothing stored
+    again, want_again = want_qkv.clone(), want_qkv.clone()
+    reference.partial_rotary(want_again, cos, sin)
+    flow.partial_rotary(again, cos, sin)
+    torch.testing.assert_close(again, want_again, **tol)
+    assert torch.equal(again[..., inner + rot:], want_qkv[..., inner + rot:])
 
 
 def test_add_layer_norm_with_a_gate(device: str, dtype: torch.dtype) -> None:

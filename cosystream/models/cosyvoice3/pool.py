@@ -195,8 +195,9 @@ class FlowSlotPool:
         spks [B, 80]; slots, start, valid, keep [B] long: the slot, its first uncommitted frame, the real
         new frames (the rest is padding) and how many new frames this call commits (their keys/values
         stay in the slot and the conv tails move past them). key_frames: Lk >= every start + valid.
-        streaming: block-causal attention; else full attention over frames [0, start + valid) (the official
-        final pass: start 0, the whole utterance). A row with start 0 starts from zero conv tails.
+        streaming: block-causal attention; else the official final pass, full attention over the rows' own
+        frames (start 0, nothing kept: the slots' keys are neither read nor written). A row with start 0
+        starts from zero conv tails.
         The slots change only when `finish_chunks` commits (keys/values past the committed length are
         scratch; the moved tails wait in `tail*_out`), so the call is idempotent.
         """
@@ -209,10 +210,16 @@ class FlowSlotPool:
         frame = torch.arange(n, device=x0.device)
         writes = torch.where(frame[None] < valid[:, None], positions, self.max_frames)
         # per estimator row (stream-major, CFG rows side by side): its pool row, query frames, key limit
-        attention = PoolRows(rows=(2 * slots[:, None] + torch.arange(2, device=x0.device)).flatten(),
-                             q_pos=positions.repeat_interleave(2, dim=0), writes=writes.repeat_interleave(2, dim=0),
-                             limit=(start + valid).repeat_interleave(2),
-                             chunk=d.static_chunk_size if streaming else 0, key_frames=key_frames)
+        q_pos, limit = positions.repeat_interleave(2, dim=0), (start + valid).repeat_interleave(2)
+        if streaming:
+            attention = PoolRows(rows=(2 * slots[:, None] + torch.arange(2, device=x0.device)).flatten(),
+                                 q_pos=q_pos, limit=limit, chunk=d.static_chunk_size, key_frames=key_frames,
+                                 writes=writes.repeat_interleave(2, dim=0))
+        else:
+            # PERF: a full pass starts at frame 0 and commits nothing (`pack_chunks` checks), so its keys are
+            # all its own: read where the projection leaves them (row r of the batch), never stored in the slot
+            attention = PoolRows(rows=torch.arange(2 * batch, device=x0.device), q_pos=q_pos, limit=limit, chunk=0,
+                                 key_frames=n, writes=None)
         tail_index = (keep[:, None] + torch.arange(self.pad, device=x0.device)).repeat_interleave(2, dim=0)
         tail_index = tail_index[:, None, :].expand(-1, d.dim, -1)
         continued = (start > 0).to(self.dtype)[:, None, None, None]  # 0: the official zero left padding
@@ -283,15 +290,19 @@ class FlowSlotPool:
     def _attention(self, k: int, layer: int, block: torch.nn.Module, x: torch.Tensor, rows: PoolRows,
                    rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The block's attention over x [2B, N, dim]: the new keys/values go into the pool at their frames
-        (the padding's into the spare frame), then every row attends over its pool row in place."""
+        (the padding's into the spare frame), then every row attends over its pool row in place; a full
+        pass attends over the projection's own keys/values."""
         a = block.attn
         qkv = F.linear(x, *self._qkv[layer])  # [2B, N, 3·inner]
-        pool_k, pool_v = self.kv[k, layer, 0], self.kv[k, layer, 1]
         # PARITY: apply_partial_rotary on q and k: x·cos + rotate_pairs(x)·sin in float32, rounded back
-        self.ops.partial_rotary_pool_write(qkv, *rotary, pool_k, pool_v, rows.rows, rows.writes)
-        q = qkv[:, :, :self.inner]
-        out = self.ops.pooled_attention(q, pool_k, pool_v, rows.rows, rows.q_pos, rows.limit, rows.chunk,
-                                        rows.key_frames, a.heads)
+        if rows.writes is None:
+            keys, values = qkv[:, :, self.inner:2 * self.inner], qkv[:, :, 2 * self.inner:]
+            self.ops.partial_rotary(qkv, *rotary)
+        else:
+            keys, values = self.kv[k, layer, 0], self.kv[k, layer, 1]
+            self.ops.partial_rotary(qkv, *rotary, (keys, values, rows.rows, rows.writes))
+        out = self.ops.pooled_attention(qkv[:, :, :self.inner], keys, values, rows.rows, rows.q_pos, rows.limit,
+                                        rows.chunk, rows.key_frames, a.heads)
         return a.to_out[0](out)
 
 
@@ -308,15 +319,17 @@ class StepNorms:
 @dataclass
 class PoolRows:
     """What the attention of a batched chunk needs per estimator row (2B rows: each stream's CFG pair):
-    its pool row, each query's frame, the frame each new key/value is written at, and the key limit
-    (start + valid); chunk: the block-causal block (0: full attention); key_frames: every limit's bound."""
+    the row its keys are read from, each query's frame, and the key limit (start + valid); chunk: the
+    block-causal block (0: full attention); key_frames: every limit's bound; writes: the frame each new
+    key/value is stored at in the pool (rows: pool rows), or None where the keys are read from the call's
+    own projection (rows: the batch's rows; a full pass)."""
 
     rows: torch.Tensor  # [2B]
     q_pos: torch.Tensor  # [2B, N]
-    writes: torch.Tensor  # [2B, N]
     limit: torch.Tensor  # [2B]
     chunk: int
     key_frames: int
+    writes: torch.Tensor | None  # [2B, N]
 
 
 @dataclass
@@ -406,6 +419,9 @@ def pack_chunks(pool: FlowSlotPool, chunks: list[SlotChunk], frames: int
     mu = torch.zeros(len(chunks), noise.shape[1], frames, device=dev, dtype=pool.dtype)
     cond = torch.zeros_like(mu)
     for i, c in enumerate(chunks):
+        if not c.streaming and (c.start or c.keep):
+            raise ValueError(f"pack_chunks: a full pass starts at frame 0 and keeps nothing, got start {c.start}, "
+                             f"keep {c.keep}")
         x0[i, :, :c.valid] = pool.flow.decoder.noise(c.start, c.valid)[0]
         mu[i, :, :c.valid] = c.mu[0]
         cond[i, :, :c.valid] = c.cond[0]
