@@ -13,8 +13,9 @@ streams in one pass. `FlowSlotPool` keeps the same state in preallocated buffers
   stream's last real frame (padding and stale frames are never seen by a real query). So the outputs of
   real frames equal the eager `FlowStream`'s within float rounding, whatever the padding and the batch.
 
-The per-layer ops (rotary + pool write, pooled attention, gated residual + adaLN) are the Triton kernels of
-`cosystream.kernels.flow` on a GPU and their torch statements in `cosystream.kernels.reference` elsewhere.
+The ops (conv position embedding, rotary + pool write, pooled attention, gated residual + adaLN norm, output
+projection + CFG + Euler update) are the Triton kernels of `cosystream.kernels.flow` on a GPU and their torch
+statements in `cosystream.kernels.reference` elsewhere.
 
 Every tensor shape in `chunk` depends only on (B, N, Lk, streaming), so the engine captures one CUDA graph
 per bucket and replays it (engine/cv3_token2wav.py). The committed lengths live on the host. The same call
