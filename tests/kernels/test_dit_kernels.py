@@ -24,7 +24,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-@pytest.mark.parametrize(("heads", "dim_head", "rot"), [(2, 32, 32), (4, 16, 8)])
+@pytest.mark.parametrize(("heads", "dim_head", "rot"), [(2, 32, 32), (4, 16, 8), (16, 64, 64)])  # tiny, odd, 0.5B
 def test_partial_rotary_and_pool_write(device: str, dtype: torch.dtype, heads: int, dim_head: int, rot: int) -> None:
     """q and k rotated on their first `rot` channels in place, k and v stored at their pool rows and frames,
     every other pool entry untouched."""
