@@ -9,8 +9,9 @@ sequence unless `final_attention` is "chunk".
 With a flow slot pool (`flow_slots` > 0, the default on CUDA) every stream opens in a slot of a
 `FlowSlotPool` (models/cosyvoice3/pool.py): its keys/values live in static buffers, and the block-causal
 chunks of all streams in one `run` are voiced together, grouped by padded frame count, as one replay of
-a CUDA graph per (batch, frames, key frames) bucket. A stream whose utterance outgrows its slot leaves
-the pool and continues eagerly; without a pool (or a free slot) chunks run one stream at a time.
+a CUDA graph per (batch, frames) bucket (and key frames, where the torch statements run: `FlowSlotPool.
+key_frames`). A stream whose utterance outgrows its slot leaves the pool and continues eagerly; without a
+pool (or a free slot) chunks run one stream at a time.
 """
 
 from __future__ import annotations
@@ -51,8 +52,6 @@ class CV3Token2WavState:
 
 
 log = logging.getLogger("cosystream.engine")
-
-KEY_FRAMES_STEP = 192  # key-length buckets of the pooled chunk graphs (a multiple of 16: an aligned mask)
 
 
 class CV3Token2WavRunner:
@@ -417,7 +416,7 @@ class CV3Token2WavRunner:
                             cond=part[0].cond[:, :, :1], spks=part[0].spks, streaming=part[0].streaming)
             inputs = pack_chunks(self.pool, part + [pad] * (rows - len(part)), frames)
             longest = max(c.start + c.valid for c in part)
-            key_frames = min(-(-longest // KEY_FRAMES_STEP) * KEY_FRAMES_STEP, self.pool.buffer_frames)
+            key_frames = self.pool.key_frames(longest)
             # the graph's static ints, carried as tensor shapes (GraphCache passes tensors only)
             lengths = torch.empty(key_frames, device=self.device, dtype=torch.int8)
             streaming = torch.empty(int(part[0].streaming), device=self.device, dtype=torch.int8)

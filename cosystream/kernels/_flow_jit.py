@@ -11,7 +11,8 @@ from cosystream.kernels._launch_jit import follow_previous
 def pooled_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, rows_ptr, qpos_ptr, limit_ptr, num_q,
                             q_row_stride, q_frame_stride, pool_row_stride, pool_frame_stride, scale,
                             CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, INNER: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+                            PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            PDL: tl.constexpr):
     if PDL:
         follow_previous()
     r = tl.program_id(0)
@@ -41,12 +42,12 @@ def pooled_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, rows_ptr, qpos_ptr, limi
     for start in range(0, n_free, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         k = tl.load(k_ptr + base + offs_n[None, :] * pool_frame_stride + offs_d[:, None])
-        s = tl.dot(q, k) * qk_scale
+        s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         v = tl.load(v_ptr + base + offs_n[:, None] * pool_frame_stride + offs_d[None, :])
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
     for start in range(n_free, n_keys, BLOCK_N):
@@ -54,14 +55,14 @@ def pooled_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, rows_ptr, qpos_ptr, limi
         in_range = offs_n < n_keys
         k = tl.load(k_ptr + base + offs_n[None, :] * pool_frame_stride + offs_d[:, None],
                     mask=in_range[None, :], other=0.0)
-        s = tl.dot(q, k) * qk_scale
+        s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
         s = tl.where(offs_n[None, :] < q_end[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         v = tl.load(v_ptr + base + offs_n[:, None] * pool_frame_stride + offs_d[None, :],
                     mask=in_range[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
     out = acc / l_i[:, None]
@@ -70,9 +71,9 @@ def pooled_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, rows_ptr, qpos_ptr, limi
 
 
 @triton.jit
-def add_layer_norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, num_t, sx_r, sx_t, sx_c,
-                          n_cols, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
-                          PDL: tl.constexpr):
+def add_layer_norm_kernel(x_ptr, res_ptr, gate_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, num_t, sx_r, sx_t, sx_c,
+                          n_cols, eps, HAS_RES: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK: tl.constexpr,
+                          BLOCK_T: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         follow_previous()
     r = tl.program_id(0)
@@ -83,7 +84,11 @@ def add_layer_norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, num_t,
     row = (r * num_t + offs_t[:, None]) * n_cols + cols[None, :]
     if HAS_RES:
         res = tl.load(res_ptr + row, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + res.to(tl.float32)).to(out_ptr.dtype.element_ty)  # PARITY: rounded add
+        if HAS_GATE:  # PARITY: addcmul, the gated add rounded once
+            g = tl.load(gate_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+            x = (res.to(tl.float32) + g[None, :] * x.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        else:
+            x = (x.to(tl.float32) + res.to(tl.float32)).to(out_ptr.dtype.element_ty)  # PARITY: rounded add
     tl.store(sum_ptr + row, x, mask=mask)
     xf = x.to(tl.float32)
     mean = tl.sum(xf, axis=1) / n_cols
@@ -135,6 +140,51 @@ def pool_write_kernel(k_ptr, v_ptr, pk_ptr, pv_ptr, rows_ptr, pos_ptr, num_c, s_
     src = r * s_r + c * s_c
     tl.store(pk_ptr + dst + offs, tl.load(k_ptr + src + offs))
     tl.store(pv_ptr + dst + offs, tl.load(v_ptr + src + offs))
+
+
+@triton.jit
+def rotary_pool_write_kernel(qkv_ptr, cos_ptr, sin_ptr, pk_ptr, pv_ptr, rows_ptr, pos_ptr, num_c, s_r, s_c,
+                             pool_row_stride, pool_frame_stride, INNER: tl.constexpr, BLOCK: tl.constexpr,
+                             ROT: tl.constexpr, HALF: tl.constexpr, WRITE: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        follow_previous()
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    src = qkv_ptr + r * s_r + c * s_c
+    # the interleaved pairs (2i, 2i + 1) of the first ROT channels of q and k:
+    # out[2i] = x[2i]·cos[2i] + x[2i+1]·sin[2i], out[2i+1] = x[2i+1]·cos[2i+1] + x[2i]·sin[2i+1] (sin signed)
+    half = tl.arange(0, HALF)
+    pair_ok = half < ROT // 2
+    even = 2 * half
+    angles = (r * num_c + c) * ROT
+    cos_e = tl.load(cos_ptr + angles + even, mask=pair_ok, other=0.0).to(tl.float32)
+    cos_o = tl.load(cos_ptr + angles + even + 1, mask=pair_ok, other=0.0).to(tl.float32)
+    sin_e = tl.load(sin_ptr + angles + even, mask=pair_ok, other=0.0).to(tl.float32)
+    sin_o = tl.load(sin_ptr + angles + even + 1, mask=pair_ok, other=0.0).to(tl.float32)
+    dt = qkv_ptr.dtype.element_ty
+    q_e = tl.load(src + even, mask=pair_ok, other=0.0).to(tl.float32)
+    q_o = tl.load(src + even + 1, mask=pair_ok, other=0.0).to(tl.float32)
+    k_e = tl.load(src + INNER + even, mask=pair_ok, other=0.0).to(tl.float32)
+    k_o = tl.load(src + INNER + even + 1, mask=pair_ok, other=0.0).to(tl.float32)
+    # PARITY: rotated in float32, rounded once to the model's dtype
+    rq_e, rq_o = (q_e * cos_e + q_o * sin_e).to(dt), (q_o * cos_o + q_e * sin_o).to(dt)
+    rk_e, rk_o = (k_e * cos_e + k_o * sin_e).to(dt), (k_o * cos_o + k_e * sin_o).to(dt)
+    tl.store(src + even, rq_e, mask=pair_ok)
+    tl.store(src + even + 1, rq_o, mask=pair_ok)
+    tl.store(src + INNER + even, rk_e, mask=pair_ok)
+    tl.store(src + INNER + even + 1, rk_o, mask=pair_ok)
+    if WRITE:
+        offs = tl.arange(0, BLOCK)
+        ok = offs < INNER
+        k = tl.load(src + INNER + offs, mask=ok & (offs >= ROT), other=0.0)
+        v = tl.load(src + 2 * INNER + offs, mask=ok, other=0.0)
+        frame = tl.load(pos_ptr + r * num_c + c)
+        dst = tl.load(rows_ptr + r).to(tl.int64) * pool_row_stride + frame * pool_frame_stride
+        # the key's rotated channels from registers, the rest as loaded (channels this program does not store)
+        tl.store(pk_ptr + dst + even, rk_e, mask=pair_ok)
+        tl.store(pk_ptr + dst + even + 1, rk_o, mask=pair_ok)
+        tl.store(pk_ptr + dst + offs, k, mask=ok & (offs >= ROT))
+        tl.store(pv_ptr + dst + offs, v, mask=ok)
 
 
 @triton.jit
@@ -363,3 +413,39 @@ def linear_residual_kernel(x_ptr, sx_r, sx_t, sx_k, w_ptr, b_ptr, res_ptr, out_p
     if HAS_RES:
         y = (y.to(tl.float32) + tl.load(res_ptr + at, mask=mask, other=0.0).to(tl.float32)).to(dt)
     tl.store(out_ptr + at, y, mask=mask)
+
+
+@triton.jit
+def grouped_conv_mish_kernel(x_ptr, w_ptr, b_ptr, res_ptr, out_ptr, num_t, n_ch, sx_r, sx_c, sx_t, so_r, so_c,
+                             so_t, GROUP: tl.constexpr, TAPS: tl.constexpr, BLOCK_G: tl.constexpr,
+                             BLOCK_T: tl.constexpr, HAS_RES: tl.constexpr, PRECISION: tl.constexpr,
+                             PDL: tl.constexpr):
+    if PDL:
+        follow_previous()
+    r = tl.program_id(0)
+    g = tl.program_id(1)
+    offs_t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_g = tl.arange(0, BLOCK_G)  # a group's channels, padded to a tensor-core width
+    g_ok = offs_g < GROUP
+    t_ok = offs_t < num_t
+    ch = g * GROUP + offs_g
+    x_base = x_ptr + r * sx_r + ch[:, None] * sx_c
+    acc = tl.zeros((BLOCK_G, BLOCK_T), tl.float32)
+    # out[co, t] = Σ_k W_k[co, ci] · x[ci, t + k]: one [G, G] @ [G, BLOCK_T] product per tap (weight taps-first)
+    for k in range(TAPS):
+        xk = tl.load(x_base + (offs_t[None, :] + k) * sx_t, mask=g_ok[:, None] & t_ok[None, :], other=0.0)
+        wk = tl.load(w_ptr + (k * n_ch + ch[:, None]) * GROUP + offs_g[None, :],
+                     mask=g_ok[:, None] & g_ok[None, :], other=0.0)
+        acc += tl.dot(wk, xk, input_precision=PRECISION)
+    dt = out_ptr.dtype.element_ty
+    bias = tl.load(b_ptr + ch, mask=g_ok, other=0.0).to(tl.float32)
+    # PARITY: cuDNN returns the conv rounded and torch adds the bias after it, rounded again; Mish rounded
+    h = (acc.to(dt).to(tl.float32) + bias[:, None]).to(dt).to(tl.float32)
+    e = tl.exp(tl.minimum(h, 20.0))
+    n = (1.0 + e) * (1.0 + e)
+    y = tl.where(h > 20.0, h, h * (n - 1.0) / (n + 1.0))
+    dst = r * so_r + ch[:, None] * so_c + offs_t[None, :] * so_t
+    ok = g_ok[:, None] & t_ok[None, :]
+    if HAS_RES:  # PARITY: residual + Mish's rounded output, rounded
+        y = y.to(dt).to(tl.float32) + tl.load(res_ptr + dst, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + dst, y.to(dt), mask=ok)

@@ -53,22 +53,27 @@ def pooled_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor
     _kernels().pooled_attention_kernel[grid](
         q, pool_k, pool_v, out, rows, q_pos.contiguous(), key_limit, num_q, q.stride(0), q.stride(1),
         pool_k.stride(0), pool_k.stride(1), head_dim ** -0.5, CHUNK=chunk, HEAD_DIM=head_dim, INNER=inner,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.warps, num_stages=t.stages, **_pdl(q, batch * num_q))
+        PRECISION=_precision(q), BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.warps, num_stages=t.stages,
+        **_pdl(q, batch * num_q))
     return out
 
 
 def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
-                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `reference.add_layer_norm` for x [R, T, C] (any strides) and residual contiguous."""
+                   eps: float, gate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `reference.add_layer_norm` for x [R, T, C] (any strides), residual contiguous and
+    gate [C] contiguous."""
     k = _kernels()
     rows, num_t, n_cols = x.shape
+    assert gate is None or (residual is not None and gate.is_contiguous() and gate.numel() == n_cols)
     out = torch.empty(rows, num_t, n_cols, device=x.device, dtype=x.dtype)
     total = torch.empty_like(out)
-    block_t = 16
+    # PERF: about 4096 values a program, the tile of the U-Net's 256 channels (16 frames); the DiT's 1024
+    # channels take 4 frames a program, so each thread holds as many values as there
+    block_t = max(1, min(16, 4096 // k.next_power_of_2(n_cols)))
     k.add_layer_norm_kernel[(rows, -(-num_t // block_t))](
-        x, out if residual is None else residual, weight, bias, out, total, num_t, x.stride(0), x.stride(1),
-        x.stride(2), n_cols, eps, HAS_RES=residual is not None, BLOCK=k.next_power_of_2(n_cols), BLOCK_T=block_t,
-        **_pdl(x, rows * num_t))
+        x, out if residual is None else residual, out if gate is None else gate, weight, bias, out, total, num_t,
+        x.stride(0), x.stride(1), x.stride(2), n_cols, eps, HAS_RES=residual is not None, HAS_GATE=gate is not None,
+        BLOCK=k.next_power_of_2(n_cols), BLOCK_T=block_t, **_pdl(x, rows * num_t))
     return out, total
 
 
@@ -97,6 +102,53 @@ def pool_write(k: torch.Tensor, v: torch.Tensor, pool_k: torch.Tensor, pool_v: t
     kern.pool_write_kernel[(batch, num_c)](k, v, pool_k, pool_v, rows, write_pos.contiguous(), num_c, k.stride(0),
                                            k.stride(1), pool_k.stride(0), pool_k.stride(1), INNER=inner,
                                            **_pdl(k, batch * num_c))
+
+
+def partial_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Same contract as `reference.partial_rotary`; qkv [R, C, 3·inner] with a unit last stride, cos / sin
+    [R, C, rot] contiguous. PERF: one launch for the rotary of q and k (the torch statements: a cast, a
+    flip, a multiply, an addcmul and a copy back) and the pool write (an indexed scatter)."""
+    kern = _kernels()
+    batch, num_c, width = qkv.shape
+    inner, rot = width // 3, cos.shape[-1]
+    assert qkv.stride(2) == 1 and cos.is_contiguous() and sin.is_contiguous() and cos.shape == (batch, num_c, rot)
+    assert rot % 2 == 0 and rot <= inner
+    pool_k, pool_v, rows, write_pos = pool if pool is not None else (qkv, qkv, qkv, qkv)
+    assert pool is None or (pool_k.stride() == pool_v.stride() and pool_k.stride(2) == 1)
+    kern.rotary_pool_write_kernel[(batch, num_c)](
+        qkv, cos, sin, pool_k, pool_v, rows, write_pos.contiguous(), num_c, qkv.stride(0), qkv.stride(1),
+        pool_k.stride(0) if pool is not None else 0, pool_k.stride(1) if pool is not None else 0, INNER=inner,
+        BLOCK=kern.next_power_of_2(inner), ROT=rot, HALF=kern.next_power_of_2(rot // 2), WRITE=pool is not None,
+        **_pdl(qkv, batch * num_c))
+
+
+def grouped_conv_mish(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                      residual: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as `reference.grouped_conv_mish`; x [R, C, T_in] any strides, residual [R, T, C]
+    contiguous. PERF: cuDNN runs the DiT's grouped conv (16 groups, 31 taps) as one kernel per group plus
+    layout transforms, and Mish and the residual add as more launches; here one launch."""
+    kern = _kernels()
+    rows, n_ch, t_in = x.shape
+    group, taps = weight.shape[1], weight.shape[2]
+    num_t = t_in - taps + 1
+    assert weight.shape[0] == n_ch and n_ch % group == 0 and num_t >= 1
+    if residual is None:
+        out = torch.empty(rows, n_ch, num_t, device=x.device, dtype=x.dtype)
+        so = out.stride()
+    else:
+        assert residual.shape == (rows, num_t, n_ch) and residual.is_contiguous()
+        out = torch.empty_like(residual)
+        so = (out.stride(0), out.stride(2), out.stride(1))  # written as [R, C, T] through [R, T, C] strides
+    # frames a program: more of them share each weight tap read (16 groups × 31 taps of [64, 64]) where
+    # there are enough programs to fill the GPU anyway
+    block_t, warps = {0: (32, 4), 1: (64, 4), 2: (128, 8)}[row_class(rows * num_t)]
+    grid = (rows, n_ch // group, -(-num_t // block_t))
+    kern.grouped_conv_mish_kernel[grid](
+        x, _taps_outer(weight), bias, out if residual is None else residual, out, num_t, n_ch, *x.stride(), *so,
+        GROUP=group, TAPS=taps, BLOCK_G=max(16, kern.next_power_of_2(group)), BLOCK_T=block_t,
+        HAS_RES=residual is not None, PRECISION=_precision(x), num_warps=warps, **_pdl(x, rows * num_t))
+    return out
 
 
 def _precision(x: torch.Tensor) -> str:
@@ -238,6 +290,16 @@ def _taps_first(weight: torch.Tensor) -> torch.Tensor:
     if cached is None or cached[0] != weight.data_ptr():
         cached = (weight.data_ptr(), weight.detach().permute(2, 1, 0).contiguous())
         weight._cosystream_taps_first = cached  # type: ignore[attr-defined]
+    return cached[1]
+
+
+def _taps_outer(weight: torch.Tensor) -> torch.Tensor:
+    """A grouped conv weight [Cout, Cin / groups, K] stored [K, Cout, Cin / groups] (one [Cout, Cin / groups]
+    matrix per tap), kept on the weight as `_taps_first` keeps its own."""
+    cached = getattr(weight, "_cosystream_taps_outer", None)
+    if cached is None or cached[0] != weight.data_ptr():
+        cached = (weight.data_ptr(), weight.detach().permute(2, 0, 1).contiguous())
+        weight._cosystream_taps_outer = cached  # type: ignore[attr-defined]
     return cached[1]
 
 

@@ -120,11 +120,43 @@ def pooled_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor
     return out.transpose(1, 2).reshape(batch, num_q, inner)
 
 
+def partial_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Rotate the first `rot` channels of q and k in place (x-transformers' interleaved pairs; the rest of
+    each vector keeps its position), then, given pool = (pool_k, pool_v, rows, write_pos), write k and v
+    into the pool as `pool_write` does.
+
+    qkv [R, C, 3·inner] = [q | k | v]; cos / sin [R, C, rot] float32 with each pair's angle twice and the
+    sine signed (−, +), so that rotated = x·cos + swap_pairs(x)·sin, computed in float32 and rounded once.
+    """
+    rot = cos.shape[-1]
+    parts = qkv.unflatten(-1, (3, -1))
+    head = parts[:, :, :2, :rot].float()
+    swapped = head.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    parts[:, :, :2, :rot].copy_(torch.addcmul(head * cos[:, :, None], swapped, sin[:, :, None]))
+    if pool is not None:
+        pool_write(parts[:, :, 1], parts[:, :, 2], *pool)
+
+
+def grouped_conv_mish(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                      residual: torch.Tensor | None = None) -> torch.Tensor:
+    """mish(grouped conv1d of x [R, C, T_in] without padding), weight [C, C / groups, K]: [R, C, T_in − K + 1];
+    with residual [R, T, C]: residual + that, transposed to [R, T, C] (the DiT's conv position embedding)."""
+    y = F.mish(F.conv1d(x, weight, bias, groups=x.shape[1] // weight.shape[1]))
+    return y if residual is None else residual + y.transpose(1, 2)
+
+
 def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
-                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(layer_norm(x + residual), x + residual) over the last dimension; x may be a strided view.
-    Both outputs are contiguous [..., C]."""
-    h = (x if residual is None else x + residual).contiguous()
+                   eps: float, gate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(layer_norm(s), s) over the last dimension with s = x + residual, or residual + gate · x with a gate
+    [C] (adaLN-zero's gated residual, one rounded addcmul), or x alone without a residual; x may be a
+    strided view. Both outputs are contiguous [..., C]."""
+    if gate is not None:
+        if residual is None:
+            raise ValueError("add_layer_norm: a gate needs a residual")
+        h = torch.addcmul(residual, gate, x).contiguous()
+    else:
+        h = (x if residual is None else x + residual).contiguous()
     return F.layer_norm(h, (h.shape[-1],), weight, bias, eps), h
 
 

@@ -4,13 +4,18 @@
 simple, but its shapes change every chunk, so it cannot be captured as a CUDA graph and cannot run several
 streams in one pass. `FlowSlotPool` keeps the same state in preallocated buffers:
 
-* keys/values `[steps, layers, slots, 2 CFG rows, K/V, heads, frames, dim_head]` and the conv
-  position-embedding tails `[steps, slots, 2 rows, dim, pad]`, one slot per stream (and a scratch slot);
+* keys/values `[steps, layers, K/V, pool rows, frames, heads·dim_head]`, pool row 2·slot + CFG row (the
+  layout of `cosystream.kernels`' pooled attention), and the conv position-embedding tails
+  `[steps, slots, 2 rows, dim, pad]`, one slot per stream (and a scratch slot);
 * `chunk(...)`: all Euler steps of the DiT over the new frames of B streams at once, each padded to N
   frames. A call writes its new keys/values into its slot at their absolute frames, then attends over
-  the slot's frames [0, Lk) with a mask: block-causal, and no key at or past the stream's last real
-  frame (padding and stale frames are never seen by a real query). So the outputs of real frames equal
-  the eager `FlowStream`'s within float rounding, whatever the padding and the batch.
+  the slot's frames in place (no gather of the batch's keys): block-causal, and no key at or past the
+  stream's last real frame (padding and stale frames are never seen by a real query). So the outputs of
+  real frames equal the eager `FlowStream`'s within float rounding, whatever the padding and the batch.
+
+The ops (conv position embedding, rotary + pool write, pooled attention, gated residual + adaLN norm, output
+projection + CFG + Euler update) are the Triton kernels of `cosystream.kernels.flow` on a GPU and their torch
+statements in `cosystream.kernels.reference` elsewhere.
 
 Every tensor shape in `chunk` depends only on (B, N, Lk, streaming), so the engine captures one CUDA graph
 per bucket and replays it (engine/cv3_token2wav.py). The committed lengths live on the host. The same call
@@ -24,8 +29,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from cosystream.models.cosyvoice3.dit import DiT, DiTCache, _layer_norm, attend
+from cosystream.kernels import flow as flow_kernels
+from cosystream.kernels import reference as reference_kernels
+from cosystream.kernels import triton_usable
+from cosystream.models.cosyvoice3.dit import _LN_EPS, DiT, DiTCache
 from cosystream.models.cosyvoice3.flow import CV3Flow, PromptBlocks
+
+KEY_FRAMES_STEP = 192  # key-length buckets of the torch statements' pooled chunks (a multiple of 16: an aligned mask)
 
 
 class FlowSlotPool:
@@ -50,11 +60,14 @@ class FlowSlotPool:
         # is a multiple of 16 so that every key length the runner uses keeps the attention mask aligned
         # (the fused kernels otherwise pad the mask at every call)
         self.buffer_frames = -(-(max_frames + 1) // 16) * 16
-        # keys and values side by side (one write and one gather per layer): [steps, layers, slots, CFG rows,
-        # K/V, heads, frames, dim_head]; `keys`/`values` are views of it
-        shape = (self.steps, d.depth, num_slots + 1, 2, 2, d.heads, self.buffer_frames, d.dim_head)
+        # [steps, layers, K/V, pool rows, frames, heads·dim_head]: a frame's keys of every head are one
+        # contiguous vector (one store per frame, and the attention reads each row's keys in place);
+        # `keys`/`values` are views of it
+        self.inner = d.heads * d.dim_head
+        shape = (self.steps, d.depth, 2, 2 * (num_slots + 1), self.buffer_frames, self.inner)
         self.kv = torch.zeros(shape, device=dev, dtype=dtype)
-        self.keys, self.values = self.kv[:, :, :, :, 0], self.kv[:, :, :, :, 1]
+        self.keys, self.values = self.kv[:, :, 0], self.kv[:, :, 1]
+        self.ops = flow_kernels if triton_usable(dev) else reference_kernels
         self.tail1 = torch.zeros(self.steps, num_slots + 1, 2, d.dim, self.pad, device=dev, dtype=dtype)
         self.tail2 = torch.zeros_like(self.tail1)
         # `chunk` writes the moved tails here and `finish_chunks` copies them back: so running a chunk
@@ -69,6 +82,7 @@ class FlowSlotPool:
         proj = dit.input_embed.proj.weight.detach()
         self._proj_x = proj[:, :d.mel_dim].t().contiguous()
         self._proj_cond = proj[:, d.mel_dim:].contiguous()
+        self._proj_out = dit.proj_out.weight.detach().unsqueeze(-1)  # [mel, dim, 1]: a 1x1 conv's weight
         # built here, not in `chunk`: a host-to-device copy cannot be captured in a CUDA graph
         inv_freq = dit.rotary_embed.inv_freq
         self._rotary_sign = torch.tensor([-1.0, 1.0], device=dev, dtype=inv_freq.dtype).repeat(inv_freq.shape[0])
@@ -79,6 +93,17 @@ class FlowSlotPool:
         d = flow.decoder.estimator.dims
         itemsize = flow.decoder.estimator.proj_out.weight.element_size()
         return len(flow.decoder.t_steps) * d.depth * 2 * 2 * d.heads * d.dim_head * itemsize
+
+    def key_frames(self, longest: int) -> int:
+        """The key length Lk of a chunk whose rows end at most at frame `longest` (a graph's static shape).
+
+        The Triton attention reads each row's keys only up to its own limit, so one Lk, the buffer's, serves
+        every chunk: one graph per (batch, frames, kind), and no capture mid-traffic for a new prompt length.
+        The torch statements gather [0, Lk) of every row, so there Lk is `longest` rounded up to
+        KEY_FRAMES_STEP."""
+        if self.ops is flow_kernels:
+            return self.buffer_frames
+        return min(-(-longest // KEY_FRAMES_STEP) * KEY_FRAMES_STEP, self.buffer_frames)
 
     # ------------------------------------------------------------------ slots
     def acquire(self, blocks: PromptBlocks | None) -> int:
@@ -104,10 +129,12 @@ class FlowSlotPool:
         length = caches[0].length
         if length > self.max_frames:
             raise ValueError(f"flow slot pool: {length} cached frames exceed the slot's {self.max_frames}")
+        rows = slice(2 * slot, 2 * slot + 2)
         for k, cache in enumerate(caches):
             if length > 0:
-                self.keys[k, :, slot, :, :, :length] = torch.stack(cache.keys)  # [layers, 2, H, L, dh]
-                self.values[k, :, slot, :, :, :length] = torch.stack(cache.values)
+                # [layers, 2, H, L, dh] -> [layers, 2, L, H·dh]
+                self.keys[k, :, rows, :length] = torch.stack(cache.keys).transpose(2, 3).flatten(3)
+                self.values[k, :, rows, :length] = torch.stack(cache.values).transpose(2, 3).flatten(3)
                 self.tail1[k, slot] = cache.tail1
                 self.tail2[k, slot] = cache.tail2
         self.lengths[slot] = length
@@ -115,19 +142,25 @@ class FlowSlotPool:
     def export(self, slot: int) -> list[DiTCache]:
         """A slot's state as eager caches (a stream that leaves the pool continues with `FlowStream`)."""
         length = self.lengths[slot]
+        d = self.dims
+        rows = slice(2 * slot, 2 * slot + 2)
+
+        def heads(t: torch.Tensor) -> torch.Tensor:  # [2, L, H·dh] -> [2, H, L, dh], a copy
+            return t.unflatten(-1, (d.heads, d.dim_head)).transpose(1, 2).clone(memory_format=torch.contiguous_format)
+
         caches = []
         for k in range(self.steps):
-            keys = [self.keys[k, i, slot, :, :, :length].clone() for i in range(self.dims.depth)]
-            values = [self.values[k, i, slot, :, :, :length].clone() for i in range(self.dims.depth)]
+            keys = [heads(self.keys[k, i, rows, :length]) for i in range(d.depth)]
+            values = [heads(self.values[k, i, rows, :length]) for i in range(d.depth)]
             tails = (self.tail1[k, slot].clone(), self.tail2[k, slot].clone()) if length else (None, None)
             caches.append(DiTCache(keys if length else [], values if length else [], *tails, length=length))
         return caches
 
     # ------------------------------------------------------------------ the batched chunk
     @torch.no_grad()
-    def _time_modulations(self) -> list[tuple[list[tuple[torch.Tensor, ...]], tuple[torch.Tensor, torch.Tensor]]]:
-        """Per Euler step: each block's adaLN vectors (shift1, 1 + scale1, gate1, shift2, 1 + scale2, gate2),
-        each [1, 1, dim], and the final norm's (1 + scale, shift).
+    def _time_modulations(self) -> list[StepNorms]:
+        """Per Euler step, the adaLN vectors [dim] of every norm, as the affine weight and bias of a
+        LayerNorm: layer_norm(h)·(1 + scale) + shift is layer_norm(h) with weight 1 + scale, bias shift.
 
         They depend on t alone, which every row of a step shares, so they are computed once here.
         """
@@ -135,12 +168,16 @@ class FlowSlotPool:
         out = []
         for t in self.flow.decoder.t_steps:
             t_emb = F.silu(dit.time_embed(torch.full((1,), t, device=self.device, dtype=torch.float32)))
-            blocks = []
-            for blk in dit.transformer_blocks:
-                shift1, scale1, gate1, shift2, scale2, gate2 = blk.attn_norm.linear(t_emb)[:, None].chunk(6, dim=2)
-                blocks.append((shift1, 1 + scale1, gate1, shift2, 1 + scale2, gate2))
-            scale, shift = dit.norm_out.linear(t_emb)[:, None].chunk(2, dim=2)
-            out.append((blocks, (1 + scale, shift)))
+            mods = [[v[0].contiguous() for v in blk.attn_norm.linear(t_emb).chunk(6, dim=1)]
+                    for blk in dit.transformer_blocks]
+            scale, shift = (v[0].contiguous() for v in dit.norm_out.linear(t_emb).chunk(2, dim=1))
+            # norm i: (weight, bias) of the i-th LayerNorm of the step: attention, feed-forward per block, final
+            norms = []
+            for shift1, scale1, _, shift2, scale2, _ in mods:
+                norms += [(1 + scale1, shift1), (1 + scale2, shift2)]
+            norms.append((1 + scale, shift))
+            gates = [g for m in mods for g in (m[2], m[5])]
+            out.append(StepNorms(norms=norms, gates=gates))
         return out
 
     @torch.no_grad()
@@ -159,8 +196,9 @@ class FlowSlotPool:
         spks [B, 80]; slots, start, valid, keep [B] long: the slot, its first uncommitted frame, the real
         new frames (the rest is padding) and how many new frames this call commits (their keys/values
         stay in the slot and the conv tails move past them). key_frames: Lk >= every start + valid.
-        streaming: block-causal attention; else full attention over frames [0, start + valid) (the official
-        final pass: start 0, the whole utterance). A row with start 0 starts from zero conv tails.
+        streaming: block-causal attention; else the official final pass, full attention over the rows' own
+        frames (start 0, nothing kept: the slots' keys are neither read nor written). A row with start 0
+        starts from zero conv tails.
         The slots change only when `finish_chunks` commits (keys/values past the committed length are
         scratch; the moved tails wait in `tail*_out`), so the call is idempotent.
         """
@@ -170,9 +208,19 @@ class FlowSlotPool:
             raise ValueError(f"flow slot pool: {key_frames} key frames exceed the slots' {self.max_frames}")
         positions = start[:, None] + torch.arange(n, device=x0.device)  # [B, N]
         rotary = self._rotary(positions)
-        mask = self._mask(positions, start + valid, key_frames, streaming)
         frame = torch.arange(n, device=x0.device)
         writes = torch.where(frame[None] < valid[:, None], positions, self.max_frames)
+        # per estimator row (stream-major, CFG rows side by side): its pool row, query frames, key limit
+        q_pos, limit = positions.repeat_interleave(2, dim=0), (start + valid).repeat_interleave(2)
+        if streaming:
+            attention = PoolRows(rows=(2 * slots[:, None] + torch.arange(2, device=x0.device)).flatten(),
+                                 q_pos=q_pos, limit=limit, chunk=d.static_chunk_size, key_frames=key_frames,
+                                 writes=writes.repeat_interleave(2, dim=0))
+        else:
+            # PERF: a full pass starts at frame 0 and commits nothing (`pack_chunks` checks), so its keys are
+            # all its own: read where the projection leaves them (row r of the batch), never stored in the slot
+            attention = PoolRows(rows=torch.arange(2 * batch, device=x0.device), q_pos=q_pos, limit=limit, chunk=0,
+                                 key_frames=n, writes=None)
         tail_index = (keep[:, None] + torch.arange(self.pad, device=x0.device)).repeat_interleave(2, dim=0)
         tail_index = tail_index[:, None, :].expand(-1, d.dim, -1)
         continued = (start > 0).to(self.dtype)[:, None, None, None]  # 0: the official zero left padding
@@ -180,13 +228,13 @@ class FlowSlotPool:
         # the conditioning part of the input projection is the same at every step: computed once
         fixed = self._fixed_inputs(*rows)
         cfg = self.flow.decoder.cfg_rate
-        x = x0
+        bias = self.flow.decoder.estimator.proj_out.bias
+        x, xr = x0, x0.repeat_interleave(2, dim=0).to(self.dtype)
         for k, dt in enumerate(self.flow.decoder.dt_steps):
-            xr = x.repeat_interleave(2, dim=0).to(self.dtype)
-            v = self._estimate(k, xr, fixed, slots, writes, rotary, mask, tail_index, continued,
-                               key_frames).float().view(batch, 2, d.mel_dim, n)
-            # PARITY: v = (1 + λ)·v_c − λ·v_u, x += dt·v in float32 (CV3CFM.euler)
-            x = x + dt * ((1.0 + cfg) * v[:, 0] - cfg * v[:, 1])
+            h = self._estimate(k, xr, fixed, slots, attention, rotary, tail_index, continued)
+            # PARITY: v = proj_out(h), then (1 + λ)·v_c − λ·v_u and x += dt·v in float32 (CV3CFM.euler); the
+            # next step's rows are x twice in the model's dtype. One launch on CUDA (proj_out as a 1x1 conv).
+            x, xr = self.ops.project_cfg_euler(h.transpose(1, 2), self._proj_out, bias, x, dt, cfg)
         return x
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,79 +245,92 @@ class FlowSlotPool:
         freqs = freqs.repeat_interleave(2, dim=0)
         return freqs.cos(), freqs.sin() * self._rotary_sign
 
-    def _mask(self, positions: torch.Tensor, ends: torch.Tensor, key_frames: int, streaming: bool) -> torch.Tensor:
-        """[2B, 1, N, Lk] bool: no key at or past a stream's last real frame; block-causal when streaming."""
-        d = self.dims
-        keys = torch.arange(key_frames, device=positions.device)
-        mask = keys[None, None] < ends[:, None, None]
-        if streaming:
-            block_end = (positions // d.static_chunk_size + 1) * d.static_chunk_size
-            mask = mask & (keys[None, None] < block_end[:, :, None])
-        mask = mask.repeat_interleave(2, dim=0).unsqueeze(1)
-        if self.dtype == torch.float32:
-            return mask
-        # PERF: an additive mask built once, not converted from bool by every layer's attention
-        return torch.zeros(mask.shape, device=mask.device, dtype=self.dtype).masked_fill_(~mask, float("-inf"))
-
     def _fixed_inputs(self, mu: torch.Tensor, cond: torch.Tensor, spks: torch.Tensor) -> torch.Tensor:
         """The input projection's cond/mu/spks columns applied once: [2B, N, dim], bias included."""
         n = mu.shape[2]
         packed = torch.cat([cond.transpose(1, 2), mu.transpose(1, 2), spks.unsqueeze(1).expand(-1, n, -1)], dim=-1)
         return F.linear(packed, self._proj_cond, self.flow.decoder.estimator.input_embed.proj.bias)
 
-    def _estimate(self, k: int, x: torch.Tensor, fixed: torch.Tensor, slots: torch.Tensor, writes: torch.Tensor,
-                  rotary: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor, tail_index: torch.Tensor,
-                  continued: torch.Tensor, key_frames: int) -> torch.Tensor:
-        """One Euler step's estimator over 2B rows (stream-major, conditional then unconditional)."""
+    def _estimate(self, k: int, x: torch.Tensor, fixed: torch.Tensor, slots: torch.Tensor, attention: PoolRows,
+                  rotary: tuple[torch.Tensor, torch.Tensor], tail_index: torch.Tensor,
+                  continued: torch.Tensor) -> torch.Tensor:
+        """One Euler step's estimator over 2B rows (stream-major, conditional then unconditional), up to
+        the final adaLN norm: [2B, N, dim] (`proj_out` is applied with the Euler update).
+
+        Each gated residual add rides in the LayerNorm after it (`add_layer_norm`): h += gate·y, then
+        the adaLN-modulated norm of h, one pass over h instead of an addcmul, a norm and a modulate.
+        """
         dit = self.flow.decoder.estimator
+        ops = self.ops
         h = torch.addmm(fixed.flatten(0, 1), x.transpose(1, 2).flatten(0, 1), self._proj_x)
         h = h.view(fixed.shape)
-        h = h + self._conv_position(k, h, slots, tail_index, continued)
-        block_mods, (scale_out, shift_out) = self._modulations[k]
-        for layer, (block, mods) in enumerate(zip(dit.transformer_blocks, block_mods, strict=True)):
-            shift1, scale1, gate1, shift2, scale2, gate2 = mods
-            normed = torch.addcmul(shift1, _layer_norm(h), scale1)
-            h = torch.addcmul(h, gate1, self._attention(k, layer, block, normed, slots, writes, rotary, mask,
-                                                        key_frames))
-            normed = torch.addcmul(shift2, _layer_norm(h), scale2)
-            h = torch.addcmul(h, gate2, block.ff.ff(normed))
-        h = torch.addcmul(shift_out, _layer_norm(h), scale_out)
-        return dit.proj_out(h).transpose(1, 2)
+        h = self._with_conv_position(k, h, slots, tail_index, continued)
+        mods = self._modulations[k]
+        normed, h = ops.add_layer_norm(h, None, *mods.norms[0], _LN_EPS)
+        for layer, block in enumerate(dit.transformer_blocks):
+            y = self._attention(k, layer, block, normed, attention, rotary)
+            normed, h = ops.add_layer_norm(y, h, *mods.norms[2 * layer + 1], _LN_EPS, gate=mods.gates[2 * layer])
+            y = block.ff.ff(normed)
+            normed, h = ops.add_layer_norm(y, h, *mods.norms[2 * layer + 2], _LN_EPS, gate=mods.gates[2 * layer + 1])
+        return normed
 
-    def _conv_position(self, k: int, h: torch.Tensor, slots: torch.Tensor, tail_index: torch.Tensor,
-                       continued: torch.Tensor) -> torch.Tensor:
-        """The causal conv position embedding from the slots' tails; the tails move past the kept frames."""
+    def _with_conv_position(self, k: int, h: torch.Tensor, slots: torch.Tensor, tail_index: torch.Tensor,
+                            continued: torch.Tensor) -> torch.Tensor:
+        """h [2B, N, dim] plus its causal conv position embedding (two grouped convs + Mish, each over the
+        slot's tail and the N new frames only); the tails move past the kept frames."""
         conv = self.flow.decoder.estimator.input_embed.conv_pos_embed
+        conv1, conv2 = conv.conv1[0], conv.conv2[0]
         in1 = torch.cat([(self.tail1[k, slots] * continued).flatten(0, 1), h.transpose(1, 2)], dim=2)
-        out1 = conv.conv1(in1)
+        out1 = self.ops.grouped_conv_mish(in1, conv1.weight, conv1.bias)
         in2 = torch.cat([(self.tail2[k, slots] * continued).flatten(0, 1), out1], dim=2)
-        out = conv.conv2(in2).transpose(1, 2)
+        out = self.ops.grouped_conv_mish(in2, conv2.weight, conv2.bias, residual=h)
         self.tail1_out[k, slots] = in1.gather(2, tail_index).unflatten(0, (-1, 2))
         self.tail2_out[k, slots] = in2.gather(2, tail_index).unflatten(0, (-1, 2))
         return out
 
-    def _attention(self, k: int, layer: int, block: torch.nn.Module, x: torch.Tensor, slots: torch.Tensor,
-                   writes: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
-                   key_frames: int) -> torch.Tensor:
-        """writes [B, N]: each new frame's position in its slot (the padding's: the spare frame)."""
+    def _attention(self, k: int, layer: int, block: torch.nn.Module, x: torch.Tensor, rows: PoolRows,
+                   rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The block's attention over x [2B, N, dim]: the new keys/values go into the pool at their frames
+        (the padding's into the spare frame), then every row attends over its pool row in place; a full
+        pass attends over the projection's own keys/values."""
         a = block.attn
-        rows, n, _ = x.shape
-        heads, dh = a.heads, a.dim_head
-        qkv = F.linear(x, *self._qkv[layer]).view(rows, n, 3, heads * dh)
-        cos, sin = rotary
-        rot = cos.shape[-1]
-        # PARITY: apply_partial_rotary on q and k at once: x·cos + rotate_pairs(x)·sin in float32, rounded back
-        head = qkv[:, :, :2, :rot].float()
-        swapped = head.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
-        qkv[:, :, :2, :rot].copy_(torch.addcmul(head * cos[:, :, None], swapped, sin[:, :, None]))
-        q = qkv[:, :, 0].view(rows, n, heads, dh).transpose(1, 2)
-        kv = self.kv[k, layer]
-        # [2B, N, 2, H·dh] -> [B, N, 2 rows, 2 (K, V), H, dh], written at the frames' absolute positions
-        kv[slots[:, None], :, :, :, writes] = qkv[:, :, 1:].view(-1, 2, n, 2, heads, dh).transpose(1, 2)
-        # one gather [B, 2 rows, 2, H, Lk, dh]; K and V as [2B, H, Lk, dh] views of it
-        both = kv[..., :key_frames, :].index_select(0, slots)
-        out = attend(q, both[:, :, 0].flatten(0, 1), both[:, :, 1].flatten(0, 1), mask)
-        return a.to_out[0](out.transpose(1, 2).reshape(rows, n, heads * dh))
+        qkv = F.linear(x, *self._qkv[layer])  # [2B, N, 3·inner]
+        # PARITY: apply_partial_rotary on q and k: x·cos + rotate_pairs(x)·sin in float32, rounded back
+        if rows.writes is None:
+            keys, values = qkv[:, :, self.inner:2 * self.inner], qkv[:, :, 2 * self.inner:]
+            self.ops.partial_rotary(qkv, *rotary)
+        else:
+            keys, values = self.kv[k, layer, 0], self.kv[k, layer, 1]
+            self.ops.partial_rotary(qkv, *rotary, (keys, values, rows.rows, rows.writes))
+        out = self.ops.pooled_attention(qkv[:, :, :self.inner], keys, values, rows.rows, rows.q_pos, rows.limit,
+                                        rows.chunk, rows.key_frames, a.heads)
+        return a.to_out[0](out)
+
+
+@dataclass
+class StepNorms:
+    """One Euler step's adaLN terms: norms[i] the (weight, bias) [dim] of the step's i-th LayerNorm (each
+    block's attention and feed-forward norms, then the final one), gates[i] the gate [dim] of the i-th
+    residual add (each block's attention, then feed-forward)."""
+
+    norms: list[tuple[torch.Tensor, torch.Tensor]]
+    gates: list[torch.Tensor]
+
+
+@dataclass
+class PoolRows:
+    """What the attention of a batched chunk needs per estimator row (2B rows: each stream's CFG pair):
+    the row its keys are read from, each query's frame, and the key limit (start + valid); chunk: the
+    block-causal block (0: full attention); key_frames: every limit's bound; writes: the frame each new
+    key/value is stored at in the pool (rows: pool rows), or None where the keys are read from the call's
+    own projection (rows: the batch's rows; a full pass)."""
+
+    rows: torch.Tensor  # [2B]
+    q_pos: torch.Tensor  # [2B, N]
+    limit: torch.Tensor  # [2B]
+    chunk: int
+    key_frames: int
+    writes: torch.Tensor | None  # [2B, N]
 
 
 @dataclass
@@ -359,6 +420,9 @@ def pack_chunks(pool: FlowSlotPool, chunks: list[SlotChunk], frames: int
     mu = torch.zeros(len(chunks), noise.shape[1], frames, device=dev, dtype=pool.dtype)
     cond = torch.zeros_like(mu)
     for i, c in enumerate(chunks):
+        if not c.streaming and (c.start or c.keep):
+            raise ValueError(f"pack_chunks: a full pass starts at frame 0 and keeps nothing, got start {c.start}, "
+                             f"keep {c.keep}")
         x0[i, :, :c.valid] = pool.flow.decoder.noise(c.start, c.valid)[0]
         mu[i, :, :c.valid] = c.mu[0]
         cond[i, :, :c.valid] = c.cond[0]
