@@ -4,8 +4,9 @@
 # with CUDA_VISIBLE_DEVICES set to its GPUs and a port of its own; its results and log go to one archive,
 # $OUT/lane_<name>.tar.gz (the device call brings back at most 8 files).
 #
-#   COSYSTREAM_COMMIT=<hash> bash benchmarks/lanes.sh "ray=0,1:scale_ray" "base=2:overload_base" \
-#       "new=3:overload,zeroshot"
+#   COSYSTREAM_COMMIT=<hash> SERVE_ARGS="--first-audio-budget-s 0.5" CAPACITY=22 SEEDS="0 1 2" PROCS=4 \
+#     DURATION=10 ZS_REQS=32 bash benchmarks/lanes.sh "ray=0,1:scale_ray,prompt_analysis" \
+#     "base=2:overload_base,zeroshot" "new=3:overload,cv3"
 #
 # A lane is NAME=GPUS:PART[,PART...]; parts:
 #   scale_ray      REPLICAS=${REPLICAS:-2} bash benchmarks/scale_ray.sh all (the single-process server and Ray)
@@ -13,11 +14,15 @@
 #                  there), with the scheduler's decision trace (COSYSTREAM_TRACE)
 #   overload_base  the same on the baseline package in .base (git archive <commit> cosystream benchmarks | tar
 #                  -x -C .base), the benchmark scripts of this tree
-#   cv3            CosyVoice3 0.5B random model: the pooled flow per chunk (cv3_fast.py) and the engine at 1 and
-#                  16 streams (bench_engine.py)
+#   cv3            CosyVoice3 0.5B random model: the pooled flow per chunk (cv3_fast.py), the engine at 1 and 16
+#                  streams and offline (bench_engine.py)
+#   cv3_tests      CosyVoice3 GPU tests: compiled kernels vs reference, graphed pool vs eager, the fixtures
+#   cv3_http       CosyVoice3 0.5B over HTTP, one stream
 #   zeroshot       levels_all.sh zeroshot (registered voice and a new recording each request, c=1,16)
 #   prompt_analysis  benchmarks/prompt_analysis.py on the released side-model architectures (/tmp/m05r)
-# Shared preparation (wheels, the 0.5B CosyVoice2 model in /tmp/m05 and /tmp/m05r, the workload) runs once, first.
+# Carry .whl (benchmarks/fetch_wheels.sh), .whl_ray (scale_ray), .base (overload_base) and .fixtures (cv3: a
+# copy of ../shared/fixtures/cosyvoice3-tiny, for its GPU tests). Shared preparation (wheels, the 0.5B
+# CosyVoice2 model in /tmp/m05 and /tmp/m05r, the workload) runs once, first.
 set -u
 OUT=${OUT:?set OUT to a folder for the results}
 export PYTHONUNBUFFERED=1 COSYSTREAM_COMMIT=${COSYSTREAM_COMMIT:-unknown}
@@ -33,6 +38,11 @@ prep() {
   nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
 }
 
+cv3_model() {  # the CosyVoice3 0.5B random model in /tmp/cv3, once per machine
+  [ -f /tmp/cv3/llm.pt ] || python3 -m cosystream.cli make-random-model --family cosyvoice3 --size 0.5b /tmp/cv3 \
+    > "$1/make_cv3.log" 2>&1
+}
+
 part() {  # $1: part, $2: lane folder, $3: port
   local dir=$2
   case "$1" in
@@ -43,8 +53,7 @@ part() {  # $1: part, $2: lane folder, $3: port
   overload_base)
     OUT=$dir PORT=$3 PKG=$PWD/.base COSYSTREAM_TRACE=$dir/trace.jsonl bash benchmarks/levels_all.sh overload ;;
   cv3)
-    [ -f /tmp/cv3/llm.pt ] || python3 -m cosystream.cli make-random-model --family cosyvoice3 --size 0.5b /tmp/cv3 \
-      > "$dir/make_cv3.log" 2>&1
+    cv3_model "$dir"
     stamp "cv3: pooled flow per chunk, batches 1, 16"
     timeout 150 python3 benchmarks/cv3_fast.py --device cuda --dtype bfloat16 --batches 1,16 > "$dir/cv3_fast.txt" 2>&1
     grep -E "^\| (1|16) |MISMATCH|fast ==" "$dir/cv3_fast.txt"
@@ -55,7 +64,14 @@ part() {  # $1: part, $2: lane folder, $3: port
     stamp "cv3: offline, 32 at once"
     timeout 150 python3 benchmarks/bench_engine.py --model-dir /tmp/cv3 --device cuda --dtype bfloat16 \
       --warmup-requests 3 --timeout 120 --offline --concurrency 32 --requests-per-level 64 \
-      --out "$dir/cv3_offline.json" 2>&1 | grep -E "^\| [cro]|^\| level|Error|Traceback"
+      --out "$dir/cv3_offline.json" 2>&1 | grep -E "^\| [cro]|^\| level|Error|Traceback" ;;
+  cv3_tests)
+    stamp "cv3: GPU tests (compiled kernels vs reference, graphed pool vs eager, fixtures)"
+    COSYSTREAM_FIXTURES_CV3=$PWD/.fixtures/cosyvoice3-tiny timeout 240 python3 -m pytest -q -p no:cacheprovider \
+      tests/kernels/test_dit_kernels.py tests/models/cosyvoice3/test_cv3_cuda.py > "$dir/cv3_gpu_tests.log" 2>&1
+    tail -3 "$dir/cv3_gpu_tests.log" ;;
+  cv3_http)
+    cv3_model "$dir"
     stamp "cv3: over HTTP, c=1"
     python3 -m cosystream.cli serve --model-dir /tmp/cv3 --port "$3" --log-level warning > "$dir/serve_cv3.log" 2>&1 &
     local server=$!
@@ -91,7 +107,7 @@ lane() {  # $1: NAME=GPUS:PARTS, $2: port
   tar -czf "$OUT/lane_$name.tar.gz" -C /tmp/lanes "$name"
 }
 
-export -f stamp part
+export -f stamp part cv3_model
 mkdir -p "$OUT" /tmp/lanes
 stamp prep
 prep
