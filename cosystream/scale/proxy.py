@@ -17,6 +17,12 @@ accepts itself to read them. It passes that prompt key on as Ray's multiplexed m
 in the request's metadata (`EngineAwareRouter` prefers replicas holding that prompt); the request then goes on
 unchanged.
 
+The proxy also spares the replica work on the request's critical path: `VoiceHint` stamps the request's arrival
+at the proxy (`PROXY_ARRIVAL_KEY`, wall clock) and hands the body it read along inside the ASGI scope
+(`PROXY_BODY_KEY`, which Ray pickles with the scope), so the replica answers without first calling back into the
+proxy for the body; `from_proxy` is the replica's side of both (the arrival becomes the request's server arrival,
+so the server's stage times count the proxy's routing and transport too).
+
 Ray loads them from the proxy's environment: RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=
 cosystream.scale.proxy:proxy_middlewares (`cosystream serve --replicas` sets it; on a cluster, set it where
 `ray start` runs on each node). Plain ASGI: no Ray import.
@@ -29,7 +35,8 @@ import contextlib
 import hashlib
 import json
 import re
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from starlette.middleware import Middleware
@@ -114,6 +121,9 @@ WS_HINT_PATH = "/v1/tts/stream"
 VOICE_HINT_MAX_BYTES = 64 * 1024  # JSON bodies read for their voice
 UPLOAD_HINT_MAX_BYTES = 16 * 1024 * 1024  # multipart bodies read for their recording; larger ones go through unread
 WS_FIRST_MESSAGE_WAIT_S = 10.0  # a WebSocket whose `start` takes longer is routed by load alone
+PROXY_ARRIVAL_KEY = "cosystream.proxy_arrival"  # scope key: time.time() when the proxy received the request
+PROXY_BODY_KEY = "cosystream.body"  # scope key: the whole request body, read by the proxy, replayed by the replica
+CARRIED_BODY_MAX_BYTES = 1024 * 1024  # larger bodies travel as Ray does it: fetched by the replica from the proxy
 UPLOAD_KEY_PREFIX = "upload:"  # scale/load.py's upload_key
 _VOICE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
@@ -147,6 +157,9 @@ class VoiceHint:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        scope = {**scope, PROXY_ARRIVAL_KEY: time.time()}
         if scope["type"] == "websocket" and scope.get("path") == WS_HINT_PATH:
             return await self._websocket(scope, receive, send)
         kind = self._body_kind(scope)
@@ -160,7 +173,10 @@ class VoiceHint:
                 break
         body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request")
         hint = _json_hint(body) if kind == "json" else await _form_hint(scope, body)
-        await self.app(_hinted(scope, hint), _replay(messages, receive), send)
+        scope = _hinted(scope, hint)
+        if messages[-1]["type"] == "http.request" and len(body) <= CARRIED_BODY_MAX_BYTES:
+            scope[PROXY_BODY_KEY] = body  # whole: the replica replays it instead of fetching it
+        await self.app(scope, _replay(messages, receive), send)
 
     @staticmethod
     def _body_kind(scope: Scope) -> str | None:
@@ -259,8 +275,34 @@ class _ReadAhead:
 
 def _hinted(scope: Scope, hint: str | None) -> Scope:
     if hint is None:
-        return scope
+        return dict(scope)
     return {**scope, "headers": [*scope["headers"], (VOICE_HINT_HEADER, hint.encode())]}
+
+
+def from_proxy(scope: Scope, receive: Receive,
+               now: Callable[[], float] = time.time) -> tuple[Scope, Receive, float | None]:
+    """The replica's side of what `VoiceHint` carries: (scope, receive, seconds since the proxy received the
+    request, or None when the request came another way). A carried body is the first message `receive` gives;
+    the copies of it that Ray's own receive still fetches from the proxy are skipped, its disconnect passes."""
+    arrival = scope.get(PROXY_ARRIVAL_KEY)
+    proxy_s = max(0.0, now() - arrival) if isinstance(arrival, (int, float)) else None  # 0: clocks of two hosts
+    body = scope.get(PROXY_BODY_KEY)
+    if not isinstance(body, bytes):
+        return scope, receive, proxy_s
+    scope = {k: v for k, v in scope.items() if k != PROXY_BODY_KEY}
+    replayed = False
+
+    async def receive_carried() -> Message:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return message
+
+    return scope, receive_carried, proxy_s
 
 
 def _replay(messages: list[Message], receive: Receive) -> Receive:

@@ -34,6 +34,7 @@ import re
 import signal
 import tempfile
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,9 +60,10 @@ from cosystream.scale.load import (
 )
 from cosystream.scale.proxy import CALLBACK_ENV as PROXY_CALLBACK_ENV
 from cosystream.scale.proxy import CALLBACK_PATH as PROXY_CALLBACK_PATH
+from cosystream.scale.proxy import from_proxy
 from cosystream.server.errors import ApiError
 from cosystream.server.metrics import CONTENT_TYPE
-from cosystream.server.session import request_id_override
+from cosystream.server.session import proxy_wait_s, request_id_override
 from cosystream.server.state import ServerSettings
 
 log = logging.getLogger("cosystream.server")
@@ -195,7 +197,9 @@ class _ReplicaHeaders:
     """ASGI wrapper: every HTTP response and WebSocket accept names the replica that served it, and a request
     keeps one id. Ray's proxy returns its own `x-request-id` (the one it logs) on every response, so the app
     adopts that id (request_id_override) and its own X-Request-Id header is left out: clients see one id, the
-    one GET /v1/requests/{id}, the `done` event and the log line carry."""
+    one GET /v1/requests/{id}, the `done` event and the log line carry. What the proxy middleware carried
+    (scale/proxy.py) is taken here: the body, and the proxy's arrival, which becomes the request's arrival
+    (the server's stage times count from it; `proxy_s` in GET /v1/requests/{id} is its share)."""
 
     def __init__(self, app: ASGIApp, replica_id: str) -> None:
         self.app = app
@@ -204,6 +208,9 @@ class _ReplicaHeaders:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
+        scope, receive, proxy_s = from_proxy(scope, receive)
+        if proxy_s is not None:
+            scope["state"] = {**scope.get("state", {}), "t_arrival": time.perf_counter() - proxy_s}
         proxy_id = dict(scope.get("headers", [])).get(REQUEST_ID_HEADER, b"").decode("latin-1")
         adopted = REQUEST_ID_PATTERN.fullmatch(proxy_id) is not None
 
@@ -216,9 +223,11 @@ class _ReplicaHeaders:
             await send(message)
 
         token = request_id_override.set(proxy_id if adopted else None)
+        proxy_token = proxy_wait_s.set(proxy_s)
         try:
             await self.app(scope, receive, named_send)
         finally:
+            proxy_wait_s.reset(proxy_token)
             request_id_override.reset(token)
 
 

@@ -240,3 +240,53 @@ def test_a_websocket_without_a_start_in_time_is_routed_by_load_and_loses_nothing
                                                     delay_at=1)
     assert VOICE_HINT_HEADER not in dict(late_scope["headers"])
     assert late_received == [{"type": "websocket.connect"}, announced, recording]
+
+
+def test_the_proxy_carries_the_body_it_read_and_its_arrival_to_the_replica() -> None:
+    """The replica answers from the body the proxy read (no call back into the proxy on the request's path): it
+    gets the body once, then only what Ray's own receive adds after the copies of the body (the disconnect)."""
+    from cosystream.scale.proxy import PROXY_ARRIVAL_KEY, PROXY_BODY_KEY, from_proxy
+
+    body = json.dumps({"text": "Hello.", "voice": "anna"}).encode()
+    scope, _ = _hinted(body)
+    assert scope[PROXY_BODY_KEY] == body and isinstance(scope[PROXY_ARRIVAL_KEY], float)
+    ray_messages = [{"type": "http.request", "body": body[:5], "more_body": True},
+                    {"type": "http.request", "body": body[5:], "more_body": False}, {"type": "http.disconnect"}]
+
+    async def ray_receive() -> dict:  # what Ray's replica fetches from the proxy in the background
+        return ray_messages.pop(0)
+
+    async def replica() -> tuple[dict, list[dict], float | None]:
+        replica_scope, receive, proxy_s = from_proxy(scope, ray_receive, now=lambda: scope[PROXY_ARRIVAL_KEY] + 0.25)
+        return replica_scope, [await receive(), await receive()], proxy_s
+
+    replica_scope, received, proxy_s = asyncio.run(replica())
+    assert received == [{"type": "http.request", "body": body, "more_body": False}, {"type": "http.disconnect"}]
+    assert PROXY_BODY_KEY not in replica_scope and proxy_s == pytest.approx(0.25)
+    assert from_proxy(scope, ray_receive, now=lambda: scope[PROXY_ARRIVAL_KEY] - 1.0)[2] == 0.0  # skewed clocks
+    plain = {"type": "http", "headers": []}  # not through the proxy middleware: left as it is
+    assert from_proxy(plain, ray_receive) == (plain, ray_receive, None)
+
+
+def test_large_or_unfinished_bodies_are_left_to_ray(monkeypatch) -> None:
+    from cosystream.scale import proxy
+
+    body = json.dumps({"text": "Hello." * 20, "voice": "anna"}).encode()
+    monkeypatch.setattr(proxy, "CARRIED_BODY_MAX_BYTES", len(body) - 1)
+    scope, seen_body = _hinted(body)
+    assert proxy.PROXY_BODY_KEY not in scope and seen_body == body  # the replica fetches it as usual
+    monkeypatch.undo()
+
+    seen: dict = {}
+    messages = [{"type": "http.request", "body": body[:5], "more_body": True}, {"type": "http.disconnect"}]
+
+    async def receive() -> dict:
+        return messages.pop(0)
+
+    async def app(scope, receive, send) -> None:
+        seen["scope"] = scope
+
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    asyncio.run(proxy.VoiceHint(app)({"type": "http", "method": "POST", "path": "/v1/tts", "headers": headers},
+                                     receive, lambda m: None))
+    assert proxy.PROXY_BODY_KEY not in seen["scope"]  # the client left mid-body: nothing to carry
