@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import re
@@ -50,8 +51,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cosystream import errors as cosy_errors
+from cosystream.scale import proxy as scale_proxy  # its LEDGER by module: the router class may travel by value
 from cosystream.scale.load import (
     LoadReport,
+    every_replica_full,
     held_voice_names,
     merge_metrics,
     rank_replicas,
@@ -60,7 +63,7 @@ from cosystream.scale.load import (
 )
 from cosystream.scale.proxy import CALLBACK_ENV as PROXY_CALLBACK_ENV
 from cosystream.scale.proxy import CALLBACK_PATH as PROXY_CALLBACK_PATH
-from cosystream.scale.proxy import from_proxy
+from cosystream.scale.proxy import from_proxy, register_refusal_check
 from cosystream.server.errors import ApiError
 from cosystream.server.metrics import CONTENT_TYPE
 from cosystream.server.session import proxy_wait_s, request_id_override
@@ -78,6 +81,7 @@ VOICE_STORE_NAMESPACE = "cosystream"
 VOICE_BROADCAST_TIMEOUT_S = 1.0  # a registration answers once every replica dropped its copy, or after this
 PEER_CALL_TIMEOUT_S = 5.0  # /metrics, /v1/requests/{id}, /v1/replicas: how long to wait for the other replicas
 ROUTING_STATS_PERIOD_S = 0.5  # how often each replica publishes its LoadReport
+PROXY_REFUSAL_FRESH_S = 2 * ROUTING_STATS_PERIOD_S  # the proxy refuses on reports at most this old
 PRELOADED_VOICES = 256  # a starting replica loads the prompts of the most recently changed voices
 
 
@@ -400,12 +404,34 @@ def _replica_counts(app_name: str, deployment: str) -> tuple[int, int]:
 
 class EngineAwareRouter(RequestRouter):
     """Ranks replicas by their published LoadReports (scale/load.rank_replicas) corrected by the streams this
-    router itself sent and that are still open. Runs in every caller of the deployment: Ray's HTTP proxies."""
+    router itself sent and that are still open. Runs in every caller of the deployment: Ray's HTTP proxies.
+    In a proxy it also tells the proxy middleware when every replica is known to be full
+    (scale/load.every_replica_full), so the refusal is answered there, without a trip to a replica; those
+    refusals are counted in Ray's metric `cosystream_proxy_refusals` (a replica never sees them)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._open: Counter[ReplicaID] = Counter()
         self._replica_of: dict[str, ReplicaID] = {}
+        self._refusals: Any = None  # Ray's counter, made at the first refusal
+        register_refusal_check(getattr(self, "_deployment_id", None), self.refuse_new_stream)
+
+    def refuse_new_stream(self) -> bool:
+        """True (and counted) when every replica would refuse a new stream now; called by the proxy middleware
+        from the proxy's own event loop, so it only reads what the router's loop replaces whole."""
+        replicas = list(self.curr_replicas.values())
+        ledger = scale_proxy.LEDGER
+        entries = [(LoadReport.from_dict(r.routing_stats), functools.partial(ledger.net_since, r.replica_id))
+                   for r in replicas]
+        if not every_replica_full(entries, time.time(), PROXY_REFUSAL_FRESH_S):
+            return False
+        if self._refusals is None:
+            from ray.util.metrics import Counter as RayCounter
+
+            self._refusals = RayCounter("cosystream_proxy_refusals", "synthesis requests refused by the proxy: "
+                                        "every replica was at its first-audio budget")
+        self._refusals.inc()
+        return True
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -419,6 +445,7 @@ class EngineAwareRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         self._open[replica_id] += 1
         self._replica_of[pending_request.metadata.internal_request_id] = replica_id
+        scale_proxy.LEDGER.routed(pending_request.metadata.request_id, replica_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         if self._replica_of.pop(internal_request_id, None) is None:
