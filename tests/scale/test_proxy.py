@@ -290,3 +290,84 @@ def test_large_or_unfinished_bodies_are_left_to_ray(monkeypatch) -> None:
     asyncio.run(proxy.VoiceHint(app)({"type": "http", "method": "POST", "path": "/v1/tts", "headers": headers},
                                      receive, lambda m: None))
     assert proxy.PROXY_BODY_KEY not in seen["scope"]  # the client left mid-body: nothing to carry
+
+
+def test_the_ledger_counts_streams_sent_and_ended_per_replica_since_a_time() -> None:
+    from cosystream.scale.proxy import StreamLedger
+
+    clock = [1000.0]
+    ledger = StreamLedger(window_s=10.0, now=lambda: clock[0])
+    clock[0] = 1001.0
+    ledger.expect("a")
+    ledger.expect("b")
+    ledger.routed("a", "r1")
+    ledger.routed("b", "r1")
+    ledger.routed("health-check", "r1")  # not a synthesis request: not counted
+    clock[0] = 1002.0
+    ledger.ended("a")
+    assert ledger.net_since("r1", 1000.5) == 1 and ledger.net_since("r1", 1001.5) == -1
+    assert ledger.net_since("r2", 1001.5) == 0
+    ledger.routed("b", "r2")  # routed again elsewhere: it left r1
+    assert ledger.net_since("r1", 1001.5) == -2 and ledger.net_since("r2", 1001.5) == 1
+    ledger.ended("never-routed")  # a request that ended before routing: nothing to count, nothing kept
+    assert ledger.net_since("r1", 999.0) is None  # before the ledger started
+    clock[0] = 1020.0
+    assert ledger.net_since("r1", 1005.0) is None  # further back than its window
+
+
+def _through_hint_with_router(full: bool, reply_status: int = 200) -> tuple[list[dict], bool, dict]:
+    """One JSON /v1/tts request through VoiceHint with a registered router saying `full`: (what the client was
+    sent, whether the app behind was called, the scope it got)."""
+    from cosystream.scale import proxy
+
+    seen: dict = {}
+    body = json.dumps({"text": "Hello.", "voice": "anna"}).encode()
+    chunks = [{"type": "http.request", "body": body, "more_body": False}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return chunks.pop(0) if chunks else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def app(scope, receive, send) -> None:
+        seen["scope"] = scope
+        await send({"type": "http.response.start", "status": reply_status, "headers": []})
+        await send({"type": "http.response.body", "body": b"audio", "more_body": False})
+
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    saved = dict(proxy._refusal_checks)
+    proxy._refusal_checks.clear()
+    proxy.register_refusal_check("deployment", lambda: full)
+    try:
+        asyncio.run(proxy.VoiceHint(app)({"type": "http", "method": "POST", "path": "/v1/tts", "headers": headers},
+                                         receive, send))
+    finally:
+        proxy._refusal_checks.clear()
+        proxy._refusal_checks.update(saved)
+    return sent, "scope" in seen, seen
+
+
+def test_the_proxy_answers_the_refusal_itself_when_its_router_says_every_replica_is_full() -> None:
+    from cosystream.scale import proxy
+
+    sent, called, _ = _through_hint_with_router(full=True)
+    assert not called
+    assert sent[0]["status"] == 503 and dict(sent[0]["headers"])[b"retry-after"] == b"1"
+    assert json.loads(sent[1]["body"]) == {"error": {"code": "overloaded", "message": proxy.OVERLOADED_MESSAGE,
+                                                     "field": None}}
+    sent, called, seen = _through_hint_with_router(full=False)
+    assert called and sent[0]["status"] == 200
+    request_id = dict(seen["scope"]["headers"])[proxy.REQUEST_ID_HEADER].decode()  # the id Ray routes it under
+    assert request_id not in proxy.LEDGER._expected and request_id not in proxy.LEDGER._replica_of  # ended
+    saved = dict(proxy._refusal_checks)
+    proxy._refusal_checks.clear()
+    try:  # two applications behind one proxy: neither can speak for the other's paths
+        proxy.register_refusal_check("one app", lambda: True)
+        assert proxy.refused_here()
+        proxy.register_refusal_check("another app", lambda: True)
+        assert not proxy.refused_here()
+    finally:
+        proxy._refusal_checks.clear()
+        proxy._refusal_checks.update(saved)
