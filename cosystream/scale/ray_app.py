@@ -218,12 +218,19 @@ class _ReplicaHeaders:
         proxy_id = dict(scope.get("headers", [])).get(REQUEST_ID_HEADER, b"").decode("latin-1")
         adopted = REQUEST_ID_PATTERN.fullmatch(proxy_id) is not None
 
+        held: list[Message] = []  # a response's start, sent with its first body
+
         async def named_send(message: Message) -> None:
             if message["type"] in ("http.response.start", "websocket.accept"):
                 headers = message.get("headers", [])
                 if adopted:
                     headers = [(k, v) for k, v in headers if k.lower() != REQUEST_ID_HEADER]
                 message = {**message, "headers": [*headers, self.header]}
+                if message["type"] == "http.response.start":  # the body follows at once (the app starts a
+                    held.append(message)  # stream with its first audio ready): one trip to the proxy for both
+                    return
+            while held:
+                await send(held.pop())
             await send(message)
 
         token = request_id_override.set(proxy_id if adopted else None)
@@ -233,6 +240,8 @@ class _ReplicaHeaders:
         finally:
             proxy_wait_s.reset(proxy_token)
             request_id_override.reset(token)
+            while held:  # a start with no body (the app ended there)
+                await send(held.pop())
 
 
 def _noop() -> None:
