@@ -423,15 +423,27 @@ class EngineAwareRouter(RequestRouter):
         self._open: Counter[ReplicaID] = Counter()
         self._replica_of: dict[str, ReplicaID] = {}
         self._refusals: Any = None  # Ray's counter, made at the first refusal
+        self._parsed: dict[ReplicaID, tuple[Any, LoadReport | None]] = {}  # replica -> (its stats, their report)
         register_refusal_check(getattr(self, "_deployment_id", None), self.refuse_new_stream)
+
+    def _report(self, replica: RunningReplica) -> LoadReport | None:
+        """The replica's LoadReport, parsed once per published report (every request reads every replica's)."""
+        stats = replica.routing_stats
+        parsed = self._parsed.get(replica.replica_id)
+        if parsed is None or parsed[0] is not stats:
+            parsed = (stats, LoadReport.from_dict(stats))
+            if len(self._parsed) > 2 * len(self.curr_replicas) + 8:  # forget replicas that are gone
+                current = self.curr_replicas
+                self._parsed = {k: v for k, v in self._parsed.items() if k in current}
+            self._parsed[replica.replica_id] = parsed
+        return parsed[1]
 
     def refuse_new_stream(self) -> bool:
         """True (and counted) when every replica would refuse a new stream now; called by the proxy middleware
         from the proxy's own event loop, so it only reads what the router's loop replaces whole."""
         replicas = list(self.curr_replicas.values())
         ledger = scale_proxy.LEDGER
-        entries = [(LoadReport.from_dict(r.routing_stats), functools.partial(ledger.net_since, r.replica_id))
-                   for r in replicas]
+        entries = [(self._report(r), functools.partial(ledger.net_since, r.replica_id)) for r in replicas]
         if not every_replica_full(entries, time.time(), PROXY_REFUSAL_FRESH_S):
             return False
         if self._refusals is None:
@@ -445,7 +457,7 @@ class EngineAwareRouter(RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         by_id = {r.replica_id: r for r in candidate_replicas}
-        loads = {r.replica_id: LoadReport.from_dict(r.routing_stats) for r in candidate_replicas}
+        loads = {r.replica_id: self._report(r) for r in candidate_replicas}
         # the request's prompt key (a voice or an upload's digest), when the proxy's VoiceHint (scale/proxy.py)
         # found one in it
         voice = pending_request.metadata.multiplexed_model_id or None if pending_request is not None else None
