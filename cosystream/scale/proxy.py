@@ -134,9 +134,11 @@ CARRIED_BODY_MAX_BYTES = 1024 * 1024  # larger bodies travel as Ray does it: fet
 OVERLOADED_CODE = "overloaded"  # what a replica's admission answers (server/errors.py), with Retry-After
 OVERLOADED_MESSAGE = "overloaded: every replica is at its first-audio budget; retry later"
 OVERLOADED_RETRY_AFTER_S = 1
-_refusal_checks: dict[Any, Callable[[], bool]] = {}
+UPLOAD_KEY_PREFIX = "upload:"  # scale/load.py's upload_key
+_VOICE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 REQUEST_ID_HEADER = b"x-request-id"  # Ray's proxy takes a request's id from it (and returns it to the client)
 LEDGER_WINDOW_S = 10.0  # how far back the ledger can tell a replica's streams started and ended
+_refusal_checks: dict[Any, Callable[[], bool]] = {}  # see register_refusal_check
 
 
 class StreamLedger:
@@ -219,8 +221,6 @@ def refused_here() -> bool:
         return checks[0]()
     except Exception:  # a router that cannot tell: the request goes to a replica, which decides
         return False
-UPLOAD_KEY_PREFIX = "upload:"  # scale/load.py's upload_key
-_VOICE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 def upload_hint(audio: bytes, prompt_text: str) -> str:
@@ -327,6 +327,8 @@ class VoiceHint:
             hint = prompt_hint(start)
 
         closed = False
+        scope, request_id = _with_request_id(_hinted(scope, hint))
+        LEDGER.expect(request_id)
 
         async def after_accept(message: Message) -> None:
             nonlocal closed
@@ -339,14 +341,17 @@ class VoiceHint:
                 return
             elif message["type"] == "websocket.close":
                 closed = True
+            if closed:
+                LEDGER.ended(request_id)  # before the client hears of it (again later: a no-op)
             await send(message)
 
         try:
-            await self.app(_hinted(scope, hint), client.replay, after_accept)
+            await self.app(scope, client.replay, after_accept)
         except Exception:
             pass  # ended below as a lost replica
         finally:
             client.close()
+            LEDGER.ended(request_id)
         if not closed:
             await _end_websocket(send)
 

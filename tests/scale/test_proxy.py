@@ -371,3 +371,57 @@ def test_the_proxy_answers_the_refusal_itself_when_its_router_says_every_replica
     finally:
         proxy._refusal_checks.clear()
         proxy._refusal_checks.update(saved)
+
+
+def test_streams_through_the_proxy_are_in_the_ledger_from_routing_to_their_last_message() -> None:
+    """What the router routes (by the id the proxy put on the request) counts on its replica until the proxy
+    forwards the stream's last message, for HTTP and WebSocket alike; the count is back to zero once it ended."""
+    import time
+
+    from cosystream.scale import proxy
+
+    since = time.time()  # after the ledger started (at import): it reaches back to here
+    seen_during: list[int | None] = []
+
+    def route(scope: dict, replica: str) -> None:  # what EngineAwareRouter.on_request_routed does
+        proxy.LEDGER.routed(dict(scope["headers"])[proxy.REQUEST_ID_HEADER].decode(), replica)
+        seen_during.append(proxy.LEDGER.net_since(replica, since))
+
+    async def http_app(scope, receive, send) -> None:
+        route(scope, "http-replica")
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"audio", "more_body": False})
+
+    body = json.dumps({"text": "Hello."}).encode()
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    asyncio.run(proxy.VoiceHint(http_app)({"type": "http", "method": "POST", "path": "/v1/tts",
+                                           "headers": headers}, receive, send))
+    assert seen_during == [1] and proxy.LEDGER.net_since("http-replica", since) == 0
+
+    async def ws_app(scope, receive, send) -> None:
+        route(scope, "ws-replica")
+        await send({"type": "websocket.accept"})
+        await send({"type": "websocket.close", "code": 1000})
+
+    ws_messages = [{"type": "websocket.connect"},
+                   {"type": "websocket.receive", "text": '{"type": "start", "voice": "anna"}'}]
+
+    async def ws_receive() -> dict:
+        if ws_messages:
+            return ws_messages.pop(0)
+        await asyncio.sleep(3600)
+        return {}
+
+    asyncio.run(proxy.VoiceHint(ws_app)({"type": "websocket", "path": "/v1/tts/stream", "headers": []},
+                                        ws_receive, send))
+    assert seen_during == [1, 1] and proxy.LEDGER.net_since("ws-replica", since) == 0
