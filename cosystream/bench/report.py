@@ -283,6 +283,8 @@ FIRST_AUDIO_STAGES = (("queue_s", "queue"), ("first_token_s", "first token"),
 # what an HTTP server adds (GET /v1/requests/{id}), counted from the request's arrival at the server: its own
 # work before the engine has the request, and when the first audio bytes went out
 SERVER_STAGES = (("to_engine_s", "arrival to engine"), ("server_first_audio_s", "sent, from arrival"))
+# behind Ray Serve's proxy (`serve --replicas`): the proxy's share of "arrival to engine" (routing, transport)
+PROXY_STAGE = ("proxy_s", "proxy to replica")
 
 
 def first_audio_breakdown(records: Sequence[RequestRecord], levels: Sequence[str] | None = None,
@@ -303,6 +305,8 @@ def first_audio_breakdown(records: Sequence[RequestRecord], levels: Sequence[str
         keys = [k for k, _ in FIRST_AUDIO_STAGES]
         if all(isinstance(r.server.get(k), (int, float)) for r in timed for k, _ in SERVER_STAGES):
             keys += [k for k, _ in SERVER_STAGES]
+            if all(isinstance(r.server.get(PROXY_STAGE[0]), (int, float)) for r in timed):
+                keys.append(PROXY_STAGE[0])
         for group, rs in (("all", timed), (f"slowest {slowest:.0%}", tail)):
             means = {k: sum(r.server[k] for r in rs) / len(rs) for k in keys}
             means["client first audio"] = sum(r.first_audio_s for r in rs) / len(rs)
@@ -315,7 +319,8 @@ def format_first_audio_breakdown(records: Sequence[RequestRecord], levels: Seque
     rows = first_audio_breakdown(records, levels)
     if not rows:
         return ""
-    stages = [*FIRST_AUDIO_STAGES, *(st for st in SERVER_STAGES if all(st[0] in row[3] for row in rows))]
+    server_stages = (*SERVER_STAGES, PROXY_STAGE)
+    stages = [*FIRST_AUDIO_STAGES, *(st for st in server_stages if all(st[0] in row[3] for row in rows))]
     names = [name for _, name in stages] + ["client first audio"]  # ms
     head = "| level | requests | " + " | ".join(names) + " |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]

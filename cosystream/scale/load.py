@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Hashable, Iterable, Mapping
+import time
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +57,9 @@ class LoadReport:
     budget_s: float | None = None  # the replica's first-audio budget (--first-audio-budget-s)
     voices: tuple[str, ...] = field(default_factory=tuple)  # registered voices held in memory (and their aliases)
     uploads: tuple[str, ...] = field(default_factory=tuple)  # upload_key() of uploaded prompts held analysed
+    admits: bool | None = None  # the engine's own verdict on a new stream when reported (None: unknown)
+    open_access: bool = False  # no API key required: a proxy may answer a refusal without checking the caller
+    reported_at: float | None = None  # time.time() of the report, on the replica's host
 
     def holds(self, prompt: str) -> bool:
         """Whether this replica holds the prompt features of `prompt` (a voice name or an upload_key)."""
@@ -83,7 +87,8 @@ class LoadReport:
     def as_dict(self) -> dict[str, Any]:
         return {"ready": self.ready, "in_flight": self.in_flight, "capacity": self.capacity,
                 "service_first_audio_s": self.service_first_audio_s, "service_s": self.service_s,
-                "budget_s": self.budget_s, "voices": list(self.voices), "uploads": list(self.uploads)}
+                "budget_s": self.budget_s, "voices": list(self.voices), "uploads": list(self.uploads),
+                "admits": self.admits, "open_access": self.open_access, "reported_at": self.reported_at}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> LoadReport | None:
@@ -96,9 +101,24 @@ class LoadReport:
                        service_first_audio_s=_finite(data.get("service_first_audio_s")),
                        service_s=_finite(data.get("service_s")), budget_s=_finite(data.get("budget_s")),
                        voices=tuple(str(v) for v in data.get("voices", ())),
-                       uploads=tuple(str(u) for u in data.get("uploads", ())))
+                       uploads=tuple(str(u) for u in data.get("uploads", ())),
+                       admits=data["admits"] if isinstance(data.get("admits"), bool) else None,
+                       open_access=data.get("open_access") is True, reported_at=_finite(data.get("reported_at")))
         except (TypeError, ValueError):
             return None
+
+    def known_full(self, net_since_report: int | None, now: float, fresh_s: float) -> bool:
+        """Whether this report shows for sure that its replica would refuse a new stream at `now`: its engine
+        refused one when it reported (busy, with a first-audio budget), less than `fresh_s` ago, and the streams
+        the asking proxy sent there since then are at least as many as those that ended there
+        (`net_since_report`; None: unknown): its load did not fall. Streams that other proxies sent there and
+        that ended are not seen: with several proxies, a refusal can rest on a report up to `fresh_s` old.
+        Never for a replica that requires API keys (the caller is checked first, as on one process)."""
+        if self.admits is not False or not self.ready or not self.open_access or self.in_flight == 0:
+            return False
+        if self.budget_s is None or self.reported_at is None or not 0 <= now - self.reported_at <= fresh_s:
+            return False
+        return net_since_report is not None and net_since_report >= 0
 
 
 def _finite(value: Any) -> float | None:
@@ -111,18 +131,34 @@ def _positive_int(value: Any) -> int | None:
 
 def report_from_server(state: Any, voices: Iterable[str] = (), uploads: Iterable[str] = ()) -> LoadReport:
     """A replica's report from its server state: the engine scheduler's prediction of a new stream's first
-    audio (the same model its admission decides from) as the service first audio, with no queue term on top;
-    `voices` and `uploads` are the prompt keys it holds (most recently used last for uploads)."""
+    audio (the same model its admission decides from) as the service first audio, with no queue term on top,
+    and its verdict on such a stream; `voices` and `uploads` are the prompt keys it holds (most recently used
+    last for uploads)."""
     engine = state.engine
     predicted_s, budget_s = None, getattr(getattr(engine, "config", None), "first_audio_budget_s", None)
+    admits = None
     predict = getattr(engine, "predict_first_audio", None)
     if callable(predict):
-        predicted, _ = predict()
+        predicted, admitted = predict()
         predicted_s = predicted if math.isfinite(predicted) else None
+        admits = bool(admitted) if budget_s is not None else None
     return LoadReport(ready=state.is_ready and state.engine_error() is None, in_flight=state.admission.num_in_flight,
                       capacity=None, service_first_audio_s=predicted_s, service_s=None, budget_s=budget_s,
                       voices=tuple(voices)[:MAX_REPORTED_VOICES],
-                      uploads=tuple(uploads)[-MAX_REPORTED_UPLOADS:])
+                      uploads=tuple(uploads)[-MAX_REPORTED_UPLOADS:], admits=admits,
+                      open_access=not state.settings.api_keys, reported_at=time.time())
+
+
+def every_replica_full(entries: Iterable[tuple[LoadReport | None, Callable[[float], int | None]]], now: float,
+                       fresh_s: float) -> bool:
+    """Whether a new stream would be refused by every replica (LoadReport.known_full), so a proxy can answer the
+    refusal itself: `entries` are (report, streams started minus ended there since a time) per replica; no
+    replicas, or one without a report, is never full."""
+    entries = list(entries)
+    return bool(entries) and all(
+        load is not None and load.reported_at is not None and load.known_full(net_since(load.reported_at), now,
+                                                                                fresh_s)
+        for load, net_since in entries)
 
 
 def rank_replicas(loads: Mapping[Hashable, LoadReport | None], routed_here: Mapping[Hashable, int] | None = None,

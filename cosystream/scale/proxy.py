@@ -17,6 +17,16 @@ accepts itself to read them. It passes that prompt key on as Ray's multiplexed m
 in the request's metadata (`EngineAwareRouter` prefers replicas holding that prompt); the request then goes on
 unchanged.
 
+The proxy also spares the replica work on the request's critical path: `VoiceHint` stamps the request's arrival
+at the proxy (`PROXY_ARRIVAL_KEY`, wall clock) and hands the body it read along inside the ASGI scope
+(`PROXY_BODY_KEY`, which Ray pickles with the scope), so the replica answers without first calling back into the
+proxy for the body; `from_proxy` is the replica's side of both (the arrival becomes the request's server arrival,
+so the server's stage times count the proxy's routing and transport too).
+
+When every replica is known to be full (their load reports, as the router in this process holds them:
+scale/load.py's `every_replica_full`), `VoiceHint` answers a synthesis request's refusal itself (503 `overloaded`
+with Retry-After, the body a replica's admission sends) instead of sending it to a replica that would refuse it.
+
 Ray loads them from the proxy's environment: RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=
 cosystream.scale.proxy:proxy_middlewares (`cosystream serve --replicas` sets it; on a cluster, set it where
 `ray start` runs on each node). Plain ASGI: no Ray import.
@@ -29,7 +39,11 @@ import contextlib
 import hashlib
 import json
 import re
-from collections.abc import Mapping
+import threading
+import time
+import uuid
+from collections import Counter, deque
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from starlette.middleware import Middleware
@@ -114,8 +128,99 @@ WS_HINT_PATH = "/v1/tts/stream"
 VOICE_HINT_MAX_BYTES = 64 * 1024  # JSON bodies read for their voice
 UPLOAD_HINT_MAX_BYTES = 16 * 1024 * 1024  # multipart bodies read for their recording; larger ones go through unread
 WS_FIRST_MESSAGE_WAIT_S = 10.0  # a WebSocket whose `start` takes longer is routed by load alone
+PROXY_ARRIVAL_KEY = "cosystream.proxy_arrival"  # scope key: time.time() when the proxy received the request
+PROXY_BODY_KEY = "cosystream.body"  # scope key: the whole request body, read by the proxy, replayed by the replica
+CARRIED_BODY_MAX_BYTES = 1024 * 1024  # larger bodies travel as Ray does it: fetched by the replica from the proxy
+OVERLOADED_CODE = "overloaded"  # what a replica's admission answers (server/errors.py), with Retry-After
+OVERLOADED_MESSAGE = "overloaded: every replica is at its first-audio budget; retry later"
+OVERLOADED_RETRY_AFTER_S = 1
 UPLOAD_KEY_PREFIX = "upload:"  # scale/load.py's upload_key
 _VOICE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+REQUEST_ID_HEADER = b"x-request-id"  # Ray's proxy takes a request's id from it (and returns it to the client)
+LEDGER_WINDOW_S = 10.0  # how far back the ledger can tell a replica's streams started and ended
+_refusal_checks: dict[Any, Callable[[], bool]] = {}  # see register_refusal_check
+
+
+class StreamLedger:
+    """The synthesis streams this proxy sent to each replica and saw end, with times, so a router can tell
+    whether a replica's load can have fallen since its last load report: started (when routed) minus ended (when
+    the proxy forwards the stream's last message, before the client can send its next request) since then.
+    Requests are known by the id Ray's proxy routes them under; `VoiceHint` expects them, the router records
+    where they went. Safe from any thread."""
+
+    def __init__(self, window_s: float = LEDGER_WINDOW_S, now: Callable[[], float] = time.time) -> None:
+        self.window_s = window_s
+        self.now = now
+        self._lock = threading.Lock()
+        self._expected: Counter[str] = Counter()  # synthesis requests not routed yet
+        self._replica_of: dict[str, Any] = {}  # routed and not ended: request id -> replica
+        self._events: dict[Any, deque[tuple[float, int]]] = {}  # replica -> (time, +1 routed / -1 ended)
+        self._started = self.now()
+
+    def expect(self, request_id: str) -> None:
+        with self._lock:
+            self._expected[request_id] += 1
+
+    def routed(self, request_id: str, replica: Any) -> None:
+        """The router sent `request_id` to `replica` (ignored unless it is an expected synthesis request)."""
+        with self._lock:
+            now = self.now()
+            if request_id in self._replica_of:  # sent again elsewhere: it left the first replica
+                self._event(self._replica_of.pop(request_id), now, -1)
+            elif self._expected[request_id] <= 0:
+                return
+            else:
+                self._discard_expected(request_id)
+            self._replica_of[request_id] = replica
+            self._event(replica, now, +1)
+
+    def ended(self, request_id: str) -> None:
+        with self._lock:
+            replica = self._replica_of.pop(request_id, None)
+            if replica is not None:
+                self._event(replica, self.now(), -1)
+            else:
+                self._discard_expected(request_id)
+
+    def net_since(self, replica: Any, since: float) -> int | None:
+        """Streams started minus ended on `replica` after `since` (this proxy's), or None when the ledger does
+        not reach back that far."""
+        with self._lock:
+            if since < max(self._started, self.now() - self.window_s):
+                return None
+            return sum(delta for t, delta in self._events.get(replica, ()) if t > since)
+
+    def _discard_expected(self, request_id: str) -> None:
+        self._expected[request_id] -= 1
+        if self._expected[request_id] <= 0:
+            del self._expected[request_id]
+
+    def _event(self, replica: Any, t: float, delta: int) -> None:
+        events = self._events.setdefault(replica, deque())
+        events.append((t, delta))
+        while events and events[0][0] < t - self.window_s:
+            events.popleft()
+
+
+LEDGER = StreamLedger()  # the proxy's (one per process: routers and middleware of one proxy share it)
+
+
+def register_refusal_check(key: Any, check: Callable[[], bool]) -> None:
+    """A router in this process (scale/ray_app.py's EngineAwareRouter, keyed by its deployment; the latest per key
+    counts) tells `VoiceHint` whether to refuse a new synthesis request here: check() is True when every replica
+    would refuse it, and counts that refusal. Any thread may call it."""
+    _refusal_checks[key] = check
+
+
+def refused_here() -> bool:
+    """Whether the one registered router says every replica is full (never with no router or several apps)."""
+    checks = list(_refusal_checks.values())
+    if len(checks) != 1:
+        return False
+    try:
+        return checks[0]()
+    except Exception:  # a router that cannot tell: the request goes to a replica, which decides
+        return False
 
 
 def upload_hint(audio: bytes, prompt_text: str) -> str:
@@ -147,6 +252,9 @@ class VoiceHint:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        scope = {**scope, PROXY_ARRIVAL_KEY: time.time()}
         if scope["type"] == "websocket" and scope.get("path") == WS_HINT_PATH:
             return await self._websocket(scope, receive, send)
         kind = self._body_kind(scope)
@@ -158,9 +266,29 @@ class VoiceHint:
             messages.append(message)
             if message["type"] != "http.request" or not message.get("more_body", False):
                 break
+        if messages[-1]["type"] == "http.request" and refused_here():
+            return await _refuse_overloaded(send)
         body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request")
         hint = _json_hint(body) if kind == "json" else await _form_hint(scope, body)
-        await self.app(_hinted(scope, hint), _replay(messages, receive), send)
+        scope = _hinted(scope, hint)
+        if messages[-1]["type"] == "http.request" and len(body) <= CARRIED_BODY_MAX_BYTES:
+            scope[PROXY_BODY_KEY] = body  # whole: the replica replays it instead of fetching it
+        scope, request_id = _with_request_id(scope)
+        LEDGER.expect(request_id)
+        ended = False
+
+        async def ledger_send(message: Message) -> None:
+            nonlocal ended
+            if not ended and message["type"] == "http.response.body" and not message.get("more_body", False):
+                ended = True
+                LEDGER.ended(request_id)  # before the client hears of it
+            await send(message)
+
+        try:
+            await self.app(scope, _replay(messages, receive), ledger_send)
+        finally:
+            if not ended:
+                LEDGER.ended(request_id)
 
     @staticmethod
     def _body_kind(scope: Scope) -> str | None:
@@ -199,6 +327,8 @@ class VoiceHint:
             hint = prompt_hint(start)
 
         closed = False
+        scope, request_id = _with_request_id(_hinted(scope, hint))
+        LEDGER.expect(request_id)
 
         async def after_accept(message: Message) -> None:
             nonlocal closed
@@ -211,14 +341,17 @@ class VoiceHint:
                 return
             elif message["type"] == "websocket.close":
                 closed = True
+            if closed:
+                LEDGER.ended(request_id)  # before the client hears of it (again later: a no-op)
             await send(message)
 
         try:
-            await self.app(_hinted(scope, hint), client.replay, after_accept)
+            await self.app(scope, client.replay, after_accept)
         except Exception:
             pass  # ended below as a lost replica
         finally:
             client.close()
+            LEDGER.ended(request_id)
         if not closed:
             await _end_websocket(send)
 
@@ -259,8 +392,43 @@ class _ReadAhead:
 
 def _hinted(scope: Scope, hint: str | None) -> Scope:
     if hint is None:
-        return scope
+        return dict(scope)
     return {**scope, "headers": [*scope["headers"], (VOICE_HINT_HEADER, hint.encode())]}
+
+
+def _with_request_id(scope: Scope) -> tuple[Scope, str]:
+    """The scope with an X-Request-Id (the client's, else a new one, which Ray then uses), and that id."""
+    for key, value in scope["headers"]:
+        if key.lower() == REQUEST_ID_HEADER:
+            return scope, value.decode("latin-1")
+    request_id = uuid.uuid4().hex
+    return {**scope, "headers": [*scope["headers"], (REQUEST_ID_HEADER, request_id.encode())]}, request_id
+
+
+def from_proxy(scope: Scope, receive: Receive,
+               now: Callable[[], float] = time.time) -> tuple[Scope, Receive, float | None]:
+    """The replica's side of what `VoiceHint` carries: (scope, receive, seconds since the proxy received the
+    request, or None when the request came another way). A carried body is the first message `receive` gives;
+    the copies of it that Ray's own receive still fetches from the proxy are skipped, its disconnect passes."""
+    arrival = scope.get(PROXY_ARRIVAL_KEY)
+    proxy_s = max(0.0, now() - arrival) if isinstance(arrival, (int, float)) else None  # 0: clocks of two hosts
+    body = scope.get(PROXY_BODY_KEY)
+    if not isinstance(body, bytes):
+        return scope, receive, proxy_s
+    scope = {k: v for k, v in scope.items() if k != PROXY_BODY_KEY}
+    replayed = False
+
+    async def receive_carried() -> Message:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return message
+
+    return scope, receive_carried, proxy_s
 
 
 def _replay(messages: list[Message], receive: Receive) -> Receive:
@@ -314,6 +482,14 @@ def _ws_start(message: Message | None) -> dict[str, Any] | None:
     except ValueError:
         return None
     return data if isinstance(data, dict) and data.get("type") == "start" else None
+
+
+async def _refuse_overloaded(send: Send) -> None:
+    body = json.dumps({"error": {"code": OVERLOADED_CODE, "message": OVERLOADED_MESSAGE, "field": None}}).encode()
+    await send({"type": "http.response.start", "status": 503,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"retry-after", str(OVERLOADED_RETRY_AFTER_S).encode())]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 async def _end_websocket(send: Send) -> None:

@@ -28,12 +28,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import re
 import signal
 import tempfile
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,8 +51,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cosystream import errors as cosy_errors
+from cosystream.scale import proxy as scale_proxy  # its LEDGER by module: the router class may travel by value
 from cosystream.scale.load import (
     LoadReport,
+    every_replica_full,
     held_voice_names,
     merge_metrics,
     rank_replicas,
@@ -59,9 +63,10 @@ from cosystream.scale.load import (
 )
 from cosystream.scale.proxy import CALLBACK_ENV as PROXY_CALLBACK_ENV
 from cosystream.scale.proxy import CALLBACK_PATH as PROXY_CALLBACK_PATH
+from cosystream.scale.proxy import from_proxy, register_refusal_check
 from cosystream.server.errors import ApiError
 from cosystream.server.metrics import CONTENT_TYPE
-from cosystream.server.session import request_id_override
+from cosystream.server.session import proxy_wait_s, request_id_override
 from cosystream.server.state import ServerSettings
 
 log = logging.getLogger("cosystream.server")
@@ -76,6 +81,7 @@ VOICE_STORE_NAMESPACE = "cosystream"
 VOICE_BROADCAST_TIMEOUT_S = 1.0  # a registration answers once every replica dropped its copy, or after this
 PEER_CALL_TIMEOUT_S = 5.0  # /metrics, /v1/requests/{id}, /v1/replicas: how long to wait for the other replicas
 ROUTING_STATS_PERIOD_S = 0.5  # how often each replica publishes its LoadReport
+PROXY_REFUSAL_FRESH_S = 2 * ROUTING_STATS_PERIOD_S  # the proxy refuses on reports at most this old
 PRELOADED_VOICES = 256  # a starting replica loads the prompts of the most recently changed voices
 
 
@@ -195,7 +201,9 @@ class _ReplicaHeaders:
     """ASGI wrapper: every HTTP response and WebSocket accept names the replica that served it, and a request
     keeps one id. Ray's proxy returns its own `x-request-id` (the one it logs) on every response, so the app
     adopts that id (request_id_override) and its own X-Request-Id header is left out: clients see one id, the
-    one GET /v1/requests/{id}, the `done` event and the log line carry."""
+    one GET /v1/requests/{id}, the `done` event and the log line carry. What the proxy middleware carried
+    (scale/proxy.py) is taken here: the body, and the proxy's arrival, which becomes the request's arrival
+    (the server's stage times count from it; `proxy_s` in GET /v1/requests/{id} is its share)."""
 
     def __init__(self, app: ASGIApp, replica_id: str) -> None:
         self.app = app
@@ -204,8 +212,13 @@ class _ReplicaHeaders:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
+        scope, receive, proxy_s = from_proxy(scope, receive)
+        if proxy_s is not None:
+            scope["state"] = {**scope.get("state", {}), "t_arrival": time.perf_counter() - proxy_s}
         proxy_id = dict(scope.get("headers", [])).get(REQUEST_ID_HEADER, b"").decode("latin-1")
         adopted = REQUEST_ID_PATTERN.fullmatch(proxy_id) is not None
+
+        held: list[Message] = []  # a response's start, sent with its first body
 
         async def named_send(message: Message) -> None:
             if message["type"] in ("http.response.start", "websocket.accept"):
@@ -213,13 +226,22 @@ class _ReplicaHeaders:
                 if adopted:
                     headers = [(k, v) for k, v in headers if k.lower() != REQUEST_ID_HEADER]
                 message = {**message, "headers": [*headers, self.header]}
+                if message["type"] == "http.response.start":  # the body follows at once (the app starts a
+                    held.append(message)  # stream with its first audio ready): one trip to the proxy for both
+                    return
+            while held:
+                await send(held.pop())
             await send(message)
 
         token = request_id_override.set(proxy_id if adopted else None)
+        proxy_token = proxy_wait_s.set(proxy_s)
         try:
             await self.app(scope, receive, named_send)
         finally:
+            proxy_wait_s.reset(proxy_token)
             request_id_override.reset(token)
+            while held:  # a start with no body (the app ended there)
+                await send(held.pop())
 
 
 def _noop() -> None:
@@ -391,17 +413,51 @@ def _replica_counts(app_name: str, deployment: str) -> tuple[int, int]:
 
 class EngineAwareRouter(RequestRouter):
     """Ranks replicas by their published LoadReports (scale/load.rank_replicas) corrected by the streams this
-    router itself sent and that are still open. Runs in every caller of the deployment: Ray's HTTP proxies."""
+    router itself sent and that are still open. Runs in every caller of the deployment: Ray's HTTP proxies.
+    In a proxy it also tells the proxy middleware when every replica is known to be full
+    (scale/load.every_replica_full), so the refusal is answered there, without a trip to a replica; those
+    refusals are counted in Ray's metric `cosystream_proxy_refusals` (a replica never sees them)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._open: Counter[ReplicaID] = Counter()
         self._replica_of: dict[str, ReplicaID] = {}
+        self._refusals: Any = None  # Ray's counter, made at the first refusal
+        self._parsed: dict[ReplicaID, tuple[Any, LoadReport | None]] = {}  # replica -> (its stats, their report)
+        register_refusal_check(getattr(self, "_deployment_id", None), self.refuse_new_stream)
+
+    def _report(self, replica: RunningReplica) -> LoadReport | None:
+        """The replica's LoadReport, parsed once per published report (every request reads every replica's)."""
+        stats = replica.routing_stats
+        parsed = self._parsed.get(replica.replica_id)
+        if parsed is None or parsed[0] is not stats:
+            parsed = (stats, LoadReport.from_dict(stats))
+            if len(self._parsed) > 2 * len(self.curr_replicas) + 8:  # forget replicas that are gone
+                current = self.curr_replicas
+                self._parsed = {k: v for k, v in self._parsed.items() if k in current}
+            self._parsed[replica.replica_id] = parsed
+        return parsed[1]
+
+    def refuse_new_stream(self) -> bool:
+        """True (and counted) when every replica would refuse a new stream now; called by the proxy middleware
+        from the proxy's own event loop, so it only reads what the router's loop replaces whole."""
+        replicas = list(self.curr_replicas.values())
+        ledger = scale_proxy.LEDGER
+        entries = [(self._report(r), functools.partial(ledger.net_since, r.replica_id)) for r in replicas]
+        if not every_replica_full(entries, time.time(), PROXY_REFUSAL_FRESH_S):
+            return False
+        if self._refusals is None:
+            from ray.util.metrics import Counter as RayCounter
+
+            self._refusals = RayCounter("cosystream_proxy_refusals", "synthesis requests refused by the proxy: "
+                                        "every replica was at its first-audio budget")
+        self._refusals.inc()
+        return True
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         by_id = {r.replica_id: r for r in candidate_replicas}
-        loads = {r.replica_id: LoadReport.from_dict(r.routing_stats) for r in candidate_replicas}
+        loads = {r.replica_id: self._report(r) for r in candidate_replicas}
         # the request's prompt key (a voice or an upload's digest), when the proxy's VoiceHint (scale/proxy.py)
         # found one in it
         voice = pending_request.metadata.multiplexed_model_id or None if pending_request is not None else None
@@ -410,6 +466,7 @@ class EngineAwareRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         self._open[replica_id] += 1
         self._replica_of[pending_request.metadata.internal_request_id] = replica_id
+        scale_proxy.LEDGER.routed(pending_request.metadata.request_id, replica_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         if self._replica_of.pop(internal_request_id, None) is None:

@@ -70,8 +70,8 @@ class BodyLimitMiddleware:
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] in ("http", "websocket"):
-            scope.setdefault("state", {})["t_arrival"] = time.perf_counter()
+        if scope["type"] in ("http", "websocket"):  # unless a proxy in front stamped it (scale/ray_app.py)
+            scope.setdefault("state", {}).setdefault("t_arrival", time.perf_counter())
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         send = self._timed(scope["state"]["t_arrival"], send)

@@ -173,6 +173,9 @@ class FinishedRequest(BaseModel):
     audio_s: float
     to_engine_s: float | None = Field(None, description="request arrival → handed to the engine (parsing, checks, "
                                       "admission)")
+    proxy_s: float | None = Field(None, description="behind Ray Serve's proxy (`serve --replicas`): its share of "
+                                  "to_engine_s, the proxy's arrival → the replica's (routing, transport); null on "
+                                  "the single-process server")
     server_first_audio_s: float | None = Field(None, description="request arrival → first audio bytes sent")
     server_total_s: float = Field(description="request arrival → the request closed")
     times: StageTimes | None = Field(None, description="the engine's stages, from its submission (requests that "

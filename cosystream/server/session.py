@@ -41,6 +41,9 @@ _SEND_GRACE_S = 1.0  # after the request timeout, before a response stuck on a n
 # An id chosen by whoever runs the app for the request being handled (the Ray Serve replica adopts the id its
 # proxy already returns to the client in X-Request-Id, scale/ray_app.py); None: a fresh one per request.
 request_id_override: ContextVar[str | None] = ContextVar("request_id_override", default=None)
+# Seconds between the request's arrival at a proxy in front of the app and its arrival here (the Ray Serve replica
+# sets it, and counts the request's arrival from the proxy's); None: the app is the server.
+proxy_wait_s: ContextVar[float | None] = ContextVar("proxy_wait_s", default=None)
 
 
 def new_request_id() -> str:
@@ -82,6 +85,7 @@ class SynthesisSession:
         self.times: Any = None
         self.server_first_audio_s: float | None = None
         self.to_engine_s: float | None = None  # arrival -> handed to the engine (parsing, checks, admission)
+        self.proxy_s = proxy_wait_s.get()  # of that, the proxy's share (routing, transport), when behind one
         self._iter: AsyncIterator[AudioChunk] | None = None
         self._first: AudioChunk | None = None
         self._is_open = False
@@ -204,6 +208,7 @@ class SynthesisSession:
                   format=self.fmt.value, chunks=self.num_chunks, audio_s=self.num_samples / SAMPLE_RATE,
                   first_audio_s=self.server_first_audio_s if self.server_first_audio_s is not None else "",
                   total_s=self.elapsed_s, to_engine_s=self.to_engine_s if self.to_engine_s is not None else "",
+                  **({"proxy_s": self.proxy_s} if self.proxy_s is not None else {}),
                   **self._engine_stages())
 
     def _engine_stages(self) -> dict[str, float]:
@@ -226,7 +231,8 @@ class SynthesisSession:
         """What GET /v1/requests/{id} answers once the request closed."""
         return FinishedRequest(request_id=self.request_id, endpoint=self.endpoint, outcome=self.outcome,
                                num_chunks=self.num_chunks, audio_s=self.num_samples / SAMPLE_RATE,
-                               to_engine_s=self.to_engine_s, server_first_audio_s=self.server_first_audio_s,
+                               to_engine_s=self.to_engine_s, proxy_s=self.proxy_s,
+                               server_first_audio_s=self.server_first_audio_s,
                                server_total_s=self.elapsed_s, times=self._stage_times())
 
     def done_event(self) -> DoneEvent:

@@ -205,6 +205,12 @@ def test_the_breakdown_shows_the_http_server_s_own_stages_when_every_request_has
     assert table[2] == "| c=2, all | 2 | 1 | 10 | 20 | 30 | 20 | 3 | 58 | 3 | 55 | 60 |"
     partly = served + [_timed("c=2", 2, first_audio_s=0.06, ready_s=0.02)]  # one without the server's stages
     assert "arrival to engine" not in format_first_audio_breakdown(partly)
+    assert "proxy to replica" not in table[0]  # a single-process server has no proxy
+    for record in served:  # behind Ray Serve's proxy: its share of the arrival-to-engine time
+        record.server["proxy_s"] = 0.002
+    table = format_first_audio_breakdown(served).splitlines()
+    assert table[0].endswith("| arrival to engine | sent, from arrival | proxy to replica | client first audio |")
+    assert table[2].endswith("| 3 | 55 | 2 | 60 |")
 
 
 def test_the_table_never_calls_times_real_time_an_rtf() -> None:

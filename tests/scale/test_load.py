@@ -83,3 +83,37 @@ def test_uploads_and_voice_aliases_count_as_held_prompts() -> None:
     assert rank_replicas(loads, voice=upload_key("cd" * 32)) == ["cold", "warm"]
     # an upload key is never matched against voice names, nor a voice against uploads
     assert not LoadReport(voices=(key,)).holds(key) and not LoadReport(uploads=("bob",)).holds("bob")
+
+
+def _full(**changes) -> LoadReport:
+    """A report of a replica whose engine refused a new stream at t=100 (busy, with a budget, no API keys)."""
+    fields = {"in_flight": 3, "service_first_audio_s": 0.8, "budget_s": 0.5, "admits": False, "open_access": True,
+              "reported_at": 100.0}
+    return LoadReport(**{**fields, **changes})
+
+
+def test_a_replica_is_known_full_only_on_a_fresh_refusing_report_whose_load_cannot_have_fallen() -> None:
+    assert LoadReport.from_dict(_full().as_dict()) == _full()
+    assert _full().known_full(0, now=100.4, fresh_s=1.0)
+    assert _full().known_full(2, now=100.4, fresh_s=1.0)  # more streams sent there since: still full
+    assert not _full().known_full(-1, now=100.4, fresh_s=1.0)  # a stream ended there since: it may take one
+    assert not _full().known_full(None, now=100.4, fresh_s=1.0)  # nothing known since
+    assert not _full().known_full(0, now=101.5, fresh_s=1.0)  # too old
+    for other in (_full(admits=True), _full(admits=None), _full(ready=False), _full(in_flight=0),
+                  _full(budget_s=None), _full(open_access=False), _full(reported_at=None)):
+        assert not other.known_full(0, now=100.4, fresh_s=1.0), other
+
+
+def test_the_proxy_refuses_only_when_every_replica_is_known_full() -> None:
+    from cosystream.scale.load import every_replica_full
+
+    def net(value: int | None):
+        return lambda since: value
+
+    assert every_replica_full([(_full(), net(0)), (_full(reported_at=100.2), net(1))], now=100.5, fresh_s=1.0)
+    assert not every_replica_full([(_full(), net(0)), (_full(admits=True), net(0))], now=100.5, fresh_s=1.0)
+    assert not every_replica_full([(_full(), net(0)), (None, net(0))], now=100.5, fresh_s=1.0)  # no report yet
+    assert not every_replica_full([], now=100.5, fresh_s=1.0)
+    asked: list[float] = []
+    every_replica_full([(_full(reported_at=99.9), lambda since: asked.append(since) or 0)], now=100.5, fresh_s=1.0)
+    assert asked == [99.9]  # the ledger is asked about the time of that replica's own report

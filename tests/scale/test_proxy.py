@@ -240,3 +240,188 @@ def test_a_websocket_without_a_start_in_time_is_routed_by_load_and_loses_nothing
                                                     delay_at=1)
     assert VOICE_HINT_HEADER not in dict(late_scope["headers"])
     assert late_received == [{"type": "websocket.connect"}, announced, recording]
+
+
+def test_the_proxy_carries_the_body_it_read_and_its_arrival_to_the_replica() -> None:
+    """The replica answers from the body the proxy read (no call back into the proxy on the request's path): it
+    gets the body once, then only what Ray's own receive adds after the copies of the body (the disconnect)."""
+    from cosystream.scale.proxy import PROXY_ARRIVAL_KEY, PROXY_BODY_KEY, from_proxy
+
+    body = json.dumps({"text": "Hello.", "voice": "anna"}).encode()
+    scope, _ = _hinted(body)
+    assert scope[PROXY_BODY_KEY] == body and isinstance(scope[PROXY_ARRIVAL_KEY], float)
+    ray_messages = [{"type": "http.request", "body": body[:5], "more_body": True},
+                    {"type": "http.request", "body": body[5:], "more_body": False}, {"type": "http.disconnect"}]
+
+    async def ray_receive() -> dict:  # what Ray's replica fetches from the proxy in the background
+        return ray_messages.pop(0)
+
+    async def replica() -> tuple[dict, list[dict], float | None]:
+        replica_scope, receive, proxy_s = from_proxy(scope, ray_receive, now=lambda: scope[PROXY_ARRIVAL_KEY] + 0.25)
+        return replica_scope, [await receive(), await receive()], proxy_s
+
+    replica_scope, received, proxy_s = asyncio.run(replica())
+    assert received == [{"type": "http.request", "body": body, "more_body": False}, {"type": "http.disconnect"}]
+    assert PROXY_BODY_KEY not in replica_scope and proxy_s == pytest.approx(0.25)
+    assert from_proxy(scope, ray_receive, now=lambda: scope[PROXY_ARRIVAL_KEY] - 1.0)[2] == 0.0  # skewed clocks
+    plain = {"type": "http", "headers": []}  # not through the proxy middleware: left as it is
+    assert from_proxy(plain, ray_receive) == (plain, ray_receive, None)
+
+
+def test_large_or_unfinished_bodies_are_left_to_ray(monkeypatch) -> None:
+    from cosystream.scale import proxy
+
+    body = json.dumps({"text": "Hello." * 20, "voice": "anna"}).encode()
+    monkeypatch.setattr(proxy, "CARRIED_BODY_MAX_BYTES", len(body) - 1)
+    scope, seen_body = _hinted(body)
+    assert proxy.PROXY_BODY_KEY not in scope and seen_body == body  # the replica fetches it as usual
+    monkeypatch.undo()
+
+    seen: dict = {}
+    messages = [{"type": "http.request", "body": body[:5], "more_body": True}, {"type": "http.disconnect"}]
+
+    async def receive() -> dict:
+        return messages.pop(0)
+
+    async def app(scope, receive, send) -> None:
+        seen["scope"] = scope
+
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    asyncio.run(proxy.VoiceHint(app)({"type": "http", "method": "POST", "path": "/v1/tts", "headers": headers},
+                                     receive, lambda m: None))
+    assert proxy.PROXY_BODY_KEY not in seen["scope"]  # the client left mid-body: nothing to carry
+
+
+def test_the_ledger_counts_streams_sent_and_ended_per_replica_since_a_time() -> None:
+    from cosystream.scale.proxy import StreamLedger
+
+    clock = [1000.0]
+    ledger = StreamLedger(window_s=10.0, now=lambda: clock[0])
+    clock[0] = 1001.0
+    ledger.expect("a")
+    ledger.expect("b")
+    ledger.routed("a", "r1")
+    ledger.routed("b", "r1")
+    ledger.routed("health-check", "r1")  # not a synthesis request: not counted
+    clock[0] = 1002.0
+    ledger.ended("a")
+    assert ledger.net_since("r1", 1000.5) == 1 and ledger.net_since("r1", 1001.5) == -1
+    assert ledger.net_since("r2", 1001.5) == 0
+    ledger.routed("b", "r2")  # routed again elsewhere: it left r1
+    assert ledger.net_since("r1", 1001.5) == -2 and ledger.net_since("r2", 1001.5) == 1
+    ledger.ended("never-routed")  # a request that ended before routing: nothing to count, nothing kept
+    assert ledger.net_since("r1", 999.0) is None  # before the ledger started
+    clock[0] = 1020.0
+    assert ledger.net_since("r1", 1005.0) is None  # further back than its window
+
+
+def _through_hint_with_router(full: bool, reply_status: int = 200) -> tuple[list[dict], bool, dict]:
+    """One JSON /v1/tts request through VoiceHint with a registered router saying `full`: (what the client was
+    sent, whether the app behind was called, the scope it got)."""
+    from cosystream.scale import proxy
+
+    seen: dict = {}
+    body = json.dumps({"text": "Hello.", "voice": "anna"}).encode()
+    chunks = [{"type": "http.request", "body": body, "more_body": False}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return chunks.pop(0) if chunks else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def app(scope, receive, send) -> None:
+        seen["scope"] = scope
+        await send({"type": "http.response.start", "status": reply_status, "headers": []})
+        await send({"type": "http.response.body", "body": b"audio", "more_body": False})
+
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    saved = dict(proxy._refusal_checks)
+    proxy._refusal_checks.clear()
+    proxy.register_refusal_check("deployment", lambda: full)
+    try:
+        asyncio.run(proxy.VoiceHint(app)({"type": "http", "method": "POST", "path": "/v1/tts", "headers": headers},
+                                         receive, send))
+    finally:
+        proxy._refusal_checks.clear()
+        proxy._refusal_checks.update(saved)
+    return sent, "scope" in seen, seen
+
+
+def test_the_proxy_answers_the_refusal_itself_when_its_router_says_every_replica_is_full() -> None:
+    from cosystream.scale import proxy
+
+    sent, called, _ = _through_hint_with_router(full=True)
+    assert not called
+    assert sent[0]["status"] == 503 and dict(sent[0]["headers"])[b"retry-after"] == b"1"
+    assert json.loads(sent[1]["body"]) == {"error": {"code": "overloaded", "message": proxy.OVERLOADED_MESSAGE,
+                                                     "field": None}}
+    sent, called, seen = _through_hint_with_router(full=False)
+    assert called and sent[0]["status"] == 200
+    request_id = dict(seen["scope"]["headers"])[proxy.REQUEST_ID_HEADER].decode()  # the id Ray routes it under
+    assert request_id not in proxy.LEDGER._expected and request_id not in proxy.LEDGER._replica_of  # ended
+    saved = dict(proxy._refusal_checks)
+    proxy._refusal_checks.clear()
+    try:  # two applications behind one proxy: neither can speak for the other's paths
+        proxy.register_refusal_check("one app", lambda: True)
+        assert proxy.refused_here()
+        proxy.register_refusal_check("another app", lambda: True)
+        assert not proxy.refused_here()
+    finally:
+        proxy._refusal_checks.clear()
+        proxy._refusal_checks.update(saved)
+
+
+def test_streams_through_the_proxy_are_in_the_ledger_from_routing_to_their_last_message() -> None:
+    """What the router routes (by the id the proxy put on the request) counts on its replica until the proxy
+    forwards the stream's last message, for HTTP and WebSocket alike; the count is back to zero once it ended."""
+    import time
+
+    from cosystream.scale import proxy
+
+    since = time.time()  # after the ledger started (at import): it reaches back to here
+    seen_during: list[int | None] = []
+
+    def route(scope: dict, replica: str) -> None:  # what EngineAwareRouter.on_request_routed does
+        proxy.LEDGER.routed(dict(scope["headers"])[proxy.REQUEST_ID_HEADER].decode(), replica)
+        seen_during.append(proxy.LEDGER.net_since(replica, since))
+
+    async def http_app(scope, receive, send) -> None:
+        route(scope, "http-replica")
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"audio", "more_body": False})
+
+    body = json.dumps({"text": "Hello."}).encode()
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    asyncio.run(proxy.VoiceHint(http_app)({"type": "http", "method": "POST", "path": "/v1/tts",
+                                           "headers": headers}, receive, send))
+    assert seen_during == [1] and proxy.LEDGER.net_since("http-replica", since) == 0
+
+    async def ws_app(scope, receive, send) -> None:
+        route(scope, "ws-replica")
+        await send({"type": "websocket.accept"})
+        await send({"type": "websocket.close", "code": 1000})
+
+    ws_messages = [{"type": "websocket.connect"},
+                   {"type": "websocket.receive", "text": '{"type": "start", "voice": "anna"}'}]
+
+    async def ws_receive() -> dict:
+        if ws_messages:
+            return ws_messages.pop(0)
+        await asyncio.sleep(3600)
+        return {}
+
+    asyncio.run(proxy.VoiceHint(ws_app)({"type": "websocket", "path": "/v1/tts/stream", "headers": []},
+                                        ws_receive, send))
+    assert seen_during == [1, 1] and proxy.LEDGER.net_since("ws-replica", since) == 0

@@ -186,6 +186,8 @@ def test_voice_registered_once_is_used_on_every_replica(base_url: str, voices_db
         for ids in served.values():  # a request's stage times, whichever replica answers the lookup
             found = client.get(f"/v1/requests/{ids[0]}")
             assert found.status_code == 200 and found.json()["outcome"] == "ok", found.text
+            # counted from the proxy's arrival, the proxy's share apart (one host: one clock)
+            assert 0 < found.json()["proxy_s"] < found.json()["to_engine_s"], found.text
         assert client.get("/v1/requests/req_unknown").status_code == 404
         # a WebSocket session, on one replica from start to done
         before = _ws_served(client)
@@ -194,7 +196,9 @@ def test_voice_registered_once_is_used_on_every_replica(base_url: str, voices_db
         assert events[0]["type"] == "started" and events[-1]["type"] == "done", events[-1]
         assert sum((_ws_served(client) - before).values()) == 1
         for replica in replicas:  # every replica now holds the voice's prompt in memory
-            assert VOICE in _replicas(client)[replica]["load"]["voices"], (replica, registered_on)
+            load = _replicas(client)[replica]["load"]
+            assert VOICE in load["voices"], (replica, registered_on)
+            assert abs(load["reported_at"] - time.time()) < 60 and load["open_access"] is True, load
         # one /metrics for the application: every replica's samples, labelled
         metrics = client.get("/metrics").text
         for replica in replicas:
