@@ -13,12 +13,12 @@
 #   overload       levels_all.sh overload on this tree (SERVE_ARGS, CAPACITY, MULTS, SEEDS, PROCS, DURATION as
 #                  there), with the scheduler's decision trace (COSYSTREAM_TRACE)
 #   overload_base  the same on the baseline package in .base (git archive <commit> cosystream benchmarks | tar
-#                  -x -C .base), the benchmark scripts of this tree
+#                  -x -C .base), the benchmark scripts of this tree; BASE_MULTS, BASE_SEEDS: its own levels
 #   cv3            CosyVoice3 0.5B random model: the pooled flow per chunk (cv3_fast.py), the engine at 1 and 16
-#                  streams and offline (bench_engine.py)
+#                  streams and offline (bench_engine.py; CV3_OFFLINE=0: not offline)
 #   cv3_tests      CosyVoice3 GPU tests: compiled kernels vs reference, graphed pool vs eager, the fixtures
 #   cv3_http       CosyVoice3 0.5B over HTTP, one stream
-#   zeroshot       levels_all.sh zeroshot (registered voice and a new recording each request, c=1,16)
+#   zeroshot       levels_all.sh zeroshot (registered voice and a new recording each request, c=1,16; ZS_RUNS)
 #   prompt_analysis  benchmarks/prompt_analysis.py on the released side-model architectures (/tmp/m05r)
 # Carry .whl (benchmarks/fetch_wheels.sh), .whl_ray (scale_ray), .base (overload_base) and .fixtures (cv3: a
 # copy of ../shared/fixtures/cosyvoice3-tiny, for its GPU tests). Shared preparation (wheels, the 0.5B
@@ -51,7 +51,8 @@ part() {  # $1: part, $2: lane folder, $3: port
   overload)
     OUT=$dir PORT=$3 COSYSTREAM_TRACE=$dir/trace.jsonl bash benchmarks/levels_all.sh overload ;;
   overload_base)
-    OUT=$dir PORT=$3 PKG=$PWD/.base COSYSTREAM_TRACE=$dir/trace.jsonl bash benchmarks/levels_all.sh overload ;;
+    OUT=$dir PORT=$3 PKG=$PWD/.base COSYSTREAM_TRACE=$dir/trace.jsonl MULTS=${BASE_MULTS:-${MULTS:-1 2 4}} \
+      SEEDS=${BASE_SEEDS:-${SEEDS:-0 1 2}} bash benchmarks/levels_all.sh overload ;;
   cv3)
     cv3_model "$dir"
     stamp "cv3: pooled flow per chunk, batches 1, 16"
@@ -61,6 +62,7 @@ part() {  # $1: part, $2: lane folder, $3: port
     timeout 200 python3 benchmarks/bench_engine.py --model-dir /tmp/cv3 --device cuda --dtype bfloat16 \
       --warmup-requests 3 --timeout 150 --concurrency 1,16 --requests-per-level 32 --out "$dir/cv3_engine.json" 2>&1 \
       | grep -E "^\| [cro]|^\| level|Error|Traceback"
+    [ "${CV3_OFFLINE:-1}" = 1 ] || return 0
     stamp "cv3: offline, 32 at once"
     timeout 150 python3 benchmarks/bench_engine.py --model-dir /tmp/cv3 --device cuda --dtype bfloat16 \
       --warmup-requests 3 --timeout 120 --offline --concurrency 32 --requests-per-level 64 \

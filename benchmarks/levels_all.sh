@@ -139,14 +139,23 @@ zeroshot_analysis|zeroshot)
     timeout 400 python3 benchmarks/prompt_analysis.py --model-dir /tmp/m05r --device cuda --seconds 6 \
       --batch-sizes 1,4,16 --dtypes float32,bfloat16,float16 --speaker-threads 8 --out "$OUT/prompt_analysis.json"
   else
-    stamp "registered voice, c=1,16"
-    timeout 120 $R --concurrency 1,16 --requests-per-level "${ZS_REQS:-64}" --out "$OUT/zs_registered.json" 2>&1 | rows
-    stamp "a new recording in every request, c=1,16"
-    timeout 150 $R --prompt-per-request --distinct-prompts --concurrency 1,16 --requests-per-level "${ZS_REQS:-64}" \
-      --out "$OUT/zs_distinct.json" 2>&1 | rows
-    stamp "the same, prompt passes with the first chunk only (open_ahead=false)"
-    timeout 150 $R --config open_ahead=false --prompt-per-request --distinct-prompts --concurrency 1,16 \
-      --requests-per-level "${ZS_REQS:-64}" --out "$OUT/zs_distinct_no_open_ahead.json" 2>&1 | rows
+    # ZS_RUNS: which of the three runs (default all: registered distinct no_open_ahead)
+    runs=" ${ZS_RUNS:-registered distinct no_open_ahead} "
+    if [[ $runs == *" registered "* ]]; then
+      stamp "registered voice, c=1,16"
+      timeout 120 $R --concurrency 1,16 --requests-per-level "${ZS_REQS:-64}" --out "$OUT/zs_registered.json" 2>&1 \
+        | rows
+    fi
+    if [[ $runs == *" distinct "* ]]; then
+      stamp "a new recording in every request, c=1,16"
+      timeout 150 $R --prompt-per-request --distinct-prompts --concurrency 1,16 --requests-per-level "${ZS_REQS:-64}" \
+        --out "$OUT/zs_distinct.json" 2>&1 | rows
+    fi
+    if [[ $runs == *" no_open_ahead "* ]]; then
+      stamp "the same, prompt passes with the first chunk only (open_ahead=false)"
+      timeout 150 $R --config open_ahead=false --prompt-per-request --distinct-prompts --concurrency 1,16 \
+        --requests-per-level "${ZS_REQS:-64}" --out "$OUT/zs_distinct_no_open_ahead.json" 2>&1 | rows
+    fi
   fi
   stamp done
   ;;
