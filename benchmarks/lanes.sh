@@ -20,8 +20,8 @@
 #   cv3_http       CosyVoice3 0.5B over HTTP, one stream
 #   zeroshot       levels_all.sh zeroshot (registered voice and a new recording each request, c=1,16; ZS_RUNS)
 #   prompt_analysis  benchmarks/prompt_analysis.py on the released side-model architectures (/tmp/m05r)
-# Carry .whl (benchmarks/fetch_wheels.sh), .whl_ray (scale_ray), .base (overload_base) and .fixtures (cv3: a
-# copy of ../shared/fixtures/cosyvoice3-tiny, for its GPU tests). Shared preparation (wheels, the 0.5B
+# Carry .whl (benchmarks/fetch_wheels.sh), .whl_ray (scale_ray) and .base (overload_base); the GPU tests read
+# the fixture sets shipped in tests/fixtures. Shared preparation (wheels, the 0.5B
 # CosyVoice2 model in /tmp/m05 and /tmp/m05r, the workload) runs once, first.
 set -u
 OUT=${OUT:?set OUT to a folder for the results}
@@ -69,7 +69,7 @@ part() {  # $1: part, $2: lane folder, $3: port
       --out "$dir/cv3_offline.json" 2>&1 | grep -E "^\| [cro]|^\| level|Error|Traceback" ;;
   cv3_tests)
     stamp "cv3: GPU tests (compiled kernels vs reference, graphed pool vs eager, fixtures)"
-    COSYSTREAM_FIXTURES_CV3=$PWD/.fixtures/cosyvoice3-tiny timeout 240 python3 -m pytest -q -p no:cacheprovider \
+    timeout 240 python3 -m pytest -q -p no:cacheprovider \
       tests/kernels/test_dit_kernels.py tests/models/cosyvoice3/test_cv3_cuda.py > "$dir/cv3_gpu_tests.log" 2>&1
     tail -3 "$dir/cv3_gpu_tests.log" ;;
   cv3_http)
