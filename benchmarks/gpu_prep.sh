@@ -11,7 +11,7 @@ if ! python3 -c "import soundfile, fastapi, uvicorn, wetext" 2>/dev/null; then
   set +e
   return 1 2>/dev/null || exit 1
 fi
-if [ ! -f /tmp/m05/llm.pt ]; then
+if [ "${NO_M05:-0}" = 0 ] && [ ! -f /tmp/m05/llm.pt ]; then  # NO_M05=1: a run that needs no CosyVoice2 model
   python3 -m cosystream.cli make-random-model --size 0.5b /tmp/m05 > /tmp/make_model.log 2>&1
 fi
 set +e

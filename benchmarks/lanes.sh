@@ -16,13 +16,14 @@
 #                  -x -C .base), the benchmark scripts of this tree; BASE_MULTS, BASE_SEEDS: its own levels
 #   cv3            CosyVoice3 0.5B random model: the pooled flow per chunk (cv3_fast.py), the engine at 1 and 16
 #                  streams and offline (bench_engine.py; CV3_OFFLINE=0: not offline)
+#   cv3_offline    CosyVoice3 0.5B offline (stream=False), 32 at once
 #   cv3_tests      CosyVoice3 GPU tests: compiled kernels vs reference, graphed pool vs eager, the fixtures
 #   cv3_http       CosyVoice3 0.5B over HTTP, one stream
 #   zeroshot       levels_all.sh zeroshot (registered voice and a new recording each request, c=1,16; ZS_RUNS)
 #   prompt_analysis  benchmarks/prompt_analysis.py on the released side-model architectures (/tmp/m05r)
 # Carry .whl (benchmarks/fetch_wheels.sh), .whl_ray (scale_ray) and .base (overload_base); the GPU tests read
 # the fixture sets shipped in tests/fixtures. Shared preparation (wheels, the 0.5B
-# CosyVoice2 model in /tmp/m05 and /tmp/m05r, the workload) runs once, first.
+# CosyVoice2 model in /tmp/m05 and /tmp/m05r unless NO_M05=1, the workload) runs once, first.
 set -u
 OUT=${OUT:?set OUT to a folder for the results}
 export PYTHONUNBUFFERED=1 COSYSTREAM_COMMIT=${COSYSTREAM_COMMIT:-unknown}
@@ -31,7 +32,7 @@ stamp() { echo "== $(date +%T) $*"; }
 prep() {
   source benchmarks/gpu_prep.sh || exit 1
   python3 benchmarks/workload.py /tmp/wl > /dev/null || exit 1
-  if [ ! -f /tmp/m05r/.realistic ]; then  # /tmp/m05 with the released side-model architectures (levels_all.sh)
+  if [ "${NO_M05:-0}" = 0 ] && [ ! -f /tmp/m05r/.realistic ]; then  # /tmp/m05 with the released side-model architectures (levels_all.sh)
     mkdir -p /tmp/m05r && for f in /tmp/m05/*; do ln -sfn "$f" /tmp/m05r/; done
     python3 -m cosystream.testing.realistic_side_models /tmp/m05r && touch /tmp/m05r/.realistic
   fi
@@ -63,13 +64,16 @@ part() {  # $1: part, $2: lane folder, $3: port
       --warmup-requests 3 --timeout 150 --concurrency 1,16 --requests-per-level 32 --out "$dir/cv3_engine.json" 2>&1 \
       | grep -E "^\| [cro]|^\| level|Error|Traceback"
     [ "${CV3_OFFLINE:-1}" = 1 ] || return 0
+    part cv3_offline "$dir" "$3" ;;
+  cv3_offline)
+    cv3_model "$dir"
     stamp "cv3: offline, 32 at once"
     timeout 150 python3 benchmarks/bench_engine.py --model-dir /tmp/cv3 --device cuda --dtype bfloat16 \
       --warmup-requests 3 --timeout 120 --offline --concurrency 32 --requests-per-level 64 \
       --out "$dir/cv3_offline.json" 2>&1 | grep -E "^\| [cro]|^\| level|Error|Traceback" ;;
   cv3_tests)
     stamp "cv3: GPU tests (compiled kernels vs reference, graphed pool vs eager, fixtures)"
-    timeout 240 python3 -m pytest -q -p no:cacheprovider \
+    timeout ${CV3_TESTS_S:-240} python3 -m pytest -q -p no:cacheprovider \
       tests/kernels/test_dit_kernels.py tests/models/cosyvoice3/test_cv3_cuda.py > "$dir/cv3_gpu_tests.log" 2>&1
     tail -3 "$dir/cv3_gpu_tests.log" ;;
   cv3_http)
