@@ -15,7 +15,6 @@ slot when its first chunk fits; its chunks past the slot recompute every frame a
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -73,8 +72,6 @@ class FlowRunner(WholePasses):
         self.max_frames = max_frames
         self.num_slots = num_slots
         self.free = list(range(num_slots))
-        # the worker takes slots while the engine thread gives back those whose streams it no longer runs
-        self._free_lock = threading.Lock()
         self.scratch = num_slots
         self.chunk = est.dims.static_chunk_size
         self.graphs = GraphCache(self._ode, self.device, use_graphs, stream=capture_stream)
@@ -130,8 +127,7 @@ class FlowRunner(WholePasses):
 
     def open(self, prompt: PromptCache) -> PooledStream:
         """Take a slot and copy the voice's prompt state into it (≈ 0.6 GB for a 6 s prompt, one copy)."""
-        with self._free_lock:
-            slot = self.free.pop(0)
+        slot = self.free.pop(0)
         rows = slice(2 * slot, 2 * slot + 2)
         n = prompt.kv.shape[-2]
         try:
@@ -139,7 +135,8 @@ class FlowRunner(WholePasses):
             self.conv[:, rows] = prompt.conv
             encoder = self._encoder_in_slot(slot, prompt)
         except BaseException:  # e.g. out of memory for the encoder state: the slot is not lost
-            self._give_back(slot)
+            self.free.append(slot)
+            self.free.sort()
             raise
         return PooledStream(slot, prompt, encoder)
 
@@ -189,12 +186,8 @@ class FlowRunner(WholePasses):
         if stream.closed:
             return
         stream.closed = True
-        self._give_back(stream.slot)
-
-    def _give_back(self, slot: int) -> None:
-        with self._free_lock:
-            self.free.append(slot)
-            self.free.sort()
+        self.free.append(stream.slot)
+        self.free.sort()
 
     # ------------------------------------------------------------------ chunks
     @torch.inference_mode()

@@ -100,8 +100,7 @@ class Token2WavRunner(Protocol):
 
     watch: StageWatch
     final_attention: str  # "full": a segment's last chunk is a whole-utterance pass (the official one)
-    final_reads_slot: bool  # whether that pass reads the stream's slot (else the slot may go back before it,
-    # from the engine thread while the worker runs a batch without that stream: `release` must allow that)
+    final_reads_slot: bool  # whether that pass reads the stream's slot (else the slot may go back before it)
 
     def start(self, inputs: Any, voice_key: str | None, key: Any = None, speed: float = 1.0,
               max_target_tokens: int = 256, seed: int = 0, stored: dict | None = None) -> Any: ...

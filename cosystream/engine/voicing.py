@@ -295,9 +295,8 @@ class Voicing:
 
     def _release_flow_slot_before_final(self, seg: Segment) -> None:
         """When the official final pass reads no flow slot (CosyVoice2's), once a segment's LM is done and its
-        next chunk is that pass (none of its chunks on the worker or handed back), its slot goes back at once,
-        even while the worker runs a batch (the batch does not touch it): a new stream's first chunk can then
-        preempt that batch instead of waiting for its end and for the finals it carries."""
+        next chunk is that pass (none of its chunks on the worker or handed back), its slot goes back: new
+        streams need not wait while the pass waits behind first chunks."""
         if (seg.t2w is None or seg.lm_status != LMStatus.done or seg.planner.finished
                 or self.t2w.final_attention != "full" or self.t2w.final_reads_slot
                 or not seg.planner.next_is_final(len(seg.tokens))):
@@ -305,7 +304,7 @@ class Voicing:
         if any(job.seg is seg for job in (self._in_flight or []) + self._returned):
             return  # released once that chunk is voiced (_job_done)
         self._slot_released(seg)
-        self.t2w.release(seg.t2w)
+        self._t2w_later(self.t2w.release, seg.t2w)
 
     def _slot_released(self, seg: Segment) -> None:
         """A stream gives its flow slot back at the end of its work: the cost model learns the hold."""
