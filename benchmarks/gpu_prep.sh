@@ -5,7 +5,10 @@ set -e
 if [ -d .whl ] && [ ! -d /tmp/site ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 fi
-export PYTHONPATH=/tmp/site:${PKG:-$PWD}  # PKG: another tree's package (e.g. .base, the baseline)
+export PYTHONPATH=/tmp/site:${PKG:-$PWD}  # PKG: another tree's package (e.g. .base, the baseline) ...
+# ... which `python3 -m cosystream...` run from this tree would not import without this (python puts the working
+# folder first on its path)
+if [ -n "${PKG:-}" ]; then export PYTHONSAFEPATH=1; fi
 if ! python3 -c "import soundfile, fastapi, uvicorn, wetext" 2>/dev/null; then
   echo "gpu_prep: cosystream's dependencies are missing here: carry .whl/ (bash benchmarks/fetch_wheels.sh)" >&2
   set +e

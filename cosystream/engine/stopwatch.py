@@ -39,8 +39,13 @@ class Stopwatch:
             self.tag_calls[tag] = self.tag_calls.get(tag, 0) + 1
 
     def settle(self) -> None:
-        """Add the laps of the batch that just synchronised to the totals."""
+        """Add the laps of the batch that just synchronised to the totals. An event the batch's sync did not
+        cover (recorded on another CUDA stream, e.g. by work that ran beside the batch) is waited for here:
+        reading an unfinished event's time raises, and a stage time must never fail a batch."""
         laps, self._laps = self._laps, []
+        for _, _, event, _ in laps:
+            if event is not None and not event.query():
+                event.synchronize()
         with self._lock:
             for (_, t0, e0, _), (stage, t1, e1, tag) in zip(laps, laps[1:], strict=False):
                 self.host_s[stage] = self.host_s.get(stage, 0.0) + (t1 - t0)
