@@ -12,7 +12,8 @@ replica (a WebSocket session lives on the replica that accepted it). What the re
   `EngineAwareRouter` ranks replicas by whether they can meet the first-audio budget, then by the request's
   prompt (a voice, or an uploaded recording's digest, found by the proxy middleware of scale/proxy.py in every
   entry point's request) and by load; the chosen replica's own admission
-  refuses at once (503 overloaded) when even it cannot;
+  refuses at once (503 overloaded) when even it cannot, and when every replica is known to be full the proxy
+  middleware answers that refusal itself (scale/proxy.py);
 * voices: every replica reads one store (a shared SQLite file, or a named actor on the head node), and a
   registration or deletion through any replica is broadcast to all, which drop and reload their copy;
 * one place to read: /metrics merges every replica's metrics (label `replica`), /ready reports the cluster,
