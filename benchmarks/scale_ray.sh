@@ -14,7 +14,7 @@
 # There, one call (carry .whl and .whl_ray; not timed on a GPU yet: two server starts plus about 3 min of load):
 #   REPLICAS=2 bash benchmarks/scale_ray.sh all       # prep, the single-process server, Ray with 2 replicas
 #   parts: prep | single | ray (REPLICAS=N) | table; RAY1=1 adds Ray with one replica (the proxy's own cost);
-#   GRPC=1 adds Ray with N replicas whose proxy reaches them over gRPC instead of Ray actor calls (ray<N>grpc)
+#   ACTOR=1 adds Ray with N replicas reached by Ray actor calls instead of the gRPC data plane (ray<N>actor)
 # Results in $OUT (at most 8 files come back): <server>.json.gz (the bench JSON of its c=1, sweep and open loop:
 # {"c1": ..., "sweep": ..., "open": ...}), summary.md (the table), serve_<server>.log (its log's tail).
 #
@@ -115,9 +115,8 @@ all)
   measure single 1
   if [ "${RAY1:-0}" = 1 ]; then measure ray1 1 --replicas 1; fi
   measure "ray$REPLICAS" "$REPLICAS" --replicas "$REPLICAS"
-  if [ "${GRPC:-0}" = 1 ]; then
-    RAY_SERVE_PROXY_USE_GRPC=1 RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH=1073741824 \
-      measure "ray${REPLICAS}grpc" "$REPLICAS" --replicas "$REPLICAS"
+  if [ "${ACTOR:-0}" = 1 ]; then
+    RAY_SERVE_PROXY_USE_GRPC=0 measure "ray${REPLICAS}actor" "$REPLICAS" --replicas "$REPLICAS"
   fi
   table
   ;;

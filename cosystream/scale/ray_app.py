@@ -12,7 +12,8 @@ replica (a WebSocket session lives on the replica that accepted it). What the re
   `EngineAwareRouter` ranks replicas by whether they can meet the first-audio budget, then by the request's
   prompt (a voice, or an uploaded recording's digest, found by the proxy middleware of scale/proxy.py in every
   entry point's request) and by load; the chosen replica's own admission
-  refuses at once (503 overloaded) when even it cannot;
+  refuses at once (503 overloaded) when even it cannot, and when every replica is known to be full the proxy
+  middleware answers that refusal itself (scale/proxy.py);
 * voices: every replica reads one store (a shared SQLite file, or a named actor on the head node), and a
   registration or deletion through any replica is broadcast to all, which drop and reload their copy;
 * one place to read: /metrics merges every replica's metrics (label `replica`), /ready reports the cluster,
@@ -83,6 +84,12 @@ PEER_CALL_TIMEOUT_S = 5.0  # /metrics, /v1/requests/{id}, /v1/replicas: how long
 ROUTING_STATS_PERIOD_S = 0.5  # how often each replica publishes its LoadReport
 PROXY_REFUSAL_FRESH_S = 2 * ROUTING_STATS_PERIOD_S  # the proxy refuses on reports at most this old
 PRELOADED_VOICES = 256  # a starting replica loads the prompts of the most recently changed voices
+# The environment of a local cluster's processes (`serve_replicas`; on a cluster, that of `ray start`): the proxy
+# middlewares, and Ray Serve's gRPC data plane between the proxy and the replicas (what its throughput-optimized
+# mode uses; a few ms less per request than Ray actor calls), whose message cap must hold the largest response
+# the app sends in one piece (a non-streamed WAV; gRPC's default is 4 MiB). Values already set are kept.
+RAY_ENV_DEFAULTS = {PROXY_CALLBACK_ENV: PROXY_CALLBACK_PATH, "RAY_SERVE_PROXY_USE_GRPC": "1",
+                    "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(1 << 30)}
 
 
 @dataclass(frozen=True)
@@ -563,7 +570,8 @@ def serve_replicas(spec: ReplicaSpec, num_replicas: int, host: str, port: int, r
         ray.init(address=ray_address, log_to_driver=False)
     else:
         num_gpus, num_cpus, resources = local_resources(num_replicas, spec.device)
-        os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK_PATH)  # inherited by the proxy Ray starts
+        for key, value in RAY_ENV_DEFAULTS.items():  # inherited by the proxy and replicas Ray starts
+            os.environ.setdefault(key, value)
         ray.init(include_dashboard=False, log_to_driver=False, **resources)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -36,10 +36,14 @@ except ImportError:  # the optional extra: CI installs it and must not skip
         raise
     pytest.skip("ray[serve] is not installed (pip install cosystream[ray])", allow_module_level=True)
 
-from cosystream.scale.proxy import CALLBACK_ENV as PROXY_CALLBACK_ENV  # noqa: E402
-from cosystream.scale.proxy import CALLBACK_PATH as PROXY_CALLBACK_PATH  # noqa: E402
 from cosystream.scale.proxy import LOST_CODE  # noqa: E402
-from cosystream.scale.ray_app import APP_NAME, REPLICA_HEADER, ReplicaSpec, build_application  # noqa: E402
+from cosystream.scale.ray_app import (  # noqa: E402
+    APP_NAME,
+    RAY_ENV_DEFAULTS,
+    REPLICA_HEADER,
+    ReplicaSpec,
+    build_application,
+)
 from cosystream.server.state import ServerSettings  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]  # a Ray cluster and two engines: ~2 min
@@ -66,7 +70,8 @@ def voices_db(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def base_url(model_dir, voices_db: Path) -> Iterator[str]:
     port = _free_port()
-    os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK_PATH)  # the proxy Ray starts inherits it
+    for key, value in RAY_ENV_DEFAULTS.items():  # as `cosystream serve --replicas`: the proxy Ray starts inherits
+        os.environ.setdefault(key, value)
     ray.init(num_cpus=4, object_store_memory=80 * 1024 * 1024, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
     try:
