@@ -23,13 +23,21 @@ if TYPE_CHECKING:
     from cosystream.engine.scheduler import EngineView, StreamView
 
 
+def batch_end(view: EngineView, now: float) -> float:
+    """When the worker's current batch is predicted done (now when it runs none)."""
+    worker = view.worker
+    if worker is None or not worker.busy:
+        return now
+    return max(now, worker.started_s + worker.predicted_s)
+
+
 def worker_state(view: EngineView, now: float) -> tuple[float, list[WorkJob]]:
     """When the worker can take a new batch, and what is left of its current one: it is free for urgent
     chunks once its running phase ends; its unstarted phases go on after them (one job of their cost)."""
     worker = view.worker
     if worker is None or not worker.busy:
         return now, []
-    end = max(now, worker.started_s + worker.predicted_s)
+    end = batch_end(view, now)
     phase_end = end if worker.phase_end_s is None else min(end, max(now, worker.phase_end_s))
     rest = end - phase_end
     return phase_end, ([WorkJob(phase_end, -math.inf, "batch", None, rest)] if rest > 0 else [])
@@ -158,7 +166,9 @@ class _LMRows:
 
 class _FlowSlots:
     """The flow-slot pool over time: a stream that takes a slot holds it for the measured slot hold from
-    when it starts; one held now comes back as `_back_at` predicts.
+    when it starts; one held now comes back as `_back_at` predicts; one given back while the worker's batch
+    runs comes back when that batch ends; one the view does not account for (lent to the batch itself, e.g.
+    to a stream it opens) never.
     No pool: every stream opens at once. No hold measured yet and no free slot: never (inf)."""
 
     def __init__(self, view: EngineView, now: float, cost: CostModel) -> None:
@@ -166,11 +176,10 @@ class _FlowSlots:
         self.hold = cost.slot_hold_s()
         free = view.free_flow_slots or 0
         holders = [s for s in view.streams if s.slot_since_s is not None]
-        ends = [end for s in holders if (end := self._back_at(s, now, cost)) is not None]
-        # slots held by streams the view does not date (none in the engine's views): back one by one over a hold
-        undated = max(0, (view.flow_slots or 0) - free - len(ends))
-        held = ends + ([] if self.hold is None else [now + self.hold * (j + 1) / undated for j in range(undated)])
-        self.heap = [now] * free + held
+        ends = [math.inf if (end := self._back_at(s, now, cost)) is None else end for s in holders]
+        # slots given back while the worker's batch runs: the pool takes them back when it is done
+        returning = min(view.slots_after_batch, max(0, (view.flow_slots or 0) - free - len(holders)))
+        self.heap = [now] * free + ends + [batch_end(view, now)] * returning
         heapq.heapify(self.heap)
 
     def _back_at(self, holder: StreamView, now: float, cost: CostModel) -> float | None:

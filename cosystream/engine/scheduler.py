@@ -139,6 +139,7 @@ class EngineView:
     lm_decoding: bool = False  # any LM row decodes
     free_flow_slots: int | None = None  # None: no slot pool (every stream opens at once)
     flow_slots: int | None = None  # the pool's slots (None: unknown, taken as the free ones, at least one)
+    slots_after_batch: int = 0  # slots given back while the worker's batch runs: free once it is done
     max_batch: int = 64
     official_finals: bool = True  # final chunks are whole-utterance passes (final_attention="full")
     worker: WorkerView | None = None  # None: batches run inline on the engine thread

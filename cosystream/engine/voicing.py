@@ -56,6 +56,7 @@ class Voicing:
         self._worker_free_at = 0.0  # the cost model's prediction for the batch on the worker
         self._phase_costs: list[float] = []  # ... of its phases not yet back (the first is running)
         self._phase_started = 0.0  # when its running phase began
+        self._slots_after_batch = 0  # slots given back while the batch runs (their release waits for its end)
         self.misses: dict[tuple[str, str], tuple[int, float]] = {}  # (kind, stage) -> (count, seconds late)
         self.first_audio_predicted_s = 0.0  # sums over first chunks of admitted requests with a prediction
         self.first_audio_measured_s = 0.0
@@ -128,6 +129,7 @@ class Voicing:
                 started_s=now, predicted_s=max(0.0, self._worker_free_at - now) if self._in_flight else 0.0,
                 phase_end_s=self._phase_started + self._phase_costs[0] if self._in_flight and self._phase_costs
                 else None),
+            slots_after_batch=self._slots_after_batch if free is not None else 0,
             free_lm_slots=len(self.free_slots), lm_slots=self.lm_runner.max_slots, lm_waiting=len(self.waiting),
             added=self.added_total)
         return engine, by_key
@@ -304,7 +306,14 @@ class Voicing:
         if any(job.seg is seg for job in (self._in_flight or []) + self._returned):
             return  # released once that chunk is voiced (_job_done)
         self._slot_released(seg)
-        self._t2w_later(self.t2w.release, seg.t2w)
+        self._release_later(seg.t2w)
+
+    def _release_later(self, state: object) -> None:
+        """Give a stream's slot back now, or once the worker's batch is done (the pool is the worker's while
+        it runs); admission counts the slots coming back then (EngineView.slots_after_batch)."""
+        if self._in_flight is not None:
+            self._slots_after_batch += 1
+        self._t2w_later(self.t2w.release, state)
 
     def _slot_released(self, seg: Segment) -> None:
         """A stream gives its flow slot back at the end of its work: the cost model learns the hold."""
@@ -355,6 +364,7 @@ class Voicing:
                     self.t2w.release(job.state)
         if self._in_flight is None:
             later, self._after_batch = self._after_batch, []
+            self._slots_after_batch = 0
             self._lap("message_chunks_done")
             for fn in later:
                 fn()
@@ -466,7 +476,10 @@ class Voicing:
         for seg in req.segments:
             self._release_slot(seg)
             if seg.t2w is not None:  # its flow slot comes back after the batch on the worker, if any
-                self._t2w_later(self.t2w.release, seg.t2w)
+                if seg.t_slot is not None or self.t2w.final_reads_slot:  # (else given back before its final)
+                    self._release_later(seg.t2w)
+                else:
+                    self._t2w_later(self.t2w.release, seg.t2w)
             seg.t2w = None
             seg.t_slot = None
         self.requests.pop(req.request_id, None)

@@ -346,26 +346,46 @@ def test_admission_waits_for_a_flow_slot_when_the_pool_is_taken():
     cost = _cost(step_s=0.01, first_s=0.1)
     cost.observe_lm_hold(4.0)
     s = Scheduler(cost, budget_s=1.0)
-    # all 28 flow slots taken, 13 streams (their first chunk decoded) already wait for one: the newcomer is
-    # 14th in line, slots free one per 4 s / 28
+    # 28 flow slots, each held for 4 s and taken one per 4 s / 28 (so they come back one per 4 s / 28); 13
+    # streams (their first chunk decoded) already wait for one: the newcomer is 14th in line
+    holders = [_later(f"h{j}", 5.0, ready=False, slot_since_s=NOW - 4.0 + 4.0 * (j + 1) / 28) for j in range(28)]
     waiting = [_first(f"w{i}", ready=False, opened=False, needs_slot=True) for i in range(13)]
-    taken = _view(*waiting, free_slots=0, flow_slots=28, free_lm_slots=4, lm_slots=64)
+    taken = _view(*holders, *waiting, free_slots=0, flow_slots=28, free_lm_slots=4, lm_slots=64)
     refused = s.admit(taken, NOW, 30)
     assert not refused.admitted and "budget" in refused.reason
     assert refused.predicted_first_audio_s == pytest.approx(14 * 4.0 / 28 + 0.1)
     # streams admitted since the view queue for a slot ahead of it too
-    assert s.admit(_view(*waiting, free_slots=14, flow_slots=28, free_lm_slots=4, lm_slots=64), NOW, 30).admitted
-    late = s.admit(_view(*waiting, free_slots=14, flow_slots=28, free_lm_slots=4, lm_slots=64), NOW, 30,
-                   pending_new=8)
-    assert not late.admitted and late.predicted_first_audio_s > 8 * 4.0 / 28
+    half = _view(*holders[14:], *waiting, free_slots=14, flow_slots=28, free_lm_slots=4, lm_slots=64)
+    assert s.admit(half, NOW, 30).admitted
+    late = s.admit(half, NOW, 30, pending_new=8)
+    assert not late.admitted and late.predicted_first_audio_s == pytest.approx(22 * 4.0 / 28 + 0.1)
     # free slots (or no pool): the thirteen first chunks go at once in one phase, the newcomer's after it
     fixed, per = 0.1 * costs.PRIOR_FIXED_SHARE, 0.1 * (1 - costs.PRIOR_FIXED_SHARE)
     for free in (28, None):
         verdict = s.admit(_view(*waiting, free_slots=free, flow_slots=28, free_lm_slots=4, lm_slots=64), NOW, 30)
         assert verdict.admitted and verdict.predicted_first_audio_s == pytest.approx(fixed + 13 * per + 0.1)
-    # no stream has held its row yet: no prediction of the slot queue, refused rather than queued
+    # no stream has held its slot yet: no prediction of the slot queue, refused rather than queued
     unmeasured = Scheduler(_cost(step_s=0.01, first_s=0.1), budget_s=1.0).admit(taken, NOW, 30)
     assert not unmeasured.admitted and unmeasured.retry_after_s == sched.MAX_RETRY_AFTER_S
+
+
+def test_slots_given_back_during_a_batch_come_back_when_it_ends():
+    """A stream that no longer needs its slot gives it back to the pool only once the worker's batch is done:
+    a newcomer waits for that batch's end, not for the holders' measured hold."""
+    cost = _cost(step_s=0.01, first_s=0.1)
+    cost.observe_lm_hold(4.0)
+    s = Scheduler(cost, budget_s=2.0)
+    busy = WorkerView(busy=True, started_s=NOW, predicted_s=0.6, phase_end_s=NOW + 0.6)
+    # 4 slots, none free, none held by a stream in view: all four given back during the running batch
+    view = _view(worker=busy, free_slots=0, flow_slots=4, slots_after_batch=4, free_lm_slots=4, lm_slots=8)
+    verdict = s.admit(view, NOW, 30)
+    assert verdict.predicted_start_s == pytest.approx(0.6)
+    # ... slots the view does not account for (lent to the batch itself) are not counted on
+    running = _later("a", 5.0, ready=False)  # (an engine with nothing running admits anyway)
+    unknown = s.admit(_view(running, worker=busy, free_slots=0, flow_slots=4, free_lm_slots=4, lm_slots=8), NOW, 30)
+    assert not unknown.admitted and unknown.retry_after_s == sched.MAX_RETRY_AFTER_S
+    idle = s.admit(_view(free_slots=0, flow_slots=4, slots_after_batch=4, free_lm_slots=4, lm_slots=8), NOW, 30)
+    assert idle.predicted_start_s == pytest.approx(30 * 0.01)  # its own tokens: the slots are back now
 
 
 def test_admission_refuses_a_stream_that_would_make_a_running_stream_late():
