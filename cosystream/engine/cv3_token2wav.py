@@ -31,6 +31,9 @@ from cosystream.config import ChunkSchedule
 from cosystream.engine.chunking import ChunkPlan, ChunkPlanner
 from cosystream.engine.graphs import BATCH_BUCKETS, GraphCache, bucket, capture_stream
 from cosystream.engine.stopwatch import Stopwatch
+from cosystream.kernels import flow as flow_kernels
+from cosystream.kernels import reference as reference_kernels
+from cosystream.kernels import triton_usable
 from cosystream.models.cosyvoice3.flow import CV3Flow, PromptBlocks, encode_prompt_blocks
 from cosystream.models.cosyvoice3.hift import CausalHiFT, HiftStream, VocoderWindow, window_audio
 from cosystream.models.cosyvoice3.pool import FlowSlotPool, PooledFlowStream, SlotChunk, finish_chunks, pack_chunks
@@ -84,7 +87,9 @@ class CV3Token2WavRunner:
         self.max_voice_caches = max_voice_caches
         if flow_slots is None:
             flow_slots = 16 if self.device.type == "cuda" else 0
-        self.pool = FlowSlotPool(flow, flow_slots, slot_frames) if flow_slots > 0 else None
+        triton = triton_usable(self.device)
+        self.pool = (FlowSlotPool(flow, flow_slots, slot_frames, flow_kernels if triton else reference_kernels,
+                                  keys_in_place=triton) if flow_slots > 0 else None)
         self.graphs = (GraphCache(self._graph_chunk, self.device, enabled=cuda_graphs,
                                   stream=capture_stream(self.device)) if self.pool is not None else None)
         self.vocoder_graphs = GraphCache(self._graph_window, self.device, enabled=cuda_graphs,

@@ -14,8 +14,8 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile as StarletteUploadFile
 
+from cosystream.engine.voices import DEFAULT_FAMILY
 from cosystream.errors import UnknownVoice
-from cosystream.frontend.prompt import DEFAULT_FAMILY
 from cosystream.params import Mode, SamplingParams, SynthesisParams
 from cosystream.server.errors import ApiError, bad_input, from_validation_errors, to_api_error
 from cosystream.server.inputs import (

@@ -102,7 +102,7 @@ def test_pool_chunk_through_the_triton_ops_equals_the_torch_ops(device: str, dty
     cv3 = CV3Flow(hp).to(device=device, dtype=dtype).eval()
     cv3.decoder.rand_noise = cv3.decoder.rand_noise.float()
     block = cv3.decoder.estimator.dims.static_chunk_size
-    pool = FlowSlotPool(cv3, num_slots=3, max_frames=4 * block)
+    pool = FlowSlotPool(cv3, num_slots=3, max_frames=4 * block, ops=reference)
     gen = torch.Generator().manual_seed(33)
     pool.kv.copy_(torch.randn(pool.kv.shape, generator=gen))
     chunks = _pool_chunks(pool, gen, streaming)

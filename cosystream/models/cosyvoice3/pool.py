@@ -25,13 +25,11 @@ with start 0 and full attention is the official final pass.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
-from cosystream.kernels import flow as flow_kernels
-from cosystream.kernels import reference as reference_kernels
-from cosystream.kernels import triton_usable
 from cosystream.models.cosyvoice3.dit import _LN_EPS, DiT, DiTCache
 from cosystream.models.cosyvoice3.flow import CV3Flow, PromptBlocks
 
@@ -43,7 +41,11 @@ class FlowSlotPool:
     included), for every Euler step; plus a scratch slot (index `scratch`) that the rows padding a batch
     and graph warm-ups write to."""
 
-    def __init__(self, flow: CV3Flow, num_slots: int, max_frames: int) -> None:
+    def __init__(self, flow: CV3Flow, num_slots: int, max_frames: int, ops: ModuleType,
+                 keys_in_place: bool = False) -> None:
+        """`ops`: the fused ops (the engine hands in `cosystream.kernels.flow` on a GPU, its torch statements
+        `cosystream.kernels.reference` elsewhere); `keys_in_place`: whether their attention bounds each row's
+        keys by its own limit (the Triton kernel's does), so one key length serves every chunk."""
         if num_slots < 1 or max_frames < 1:
             raise ValueError(f"flow slot pool: slots and frames must be >= 1, got {num_slots}, {max_frames}")
         self.flow = flow
@@ -67,7 +69,7 @@ class FlowSlotPool:
         shape = (self.steps, d.depth, 2, 2 * (num_slots + 1), self.buffer_frames, self.inner)
         self.kv = torch.zeros(shape, device=dev, dtype=dtype)
         self.keys, self.values = self.kv[:, :, 0], self.kv[:, :, 1]
-        self.ops = flow_kernels if triton_usable(dev) else reference_kernels
+        self.ops, self.keys_in_place = ops, keys_in_place
         self.tail1 = torch.zeros(self.steps, num_slots + 1, 2, d.dim, self.pad, device=dev, dtype=dtype)
         self.tail2 = torch.zeros_like(self.tail1)
         # `chunk` writes the moved tails here and `finish_chunks` copies them back: so running a chunk
@@ -101,7 +103,7 @@ class FlowSlotPool:
         every chunk: one graph per (batch, frames, kind), and no capture mid-traffic for a new prompt length.
         The torch statements gather [0, Lk) of every row, so there Lk is `longest` rounded up to
         KEY_FRAMES_STEP."""
-        if self.ops is flow_kernels:
+        if self.keys_in_place:
             return self.buffer_frames
         return min(-(-longest // KEY_FRAMES_STEP) * KEY_FRAMES_STEP, self.buffer_frames)
 

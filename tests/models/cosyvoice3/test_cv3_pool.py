@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cosystream.kernels import reference as reference_kernels
 from cosystream.models.cosyvoice3.flow import FlowStream, encode_prompt_blocks
 from cosystream.models.cosyvoice3.pool import FlowSlotPool, PooledFlowStream, pack_chunks, run_chunks
 from cosystream.models.cosyvoice3.stream import StreamSchedule
@@ -33,7 +34,7 @@ def _streams(cv3_load, cv3_manifest, cv3_flow) -> list[tuple[torch.Tensor, ...]]
 
 def _pool_for(flow, streams, slots: int) -> FlowSlotPool:
     longest = max(flow.ratio * (p.shape[1] + t.shape[1]) for p, _, _, t in streams)
-    return FlowSlotPool(flow, slots, longest + flow.decoder.estimator.dims.static_chunk_size)
+    return FlowSlotPool(flow, slots, longest + flow.decoder.estimator.dims.static_chunk_size, ops=reference_kernels)
 
 
 @pytest.mark.parametrize("final_chunk", [False, True])
