@@ -13,7 +13,8 @@ from cosystream.engine.sync_engine import Engine
 from cosystream.errors import BadInput, Overloaded
 from cosystream.params import SamplingParams, SynthesisParams
 
-LONG = 300  # speech tokens per request: an LM row is held many times longer than a first chunk takes
+LONG = 600  # speech tokens per request: an LM row is held far longer than the budget, even when a loaded CPU
+# decodes two rows at half the speed the cost model measured for one
 
 
 def _params(i: int) -> SynthesisParams:
