@@ -55,17 +55,23 @@ def build(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) ->
     return flow, hift
 
 
-def run_batch(args: argparse.Namespace, flow: CV3Flow, hift: CausalHiFT, batch: int, device: torch.device
-              ) -> tuple[list[tuple], float, float, str]:
-    """-> (rows of the last repeat, largest relative RMS Δmel, largest relative RMS Δaudio, graph note)."""
-    block = flow.decoder.estimator.dims.static_chunk_size
+def batch_inputs(args: argparse.Namespace, flow: CV3Flow, batch: int) -> tuple[ModelInputs, list[list[int]], int]:
+    """B streams of one random voice: (its inputs, each stream's tokens, the frames a slot needs)."""
     gen = torch.Generator().manual_seed(batch)
     prompt = torch.randint(0, 6561, (args.prompt_tokens,), generator=gen, dtype=torch.int32)
     inputs = ModelInputs(mode="zero_shot", text_ids=torch.zeros(0, dtype=torch.int32),
                          xvector=torch.randn(192, generator=gen), flow_prompt_speech_tokens=prompt,
                          prompt_mel=torch.randn(2 * args.prompt_tokens, 80, generator=gen))
     tokens = [torch.randint(0, 6561, (args.tokens,), generator=gen).tolist() for _ in range(batch)]
-    slot_frames = flow.ratio * (args.prompt_tokens + args.tokens) + block
+    block = flow.decoder.estimator.dims.static_chunk_size
+    return inputs, tokens, flow.ratio * (args.prompt_tokens + args.tokens) + block
+
+
+def run_batch(args: argparse.Namespace, flow: CV3Flow, hift: CausalHiFT, batch: int, device: torch.device
+              ) -> tuple[list[tuple], float, float, str]:
+    """-> (rows of the last repeat, largest relative RMS Δmel, largest relative RMS Δaudio, graph note)."""
+    block = flow.decoder.estimator.dims.static_chunk_size
+    inputs, tokens, slot_frames = batch_inputs(args, flow, batch)
     runner = CV3Token2WavRunner(flow, hift, flow_slots=batch, slot_frames=slot_frames,
                                 cuda_graphs=not args.no_graphs)
     rows, worst, worst_wav = [], 0.0, 0.0
@@ -131,13 +137,7 @@ def profile_batch(args: argparse.Namespace, flow: CV3Flow, hift: CausalHiFT, bat
     """The kernels of one whole plan of B streams on the pooled path without graphs (a graph replays the same
     kernels), flow and vocoder calls only: torch.profiler's table, by device time."""
     block = flow.decoder.estimator.dims.static_chunk_size
-    gen = torch.Generator().manual_seed(batch)
-    prompt = torch.randint(0, 6561, (args.prompt_tokens,), generator=gen, dtype=torch.int32)
-    inputs = ModelInputs(mode="zero_shot", text_ids=torch.zeros(0, dtype=torch.int32),
-                         xvector=torch.randn(192, generator=gen), flow_prompt_speech_tokens=prompt,
-                         prompt_mel=torch.randn(2 * args.prompt_tokens, 80, generator=gen))
-    tokens = [torch.randint(0, 6561, (args.tokens,), generator=gen).tolist() for _ in range(batch)]
-    slot_frames = flow.ratio * (args.prompt_tokens + args.tokens) + block
+    inputs, tokens, slot_frames = batch_inputs(args, flow, batch)
     runner = CV3Token2WavRunner(flow, hift, flow_slots=batch, slot_frames=slot_frames, cuda_graphs=False)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
