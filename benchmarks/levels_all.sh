@@ -12,8 +12,9 @@
 #                                                     # side-model architectures: times, bf16/fp16 token agreement
 #   COSYSTREAM_COMMIT=<hash> bash benchmarks/levels_all.sh zeroshot   # c=1,16: registered voice, a new recording
 #                                                     # each request (with and without prompt passes ahead)
-#   SERVE_ARGS="--first-audio-budget-s 0.5" CAPACITY=21 MULTS="1 2 4" SEEDS="0 1 2" \
+#   SERVE_ARGS="--first-audio-budget-s 0.5" CAPACITY=21 MULTS="1 2 4" SEEDS="0 1 2" [CLOSED=1,16] \
 #     COSYSTREAM_COMMIT=<hash> bash benchmarks/levels_all.sh overload  # over HTTP: open loop at MULTS x CAPACITY req/s
+#                                                     # (CLOSED: closed-loop levels on the same server first)
 #   (then: python3 benchmarks/open_loop_table.py --first-audio-deadline-s 0.5 $OUT/overload_*.json; PROCS=4 splits
 #   the client over 4 processes, so that its own event loop adds less to the refusal times it measures; the table
 #   prints the server's refusal times beside the client's either way)
@@ -89,6 +90,13 @@ overload)
   # server with SERVE_ARGS (its admission budget); 15 s of arrivals a level, each seed a level of its own
   stamp "server start ($SERVE_ARGS)"
   SERVE_LOG_LEVEL=warning source benchmarks/serve_bg.sh || exit 1
+  if [ -n "${CLOSED:-}" ]; then  # the closed-loop targets on the same server first (e.g. CLOSED=1,16)
+    stamp "closed loop c=$CLOSED over HTTP, ${CLOSED_REQS:-48} requests a level"
+    timeout 150 python3 -m cosystream.cli bench --url "http://127.0.0.1:$PORT" --target tts \
+      --workload /tmp/wl/workload.json --warmup-requests 3 --tag commit=$C --tag "serve=$SERVE_ARGS" \
+      --concurrency "$CLOSED" --requests-per-level "${CLOSED_REQS:-48}" --timeout 60 \
+      --out "$OUT/closed.json" 2>&1 | rows
+  fi
   for mult in ${MULTS:-1 2 4}; do
     rate=$(python3 -c "print(round(${CAPACITY:-21} * $mult, 2))")
     for seed in ${SEEDS:-0 1 2}; do

@@ -22,8 +22,14 @@ else), with the refinements that keep the GPU's batches full:
 * a batch runs in phases: clients about to run dry (`DRY_S`), first chunks, later chunks, official
   final passes (due ones, then those that may pause, at most `FINAL_PHASE_STREAMS` a phase); later
   chunks whose ODE has a first chunk's shape ride along with it (`RIDER_STREAMS` in the call);
+* every ready final pass joins the batch, one with first chunks too: the passes are work that must be
+  done before their clients run dry anyway, and held back behind a steady flow of first chunks they
+  would come due together and stall everyone's later chunks; a pass not due yet gives way between
+  Euler steps to anything that preempts the worker;
 * a first chunk (or a client about to run dry) that becomes ready while a batch runs preempts the
-  worker after its running phase; phases of final passes pause between Euler steps for it;
+  worker after its running phase; phases of final passes pause between Euler steps for it. So does a
+  first chunk that waits only for a flow slot when the running batch has given slots back: the pool
+  takes them back when the batch stops, not when all its passes are done;
 * decode steps pause while a first chunk is on the worker, unless another request still waits for its
   first audio (the two share the GPU);
 * official final passes come due earliest deadline first, each costing the measured pass;
@@ -246,7 +252,6 @@ class Scheduler:
         if not returned and (not ready or not self._worth_a_batch(view, ready, due)
                              or self._first_chunks_due_soon(view, ready)):
             return Plan(opens=self._opens(view))
-        ready = self._without_costly_finals(view, ready, due)
         ready = self._without_early_later_chunks(view, ready, due)
         if not ready and not returned:
             return Plan(opens=self._opens(view))
@@ -332,7 +337,8 @@ class Scheduler:
     def preempt(self, view: EngineView) -> Preempt:
         """Should the busy worker hand back its unstarted phases? For a first chunk (unless it waits for
         others of its burst anyway), a client about to run dry that became ready after the batch was
-        planned, or a new voice's prompt pass that may run."""
+        planned, a new voice's prompt pass that may run, or a first chunk waiting for one of the flow slots
+        the batch gave back."""
         worker = view.worker
         if worker is None or not worker.busy or worker.dry_asked:
             return Preempt.none
@@ -344,9 +350,17 @@ class Scheduler:
             return Preempt.dry
         if urgent and not worker.preempt_asked and not self._first_chunks_due_soon(view, urgent):
             return Preempt.first
+        if not worker.preempt_asked and view.slots_after_batch and any(map(self._waits_for_a_slot, view.streams)):
+            return Preempt.first  # the batch has given slots back: they are free once it stops, not at its end
         if not worker.preempt_asked and self.prompt_passes(view):
             return Preempt.first  # a new voice's prompt pass: done while its first chunk's tokens are decoded
         return Preempt.none
+
+    @staticmethod
+    def _waits_for_a_slot(s: StreamView) -> bool:
+        """Is this a first chunk whose tokens are all there and that waits for nothing but a flow slot?"""
+        return (s.first and not s.planned and not s.ready and not s.opened and s.needs_slot
+                and not s.lm_pending and s.missing_tokens == 0)
 
     @staticmethod
     def may_be_urgent(first: bool, audio_left_s: float) -> bool:
@@ -432,13 +446,6 @@ class Scheduler:
         waiting = {s.key for s in ready}
         return any(s.first and s.decoding_audio and s.key not in waiting and s.missing_tokens > 0
                    and s.missing_tokens * step_s <= left for s in view.streams)
-
-    def _without_costly_finals(self, view: EngineView, ready: list[StreamView], due: set) -> list[StreamView]:
-        """A batch that voices a first chunk leaves out official final passes that are not due, unless new
-        streams wait for the flow slots they would free."""
-        if not view.official_finals or not any(s.first for s in ready) or self._slots_short(view):
-            return ready
-        return [s for s in ready if s.first or not s.next_final or s.key in due]
 
     def _without_early_later_chunks(self, view: EngineView, ready: list[StreamView], due: set) -> list[StreamView]:
         """While the LM decodes and others could join, a later (not final) chunk with HOLD_S of audio or

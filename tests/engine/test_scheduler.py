@@ -160,17 +160,16 @@ def test_final_passes_come_due_earliest_deadline_first_with_the_measured_cost_be
     assert Scheduler().due_finals(view) == set()  # nothing measured: each by its own audio left only
 
 
-def test_a_first_chunk_batch_leaves_out_final_passes_that_are_not_due():
+def test_a_first_chunk_batch_takes_every_ready_final_pass_after_its_chunks():
+    """Final passes held back behind a steady flow of first chunks would come due together: they join, last,
+    the due one first, the others pausable between Euler steps."""
     s = Scheduler(_cost(final_s=0.1))
     view = _view(_first("new"), _later("due", 1.0, final=True), _later("later", 8.0, final=True))
     plan = s.plan(view)
-    assert sorted(plan.new_keys) == ["due", "new"]
-    due_job = next(job for job in plan.phases[-1] if job.key == "due")
+    assert _keys(plan.phases) == [["new"], ["due"], ["later"]]
+    due_job, later_job = plan.phases[1][0], plan.phases[2][0]
     assert due_job.due and due_job.pausable
-    # unless new streams wait for the flow slots those passes free
-    short = _view(_first("new"), _later("later", 8.0, final=True), _first("x", ready=False, opened=False),
-                  free_slots=0)
-    assert "later" in s.plan(short).new_keys
+    assert later_job.pausable and not later_job.due
 
 
 def test_final_passes_go_in_phases_of_bounded_size_due_ones_first():
@@ -249,6 +248,19 @@ def test_preemption_for_a_new_first_chunk_or_a_client_about_to_run_dry():
     waits = Scheduler(_cost(step_s=0.002))
     burst = _view(_first("new", first_ready_s=NOW), _first("soon", ready=False, missing=3), worker=busy)
     assert waits.preempt(burst) is Preempt.none
+
+
+def test_a_first_chunk_waiting_for_a_slot_the_batch_gave_back_preempts_it():
+    """The pool takes slots given back during a batch when the batch stops: a first chunk that waits only for a
+    slot makes the worker stop after its running phase (final passes pause) instead of waiting for its end."""
+    s, busy = Scheduler(), WorkerView(busy=True)
+    waiting = _first("new", ready=False, opened=False, needs_slot=True)
+    assert s.preempt(_view(waiting, worker=busy, free_slots=0, slots_after_batch=1)) is Preempt.first
+    assert s.preempt(_view(waiting, worker=busy, free_slots=0)) is Preempt.none  # none comes back with it
+    decoding = _first("new", ready=False, opened=False, needs_slot=True, missing=5)
+    assert s.preempt(_view(decoding, worker=busy, free_slots=0, slots_after_batch=1)) is Preempt.none  # tokens
+    asked = WorkerView(busy=True, preempt_asked=True)
+    assert s.preempt(_view(waiting, worker=asked, free_slots=0, slots_after_batch=1)) is Preempt.none
 
 
 def test_a_busy_worker_is_preempted_for_a_new_voice_s_prompt_pass():
@@ -369,17 +381,18 @@ def test_admission_waits_for_a_flow_slot_when_the_pool_is_taken():
     assert not unmeasured.admitted and unmeasured.retry_after_s == sched.MAX_RETRY_AFTER_S
 
 
-def test_slots_given_back_during_a_batch_come_back_when_it_ends():
-    """A stream that no longer needs its slot gives it back to the pool only once the worker's batch is done:
-    a newcomer waits for that batch's end, not for the holders' measured hold."""
+def test_slots_given_back_during_a_batch_come_back_when_its_running_phase_ends():
+    """A stream that no longer needs its slot gives it back to the pool once the worker's batch stops, which a
+    first chunk waiting for a slot makes it do after its running phase: a newcomer waits for that phase's end,
+    not for the holders' measured hold nor for the whole batch."""
     cost = _cost(step_s=0.01, first_s=0.1)
     cost.observe_lm_hold(4.0)
     s = Scheduler(cost, budget_s=2.0)
-    busy = WorkerView(busy=True, started_s=NOW, predicted_s=0.6, phase_end_s=NOW + 0.6)
+    busy = WorkerView(busy=True, started_s=NOW, predicted_s=0.6, phase_end_s=NOW + 0.45)
     # 4 slots, none free, none held by a stream in view: all four given back during the running batch
     view = _view(worker=busy, free_slots=0, flow_slots=4, slots_after_batch=4, free_lm_slots=4, lm_slots=8)
     verdict = s.admit(view, NOW, 30)
-    assert verdict.predicted_start_s == pytest.approx(0.6)
+    assert verdict.predicted_start_s == pytest.approx(0.45)
     # ... slots the view does not account for (lent to the batch itself) are not counted on
     running = _later("a", 5.0, ready=False)  # (an engine with nothing running admits anyway)
     unknown = s.admit(_view(running, worker=busy, free_slots=0, flow_slots=4, free_lm_slots=4, lm_slots=8), NOW, 30)
