@@ -185,7 +185,7 @@ def stop_test(worker: ChunkWorker | None, jobs: Sequence[ChunkJob]) -> Callable[
     about to run dry, others to first chunks too. None: the phase does not pause."""
     if worker is None or not jobs or not all(job.pausable for job in jobs):
         return None
-    return worker.dry.is_set if any(job.due for job in jobs) else worker.preempt.is_set
+    return worker.dry.is_set if any(job.due for job in jobs) else worker.pause.is_set
 
 
 class ChunkWorker:
@@ -196,6 +196,7 @@ class ChunkWorker:
         self.core = core
         self.jobs: queue.Queue[list[list[ChunkJob]] | None] = queue.Queue()
         self.preempt = threading.Event()  # set by the engine thread: stop after the running phase
+        self.pause = threading.Event()  # ... and pause a phase of final passes not due (set with it)
         self.dry = threading.Event()  # ... and the urgent chunk is a client's about to run dry (set with it)
         self.running = "idle"  # the kind of phase on the GPU now (phase_kind), read by the engine's stats
         self.thread = threading.Thread(target=self._run, name="cosystream-token2wav", daemon=True)
@@ -211,6 +212,7 @@ class ChunkWorker:
 
     def submit(self, phases: list[list[ChunkJob]]) -> None:
         self.preempt.clear()  # a request to stop early is about the batch before this one
+        self.pause.clear()
         self.dry.clear()
         self.jobs.put(phases)
 

@@ -167,8 +167,8 @@ class _LMRows:
 class _FlowSlots:
     """The flow-slot pool over time: a stream that takes a slot holds it for the measured slot hold from
     when it starts; one held now comes back as `_back_at` predicts; one given back while the worker's batch
-    runs comes back when the batch's running phase ends; one the view does not account for (lent to the batch
-    itself, e.g. to a stream it opens) never.
+    runs comes back when the batch's running phase ends (when the whole batch ends if it holds due final
+    passes); one the view does not account for (lent to the batch itself, e.g. to a stream it opens) never.
     No pool: every stream opens at once. No hold measured yet and no free slot: never (inf)."""
 
     def __init__(self, view: EngineView, now: float, cost: CostModel) -> None:
@@ -178,9 +178,12 @@ class _FlowSlots:
         holders = [s for s in view.streams if s.slot_since_s is not None]
         ends = [math.inf if (end := self._back_at(s, now, cost)) is None else end for s in holders]
         # slots given back while the worker's batch runs: the pool takes them back when it stops, which a first
-        # chunk waiting for one makes it do after its running phase (Scheduler.preempt)
+        # chunk waiting for one makes it do after its running phase unless it holds due final passes
+        # (Scheduler.preempt)
         returning = min(view.slots_after_batch, max(0, (view.flow_slots or 0) - free - len(holders)))
-        self.heap = [now] * free + ends + [worker_state(view, now)[0]] * returning
+        runs_on = view.worker is not None and view.worker.due_finals
+        back = batch_end(view, now) if runs_on else worker_state(view, now)[0]
+        self.heap = [now] * free + ends + [back] * returning
         heapq.heapify(self.heap)
 
     def _back_at(self, holder: StreamView, now: float, cost: CostModel) -> float | None:

@@ -22,14 +22,13 @@ else), with the refinements that keep the GPU's batches full:
 * a batch runs in phases: clients about to run dry (`DRY_S`), first chunks, later chunks, official
   final passes (due ones, then those that may pause, at most `FINAL_PHASE_STREAMS` a phase); later
   chunks whose ODE has a first chunk's shape ride along with it (`RIDER_STREAMS` in the call);
-* every ready final pass joins the batch, one with first chunks too: the passes are work that must be
-  done before their clients run dry anyway, and held back behind a steady flow of first chunks they
-  would come due together and stall everyone's later chunks; a pass not due yet gives way between
-  Euler steps to anything that preempts the worker;
 * a first chunk (or a client about to run dry) that becomes ready while a batch runs preempts the
-  worker after its running phase; phases of final passes pause between Euler steps for it. So does a
-  first chunk that waits only for a flow slot when the running batch has given slots back: the pool
-  takes them back when the batch stops, not when all its passes are done;
+  worker after its running phase; phases of final passes pause between Euler steps for it;
+* a first chunk that waits only for a flow slot while the running batch has given slots back stops the
+  batch after its running phase (the pool takes those slots back when the batch stops, not after all
+  its final passes); final passes do not pause for it, and a batch that holds due ones is not stopped
+  for it: under overload such a chunk is always there, and due passes handed back again and again would
+  run late and stall everyone's later chunks;
 * decode steps pause while a first chunk is on the worker, unless another request still waits for its
   first audio (the two share the GPU);
 * official final passes come due earliest deadline first, each costing the measured pass;
@@ -131,7 +130,9 @@ class WorkerView:
 
     busy: bool = False
     first_keys: frozenset = frozenset()  # streams whose first chunk it runs
-    preempt_asked: bool = False
+    preempt_asked: bool = False  # to stop after its running phase
+    pause_asked: bool = False  # ... and to pause a phase of final passes that are not due
+    due_finals: bool = False  # its batch still holds official final passes that are due
     dry_asked: bool = False
     started_s: float = 0.0  # when its batch was handed over
     predicted_s: float = 0.0  # the cost model's prediction of that batch (what is left of it, from started_s)
@@ -185,8 +186,9 @@ class Plan:
 
 class Preempt(enum.Enum):
     none = "none"
-    first = "first"  # stop after the running phase (a phase of due final passes goes on)
+    first = "first"  # stop after the running phase; a phase of final passes not due pauses between Euler steps
     dry = "dry"  # ... and a client is about to run dry: due final passes pause too
+    slot = "slot"  # stop after the running phase, which runs to its end (final passes do not pause)
 
 
 @dataclass(slots=True)
@@ -252,6 +254,7 @@ class Scheduler:
         if not returned and (not ready or not self._worth_a_batch(view, ready, due)
                              or self._first_chunks_due_soon(view, ready)):
             return Plan(opens=self._opens(view))
+        ready = self._without_costly_finals(view, ready, due)
         ready = self._without_early_later_chunks(view, ready, due)
         if not ready and not returned:
             return Plan(opens=self._opens(view))
@@ -348,11 +351,12 @@ class Scheduler:
         urgent = self._within_free_slots(view, urgent)
         if any(not s.first for s in urgent):
             return Preempt.dry
-        if urgent and not worker.preempt_asked and not self._first_chunks_due_soon(view, urgent):
+        if urgent and not worker.pause_asked and not self._first_chunks_due_soon(view, urgent):
             return Preempt.first
-        if not worker.preempt_asked and view.slots_after_batch and any(map(self._waits_for_a_slot, view.streams)):
-            return Preempt.first  # the batch has given slots back: they are free once it stops, not at its end
-        if not worker.preempt_asked and self.prompt_passes(view):
+        if (not worker.preempt_asked and not worker.due_finals and view.slots_after_batch
+                and any(map(self._waits_for_a_slot, view.streams))):
+            return Preempt.slot  # the batch has given slots back: they are free once it stops, not at its end
+        if not worker.pause_asked and self.prompt_passes(view):
             return Preempt.first  # a new voice's prompt pass: done while its first chunk's tokens are decoded
         return Preempt.none
 
@@ -446,6 +450,13 @@ class Scheduler:
         waiting = {s.key for s in ready}
         return any(s.first and s.decoding_audio and s.key not in waiting and s.missing_tokens > 0
                    and s.missing_tokens * step_s <= left for s in view.streams)
+
+    def _without_costly_finals(self, view: EngineView, ready: list[StreamView], due: set) -> list[StreamView]:
+        """A batch that voices a first chunk leaves out official final passes that are not due, unless new
+        streams wait for the flow slots they would free."""
+        if not view.official_finals or not any(s.first for s in ready) or self._slots_short(view):
+            return ready
+        return [s for s in ready if s.first or not s.next_final or s.key in due]
 
     def _without_early_later_chunks(self, view: EngineView, ready: list[StreamView], due: set) -> list[StreamView]:
         """While the LM decodes and others could join, a later (not final) chunk with HOLD_S of audio or

@@ -125,7 +125,8 @@ class Voicing:
             official_finals=self.t2w.final_attention == "full", open_ahead=self.open_ahead,
             worker=None if worker is None else WorkerView(
                 busy=self._in_flight is not None, first_keys=frozenset(self._first_in_flight),
-                preempt_asked=worker.preempt.is_set(), dry_asked=worker.dry.is_set(),
+                preempt_asked=worker.preempt.is_set(), pause_asked=worker.pause.is_set(), dry_asked=worker.dry.is_set(),
+                due_finals=any(job.due for job in self._in_flight or ()),
                 started_s=now, predicted_s=max(0.0, self._worker_free_at - now) if self._in_flight else 0.0,
                 phase_end_s=self._phase_started + self._phase_costs[0] if self._in_flight and self._phase_costs
                 else None),
@@ -245,8 +246,9 @@ class Voicing:
         decision = self.scheduler.preempt(view)
         if decision is Preempt.dry:
             worker.dry.set()
-            worker.preempt.set()
-        elif decision is Preempt.first:
+        if decision in (Preempt.dry, Preempt.first):
+            worker.pause.set()
+        if decision is not Preempt.none:
             worker.preempt.set()
 
     def _decode_paused(self) -> bool:

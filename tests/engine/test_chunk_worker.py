@@ -4,12 +4,13 @@ passes."""
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from cosystream.engine.chunk_worker import ChunkJob, _riders, run_jobs
+from cosystream.engine.chunk_worker import ChunkJob, _riders, run_jobs, stop_test
 from cosystream.engine.chunking import ChunkPlan
 from cosystream.engine.stopwatch import Stopwatch
 
@@ -83,3 +84,23 @@ def test_riders_are_taken_from_the_chunks_after_a_phase_of_prompt_passes():
     assert phases == [[first], prompts, [other]]  # the prompt passes stay a phase of their own
     lone = [[chunk("g", first=True)], [_opening("q")]]
     assert _riders(_Runner(), lone, 0) == [] and len(lone) == 2
+
+
+def test_a_phase_of_final_passes_pauses_for_what_may_pause_it_only():
+    """Due passes give way only to a client about to run dry; passes not due also to a first chunk (pause);
+    a request only to stop after the running phase (a first chunk waiting for a slot) pauses neither."""
+    def job(due: bool) -> ChunkJob:
+        final = ChunkJob(SimpleNamespace(), SimpleNamespace(), None)
+        final.pausable, final.due = True, due
+        return final
+
+    worker = SimpleNamespace(preempt=threading.Event(), pause=threading.Event(), dry=threading.Event())
+    not_due, due = stop_test(worker, [job(False)]), stop_test(worker, [job(False), job(True)])
+    worker.preempt.set()
+    assert not not_due() and not due()
+    worker.pause.set()
+    assert not_due() and not due()
+    worker.dry.set()
+    assert due()
+    chunk = ChunkJob(SimpleNamespace(), SimpleNamespace(), None)
+    assert stop_test(worker, [chunk]) is None and stop_test(None, [job(False)]) is None

@@ -160,16 +160,17 @@ def test_final_passes_come_due_earliest_deadline_first_with_the_measured_cost_be
     assert Scheduler().due_finals(view) == set()  # nothing measured: each by its own audio left only
 
 
-def test_a_first_chunk_batch_takes_every_ready_final_pass_after_its_chunks():
-    """Final passes held back behind a steady flow of first chunks would come due together: they join, last,
-    the due one first, the others pausable between Euler steps."""
+def test_a_first_chunk_batch_leaves_out_final_passes_that_are_not_due():
     s = Scheduler(_cost(final_s=0.1))
     view = _view(_first("new"), _later("due", 1.0, final=True), _later("later", 8.0, final=True))
     plan = s.plan(view)
-    assert _keys(plan.phases) == [["new"], ["due"], ["later"]]
-    due_job, later_job = plan.phases[1][0], plan.phases[2][0]
+    assert sorted(plan.new_keys) == ["due", "new"]
+    due_job = next(job for job in plan.phases[-1] if job.key == "due")
     assert due_job.due and due_job.pausable
-    assert later_job.pausable and not later_job.due
+    # unless new streams wait for the flow slots those passes free
+    short = _view(_first("new"), _later("later", 8.0, final=True), _first("x", ready=False, opened=False),
+                  free_slots=0)
+    assert "later" in s.plan(short).new_keys
 
 
 def test_final_passes_go_in_phases_of_bounded_size_due_ones_first():
@@ -241,7 +242,10 @@ def test_preemption_for_a_new_first_chunk_or_a_client_about_to_run_dry():
     assert s.preempt(_view(_first("new"), worker=busy)) is Preempt.first
     assert s.preempt(_view(_later("dry", sched.DRY_S / 2), worker=busy)) is Preempt.dry
     assert s.preempt(_view(_later("fine", 1.0), worker=busy)) is Preempt.none
-    assert s.preempt(_view(_first("new"), worker=WorkerView(busy=True, preempt_asked=True))) is Preempt.none
+    asked = WorkerView(busy=True, preempt_asked=True, pause_asked=True)
+    assert s.preempt(_view(_first("new"), worker=asked)) is Preempt.none
+    # a batch asked only to stop (for a slot) is asked again, to pause its final passes for the first chunk
+    assert s.preempt(_view(_first("new"), worker=WorkerView(busy=True, preempt_asked=True))) is Preempt.first
     assert s.preempt(_view(_first("new", planned=True, ready=False), worker=busy)) is Preempt.none
     assert s.preempt(_view(_first("new"), worker=WorkerView())) is Preempt.none  # idle: nothing to preempt
     # not while the new first chunk waits for another of its burst anyway
@@ -250,17 +254,21 @@ def test_preemption_for_a_new_first_chunk_or_a_client_about_to_run_dry():
     assert waits.preempt(burst) is Preempt.none
 
 
-def test_a_first_chunk_waiting_for_a_slot_the_batch_gave_back_preempts_it():
+def test_a_first_chunk_waiting_for_a_slot_the_batch_gave_back_stops_it_after_its_running_phase():
     """The pool takes slots given back during a batch when the batch stops: a first chunk that waits only for a
-    slot makes the worker stop after its running phase (final passes pause) instead of waiting for its end."""
+    slot makes the worker stop after its running phase instead of waiting for its end; final passes do not
+    pause for it (Preempt.slot), so a steady flow of such chunks cannot hold them back until all are due."""
     s, busy = Scheduler(), WorkerView(busy=True)
     waiting = _first("new", ready=False, opened=False, needs_slot=True)
-    assert s.preempt(_view(waiting, worker=busy, free_slots=0, slots_after_batch=1)) is Preempt.first
+    assert s.preempt(_view(waiting, worker=busy, free_slots=0, slots_after_batch=1)) is Preempt.slot
     assert s.preempt(_view(waiting, worker=busy, free_slots=0)) is Preempt.none  # none comes back with it
     decoding = _first("new", ready=False, opened=False, needs_slot=True, missing=5)
     assert s.preempt(_view(decoding, worker=busy, free_slots=0, slots_after_batch=1)) is Preempt.none  # tokens
     asked = WorkerView(busy=True, preempt_asked=True)
     assert s.preempt(_view(waiting, worker=asked, free_slots=0, slots_after_batch=1)) is Preempt.none
+    # a batch that holds due final passes runs on: they are not handed back again and again
+    due = WorkerView(busy=True, due_finals=True)
+    assert s.preempt(_view(waiting, worker=due, free_slots=0, slots_after_batch=1)) is Preempt.none
 
 
 def test_a_busy_worker_is_preempted_for_a_new_voice_s_prompt_pass():
@@ -268,7 +276,8 @@ def test_a_busy_worker_is_preempted_for_a_new_voice_s_prompt_pass():
     new = _new_voice("new", NOW)
     assert s.preempt(_view(new, _later("fine", 1.0), worker=busy, free_slots=2)) is Preempt.first
     assert s.preempt(_view(new, worker=busy, free_slots=0)) is Preempt.none  # no slot to open it in
-    assert s.preempt(_view(new, worker=WorkerView(busy=True, preempt_asked=True), free_slots=2)) is Preempt.none
+    asked = WorkerView(busy=True, preempt_asked=True, pause_asked=True)
+    assert s.preempt(_view(new, worker=asked, free_slots=2)) is Preempt.none
     assert s.preempt(_view(_new_voice("new", NOW, planned=True), worker=busy, free_slots=2)) is Preempt.none
     assert s.preempt(_view(_new_voice("new", NOW, voice_at_hand=True), worker=busy, free_slots=2)) is Preempt.none
     assert s.preempt(_view(new, worker=busy, free_slots=2, open_ahead=False)) is Preempt.none
@@ -393,6 +402,10 @@ def test_slots_given_back_during_a_batch_come_back_when_its_running_phase_ends()
     view = _view(worker=busy, free_slots=0, flow_slots=4, slots_after_batch=4, free_lm_slots=4, lm_slots=8)
     verdict = s.admit(view, NOW, 30)
     assert verdict.predicted_start_s == pytest.approx(0.45)
+    # a batch holding due final passes is not stopped for a slot: they come back when it ends
+    due = WorkerView(busy=True, started_s=NOW, predicted_s=0.6, phase_end_s=NOW + 0.45, due_finals=True)
+    view = _view(worker=due, free_slots=0, flow_slots=4, slots_after_batch=4, free_lm_slots=4, lm_slots=8)
+    assert s.admit(view, NOW, 30).predicted_start_s == pytest.approx(0.6)
     # ... slots the view does not account for (lent to the batch itself) are not counted on
     running = _later("a", 5.0, ready=False)  # (an engine with nothing running admits anyway)
     unknown = s.admit(_view(running, worker=busy, free_slots=0, flow_slots=4, free_lm_slots=4, lm_slots=8), NOW, 30)
