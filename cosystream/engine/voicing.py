@@ -307,24 +307,36 @@ class Voicing:
             return
         if any(job.seg is seg for job in (self._in_flight or []) + self._returned):
             return  # released once that chunk is voiced (_job_done)
-        self._slot_released(seg)
-        self._release_later(seg.t2w)
+        self._release_later(seg.t2w, self._slot_released(seg))
 
-    def _release_later(self, state: object) -> None:
-        """Give a stream's slot back now, or once the worker's batch is done (the pool is the worker's while
-        it runs); admission counts the slots coming back then (EngineView.slots_after_batch)."""
+    def _release_later(self, state: object, on_back: Callable[[], None] | None = None) -> None:
+        """Give a stream's slot back now, or once the worker's batch stops (the pool is the worker's while
+        it runs); admission counts the slots coming back then (EngineView.slots_after_batch). `on_back`: called
+        when the slot is back in the pool."""
         if self._in_flight is not None:
             self._slots_after_batch += 1
-        self._t2w_later(self.t2w.release, state)
 
-    def _slot_released(self, seg: Segment) -> None:
-        """A stream gives its flow slot back at the end of its work: the cost model learns the hold."""
-        if seg.t_slot is not None:
-            now = time.perf_counter()
-            self.scheduler.cost.observe_slot_hold(now - seg.t_slot)
-            if seg.t_lm_done is not None and not seg.text_stream:  # (a text stream's LM ends with its client)
-                self.scheduler.cost.observe_slot_tail(now - seg.t_lm_done)
-            seg.t_slot = None
+        def give_back() -> None:
+            self.t2w.release(state)
+            if on_back is not None:
+                on_back()
+
+        self._t2w_later(give_back)
+
+    def _slot_released(self, seg: Segment) -> Callable[[], None]:
+        """A stream is done with its flow slot: what teaches the cost model its hold and its tail after the
+        LM's end, to be called when the slot is back in the pool (a new stream can only open then)."""
+        since, lm_done = seg.t_slot, None if seg.text_stream else seg.t_lm_done  # (a text stream's LM ends with
+        seg.t_slot = None  # its client)
+
+        def observe() -> None:
+            if since is not None:
+                now = time.perf_counter()
+                self.scheduler.cost.observe_slot_hold(now - since)
+                if lm_done is not None:
+                    self.scheduler.cost.observe_slot_tail(now - lm_done)
+
+        return observe
 
     def _open_args(self, req: RequestState, seg: Segment) -> dict:
         return dict(inputs=seg.inputs, voice_key=req.voice_key, key=(req.request_id, req.audio_index),
@@ -446,7 +458,7 @@ class Voicing:
             t.num_tokens += len(seg.tokens)
             if not seg.text_stream:  # (a text stream's length is its client's)
                 self.scheduler.cost.observe_lm_tokens(len(seg.tokens))
-            self._slot_released(seg)  # held to the end where final chunks run in the slot
+            self._slot_released(seg)()  # held to the end where final chunks run in the slot: back now
             seg.t2w = None
             req.audio_index += 1
         if last:
