@@ -20,6 +20,7 @@
 #   cv3_tests      CosyVoice3 GPU tests: compiled kernels vs reference, graphed pool vs eager, the fixtures
 #   cv3_http       CosyVoice3 0.5B over HTTP, one stream
 #   zeroshot       levels_all.sh zeroshot (registered voice and a new recording each request, c=1,16; ZS_RUNS)
+#   zeroshot_http  a new recording in every /v1/tts request over HTTP (cosystream bench --distinct-prompts), c=1,16
 #   prompt_analysis  benchmarks/prompt_analysis.py on the released side-model architectures (/tmp/m05r)
 # Carry .whl (benchmarks/fetch_wheels.sh), .whl_ray (scale_ray) and .base (overload_base); the GPU tests read
 # the fixture sets shipped in tests/fixtures. Shared preparation (wheels, the 0.5B
@@ -89,6 +90,20 @@ part() {  # $1: part, $2: lane folder, $3: port
     kill -INT "$server"; wait "$server" ;;
   zeroshot)
     OUT=$dir bash benchmarks/levels_all.sh zeroshot ;;
+  zeroshot_http)
+    stamp "zero-shot over HTTP: a new recording in every /v1/tts request (multipart), c=1,16"
+    python3 -m cosystream.cli serve --model-dir /tmp/m05r --config flow_slots=28 --config flow_frames=832 \
+      --port "$3" --log-level warning > "$dir/serve_zs.log" 2>&1 &
+    local server=$!
+    local said
+    said=$(python3 -c 'import json; print(json.load(open("/tmp/wl/workload.json"))["prompt_text"])')
+    if python3 benchmarks/wait_ready.py "http://127.0.0.1:$3" --pid "$server" --log "$dir/serve_zs.log"; then
+      timeout 150 python3 -m cosystream.cli bench --url "http://127.0.0.1:$3" --target tts \
+        --workload /tmp/wl/workload.json --prompt-wav /tmp/wl/voice.wav --prompt-text "$said" \
+        --distinct-prompts --warmup-requests 3 --concurrency 1,16 --requests-per-level "${ZS_REQS:-64}" \
+        --out "$dir/zs_http.json" 2>&1 | grep -E "^\| [cro]|^\| level|Error|Traceback"
+    fi
+    kill -INT "$server"; wait "$server" ;;
   prompt_analysis)
     stamp "prompt analysis: folded vs unfolded graphs, CAM++ on 8 CPU threads, 4 graph threads, batches 1, 16"
     timeout 200 python3 benchmarks/prompt_analysis.py --model-dir /tmp/m05r --device cuda --seconds 6 \

@@ -62,6 +62,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help="zero-shot without a registered voice: upload this recording with every request "
                         "(--target tts or ws; the prompt's analysis and encoding become part of each request)")
     p.add_argument("--prompt-text", default=None, help="the transcript of --prompt-wav")
+    p.add_argument("--distinct-prompts", action="store_true",
+                   help="with --prompt-wav: another recording in every request (its last two samples changed), "
+                        "so the server analyses each as new instead of reusing the first one's features")
     p.add_argument("--text", action="append", default=None, help="text to say; repeat for round-robin texts")
     p.add_argument("--workload", default=None, metavar="FILE",
                    help="JSON {texts, voice, prompt_text, prompt_wav, force_tokens, ...}, or text: one per line")
@@ -168,7 +171,8 @@ def _spec_from_args(args: argparse.Namespace) -> tuple[RequestSpec, VoiceUpload 
         mode=args.mode or workload.get("mode", "zero_shot"),
         force_tokens=_first(args.force_tokens, workload.get("force_tokens")),
         first_hop=_first(args.first_hop, workload.get("first_hop")), seed=args.seed, model=args.model,
-        sample_rate=args.sample_rate, prompt_wav=prompt_wav, prompt_text=prompt_text)
+        sample_rate=args.sample_rate, prompt_wav=prompt_wav, prompt_text=prompt_text,
+        distinct_prompts=args.distinct_prompts)
     upload = None
     # only the workload's own voice is uploaded: a --voice override names a voice the server already has
     if workload.get("prompt_wav") and spec.voice == workload.get("voice") and not args.no_register_voice:
@@ -181,6 +185,8 @@ def _prompt_upload(args: argparse.Namespace) -> tuple[str | None, str]:
     if args.prompt_wav is None:
         if args.prompt_text is not None:
             raise ValueError("--prompt-text: goes with --prompt-wav")
+        if args.distinct_prompts:
+            raise ValueError("--distinct-prompts: goes with --prompt-wav")
         return None, ""
     if args.target == "openai":
         raise ValueError("--prompt-wav: --target openai names a registered voice (upload with tts or ws)")

@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import itertools
 import json
+import os
 import ssl
 import uuid
 from collections.abc import AsyncIterator
@@ -52,6 +54,7 @@ class RequestSpec:
     # (multipart /v1/tts; the path, so the spec stays plain data for the run's JSON and client processes)
     prompt_wav: str | None = None
     prompt_text: str = ""
+    distinct_prompts: bool = False  # ... another recording in every request (a content-keyed cache never hits)
 
     def text(self, index: int) -> str:
         return self.texts[index % len(self.texts)]
@@ -185,6 +188,24 @@ def _retry_after(value: str | None) -> float | None:
         return None  # an HTTP date: rare from a TTS server, not worth parsing
 
 
+class PromptBytes:
+    """The recording each request uploads: the spec's file, or with `distinct_prompts` another one every time
+    (its last two 16-bit samples hold this process's id and a counter: the same length and voice, other
+    bytes, so the server analyses each as a new recording, as with a caller's voice cloned per call)."""
+
+    def __init__(self, spec: RequestSpec) -> None:
+        self.audio = Path(spec.prompt_wav).read_bytes() if spec.prompt_wav else None
+        self.distinct = spec.distinct_prompts
+        self._count = itertools.count()
+        self._process = (os.getpid() & 0xFFFF) << 16
+
+    def next(self) -> bytes | None:
+        if self.audio is None or not self.distinct:
+            return self.audio
+        tag = (self._process | next(self._count) & 0xFFFF).to_bytes(4, "little")
+        return self.audio[:-4] + tag
+
+
 class HttpClient:
     """POSTs to `/v1/tts` or `/v1/audio/speech` and reads the chunked PCM body.
 
@@ -202,7 +223,7 @@ class HttpClient:
         # PERF: one TLS context for every connection (httpx loads the CA bundle per client otherwise: ~13 ms
         # of the loop's time for each new user of an open-loop burst)
         self._ssl = httpx.create_ssl_context()
-        self._prompt = Path(spec.prompt_wav).read_bytes() if spec.prompt_wav else None
+        self._prompt = PromptBytes(spec)
 
     def _connection(self) -> httpx.AsyncClient:
         if self._idle:
@@ -223,10 +244,11 @@ class HttpClient:
     async def _send(self, client: httpx.AsyncClient, level: str, index: int) -> RequestRecord:
         timeline = Timeline(level, index, self.origin_s, self.spec.sample_rate, self.spec.expected_audio_s)
         body = build_body(self.target, self.spec, index)
-        if self._prompt is None:
+        prompt = self._prompt.next()
+        if prompt is None:
             payload: dict[str, Any] = {"json": body}
         else:  # the prompt recording goes with every request
-            payload = {"data": form_fields(body), "files": {"prompt_wav": ("prompt.wav", self._prompt, "audio/wav")}}
+            payload = {"data": form_fields(body), "files": {"prompt_wav": ("prompt.wav", prompt, "audio/wav")}}
 
         async def stream() -> None:
             async with client.stream("POST", self.url, **payload) as response:
@@ -334,13 +356,14 @@ class RawHttpClient:
         self.authority = parts.netloc.rsplit("@", 1)[-1]
         self.path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         self._idle: list[_Http1] = []
-        self._prompt = Path(spec.prompt_wav).read_bytes() if spec.prompt_wav else None
+        self._prompt = PromptBytes(spec)
 
     def _payload(self, index: int) -> tuple[bytes, str]:
         body = build_body(self.target, self.spec, index)
-        if self._prompt is None:
+        prompt = self._prompt.next()
+        if prompt is None:
             return json.dumps(body).encode(), "application/json"
-        return multipart_body(form_fields(body), "prompt_wav", "prompt.wav", self._prompt, "audio/wav")
+        return multipart_body(form_fields(body), "prompt_wav", "prompt.wav", prompt, "audio/wav")
 
     async def _connection(self) -> _Http1:
         if self._idle:
@@ -463,7 +486,7 @@ class WsClient:
     def __init__(self, url: str, spec: RequestSpec, timeout_s: float, origin_s: float) -> None:
         self.url, self.spec, self.timeout_s, self.origin_s = endpoint_url(url, "ws"), spec, timeout_s, origin_s
         self.connect_kwargs = _connect_kwargs()
-        self._prompt = Path(spec.prompt_wav).read_bytes() if spec.prompt_wav else None
+        self._prompt = PromptBytes(spec)
 
     async def send(self, level: str, index: int) -> RequestRecord:
         timeline = Timeline(level, index, self.origin_s, self.spec.sample_rate, self.spec.expected_audio_s)
@@ -503,7 +526,7 @@ class WsClient:
                 await sender
 
     async def _send_all(self, ws: Any, index: int) -> None:
-        for message in ws_messages(self.spec, index, self._prompt):
+        for message in ws_messages(self.spec, index, self._prompt.next()):
             await ws.send(message if isinstance(message, bytes) else json.dumps(message))
 
     @staticmethod

@@ -286,6 +286,25 @@ def test_a_prompt_recording_goes_with_every_tts_request(fake_server: FakeServer,
     assert not [r for r in seen if r["path"] == "/v1/voices"]
 
 
+@pytest.mark.parametrize("http_client", ["httpx", "raw"])
+def test_distinct_prompts_upload_another_recording_of_the_same_length_each_time(
+        fake_server: FakeServer, tmp_path: Path, http_client: str) -> None:
+    """--distinct-prompts: a content-keyed cache on the server never hits (a caller's voice cloned per call);
+    only the recording's last 4 bytes differ, so its length and voice stay the workload's."""
+    wav = tmp_path / "prompt.wav"
+    wav.write_bytes(b"RIFF\x00\x00\x00\x00WAVE-some-samples-here")
+    workload = write_workload(tmp_path, ["fast one."])
+    seen_before = len(fake_server.requests)
+    status = run_cli("--url", fake_server.url, "--workload", str(workload), "--prompt-wav", str(wav),
+                     "--distinct-prompts", "--requests-per-level", "3", "--warmup-requests", "1",
+                     "--out", str(tmp_path / "results.json"), "--http-client", http_client)
+    assert status == 0
+    sent = [r for r in fake_server.requests[seen_before:] if r["path"] == "/v1/tts"]
+    head = wav.read_bytes()[:-4]
+    uploads = [r["body"][r["body"].index(head):r["body"].index(head) + len(head) + 4] for r in sent]
+    assert len(uploads) == 4 and len(set(uploads)) == 4
+
+
 def test_a_prompt_recording_goes_with_every_ws_session(fake_server: FakeServer, tmp_path: Path) -> None:
     """--target ws --prompt-wav: start says prompt_wav: true and the recording follows as a binary frame."""
     wav = tmp_path / "prompt.wav"
@@ -318,6 +337,8 @@ def test_bad_prompt_upload_arguments_exit_2(tmp_path: Path, capsys: pytest.Captu
     assert message in capsys.readouterr().err
     assert run_cli("--text", "hi.", "--prompt-text", "hello.") == 2
     assert "--prompt-text: goes with --prompt-wav" in capsys.readouterr().err
+    assert run_cli("--text", "hi.", "--distinct-prompts") == 2
+    assert "--distinct-prompts: goes with --prompt-wav" in capsys.readouterr().err
 
 
 def test_a_prompt_upload_validates_against_the_server_protocol() -> None:
