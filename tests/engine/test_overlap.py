@@ -244,3 +244,63 @@ def test_later_chunks_held_back_for_a_later_batch_give_the_same_audio(model_dir,
         # which streams share a batch moves float sums by up to 1e-3 (as above); a chunk voiced from the
         # wrong tokens or twice would differ by ~0.1-1
         np.testing.assert_allclose(b.pcm, a.pcm, atol=2e-3, rtol=0)
+
+
+class _AlwaysStop(Scheduler):
+    """Asks the busy worker to stop after every phase as for a first chunk waiting for a flow slot: phases of
+    official final passes run to their end (they do not pause), the rest of the batch is handed back."""
+
+    @staticmethod
+    def phases(jobs):
+        return [[job] for phase in Scheduler.phases(jobs) for job in phase]
+
+    def preempt(self, view: EngineView) -> Preempt:
+        worker = view.worker
+        return Preempt.slot if worker is not None and worker.busy and not worker.preempt_asked else Preempt.none
+
+    def wake_after_s(self, view: EngineView) -> float | None:
+        return 0.001
+
+
+@pytest.mark.slow  # ~8 s: every phase
+def test_a_batch_stopped_for_a_slot_hands_back_its_rest_and_never_pauses_a_final_pass(model_dir, fixture_dir,
+                                                                                     tmp_path, monkeypatch):
+    """Preempt.slot: the worker stops after its running phase and hands the rest back, but a phase of final
+    passes runs all its Euler steps. The audio equals the default scheduler's (two-slot CPU pool, three
+    requests: one waits for a slot)."""
+    from cosystream.engine.flow_runner import FlowRunner
+
+    params = [SynthesisParams(text=t, voice="v", force_tokens=40 + 20 * i, sampling=SamplingParams(greedy=True, seed=i))
+              for i, t in enumerate(TEXTS[:3])]
+    runs = {}
+    for stop in (True, False):
+        eng = Engine.from_pretrained(model_dir, voices_db=str(tmp_path / f"v{stop}.db"), max_streams=4,
+                                     overlap_token2wav=True)
+        try:
+            eng.run(eng.async_engine.add_voice("v", str(fixture_dir / "prompt_24k.wav"), "Hello there."))
+            core = eng.async_engine.core
+            t2w = core.t2w
+            t2w.pool = FlowRunner(t2w.flow, num_slots=2, max_frames=512, use_graphs=False)
+            if stop:
+                monkeypatch.setattr(core, "scheduler", _AlwaysStop(core.scheduler.cost))
+            paused: list[bool] = []
+            real_run = t2w.run
+
+            def run(items, should_stop=None, real=real_run, seen=paused):
+                out = real(items, should_stop=should_stop)
+                seen.append(out is None)
+                return out
+
+            monkeypatch.setattr(t2w, "run", run)
+            handed_back = core.stats()["token2wav_handed_back"]
+            runs[stop] = (synthesize_together(eng, params), core.stats()["token2wav_handed_back"] - handed_back)
+            assert not (stop and any(paused))  # (the default scheduler pauses them for a first chunk)
+            assert t2w.pool.free == [0, 1] and not core.batch_in_flight and core.handed_back == 0
+        finally:
+            eng.close()
+    (stopped, num_handed_back), (whole, _) = runs[True], runs[False]
+    assert num_handed_back > 0  # some batch really was cut short
+    for a, b in zip(whole, stopped, strict=True):
+        assert not isinstance(a, Exception) and not isinstance(b, Exception), (a, b)
+        assert a.num_chunks == b.num_chunks >= 2
+        np.testing.assert_allclose(b.pcm, a.pcm, atol=2e-3, rtol=0)
