@@ -632,6 +632,7 @@ def load_fast_campplus(graph: TorchOnnxGraph) -> tuple[CamPlusPlus | None, str |
     try:
         module = CamPlusPlus.from_graph(graph)
     except NotCamPlusPlus as exc:
+        log.warning("%s: not the released CAM++ architecture (%s); CAM++ stays on the ONNX interpreter", name, exc)
         return None, f"{name}: not the CAM++ architecture: {exc}"
     try:
         mismatch = self_check(module, graph)
