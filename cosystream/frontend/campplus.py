@@ -56,7 +56,11 @@ XVECTOR_RTOL = 1e-4
 # 25-frame tail), 200 (two full segments) and 207 (a 7-frame tail): every masked path of the batch.
 CHECK_FRAMES = (413, 250, 97, 400)
 CHECK_SEED = 20240638
-# layer names of the parameter operators, in the graph's order (for the messages)
+# Padded frames (prompts x longest frame count) of one call. The FCM head's activations take 10 KiB a frame each
+# in the full-size model (32 channels x 80 bins, float32), a few alive at once: this bounds a call to about
+# half a GB (16 prompts of 10 s in one call; a burst of longer prompts runs in several).
+MAX_BATCH_FRAMES = 16_000
+# ops through which a batch norm may read the convolution it follows (a squeeze before a 2D batch norm)
 _PASSTHROUGH_OPS = {"Identity", "Squeeze", "Unsqueeze", "Reshape", "Flatten"}
 
 
@@ -418,7 +422,7 @@ def _read_embedding(cur: _Cursor, channels: int) -> tuple[torch.Tensor, torch.Te
 class CamPlusPlus:
     """The released CAM++ network with a graph's weights: fbank [B, bins, T] + lengths -> embeddings [B, E].
 
-    Build it with `from_graph`. Not thread-safe only in the sense that torch ops are not: calls may share it.
+    Build it with `from_graph`. It holds no state between calls.
     """
 
     def __init__(self, head: tuple[_Conv, list[_ResBlock], _Conv], tdnn: _Conv, blocks: list[_Block],
@@ -479,14 +483,18 @@ class CamPlusPlus:
 
     # ------------------------------------------------------------------------------------------ running
     def embed(self, features: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Per-prompt fbank [bins, T_i] (mean-normalised, as the graph's input transposed) -> embeddings [E] each,
-        all in one batched call."""
-        lengths = [f.shape[-1] for f in features]
-        longest = max(lengths)
-        batch = torch.zeros(len(features), self.bins, longest, device=self.device, dtype=self.dtype)
-        for row, feats in enumerate(features):
-            batch[row, :, : feats.shape[-1]] = feats
-        return list(self.forward(batch, lengths).unbind(0))
+        """Per-prompt fbank [bins, T_i] (mean-normalised, as the graph's input transposed) -> embeddings [E] each:
+        one batched call, or several where the padded batch would exceed MAX_BATCH_FRAMES (longest prompts
+        together, so the padding stays short)."""
+        results: list[torch.Tensor | None] = [None] * len(features)
+        for group in batch_groups([f.shape[-1] for f in features], MAX_BATCH_FRAMES):
+            lengths = [features[i].shape[-1] for i in group]
+            batch = torch.zeros(len(group), self.bins, max(lengths), device=self.device, dtype=self.dtype)
+            for row, i in enumerate(group):
+                batch[row, :, : lengths[row]] = features[i]
+            for i, row in zip(group, self.forward(batch, lengths).unbind(0), strict=True):
+                results[i] = row
+        return [r for r in results if r is not None]
 
     def forward(self, feats: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
         """feats [B, bins, T] (anything past each row's length is ignored) -> [B, E]."""
@@ -554,6 +562,19 @@ class CamPlusPlus:
         centred = (x - mean[..., None]) * frames.keep
         std = torch.sqrt((centred * centred).sum(dim=-1) / (frames.count - 1))
         return F.linear(torch.cat([mean, std], dim=-1), self.embedding_weight, self.embedding_bias)
+
+
+def batch_groups(lengths: Sequence[int], max_frames: int) -> list[list[int]]:
+    """Indices of `lengths` in calls of at most `max_frames` padded frames (count x longest), longest first; a
+    prompt longer than `max_frames` runs alone."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= max_frames:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 def _conv(x: torch.Tensor, conv: _Conv) -> torch.Tensor:

@@ -100,6 +100,24 @@ def test_a_batch_of_distinct_lengths_equals_each_prompt_alone(campplus_path, mod
     _assert_xvectors_close(batched, _onnxruntime(campplus_path, feats))
 
 
+def test_a_burst_over_the_frame_budget_runs_in_calls_of_similar_lengths(module, monkeypatch):
+    from cosystream.frontend import campplus
+
+    lengths = [f.shape[-1] for f in _random_feats(DISTINCT_FRAMES, seed=0)]
+    budget = 3 * max(lengths)
+    groups = campplus.batch_groups(lengths, budget)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths))) and len(groups) > 1
+    assert all(len(g) * max(lengths[i] for i in g) <= budget for g in groups)
+    assert [lengths[g[0]] for g in groups] == sorted((lengths[g[0]] for g in groups), reverse=True)
+    assert campplus.batch_groups([5 * budget, 1], budget) == [[0], [1]]  # too long for the budget: alone
+
+    feats = _random_feats(DISTINCT_FRAMES, seed=11)
+    whole = module.embed(feats)
+    monkeypatch.setattr(campplus, "MAX_BATCH_FRAMES", budget)
+    for a, b in zip(module.embed(feats), whole, strict=True):
+        torch.testing.assert_close(a, b, rtol=BATCH_RTOL, atol=BATCH_ATOL)
+
+
 def test_the_padding_is_never_read(module):
     feats = _random_feats(DISTINCT_FRAMES, seed=6)
     longest = max(DISTINCT_FRAMES)
