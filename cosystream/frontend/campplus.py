@@ -37,6 +37,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -499,23 +500,38 @@ class CamPlusPlus:
     def forward(self, feats: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
         """feats [B, bins, T] (anything past each row's length is ignored) -> [B, E]."""
         with torch.inference_mode():
-            frames = _Frames(lengths, feats.shape[-1], self.device, self.dtype)
-            x = self._head(feats.to(self.device, self.dtype), frames)
-            x, frames = self._tdnn(x, frames)
-            for block in self.blocks:
-                x = self._dense_block(x, block, frames)
-            return self._pool_and_embed(x, frames)
+            masks = self.masks(lengths, feats.shape[-1])
+            return self.compute(feats.to(self.device, self.dtype), *masks)
 
     def __call__(self, feats: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
         return self.forward(feats, lengths)
+
+    def masks(self, lengths: Sequence[int], frames: int) -> tuple[torch.Tensor, ...]:
+        """The mask tensors `compute` takes for prompts of `lengths` in a batch of `frames`, on the device."""
+        head = _Frames(lengths, frames)
+        conv = self.tdnn
+        dense = head.after_conv(conv.weight.shape[-1], conv.stride[0], conv.padding[0])
+        return tuple(_send(t, self.device, self.dtype) for t in (*head.edge_masks(), *dense.all_masks()))
+
+    def compute(self, feats: torch.Tensor, head_keep: torch.Tensor, head_cap: torch.Tensor, keep: torch.Tensor,
+                cap: torch.Tensor, count: torch.Tensor, segment_of_frame: torch.Tensor,
+                context_weights: torch.Tensor) -> torch.Tensor:
+        """The network on a padded batch and its masks (`masks`): device work alone, no host synchronisation (so
+        it can be captured in a CUDA graph)."""
+        dense = _Masks(keep, cap, count, segment_of_frame, context_weights)
+        x = self._head(feats, head_keep, head_cap)
+        x = self._relu_masked(_conv(x, self.tdnn), cap)
+        for block in self.blocks:
+            x = self._dense_block(x, block, dense)
+        return self._pool_and_embed(x, dense)
 
     def _relu_masked(self, x: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
         """ReLU, and zero past each prompt's end, in one kernel: clamp to [0, cap] with cap inf or 0 per frame."""
         return x.clamp_(self._zero, cap)
 
-    def _head(self, feats: torch.Tensor, frames: _Frames) -> torch.Tensor:
-        cap = frames.cap[:, None]  # [B, 1, 1, T]
-        x = feats[:, None] * frames.keep[:, None]
+    def _head(self, feats: torch.Tensor, keep: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
+        cap = cap[:, None]  # [B, 1, 1, T]
+        x = feats[:, None] * keep[:, None]
         x = self._relu_masked(_conv(x, self.head_conv1), cap)
         for block in self.res_blocks:
             out = self._relu_masked(_conv(x, block.conv1), cap)
@@ -525,12 +541,7 @@ class CamPlusPlus:
         x = self._relu_masked(_conv(x, self.head_conv2), cap)
         return x.reshape(x.shape[0], x.shape[1] * x.shape[2], x.shape[3])
 
-    def _tdnn(self, x: torch.Tensor, frames: _Frames) -> tuple[torch.Tensor, _Frames]:
-        conv = self.tdnn
-        frames = frames.after_conv(conv.weight.shape[-1], conv.stride[0], conv.padding[0])
-        return self._relu_masked(_conv(x, conv), frames.cap), frames
-
-    def _dense_block(self, x: torch.Tensor, block: _Block, frames: _Frames) -> torch.Tensor:
+    def _dense_block(self, x: torch.Tensor, block: _Block, frames: _Masks) -> torch.Tensor:
         channels = x.shape[1]
         total = channels + sum(layer.growth for layer in block.layers)
         features = torch.empty(x.shape[0], total, x.shape[2], device=x.device, dtype=x.dtype)
@@ -544,7 +555,7 @@ class CamPlusPlus:
         # the last transition carries the output batch norm (folded): its ReLU (and the mask the pooling needs)
         return self._relu_masked(out, frames.cap) if block is self.blocks[-1] else out
 
-    def _cam_layer(self, x: torch.Tensor, layer: _CamLayer, frames: _Frames, out: torch.Tensor) -> None:
+    def _cam_layer(self, x: torch.Tensor, layer: _CamLayer, frames: _Masks, out: torch.Tensor) -> None:
         h = torch.addcmul(layer.shift, x, layer.scale).relu_()
         # masked: the local convolution reads zeros past the end, and the segment sums count real frames only
         h = self._relu_masked(_conv(h, layer.bottleneck), frames.cap)
@@ -556,7 +567,7 @@ class CamPlusPlus:
         per_frame = gate.index_select(1, frames.segment_of_frame).transpose(1, 2)  # [B, growth, T]
         torch.mul(local, per_frame, out=out)
 
-    def _pool_and_embed(self, x: torch.Tensor, frames: _Frames) -> torch.Tensor:
+    def _pool_and_embed(self, x: torch.Tensor, frames: _Masks) -> torch.Tensor:
         """Statistics pooling over each prompt's frames (x is zero past them): mean and unbiased std."""
         mean = x.sum(dim=-1) / frames.count
         centred = (x - mean[..., None]) * frames.keep
@@ -582,31 +593,48 @@ def _conv(x: torch.Tensor, conv: _Conv) -> torch.Tensor:
     return fn(x, conv.weight, conv.bias, stride=conv.stride, padding=conv.padding, dilation=conv.dilation)
 
 
+class _Masks(NamedTuple):
+    """A padded batch's masks at one frame rate, on the device."""
+
+    keep: torch.Tensor  # [B, 1, T] 1.0 on each prompt's frames, 0.0 past them
+    cap: torch.Tensor  # [B, 1, T] inf on each prompt's frames, 0 past them (the masked ReLU's upper bound)
+    count: torch.Tensor  # [B, 1] frames per prompt
+    segment_of_frame: torch.Tensor  # [T] the 100-frame segment of each frame
+    context_weights: torch.Tensor  # [B, S, S] pooled segment sums -> each prompt's context (_context_weights)
+
+
 class _Frames:
-    """Per-prompt frame masks of a padded batch (built on the host, where the lengths are, and copied once)."""
+    """Per-prompt frame counts of a padded batch, and their masks built on the host (where the lengths are)."""
 
-    def __init__(self, lengths: Sequence[int], frames: int, device: torch.device, dtype: torch.dtype) -> None:
-        self.lengths, self.frames, self.device, self.dtype = list(lengths), frames, device, dtype
-        if max(self.lengths) > frames or min(self.lengths) < 1:
+    def __init__(self, lengths: Sequence[int], frames: int) -> None:
+        self.lengths, self.frames = list(lengths), frames
+        if not self.lengths or max(self.lengths) > frames or min(self.lengths) < 1:
             raise ValueError(f"prompt lengths {self.lengths} do not fit a batch of {frames} frames")
-        n = torch.tensor(self.lengths)
-        keep = torch.arange(frames)[None, :] < n[:, None]  # [B, T]
-        self.keep = self._send(keep.to(dtype)[:, None])  # [B, 1, T]
-        self.cap = self._send(torch.where(keep, math.inf, 0.0).to(dtype)[:, None])
-        self.count = self._send(n.to(dtype)[:, None])  # [B, 1]
-        segments = -(-frames // SEGMENT_FRAMES)
-        self.segment_of_frame = self._send(torch.arange(frames) // SEGMENT_FRAMES)
-        self.context_weights = self._send(_context_weights(n, frames, segments).to(dtype))
+        self.n = torch.tensor(self.lengths)
+        self.keep = torch.arange(frames)[None, :] < self.n[:, None]  # [B, T]
 
-    def _send(self, t: torch.Tensor) -> torch.Tensor:
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t.to(self.device)
+    def edge_masks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """keep and cap, [B, 1, T]: what convolutions with a temporal extent need."""
+        return self.keep.float()[:, None], torch.where(self.keep, math.inf, 0.0)[:, None]
+
+    def all_masks(self) -> tuple[torch.Tensor, ...]:
+        """The fields of _Masks, on the host."""
+        segments = -(-self.frames // SEGMENT_FRAMES)
+        return (*self.edge_masks(), self.n.float()[:, None], torch.arange(self.frames) // SEGMENT_FRAMES,
+                _context_weights(self.n, self.frames, segments))
 
     def after_conv(self, kernel: int, stride: int, padding: int) -> _Frames:
-        """The masks after a convolution: each prompt keeps the frames its unbatched convolution outputs."""
+        """The frames after a convolution: each prompt keeps the frames its unbatched convolution outputs."""
         out = [(n + 2 * padding - kernel) // stride + 1 for n in self.lengths]
-        return _Frames(out, (self.frames + 2 * padding - kernel) // stride + 1, self.device, self.dtype)
+        return _Frames(out, (self.frames + 2 * padding - kernel) // stride + 1)
+
+
+def _send(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A host tensor on the device (floats in `dtype`), without waiting for the device's queued work."""
+    t = t.to(dtype) if t.dtype.is_floating_point else t
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _context_weights(lengths: torch.Tensor, frames: int, segments: int) -> torch.Tensor:
