@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -61,6 +61,11 @@ CHECK_SEED = 20240638
 # in the full-size model (32 channels x 80 bins, float32), a few alive at once: this bounds a call to about
 # half a GB (16 prompts of 10 s in one call; a burst of longer prompts runs in several).
 MAX_BATCH_FRAMES = 16_000
+# With CUDA graphs (`cuda_graphs=True`), a call pads its prompts to a multiple of this many fbank frames (1 s) and its
+# rows to a batch bucket (engine/graphs.py), so one captured graph serves every batch in its bucket; padding changes
+# no result (the masks), only the device's work, which a launch-bound network has to spare.
+GRAPH_FRAME_STEP = 100
+MAX_GRAPHS = 128  # captured shapes at most; a call of another shape then runs eagerly
 # ops through which a batch norm may read the convolution it follows (a squeeze before a 2D batch norm)
 _PASSTHROUGH_OPS = {"Identity", "Squeeze", "Unsqueeze", "Reshape", "Flatten"}
 
@@ -428,7 +433,7 @@ class CamPlusPlus:
 
     def __init__(self, head: tuple[_Conv, list[_ResBlock], _Conv], tdnn: _Conv, blocks: list[_Block],
                  embedding: tuple[torch.Tensor, torch.Tensor], bins: int, device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, cuda_graphs: bool = False) -> None:
         self.device, self.dtype, self.bins = device, dtype, bins
         place = self._place
         conv1, res_blocks, conv2 = head
@@ -440,9 +445,18 @@ class CamPlusPlus:
         self.embedding_weight, self.embedding_bias = (self._tensor(t) for t in embedding)
         self.embedding_size = self.embedding_weight.shape[0]
         self._zero = torch.zeros((), device=device, dtype=dtype)
+        # calls padded to shape buckets, each bucket's call captured once as a CUDA graph and replayed (on the CPU the
+        # same padded calls run eagerly)
+        self.cuda_graphs = cuda_graphs
+        self._graphs = None
+        if cuda_graphs:
+            from cosystream.engine.graphs import GraphCache, capture_stream
+
+            self._graphs = GraphCache(lambda *inputs: (self.compute(*inputs),), device, max_graphs=MAX_GRAPHS,
+                                      stream=capture_stream(device))
 
     @classmethod
-    def from_graph(cls, graph: TorchOnnxGraph) -> CamPlusPlus:
+    def from_graph(cls, graph: TorchOnnxGraph, cuda_graphs: bool = False) -> CamPlusPlus:
         """The network behind a CAM++ graph, on the graph's device and in its dtype; NotCamPlusPlus if the graph
         has another structure."""
         if len(graph.input_names) != 1 or len(graph.output_names) != 1:
@@ -460,7 +474,8 @@ class CamPlusPlus:
         tdnn = _expect_conv(param, "the TDNN layer", (param.weight.shape[0], head_channels, None), (2,), bias=True)
         blocks, channels = _read_blocks(cur, tdnn.weight.shape[0])
         embedding = _read_embedding(cur, channels)
-        return cls((conv1, res_blocks, conv2), tdnn, blocks, embedding, bins, graph.ctx.device, graph.ctx.dtype)
+        return cls((conv1, res_blocks, conv2), tdnn, blocks, embedding, bins, graph.ctx.device, graph.ctx.dtype,
+                   cuda_graphs)
 
     def _tensor(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device, self.dtype).contiguous()
@@ -488,14 +503,31 @@ class CamPlusPlus:
         one batched call, or several where the padded batch would exceed MAX_BATCH_FRAMES (longest prompts
         together, so the padding stays short)."""
         results: list[torch.Tensor | None] = [None] * len(features)
-        for group in batch_groups([f.shape[-1] for f in features], MAX_BATCH_FRAMES):
-            lengths = [features[i].shape[-1] for i in group]
-            batch = torch.zeros(len(group), self.bins, max(lengths), device=self.device, dtype=self.dtype)
-            for row, i in enumerate(group):
-                batch[row, :, : lengths[row]] = features[i]
-            for i, row in zip(group, self.forward(batch, lengths).unbind(0), strict=True):
+        for group in batch_groups([f.shape[-1] for f in features], MAX_BATCH_FRAMES, self.padded_size):
+            for i, row in zip(group, self._call([features[i] for i in group]).unbind(0), strict=True):
                 results[i] = row
         return [r for r in results if r is not None]
+
+    def padded_size(self, prompts: int, longest: int) -> tuple[int, int]:
+        """(rows, frames) of the call for `prompts` prompts of at most `longest` frames."""
+        if not self.cuda_graphs:
+            return prompts, longest
+        from cosystream.engine.graphs import bucket
+
+        return bucket(prompts), -(-longest // GRAPH_FRAME_STEP) * GRAPH_FRAME_STEP
+
+    def _call(self, features: Sequence[torch.Tensor]) -> torch.Tensor:
+        lengths = [f.shape[-1] for f in features]
+        rows, frames = self.padded_size(len(lengths), max(lengths))
+        batch = torch.zeros(rows, self.bins, frames, device=self.device, dtype=self.dtype)
+        for row, feats in enumerate(features):
+            batch[row, :, : lengths[row]] = feats
+        if self._graphs is None:
+            return self.forward(batch, lengths)
+        lengths += [frames] * (rows - len(lengths))  # filler rows: all frames, zeros (finite results, dropped)
+        with torch.inference_mode():
+            out = self._graphs.run((rows, frames), [batch, *self.masks(lengths, frames)])[0]
+            return out[: len(features)].clone()  # the graph's output buffer is rewritten by its next replay
 
     def forward(self, feats: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
         """feats [B, bins, T] (anything past each row's length is ignored) -> [B, E]."""
@@ -575,13 +607,14 @@ class CamPlusPlus:
         return F.linear(torch.cat([mean, std], dim=-1), self.embedding_weight, self.embedding_bias)
 
 
-def batch_groups(lengths: Sequence[int], max_frames: int) -> list[list[int]]:
-    """Indices of `lengths` in calls of at most `max_frames` padded frames (count x longest), longest first; a
-    prompt longer than `max_frames` runs alone."""
+def batch_groups(lengths: Sequence[int], max_frames: int,
+                 padded: Callable[[int, int], tuple[int, int]] = lambda n, t: (n, t)) -> list[list[int]]:
+    """Indices of `lengths` in calls of at most `max_frames` padded frames (rows x frames of `padded(prompts,
+    longest)`), longest first; a prompt too long for `max_frames` alone runs alone."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     groups: list[list[int]] = []
     for i in order:
-        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= max_frames:
+        if groups and math.prod(padded(len(groups[-1]) + 1, lengths[groups[-1][0]])) <= max_frames:
             groups[-1].append(i)
         else:
             groups.append([i])
@@ -672,14 +705,15 @@ def self_check(module: CamPlusPlus, graph: TorchOnnxGraph) -> str | None:
     return None
 
 
-def load_fast_campplus(graph: TorchOnnxGraph) -> tuple[CamPlusPlus | None, str | None]:
+def load_fast_campplus(graph: TorchOnnxGraph, cuda_graphs: bool = False) -> tuple[CamPlusPlus | None, str | None]:
     """(the module, None) when the graph is the released CAM++ architecture and the module reproduces it on the
-    graph's device, else (None, why not). Float32 only: the analysis dtype, which the tolerance is for."""
+    graph's device (with `cuda_graphs`, through its graphed calls), else (None, why not). Float32 only: the
+    analysis dtype, which the tolerance is for."""
     name = graph.path.name
     if graph.ctx.dtype != torch.float32:
         return None, f"{name}: the batched CAM++ module runs in float32 only (analysis dtype {graph.ctx.dtype})"
     try:
-        module = CamPlusPlus.from_graph(graph)
+        module = CamPlusPlus.from_graph(graph, cuda_graphs)
     except NotCamPlusPlus as exc:
         log.warning("%s: not the released CAM++ architecture (%s); CAM++ stays on the ONNX interpreter", name, exc)
         return None, f"{name}: not the CAM++ architecture: {exc}"

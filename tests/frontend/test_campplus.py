@@ -118,6 +118,18 @@ def test_a_burst_over_the_frame_budget_runs_in_calls_of_similar_lengths(module, 
         torch.testing.assert_close(a, b, rtol=BATCH_RTOL, atol=BATCH_ATOL)
 
 
+def test_calls_padded_to_graph_buckets_give_the_same_embeddings(graph, module):
+    """With `cuda_graphs` a call's rows and frames are padded to shape buckets (on the CPU the padded call runs
+    eagerly: the same code the captured graph records): filler rows and extra frames change no embedding."""
+    bucketed = CamPlusPlus.from_graph(graph, cuda_graphs=True)
+    rows, frames = bucketed.padded_size(5, 2 * S + 1)
+    assert rows >= 5 and frames >= 2 * S + 1 and frames % S == 0
+    for seed, count in ((12, 5), (13, 3)):  # two batches of one bucket shape, then another
+        feats = _random_feats(DISTINCT_FRAMES[:count], seed=seed)
+        for a, b in zip(bucketed.embed(feats), module.embed(feats), strict=True):
+            torch.testing.assert_close(a, b, rtol=BATCH_RTOL, atol=BATCH_ATOL)
+
+
 def test_the_padding_is_never_read(module):
     feats = _random_feats(DISTINCT_FRAMES, seed=6)
     longest = max(DISTINCT_FRAMES)
