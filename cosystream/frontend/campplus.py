@@ -28,7 +28,10 @@ runs the same network with the graph's own weights:
   the interpreter.
 
 The context gate is computed once per segment (it is constant over a segment's frames) and expanded to the
-frames; the official layer computes it per frame, with the same values.
+frames; the official layer computes it per frame, with the same values. A burst whose padded batch would pass
+MAX_BATCH_FRAMES runs in several calls (longest prompts together). With `cuda_graphs`, calls are padded to
+shape buckets and each bucket's call is captured once as a CUDA graph and replayed (the network is a chain of
+about 800 small kernels, so on a GPU its time is the host's launches).
 """
 
 from __future__ import annotations
@@ -57,9 +60,9 @@ XVECTOR_RTOL = 1e-4
 # 25-frame tail), 200 (two full segments) and 207 (a 7-frame tail): every masked path of the batch.
 CHECK_FRAMES = (413, 250, 97, 400)
 CHECK_SEED = 20240638
-# Padded frames (prompts x longest frame count) of one call. The FCM head's activations take 10 KiB a frame each
-# in the full-size model (32 channels x 80 bins, float32), a few alive at once: this bounds a call to about
-# half a GB (16 prompts of 10 s in one call; a burst of longer prompts runs in several).
+# Padded frames (prompts x longest frame count) of one call. Each of the FCM head's activations (a few alive at
+# once) takes 10 KiB a frame in the full-size model (32 channels x 80 bins, float32): about 160 MiB at this bound,
+# which 16 prompts of 10 s reach; a burst of longer prompts runs in several calls.
 MAX_BATCH_FRAMES = 16_000
 # With CUDA graphs (`cuda_graphs=True`), a call pads its prompts to a multiple of this many fbank frames (1 s) and its
 # rows to a batch bucket (engine/graphs.py), so one captured graph serves every batch in its bucket; padding changes
