@@ -30,8 +30,8 @@ runs the same network with the graph's own weights:
 The context gate is computed once per segment (it is constant over a segment's frames) and expanded to the
 frames; the official layer computes it per frame, with the same values. A burst whose padded batch would pass
 MAX_BATCH_FRAMES runs in several calls (longest prompts together). With `cuda_graphs`, calls are padded to
-shape buckets and each bucket's call is captured once as a CUDA graph and replayed (the full-size network makes about 730 operator calls a call,
-views aside, each one kernel launch or more on a GPU).
+shape buckets and each bucket's call is captured once as a CUDA graph and replayed (the full-size network
+makes about 730 operator calls a call, views aside, each one kernel launch or more on a GPU).
 """
 
 from __future__ import annotations
