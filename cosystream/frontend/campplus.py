@@ -68,7 +68,7 @@ MAX_BATCH_FRAMES = 16_000
 # rows to a batch bucket (engine/graphs.py), so one captured graph serves every batch in its bucket; padding changes
 # no result (the masks), only the device's work, which a launch-bound network has to spare.
 GRAPH_FRAME_STEP = 100
-MAX_GRAPHS = 128  # captured shapes at most; a call of another shape then runs eagerly
+MAX_GRAPHS = 160  # captured shapes at most (capture_buckets' 120 for 30 s and 16 rows fit); others run eagerly
 # ops through which a batch norm may read the convolution it follows (a squeeze before a 2D batch norm)
 _PASSTHROUGH_OPS = {"Identity", "Squeeze", "Unsqueeze", "Reshape", "Flatten"}
 
@@ -451,12 +451,8 @@ class CamPlusPlus:
         # calls padded to shape buckets, each bucket's call captured once as a CUDA graph and replayed (on the CPU the
         # same padded calls run eagerly)
         self.cuda_graphs = cuda_graphs
-        self._graphs = None
-        if cuda_graphs:
-            from cosystream.engine.graphs import GraphCache, capture_stream
-
-            self._graphs = GraphCache(lambda *inputs: (self.compute(*inputs),), device, max_graphs=MAX_GRAPHS,
-                                      stream=capture_stream(device))
+        self._graphs = _GraphedCalls(self.compute, device, dtype, bins) if cuda_graphs and device.type == "cuda" \
+            else None
 
     @classmethod
     def from_graph(cls, graph: TorchOnnxGraph, cuda_graphs: bool = False) -> CamPlusPlus:
@@ -511,6 +507,22 @@ class CamPlusPlus:
                 results[i] = row
         return [r for r in results if r is not None]
 
+    def capture_buckets(self, max_frames: int, max_rows: int) -> int:
+        """Capture the graph of every bucket a call of up to `max_rows` prompts of up to `max_frames` frames may
+        use (within MAX_BATCH_FRAMES), so that none is captured mid-traffic (a capture synchronises the device and
+        empties torch's allocator cache); returns how many were captured. Nothing without CUDA graphs."""
+        if self._graphs is None:
+            return 0
+        from cosystream.engine.graphs import BATCH_BUCKETS
+
+        before = len(self._graphs.graphs)
+        longest = self.padded_size(1, max_frames)[1]
+        for rows in (b for b in BATCH_BUCKETS if b <= self.padded_size(max_rows, 1)[0]):
+            for frames in range(GRAPH_FRAME_STEP, longest + 1, GRAPH_FRAME_STEP):
+                if rows * frames <= MAX_BATCH_FRAMES:
+                    self._call([torch.zeros(self.bins, frames, device=self.device, dtype=self.dtype)] * rows)
+        return len(self._graphs.graphs) - before
+
     def padded_size(self, prompts: int, longest: int) -> tuple[int, int]:
         """(rows, frames) of the call for `prompts` prompts of at most `longest` frames."""
         if not self.cuda_graphs:
@@ -520,17 +532,21 @@ class CamPlusPlus:
         return bucket(prompts), -(-longest // GRAPH_FRAME_STEP) * GRAPH_FRAME_STEP
 
     def _call(self, features: Sequence[torch.Tensor]) -> torch.Tensor:
+        count = len(features)
         lengths = [f.shape[-1] for f in features]
-        rows, frames = self.padded_size(len(lengths), max(lengths))
-        batch = torch.zeros(rows, self.bins, frames, device=self.device, dtype=self.dtype)
+        rows, frames = self.padded_size(count, max(lengths))
+        lengths += [frames] * (rows - count)  # filler rows: all frames, zeros (finite results, dropped)
+        graphs = self._graphs if self._graphs is not None and self._graphs.takes(rows, frames) else None
+        batch = graphs.features(rows, frames) if graphs is not None else torch.empty(
+            rows, self.bins, frames, device=self.device, dtype=self.dtype)
+        batch.zero_()
         for row, feats in enumerate(features):
             batch[row, :, : lengths[row]] = feats
-        if self._graphs is None:
-            return self.forward(batch, lengths)
-        lengths += [frames] * (rows - len(lengths))  # filler rows: all frames, zeros (finite results, dropped)
         with torch.inference_mode():
-            out = self._graphs.run((rows, frames), [batch, *self.masks(lengths, frames)])[0]
-            return out[: len(features)].clone()  # the graph's output buffer is rewritten by its next replay
+            masks = self.masks(lengths, frames)
+            if graphs is None:
+                return self.compute(batch, *masks)[:count]
+            return graphs.run((rows, frames), masks)[:count].clone()  # its buffer is rewritten by the next replay
 
     def forward(self, feats: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
         """feats [B, bins, T] (anything past each row's length is ignored) -> [B, E]."""
@@ -608,6 +624,62 @@ class CamPlusPlus:
         centred = (x - mean[..., None]) * frames.keep
         std = torch.sqrt((centred * centred).sum(dim=-1) / (frames.count - 1))
         return F.linear(torch.cat([mean, std], dim=-1), self.embedding_weight, self.embedding_bias)
+
+
+class _GraphedCalls:
+    """`compute` captured as one CUDA graph per (rows, frames) bucket and replayed.
+
+    The replays take turns (one analysis at a time), so every graph reads its features from one shared buffer of
+    MAX_BATCH_FRAMES frames (a view of its shape) and allocates from one memory pool; each graph's masks are its
+    own small static copies. Captures run on a stream of their own (engine/graphs.py says why), one at a time in
+    the process (`CAPTURE_LOCK`).
+    """
+
+    def __init__(self, compute: Callable[..., torch.Tensor], device: torch.device, dtype: torch.dtype,
+                 bins: int) -> None:
+        from cosystream.engine.graphs import capture_stream
+
+        self.compute, self.device, self.bins = compute, device, bins
+        self.shared = torch.zeros(MAX_BATCH_FRAMES * bins, device=device, dtype=dtype)
+        self.stream = capture_stream(device)
+        self.pool = None
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, list[torch.Tensor], torch.Tensor]] = {}
+
+    def takes(self, rows: int, frames: int) -> bool:
+        """Whether a call of this shape replays a graph (captured or to capture); else it runs eagerly."""
+        return rows * frames <= MAX_BATCH_FRAMES and ((rows, frames) in self.graphs or len(self.graphs) < MAX_GRAPHS)
+
+    def features(self, rows: int, frames: int) -> torch.Tensor:
+        """The shared feature buffer as [rows, bins, frames]: fill it, then `run`."""
+        return self.shared[: rows * self.bins * frames].view(rows, self.bins, frames)
+
+    def run(self, key: tuple[int, int], masks: Sequence[torch.Tensor]) -> torch.Tensor:
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(key, masks)
+        graph, static, out = self.graphs[key]
+        for buffer, mask in zip(static, masks, strict=True):
+            buffer.copy_(mask)
+        graph.replay()
+        return out
+
+    def _capture(self, key: tuple[int, int], masks: Sequence[torch.Tensor]
+                 ) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor], torch.Tensor]:
+        from cosystream.engine.graphs import CAPTURE_LOCK
+
+        with CAPTURE_LOCK:
+            static = [m.clone() for m in masks]
+            feats = self.features(*key)
+            caller = torch.cuda.current_stream(self.device)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(caller)
+            with torch.cuda.stream(side):
+                self.compute(feats, *static)  # warm-up: kernel choices and allocator state outside the graph
+            caller.wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+                out = self.compute(feats, *static)
+            self.pool = graph.pool()
+            return graph, static, out
 
 
 def batch_groups(lengths: Sequence[int], max_frames: int,

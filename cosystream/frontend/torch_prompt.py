@@ -36,13 +36,25 @@ from pathlib import Path
 import torch
 
 from cosystream.checkpoint import Checkpoint, MelDims
-from cosystream.frontend.audio import PromptAudio, prompt_mel, speaker_features, whisper_log_mel
+from cosystream.frontend.audio import (
+    FBANK_FRAME,
+    FBANK_SHIFT,
+    MAX_PROMPT_S,
+    TOKENIZER_SAMPLE_RATE,
+    PromptAudio,
+    prompt_mel,
+    speaker_features,
+    whisper_log_mel,
+)
 from cosystream.frontend.campplus import CamPlusPlus, load_fast_campplus
 from cosystream.frontend.onnx_torch import TorchOnnxGraph, UnsupportedGraph, torch_dtype
 from cosystream.frontend.speaker import SpeakerEncoder
 
 BATCH_MODES = ("padded", "same_length", "single")
 FAST_SPEAKER_MODE = "campplus_module"  # speaker_mode while the batched CAM++ network runs
+# With CAM++ on CUDA graphs, the graphs of calls up to this many prompts (the engine's prompt batches) of up to
+# MAX_PROMPT_S are captured at load
+GRAPH_ROWS = 16
 PROBE_SEED = 20240538
 PROBE_FRAMES = (61, 64, 67, 130)  # feature lengths the probe runs: several residues mod 4 and one longer
 PROBE_PAD_STD = 8.0  # padding noise far outside the features' range, so a graph that reads it shows it
@@ -263,7 +275,8 @@ class TorchPromptAnalyzer:
 
     `fast_campplus` (the default) runs CAM++ as `campplus.CamPlusPlus` where the graph allows it (see the
     module's docstring); `speaker_fallback` then is None, else it says why the graph runs instead.
-    `campplus_cuda_graphs` pads its calls to shape buckets and replays each bucket's call as a CUDA graph.
+    `campplus_cuda_graphs` pads its calls to shape buckets and replays each bucket's call as a CUDA graph (all
+    captured here, for up to GRAPH_ROWS prompts of up to MAX_PROMPT_S).
 
     Not thread-safe: one caller at a time (the engine's prompt batcher owns one).
     """
@@ -298,6 +311,9 @@ class TorchPromptAnalyzer:
                     self.speaker_fallback = "the batched CAM++ module is switched off (fast_campplus=False)"
                 if self.fast_speaker is None:
                     self.speaker.probe_batching(channels=_feature_channels(self.speaker, axis=2))
+                else:
+                    longest = 1 + (int(MAX_PROMPT_S * TOKENIZER_SAMPLE_RATE) - FBANK_FRAME) // FBANK_SHIFT
+                    self.fast_speaker.capture_buckets(longest, GRAPH_ROWS)
             self.speaker.threads = graph_threads
 
     @classmethod

@@ -227,9 +227,9 @@ def test_the_analyzer_runs_all_prompts_in_one_call_of_the_module(campplus_path, 
     analyzer = TorchPromptAnalyzer(tokenizer, campplus_path, _fixture_mel_dims(fixture_dir))
     assert analyzer.speaker_mode == "campplus_module" and analyzer.speaker_fallback is None
     calls = []
-    forward = campplus_module.CamPlusPlus.forward
-    monkeypatch.setattr(campplus_module.CamPlusPlus, "forward",
-                        lambda self, feats, lengths: calls.append(list(lengths)) or forward(self, feats, lengths))
+    masks = campplus_module.CamPlusPlus.masks  # built once per call, from the call's prompt lengths
+    monkeypatch.setattr(campplus_module.CamPlusPlus, "masks",
+                        lambda self, lengths, frames: calls.append(list(lengths)) or masks(self, lengths, frames))
     wavs = [torch.from_numpy(speech_like(s, 16000, seed=i)) for i, s in enumerate((0.71, 1.52, 2.33))]
     xvectors = analyzer.embed(wavs)
     assert len(calls) == 1 and len(set(calls[0])) == len(wavs)

@@ -52,3 +52,35 @@ def test_cuda_network_equals_the_interpreter_and_onnxruntime(campplus_path, cuda
     if cuda_graphs:
         assert module._graphs is not None and len(module._graphs.graphs) == 2  # two bucket shapes captured
     assert np.isfinite(torch.stack(got).cpu().numpy()).all()
+
+
+def test_analyzer_captures_every_bucket_at_load_and_none_later(campplus_path, checkpoint, speech_like_wavs):
+    from cosystream.engine.graphs import BATCH_BUCKETS
+    from cosystream.frontend.audio import MAX_PROMPT_S
+    from cosystream.frontend.campplus import GRAPH_FRAME_STEP, MAX_BATCH_FRAMES
+    from cosystream.frontend.speaker import SpeakerEncoder
+    from cosystream.frontend.torch_prompt import GRAPH_ROWS, TorchPromptAnalyzer
+
+    analyzer = TorchPromptAnalyzer(checkpoint.files.speech_tokenizer, campplus_path, checkpoint.hparams.mel, "cuda",
+                                   campplus_cuda_graphs=True)
+    assert analyzer.speaker_mode == "campplus_module"
+    steps = range(GRAPH_FRAME_STEP, int(MAX_PROMPT_S * 100) + GRAPH_FRAME_STEP, GRAPH_FRAME_STEP)
+    expected = sum(1 for rows in BATCH_BUCKETS if rows <= GRAPH_ROWS for frames in steps
+                   if rows * frames <= MAX_BATCH_FRAMES)
+    graphs = analyzer.fast_speaker._graphs.graphs
+    assert len(graphs) == expected
+    xvectors = analyzer.embed(speech_like_wavs)
+    assert len(graphs) == expected  # every call replayed a graph captured at load
+    speaker = SpeakerEncoder(campplus_path)
+    _close(xvectors, [speaker.embed(w) for w in speech_like_wavs])
+
+
+@pytest.fixture
+def speech_like_wavs() -> list[torch.Tensor]:
+    out = []
+    for i, seconds in enumerate((0.9, 2.6, 6.3, 6.41, 11.2)):
+        t = np.arange(int(seconds * 16000)) / 16000
+        phase = 2 * np.pi * np.cumsum(110 + 13 * i + 25 * np.sin(2 * np.pi * 0.8 * t)) / 16000
+        wav = 0.2 * sum(np.sin(k * phase) / k for k in range(1, 8)) * (0.6 + 0.4 * np.sin(2 * np.pi * 4 * t))
+        out.append(torch.from_numpy((wav + np.random.default_rng(i).normal(0, 0.01, t.shape)).astype(np.float32)))
+    return out
