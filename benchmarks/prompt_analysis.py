@@ -27,8 +27,8 @@ graph is the released architecture and the network reproduces it at load (`speak
 `campplus_module`; otherwise `speaker_fallback` says why, and the graph runs through the interpreter; the
 network runs in float32 only). `--compare-interpreter` also times float32 with CAM++ on the interpreter
 (`fast_campplus=False`), `--campplus-cuda-graphs` with the network's calls padded to shape buckets and each
-bucket's call replayed as a CUDA graph (`campplus_cuda_graphs=True`; the first call of a bucket captures it:
-the repeated-batch times show the replays). For the network the report gives the torch operator calls of one call (views
+bucket's call replayed as a CUDA graph (`campplus_cuda_graphs=True`; the analyzer captures every bucket when it
+is built, so the timed calls are replays). For the network the report gives the torch operator calls of one call (views
 included) for one prompt and for the largest batch.
 """
 
