@@ -45,7 +45,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from cosystream.frontend.onnx_torch import TorchOnnxGraph
+from cosystream.frontend.onnx_torch import TorchOnnxGraph, _Node
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +135,7 @@ class _GraphReader:
         return None
 
     def params(self) -> list[_Param]:
+        """The parameter operators in the graph's (topological) order, batch norms folded where they can be."""
         params: list[_Param] = []
         by_output: dict[str, _Param] = {}
         for node in self.graph.nodes:
@@ -152,7 +153,7 @@ class _GraphReader:
             by_output[param.output] = param
         return params
 
-    def _folds_into(self, norm_node, by_output: dict[str, _Param]) -> _Param | None:
+    def _folds_into(self, norm_node: _Node, by_output: dict[str, _Param]) -> _Param | None:
         """The conv/linear whose output this batch norm alone reads (through reshapes), if any."""
         name = norm_node.inputs[0]
         for _ in range(4):
@@ -167,7 +168,7 @@ class _GraphReader:
             name = node.inputs[0]
         return None
 
-    def _param(self, node, index: int) -> _Param | None:
+    def _param(self, node: _Node, index: int) -> _Param | None:
         op, ins = node.op_type, node.inputs
         if op == "Conv":
             weight = self.constant(ins[1])
@@ -195,7 +196,7 @@ class _GraphReader:
             return self._linear(node, index)
         return None
 
-    def _linear(self, node, index: int) -> _Param | None:
+    def _linear(self, node: _Node, index: int) -> _Param | None:
         """A Gemm/MatMul with a constant weight, as weight [O, I] (+ bias)."""
         weight = self.constant(node.inputs[1])
         if weight is None or weight.ndim != 2 or self.constant(node.inputs[0]) is not None:
@@ -405,7 +406,12 @@ def _read_blocks(cur: _Cursor, channels: int) -> tuple[list[_Block], int]:
     if not blocks:
         raise NotCamPlusPlus(f"a dense block of CAM layers over {channels} channels expected after the TDNN layer, "
                              f"found {cur.peek().describe() if cur.peek() else 'the end of the graph'}")
-    if blocks[-1].transit.bias is None:
+    last = blocks[-1].transit
+    following = cur.peek()
+    if last.bias is None and following is not None and following.kind == "norm":  # the output norm, not folded
+        scale, shift = _expect_norm(cur.take("the output batch norm"), channels, "the output batch norm")
+        last.weight, last.bias = last.weight * scale.reshape(-1, 1, 1), shift.reshape(-1)
+    if last.bias is None:
         raise NotCamPlusPlus("the output batch norm after the last transition layer is missing")
     return blocks, channels
 

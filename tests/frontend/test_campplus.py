@@ -160,19 +160,39 @@ def test_loading_does_not_depend_on_initializer_names(campplus_path, module, tmp
         assert torch.equal(a, b)
 
 
-def test_batch_norms_the_exporter_did_not_fold_are_folded_at_load(tmp_path):
-    """Exported without constant folding, every batch norm stays a node; the loader folds them itself."""
-    path = tmp_path / "campplus_unfolded.onnx"
+@pytest.fixture(scope="module")
+def unfolded_path(tmp_path_factory) -> Path:
+    """CAM++ exported without constant folding: every batch norm stays a node."""
+    path = tmp_path_factory.mktemp("campplus_unfolded") / "campplus.onnx"
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         torch.onnx.export(campplus_net("small", seed=32), (torch.randn(1, 151, 80),), str(path),
                           input_names=["input"], output_names=["output"], dynamic_axes={"input": {1: "T"}},
                           opset_version=EXPORT_OPSET["campplus"], dynamo=False, do_constant_folding=False)
-    ops = [node.op_type for node in onnx.load(str(path)).graph.node]
+    return path
+
+
+def test_batch_norms_the_exporter_did_not_fold_are_folded_at_load(unfolded_path):
+    ops = [node.op_type for node in onnx.load(str(unfolded_path)).graph.node]
     assert ops.count("BatchNormalization") > ops.count("Conv") // 2  # the norms after convolutions are nodes
-    module, reason = load_fast_campplus(TorchOnnxGraph(path))
+    module, reason = load_fast_campplus(TorchOnnxGraph(unfolded_path))
     assert reason is None and module is not None
     feats = _random_feats((2 * S + 1, S + 2), seed=9)
+    _assert_xvectors_close(module.embed(feats), _onnxruntime(unfolded_path, feats))
+
+
+def test_the_output_norm_is_applied_where_its_convolution_has_another_reader(unfolded_path, tmp_path):
+    """The last transition's convolution read twice: its batch norm cannot be folded by dataflow and follows it
+    as a node of its own, which the loader recognises as the output norm."""
+    def second_reader(graph) -> None:
+        convs = [n for n in graph.node if n.op_type == "Conv"]
+        transit = convs[-2].output[0]  # the last convolution is the embedding layer
+        graph.node.append(onnx.helper.make_node("Identity", [transit], ["unused_copy"]))
+
+    path = _edited(unfolded_path, tmp_path / "read_twice.onnx", second_reader)
+    module, reason = load_fast_campplus(TorchOnnxGraph(path))
+    assert reason is None and module is not None
+    feats = _random_feats((2 * S - 3, S + 9), seed=14)
     _assert_xvectors_close(module.embed(feats), _onnxruntime(path, feats))
 
 
