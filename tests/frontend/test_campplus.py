@@ -130,6 +130,40 @@ def test_calls_padded_to_graph_buckets_give_the_same_embeddings(graph, module):
             torch.testing.assert_close(a, b, rtol=BATCH_RTOL, atol=BATCH_ATOL)
 
 
+class _ReplayedCall:
+    """A stand-in for a captured CUDA graph on the CPU: replaying recomputes into the captured output, from the
+    captured (static) inputs, as a graph replay does."""
+
+    def __init__(self, compute, feats: torch.Tensor, static: list[torch.Tensor], out: torch.Tensor) -> None:
+        self.compute, self.feats, self.static, self.out = compute, feats, static, out
+
+    def replay(self) -> None:
+        self.out.copy_(self.compute(self.feats, *self.static))
+
+
+def test_graphed_calls_read_the_shared_buffer_and_fresh_masks(graph, module, monkeypatch):
+    """The CUDA-graph plumbing on the CPU (`_GraphedCalls` with its captures emulated): each bucket is captured
+    once, and a later call of a bucket replays it with its own features and masks, not the captured call's."""
+    from cosystream.frontend import campplus
+
+    def capture(self, key, masks):
+        static = [m.clone() for m in masks]
+        out = torch.empty(key[0], module.embedding_size)  # a graph's output buffer: written by its replays only
+        return _ReplayedCall(self.compute, self.features(*key), static, out), static, out
+
+    monkeypatch.setattr(campplus._GraphedCalls, "_capture", capture)
+    graphed = CamPlusPlus.from_graph(graph, cuda_graphs=True)
+    graphed._graphs = campplus._GraphedCalls(graphed.compute, graphed.device, graphed.dtype, graphed.bins)
+    assert graphed.capture_buckets(max_frames=3 * S - 7, max_rows=3) == 3 * 3  # rows 1, 2, 4 x 1-3 s
+    batches = ((2 * S + 1, S + 3, 2 * S - 9), (3 * S - 10, 2 * S + 50, S + 20), (S - 1,))  # 1st, 2nd: one bucket
+    assert graphed.padded_size(3, 2 * S + 1) == graphed.padded_size(3, 3 * S - 10)
+    for seed, frames in enumerate(batches):
+        feats = _random_feats(frames, seed=20 + seed)
+        for a, b in zip(graphed.embed(feats), module.embed(feats), strict=True):
+            torch.testing.assert_close(a, b, rtol=BATCH_RTOL, atol=BATCH_ATOL)
+    assert len(graphed._graphs.graphs) == 9  # every call replayed a bucket captured before
+
+
 def test_the_padding_is_never_read(module):
     feats = _random_feats(DISTINCT_FRAMES, seed=6)
     longest = max(DISTINCT_FRAMES)
