@@ -268,6 +268,15 @@ def test_a_graph_the_module_does_not_reproduce_keeps_the_interpreter(campplus_pa
     assert "stays on the ONNX interpreter" in caplog.text
 
 
+def test_an_unforeseen_reading_error_leaves_the_interpreter_in_charge(graph, monkeypatch):
+    def fails(cls, graph, cuda_graphs=False):
+        raise KeyError("a tensor the reader did not expect")
+
+    monkeypatch.setattr(CamPlusPlus, "from_graph", classmethod(fails))
+    module, reason = load_fast_campplus(graph)
+    assert module is None and "reading it failed: KeyError" in reason
+
+
 def test_float32_only(campplus_path):
     module, reason = load_fast_campplus(TorchOnnxGraph(campplus_path, dtype=torch.bfloat16))
     assert module is None and "float32" in reason
