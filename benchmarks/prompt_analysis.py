@@ -3,7 +3,7 @@ and what bf16/fp16 change in the tokens and x-vectors against the ONNX (float32)
 
     python benchmarks/prompt_analysis.py --model-dir MODEL_DIR --device cuda \
         [--seconds 6] [--batch-sizes 1,4,16] [--dtypes float32,bfloat16,float16] [--speaker-threads 8] \
-        [--graph-threads 4] [--compare-unfolded] [--repeats 5] [--out FILE.json]
+        [--graph-threads 4] [--compare-unfolded] [--compare-interpreter] [--repeats 5] [--out FILE.json]
 
 Prompts are synthetic voiced signals of `--seconds` (each one a little longer than the one before,
 `--jitter-ms`, so every batch holds distinct lengths as real traffic does; 0 gives equal lengths) at
@@ -21,6 +21,15 @@ analysis of the largest batch (counted by torch's sync debug mode; the copies of
 the CPU are among them). `--compare-unfolded` also times float32 with every node interpreted on every
 call (the runner without shape folding). `--graph-threads N` also times float32 with CAM++'s calls (one
 per distinct prompt length) on N threads at once, each on its own CUDA stream.
+
+CAM++ runs as the batched network of `frontend/campplus.py` (every prompt of a batch in one call) where the
+graph is the released architecture and the network reproduces it at load (`speaker_batch_mode`
+`campplus_module`; otherwise `speaker_fallback` says why, and the graph runs through the interpreter; the
+network runs in float32 only). `--compare-interpreter` also times float32 with CAM++ on the interpreter
+(`fast_campplus=False`), `--campplus-cuda-graphs` with the network's calls padded to shape buckets and each
+bucket's call replayed as a CUDA graph (`campplus_cuda_graphs=True`; the analyzer captures every bucket when it
+is built, so the timed calls are replays). For the network the report gives the torch operator calls of one call (views
+included) for one prompt and for the largest batch.
 """
 
 from __future__ import annotations
@@ -127,9 +136,10 @@ def parts_ms(analyzer: TorchPromptAnalyzer, prompts: Sequence[PromptAudio], fres
 
 
 def graph_ops(analyzer: TorchPromptAnalyzer, prompts: Sequence[PromptAudio], fresh: NewLengths) -> dict[str, Any]:
-    """Operator calls of one call of each graph, for one prompt: a new length, then the same length again."""
+    """Operator calls of one call of each interpreted graph, for one prompt: a new length, then the same length
+    again; for the batched CAM++ network, its torch operator calls for one prompt and for all of `prompts`."""
     graphs = {"speech_tokenizer": analyzer.tokenizer.graph}
-    if analyzer.speaker is not None:
+    if analyzer.speaker is not None and analyzer.fast_speaker is None:
         graphs["campplus"] = analyzer.speaker.graph
     batch = fresh(prompts[:1])
     report: dict[str, Any] = {}
@@ -137,7 +147,27 @@ def graph_ops(analyzer: TorchPromptAnalyzer, prompts: Sequence[PromptAudio], fre
         analyzer.analyse(batch)
         for name, graph in graphs.items():
             report.setdefault(name, dict(graph.node_counts))[f"ops_{label}"] = graph.stats.ops_run
+    if analyzer.fast_speaker is not None:
+        report["campplus_module"] = {"torch_ops_one_prompt": torch_ops(lambda: analyzer.embed([batch[0].wav_16k])),
+                                     f"torch_ops_batch{len(prompts)}": torch_ops(
+                                         lambda: analyzer.embed([p.wav_16k for p in fresh(prompts)]))}
     return report
+
+
+def torch_ops(fn: Callable[[], Any]) -> int:
+    """Torch operator calls (views included) `fn` makes, the features and copies back included."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.calls
 
 
 def host_syncs(analyzer: TorchPromptAnalyzer, prompts: Sequence[PromptAudio]) -> int | None:
@@ -180,22 +210,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report["onnx_cpu_ms_per_prompt"] = timed_ms(lambda: onnx_analysis(onnx_tok, onnx_spk, mel_dims, prompts[0]),
                                                 args.repeats)
     fresh = NewLengths(mel_dims.sampling_rate)
-    # (dtype, CAM++ CPU threads, shape folding, graph call threads)
-    variants = [(name, 0, True, 1) for name in args.dtypes.split(",")]
+    # (dtype, CAM++ CPU threads, shape folding, graph call threads, CAM++ path: "network" where the graph allows,
+    # "cuda_graphs" the same with its calls replayed as CUDA graphs, or "interpreter")
+    variants = [(name, 0, True, 1, "network") for name in args.dtypes.split(",")]
     if args.speaker_threads > 0:
-        variants += [(name, args.speaker_threads, True, 1) for name in args.dtypes.split(",")]
+        variants += [(name, args.speaker_threads, True, 1, "network") for name in args.dtypes.split(",")]
     if args.compare_unfolded:
-        variants.append(("float32", 0, False, 1))
+        variants.append(("float32", 0, False, 1, "interpreter"))
     if args.graph_threads > 1:
-        variants.append(("float32", 0, True, args.graph_threads))
-    for name, threads, fold, graph_threads in variants:
+        variants.append(("float32", 0, True, args.graph_threads, "interpreter"))
+    if args.compare_interpreter:
+        variants.append(("float32", 0, True, 1, "interpreter"))
+    if args.campplus_cuda_graphs:
+        variants.append(("float32", 0, True, 1, "cuda_graphs"))
+    for name, threads, fold, graph_threads, campplus in variants:
         analyzer = TorchPromptAnalyzer(tokenizer_path, campplus_path, mel_dims, args.device, DTYPES[name],
-                                       speaker_threads=threads, fold_shapes=fold, graph_threads=graph_threads)
+                                       speaker_threads=threads, fold_shapes=fold, graph_threads=graph_threads,
+                                       fast_campplus=campplus != "interpreter",
+                                       campplus_cuda_graphs=campplus == "cuda_graphs")
         entry = measure(analyzer, prompts, batch_sizes, fresh, args.repeats)
         entry.update(agreement(reference, analyzer.analyse(prompts)))
         label = name if threads == 0 else f"{name}+campplus_cpu{threads}"
         label += "" if fold else "_unfolded"
         label += "" if graph_threads == 1 else f"+graph_threads{graph_threads}"
+        plain = threads == 0 and fold and graph_threads == 1
+        label += f"+campplus_{campplus}" if plain and campplus != "network" else ""
         report["dtypes"][label] = entry
         analyzer.close()
     return report
@@ -204,7 +243,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def measure(analyzer: TorchPromptAnalyzer, prompts: Sequence[PromptAudio], batch_sizes: Sequence[int],
             fresh: NewLengths, repeats: int) -> dict[str, Any]:
     entry: dict[str, Any] = {"tokenizer_batch_mode": analyzer.tokenizer.mode,
-                             "speaker_batch_mode": analyzer.speaker_mode}
+                             "speaker_batch_mode": analyzer.speaker_mode,
+                             "speaker_fallback": analyzer.speaker_fallback}
     for size in batch_sizes:  # batch 1 is the unbatched analysis
         batch = prompts[:size]
         entry[f"batch{size}_ms_per_prompt"] = timed_new_ms(analyzer.analyse, batch, fresh, repeats) / size
@@ -234,8 +274,14 @@ def print_report(report: dict[str, Any]) -> None:
         print(f"    repeated batch (cached shapes): {cached}; host syncs in one largest batch: "
               f"{entry['host_syncs_largest_batch']}")
         for graph, ops in entry["graph_ops_per_call"].items():
+            if graph == "campplus_module":
+                print(f"    {graph}: torch operator calls per call: " + ", ".join(f"{k.removeprefix('torch_ops_')} {v}"
+                                                                             for k, v in ops.items()))
+                continue
             print(f"    {graph}: operator calls per call: new length {ops['ops_new_length']}, cached shape "
                   f"{ops['ops_cached_shape']} (plan {ops['plan']} nodes, compute {ops['compute']})")
+        if entry["speaker_fallback"]:
+            print(f"    CAM++ not on the batched network: {entry['speaker_fallback']}")
         print(f"    vs ONNX: tokens {entry['token_agreement']:.4%} equal, {entry['prompts_all_tokens_equal']}/"
               f"{entry['prompts']} prompts all equal; x-vector max |diff| {entry['xvector_max_abs_diff']:.2e}, "
               f"min cosine {entry['xvector_min_cosine']:.6f}")
@@ -255,6 +301,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--graph-threads", type=int, default=0,
                    help="also time float32 with CAM++'s calls on this many threads at once (0 or 1: skip)")
+    p.add_argument("--compare-interpreter", action="store_true",
+                   help="also time float32 with CAM++ on the ONNX interpreter instead of the batched network")
+    p.add_argument("--campplus-cuda-graphs", action="store_true",
+                   help="also time float32 with the CAM++ network's calls padded to shape buckets and replayed as "
+                        "CUDA graphs")
     p.add_argument("--compare-unfolded", action="store_true",
                    help="also time float32 with the runner's shape folding off (every node on every call)")
     p.add_argument("--out", help="write the report as JSON here")

@@ -13,6 +13,11 @@ Which mode a graph allows is measured when it is loaded, not assumed (`probe_bat
 must give each prompt of a batch the result it gives that prompt alone, with loud noise in the
 padding. Results are CPU tensors, equal to the unbatched ones.
 
+CAM++ runs as a hand-written network with the graph's weights (`campplus.CamPlusPlus`), all prompts of
+any lengths in one call, when the graph has the released architecture and the network reproduces it on
+the analysis device at load (`campplus.load_fast_campplus`); otherwise (another graph, another dtype than
+float32, `fast_campplus=False`) the graph runs through `TorchOnnxGraph` in its probed batch mode.
+
 The calls of a `same_length` or `single` graph (CAM++ over prompts of distinct lengths: one call each)
 may run on `threads` threads at once, each on its own CUDA stream: a call of a small network is bound
 by the host's work per operator, and torch releases the GIL inside each operator.
@@ -31,11 +36,25 @@ from pathlib import Path
 import torch
 
 from cosystream.checkpoint import Checkpoint, MelDims
-from cosystream.frontend.audio import PromptAudio, prompt_mel, speaker_features, whisper_log_mel
+from cosystream.frontend.audio import (
+    FBANK_FRAME,
+    FBANK_SHIFT,
+    MAX_PROMPT_S,
+    TOKENIZER_SAMPLE_RATE,
+    PromptAudio,
+    prompt_mel,
+    speaker_features,
+    whisper_log_mel,
+)
+from cosystream.frontend.campplus import CamPlusPlus, load_fast_campplus
 from cosystream.frontend.onnx_torch import TorchOnnxGraph, UnsupportedGraph, torch_dtype
 from cosystream.frontend.speaker import SpeakerEncoder
 
 BATCH_MODES = ("padded", "same_length", "single")
+FAST_SPEAKER_MODE = "campplus_module"  # speaker_mode while the batched CAM++ network runs
+# With CAM++ on CUDA graphs, the graphs of calls up to this many prompts (the engine's prompt batches) of up to
+# MAX_PROMPT_S are captured at load
+GRAPH_ROWS = 16
 PROBE_SEED = 20240538
 PROBE_FRAMES = (61, 64, 67, 130)  # feature lengths the probe runs: several residues mod 4 and one longer
 PROBE_PAD_STD = 8.0  # padding noise far outside the features' range, so a graph that reads it shows it
@@ -254,12 +273,18 @@ class TorchPromptAnalyzer:
     different lengths (its batch mode is measured), where one device call per prompt may cost more than
     parallel CPU runs (benchmarks/prompt_analysis.py measures both).
 
+    `fast_campplus` (the default) runs CAM++ as `campplus.CamPlusPlus` where the graph allows it (see the
+    module's docstring); `speaker_fallback` then is None, else it says why the graph runs instead.
+    `campplus_cuda_graphs` pads its calls to shape buckets and replays each bucket's call as a CUDA graph (all
+    captured here, for up to GRAPH_ROWS prompts of up to MAX_PROMPT_S).
+
     Not thread-safe: one caller at a time (the engine's prompt batcher owns one).
     """
 
     def __init__(self, speech_tokenizer: str | Path, campplus: str | Path, mel_dims: MelDims,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 speaker_threads: int = 0, fold_shapes: bool = True, graph_threads: int = 1) -> None:
+                 speaker_threads: int = 0, fold_shapes: bool = True, graph_threads: int = 1,
+                 fast_campplus: bool = True, campplus_cuda_graphs: bool = False) -> None:
         self.device = torch.device(device)
         self.dtype = dtype
         self.mel_dims = mel_dims
@@ -268,28 +293,45 @@ class TorchPromptAnalyzer:
         with self._exact():
             self.tokenizer.probe_batching(channels=_feature_channels(self.tokenizer, axis=1))
         self.speaker: BatchedGraph | None = None
+        self.fast_speaker: CamPlusPlus | None = None
+        self.speaker_fallback: str | None = None  # why CAM++ is not the batched module, when it is not
         self._cpu_speaker: SpeakerEncoder | None = None
         self._speaker_pool: ThreadPoolExecutor | None = None
         if speaker_threads > 0:
             self._cpu_speaker = SpeakerEncoder(campplus)
             self._speaker_pool = ThreadPoolExecutor(speaker_threads, thread_name_prefix="campplus")
+            self.speaker_fallback = "CAM++ runs on onnxruntime on the CPU (speaker_threads > 0)"
         else:
             self.speaker = BatchedGraph(TorchOnnxGraph(campplus, self.device, dtype, fold_shapes), sequence_axis=1)
             with self._exact():
-                self.speaker.probe_batching(channels=_feature_channels(self.speaker, axis=2))
+                if fast_campplus:
+                    self.fast_speaker, self.speaker_fallback = load_fast_campplus(self.speaker.graph,
+                                                                                  campplus_cuda_graphs)
+                else:
+                    self.speaker_fallback = "the batched CAM++ module is switched off (fast_campplus=False)"
+                if self.fast_speaker is None:
+                    self.speaker.probe_batching(channels=_feature_channels(self.speaker, axis=2))
+                else:
+                    longest = 1 + (int(MAX_PROMPT_S * TOKENIZER_SAMPLE_RATE) - FBANK_FRAME) // FBANK_SHIFT
+                    self.fast_speaker.capture_buckets(longest, GRAPH_ROWS)
             self.speaker.threads = graph_threads
 
     @classmethod
     def from_checkpoint(cls, checkpoint: Checkpoint, device: str | torch.device = "cpu",
                         dtype: torch.dtype = torch.float32, speaker_threads: int = 0,
-                        graph_threads: int = 1) -> TorchPromptAnalyzer:
+                        graph_threads: int = 1, fast_campplus: bool = True,
+                        campplus_cuda_graphs: bool = False) -> TorchPromptAnalyzer:
         files = checkpoint.files
         return cls(files.speech_tokenizer, files.campplus, checkpoint.hparams.mel, device, dtype, speaker_threads,
-                   graph_threads=graph_threads)
+                   graph_threads=graph_threads, fast_campplus=fast_campplus,
+                   campplus_cuda_graphs=campplus_cuda_graphs)
 
     @property
     def speaker_mode(self) -> str:
-        """How CAM++ runs: a batch mode of BATCH_MODES on the device, or on the CPU."""
+        """How CAM++ runs: FAST_SPEAKER_MODE (the batched module, every prompt in one call), a batch mode of
+        BATCH_MODES of the graph on the device, or on the CPU."""
+        if self.fast_speaker is not None:
+            return FAST_SPEAKER_MODE
         return self.speaker.mode if self.speaker is not None else "onnxruntime_cpu"
 
     def close(self) -> None:
@@ -344,6 +386,8 @@ class TorchPromptAnalyzer:
     def _xvectors(self, wavs_16k: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         assert self.speaker is not None
         feats = [speaker_features(w.to(self.device, torch.float32)).T for w in wavs_16k]
+        if self.fast_speaker is not None:
+            return self.fast_speaker.embed(feats)
         return [x.reshape(-1) for x in self.speaker.run(feats)]
 
     def _mels(self, wavs_24k: Sequence[torch.Tensor]) -> list[torch.Tensor]:
