@@ -21,7 +21,8 @@
 #   cv3_http       CosyVoice3 0.5B over HTTP, one stream
 #   zeroshot       levels_all.sh zeroshot (registered voice and a new recording each request, c=1,16; ZS_RUNS)
 #   zeroshot_http  a new recording in every /v1/tts request over HTTP (cosystream bench --distinct-prompts), c=1,16
-#   prompt_analysis  benchmarks/prompt_analysis.py on the released side-model architectures (/tmp/m05r)
+#   prompt_analysis  benchmarks/prompt_analysis.py on the released side-model architectures (/tmp/m05r), and
+#                  the prompt analysis GPU tests
 # Carry .whl (benchmarks/fetch_wheels.sh), .whl_ray (scale_ray) and .base (overload_base); the GPU tests read
 # the fixture sets shipped in tests/fixtures. Shared preparation (wheels, the 0.5B
 # CosyVoice2 model in /tmp/m05 and /tmp/m05r unless NO_M05=1, the workload) runs once, first.
@@ -105,11 +106,15 @@ part() {  # $1: part, $2: lane folder, $3: port
     fi
     kill -INT "$server"; wait "$server" ;;
   prompt_analysis)
-    stamp "prompt analysis: folded vs unfolded graphs, CAM++ on 8 CPU threads, 4 graph threads, batches 1, 16"
+    stamp "prompt analysis: the CAM++ network (eager and CUDA-graphed) against the interpreter, batches 1, 16"
     timeout 200 python3 benchmarks/prompt_analysis.py --model-dir /tmp/m05r --device cuda --seconds 6 \
-      --batch-sizes 1,16 --dtypes float32 --speaker-threads 8 --compare-unfolded --graph-threads 4 --repeats 2 \
-      --out "$dir/prompt_analysis.json" > "$dir/prompt_analysis.txt" 2>&1
-    tail -40 "$dir/prompt_analysis.txt" ;;
+      --batch-sizes 1,16 --dtypes float32 --speaker-threads 0 --compare-interpreter --campplus-cuda-graphs \
+      --repeats 2 --out "$dir/prompt_analysis.json" > "$dir/prompt_analysis.txt" 2>&1
+    tail -40 "$dir/prompt_analysis.txt"
+    stamp "prompt analysis GPU tests (CAM++ network and graphs against the interpreter and onnxruntime)"
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_campplus_cuda.py \
+      tests/gpu/test_torch_prompt_cuda.py > "$dir/prompt_gpu_tests.log" 2>&1
+    tail -3 "$dir/prompt_gpu_tests.log" ;;
   *) echo "lanes.sh: unknown part $1" >&2; return 2 ;;
   esac
 }
