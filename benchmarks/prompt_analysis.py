@@ -25,11 +25,10 @@ per distinct prompt length) on N threads at once, each on its own CUDA stream.
 CAM++ runs as the batched network of `frontend/campplus.py` (every prompt of a batch in one call) where the
 graph is the released architecture and the network reproduces it at load (`speaker_batch_mode`
 `campplus_module`; otherwise `speaker_fallback` says why, and the graph runs through the interpreter; the
-network runs in float32 only). `--compare-interpreter` also times float32 with CAM++ on the interpreter
-(`fast_campplus=False`), `--campplus-cuda-graphs` with the network's calls padded to shape buckets and each
-bucket's call replayed as a CUDA graph (`campplus_cuda_graphs=True`; the analyzer captures every bucket when it
-is built, so the timed calls are replays). For the network the report gives the torch operator calls of one call (views
-included) for one prompt and for the largest batch.
+network runs in float32 only; on CUDA its calls are padded to shape buckets and replayed as CUDA graphs, every
+bucket captured when the analyzer is built, so the timed calls are replays). `--compare-interpreter` also times
+float32 with CAM++ on the interpreter (`fast_campplus=False`). For the network the report gives the torch operator
+calls of one call (views included) for one prompt and for the largest batch.
 """
 
 from __future__ import annotations
@@ -211,7 +210,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                 args.repeats)
     fresh = NewLengths(mel_dims.sampling_rate)
     # (dtype, CAM++ CPU threads, shape folding, graph call threads, CAM++ path: "network" where the graph allows,
-    # "cuda_graphs" the same with its calls replayed as CUDA graphs, or "interpreter")
+    # or "interpreter")
     variants = [(name, 0, True, 1, "network") for name in args.dtypes.split(",")]
     if args.speaker_threads > 0:
         variants += [(name, args.speaker_threads, True, 1, "network") for name in args.dtypes.split(",")]
@@ -221,13 +220,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         variants.append(("float32", 0, True, args.graph_threads, "interpreter"))
     if args.compare_interpreter:
         variants.append(("float32", 0, True, 1, "interpreter"))
-    if args.campplus_cuda_graphs:
-        variants.append(("float32", 0, True, 1, "cuda_graphs"))
     for name, threads, fold, graph_threads, campplus in variants:
         analyzer = TorchPromptAnalyzer(tokenizer_path, campplus_path, mel_dims, args.device, DTYPES[name],
                                        speaker_threads=threads, fold_shapes=fold, graph_threads=graph_threads,
-                                       fast_campplus=campplus != "interpreter",
-                                       campplus_cuda_graphs=campplus == "cuda_graphs")
+                                       fast_campplus=campplus != "interpreter")
         entry = measure(analyzer, prompts, batch_sizes, fresh, args.repeats)
         entry.update(agreement(reference, analyzer.analyse(prompts)))
         label = name if threads == 0 else f"{name}+campplus_cpu{threads}"
@@ -303,9 +299,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time float32 with CAM++'s calls on this many threads at once (0 or 1: skip)")
     p.add_argument("--compare-interpreter", action="store_true",
                    help="also time float32 with CAM++ on the ONNX interpreter instead of the batched network")
-    p.add_argument("--campplus-cuda-graphs", action="store_true",
-                   help="also time float32 with the CAM++ network's calls padded to shape buckets and replayed as "
-                        "CUDA graphs")
     p.add_argument("--compare-unfolded", action="store_true",
                    help="also time float32 with the runner's shape folding off (every node on every call)")
     p.add_argument("--out", help="write the report as JSON here")

@@ -61,7 +61,7 @@ CHECK_SEED = 20240638
 # once) takes 10 KiB a frame in the full-size model (32 channels x 80 bins, float32): about 160 MiB at this bound,
 # which 16 prompts of 10 s reach; a burst of longer prompts runs in several calls.
 MAX_BATCH_FRAMES = 16_000
-# With CUDA graphs (`cuda_graphs=True`), a call pads its prompts to a multiple of this many fbank frames (1 s) and its
+# With CUDA graphs (on CUDA), a call pads its prompts to a multiple of this many fbank frames (1 s) and its
 # rows to a batch bucket (engine/graphs.py), so one captured graph serves every batch in its bucket; padding changes
 # no result (the masks), only the device's work.
 GRAPH_FRAME_STEP = 100
@@ -76,7 +76,7 @@ class CamPlusPlus:
     """
 
     def __init__(self, weights: CamWeights, device: torch.device, dtype: torch.dtype,
-                 cuda_graphs: bool = False) -> None:
+                 cuda_graphs: bool | None = None) -> None:
         self.device, self.dtype, self.bins = device, dtype, weights.bins
         place = self._place
         self.head_conv1, self.head_conv2 = place(weights.head_conv1), place(weights.head_conv2)
@@ -88,14 +88,15 @@ class CamPlusPlus:
         self.embedding_bias = self._tensor(weights.embedding_bias)
         self.embedding_size = self.embedding_weight.shape[0]
         self._zero = torch.zeros((), device=device, dtype=dtype)
-        # calls padded to shape buckets, each bucket's call captured once as a CUDA graph and replayed (on the CPU the
-        # same padded calls run eagerly)
-        self.cuda_graphs = cuda_graphs
-        self._graphs = _GraphedCalls(self.compute, device, dtype, self.bins) if cuda_graphs and device.type == "cuda" \
-            else None
+        # on CUDA, calls padded to shape buckets, each bucket's call captured once as a CUDA graph and replayed: eager,
+        # its ~1,000 small kernels a call are launch-bound (one prompt alone took 78 ms to analyse on an H200, 17 ms
+        # graphed). `cuda_graphs` (None: on CUDA) pads the calls on the CPU too, where they run eagerly (tests)
+        self.cuda_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self._graphs = _GraphedCalls(self.compute, device, dtype, self.bins) \
+            if self.cuda_graphs and device.type == "cuda" else None
 
     @classmethod
-    def from_graph(cls, graph: TorchOnnxGraph, cuda_graphs: bool = False) -> CamPlusPlus:
+    def from_graph(cls, graph: TorchOnnxGraph, cuda_graphs: bool | None = None) -> CamPlusPlus:
         """The network behind a CAM++ graph, on the graph's device and in its dtype; NotCamPlusPlus if the graph
         has another structure (`campplus_graph.read_campplus`)."""
         return cls(read_campplus(graph), graph.ctx.device, graph.ctx.dtype, cuda_graphs)
@@ -404,9 +405,10 @@ def self_check(module: CamPlusPlus, graph: TorchOnnxGraph) -> str | None:
     return None
 
 
-def load_fast_campplus(graph: TorchOnnxGraph, cuda_graphs: bool = False) -> tuple[CamPlusPlus | None, str | None]:
+def load_fast_campplus(graph: TorchOnnxGraph, cuda_graphs: bool | None = None
+                       ) -> tuple[CamPlusPlus | None, str | None]:
     """(the module, None) when the graph is the released CAM++ architecture and the module reproduces it on the
-    graph's device (with `cuda_graphs`, through its graphed calls), else (None, why not). Float32 only: the
+    graph's device (on CUDA through its graphed calls), else (None, why not). Float32 only: the
     analysis dtype, which the tolerance is for."""
     name = graph.path.name
     if graph.ctx.dtype != torch.float32:

@@ -274,9 +274,9 @@ class TorchPromptAnalyzer:
     parallel CPU runs (benchmarks/prompt_analysis.py measures both).
 
     `fast_campplus` (the default) runs CAM++ as `campplus.CamPlusPlus` where the graph allows it (see the
-    module's docstring); `speaker_fallback` then is None, else it says why the graph runs instead.
-    `campplus_cuda_graphs` pads its calls to shape buckets and replays each bucket's call as a CUDA graph (all
-    captured here, for up to GRAPH_ROWS prompts of up to MAX_PROMPT_S).
+    module's docstring); `speaker_fallback` then is None, else it says why the graph runs instead. On CUDA its
+    calls are padded to shape buckets and replayed as CUDA graphs, all captured here (for up to GRAPH_ROWS
+    prompts of up to MAX_PROMPT_S).
 
     Not thread-safe: one caller at a time (the engine's prompt batcher owns one).
     """
@@ -284,7 +284,7 @@ class TorchPromptAnalyzer:
     def __init__(self, speech_tokenizer: str | Path, campplus: str | Path, mel_dims: MelDims,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  speaker_threads: int = 0, fold_shapes: bool = True, graph_threads: int = 1,
-                 fast_campplus: bool = True, campplus_cuda_graphs: bool = False) -> None:
+                 fast_campplus: bool = True) -> None:
         self.device = torch.device(device)
         self.dtype = dtype
         self.mel_dims = mel_dims
@@ -305,8 +305,7 @@ class TorchPromptAnalyzer:
             self.speaker = BatchedGraph(TorchOnnxGraph(campplus, self.device, dtype, fold_shapes), sequence_axis=1)
             with self._exact():
                 if fast_campplus:
-                    self.fast_speaker, self.speaker_fallback = load_fast_campplus(self.speaker.graph,
-                                                                                  campplus_cuda_graphs)
+                    self.fast_speaker, self.speaker_fallback = load_fast_campplus(self.speaker.graph)
                 else:
                     self.speaker_fallback = "the batched CAM++ module is switched off (fast_campplus=False)"
                 if self.fast_speaker is None:
@@ -319,12 +318,10 @@ class TorchPromptAnalyzer:
     @classmethod
     def from_checkpoint(cls, checkpoint: Checkpoint, device: str | torch.device = "cpu",
                         dtype: torch.dtype = torch.float32, speaker_threads: int = 0,
-                        graph_threads: int = 1, fast_campplus: bool = True,
-                        campplus_cuda_graphs: bool = False) -> TorchPromptAnalyzer:
+                        graph_threads: int = 1, fast_campplus: bool = True) -> TorchPromptAnalyzer:
         files = checkpoint.files
         return cls(files.speech_tokenizer, files.campplus, checkpoint.hparams.mel, device, dtype, speaker_threads,
-                   graph_threads=graph_threads, fast_campplus=fast_campplus,
-                   campplus_cuda_graphs=campplus_cuda_graphs)
+                   graph_threads=graph_threads, fast_campplus=fast_campplus)
 
     @property
     def speaker_mode(self) -> str:

@@ -61,8 +61,7 @@ def test_analyzer_captures_every_bucket_at_load_and_none_later(campplus_path, ch
     from cosystream.frontend.speaker import SpeakerEncoder
     from cosystream.frontend.torch_prompt import GRAPH_ROWS, TorchPromptAnalyzer
 
-    analyzer = TorchPromptAnalyzer(checkpoint.files.speech_tokenizer, campplus_path, checkpoint.hparams.mel, "cuda",
-                                   campplus_cuda_graphs=True)
+    analyzer = TorchPromptAnalyzer(checkpoint.files.speech_tokenizer, campplus_path, checkpoint.hparams.mel, "cuda")
     assert analyzer.speaker_mode == "campplus_module"
     steps = range(GRAPH_FRAME_STEP, int(MAX_PROMPT_S * 100) + GRAPH_FRAME_STEP, GRAPH_FRAME_STEP)
     expected = sum(1 for rows in BATCH_BUCKETS if rows <= GRAPH_ROWS for frames in steps
