@@ -151,17 +151,17 @@ zeroshot_analysis|zeroshot)
     runs=" ${ZS_RUNS:-registered distinct no_open_ahead} "
     if [[ $runs == *" registered "* ]]; then
       stamp "registered voice, c=1,16"
-      timeout 120 $R --concurrency 1,16 --requests-per-level "${ZS_REQS:-64}" --out "$OUT/zs_registered.json" 2>&1 \
+      timeout 300 $R --concurrency 1,16 --requests-per-level "${ZS_REQS:-64}" --out "$OUT/zs_registered.json" 2>&1 \
         | rows
     fi
     if [[ $runs == *" distinct "* ]]; then
       stamp "a new recording in every request, c=1,16"
-      timeout 150 $R --prompt-per-request --distinct-prompts --concurrency 1,16 --requests-per-level "${ZS_REQS:-64}" \
+      timeout 300 $R --prompt-per-request --distinct-prompts --concurrency 1,16 --requests-per-level "${ZS_REQS:-64}" \
         --out "$OUT/zs_distinct.json" 2>&1 | rows
     fi
     if [[ $runs == *" no_open_ahead "* ]]; then
       stamp "the same, prompt passes with the first chunk only (open_ahead=false)"
-      timeout 150 $R --config open_ahead=false --prompt-per-request --distinct-prompts --concurrency 1,16 \
+      timeout 300 $R --config open_ahead=false --prompt-per-request --distinct-prompts --concurrency 1,16 \
         --requests-per-level "${ZS_REQS:-64}" --out "$OUT/zs_distinct_no_open_ahead.json" 2>&1 | rows
     fi
   fi
