@@ -28,8 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from cosystream.config import ChunkSchedule
+from cosystream.cuda_graphs import BATCH_BUCKETS, bucket, capture_stream
 from cosystream.engine.chunking import ChunkPlan, ChunkPlanner
-from cosystream.engine.graphs import BATCH_BUCKETS, GraphCache, bucket, capture_stream
+from cosystream.engine.graphs import GraphCache
 from cosystream.engine.stopwatch import Stopwatch
 from cosystream.kernels import flow as flow_kernels
 from cosystream.kernels import reference as reference_kernels

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cosystream.engine.graphs import REPLAY_ROWS, GraphCache, bucket
+from cosystream.cuda_graphs import bucket
+from cosystream.engine.graphs import REPLAY_ROWS, GraphCache
 from cosystream.models.estimator import PooledKV, StepTimes
 from cosystream.models.flow import UPSAMPLE
 from cosystream.models.flow_stream import PromptCache

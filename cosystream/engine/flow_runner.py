@@ -21,9 +21,10 @@ from types import ModuleType
 
 import torch
 
+from cosystream.cuda_graphs import bucket
 from cosystream.engine import flow_fast
 from cosystream.engine.flow_passes import LEN_BUCKET, WholePasses
-from cosystream.engine.graphs import GraphCache, bucket, maybe_compile
+from cosystream.engine.graphs import GraphCache, maybe_compile
 from cosystream.engine.stopwatch import Stopwatch
 from cosystream.kernels import flow as flow_kernels
 from cosystream.kernels import reference as reference_kernels

@@ -16,30 +16,19 @@ new prefill shape.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
+from cosystream.cuda_graphs import CAPTURE_LOCK
+
 log = logging.getLogger("cosystream.engine")
 
-CAPTURE_LOCK = threading.RLock()  # one graph capture at a time in the process (engine thread or worker)
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 # Most streams in one replay of a token-to-wave graph whose batch the flow slots do not bound (official
 # final passes and their vocoder calls: a stream gives its slot back when only its final pass is left,
 # so dozens may wait for one): warm-up captures every bucket up to it, so no batch captures mid-traffic
 # (≈ 1.5 s of stalled worker on the H100 when a vocoder batch of 49 finals did).
 REPLAY_ROWS = 32
-
-
-def bucket(n: int, buckets: Sequence[int] = BATCH_BUCKETS) -> int:
-    """Smallest bucket >= n (n itself beyond the largest bucket)."""
-    return next((b for b in buckets if b >= n), n)
-
-
-def capture_stream(device: torch.device) -> torch.cuda.Stream | None:
-    """A stream of its own to capture one subsystem's graphs on (None on the CPU)."""
-    return torch.cuda.Stream(device) if device.type == "cuda" else None
 
 
 def maybe_compile(fn: Callable, enabled: bool) -> Callable:

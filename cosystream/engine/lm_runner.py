@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from cosystream.cuda_graphs import CAPTURE_LOCK, capture_stream
 from cosystream.engine.faults import NON_FINITE_TOKEN, mark_non_finite
-from cosystream.engine.graphs import CAPTURE_LOCK, GraphCache, capture_stream, maybe_compile
+from cosystream.engine.graphs import GraphCache, maybe_compile
 from cosystream.kernels import decode as decode_ops
 from cosystream.kernels import prefetch, triton_usable
 from cosystream.kernels import reference as reference_ops

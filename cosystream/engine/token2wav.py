@@ -20,11 +20,12 @@ import torch
 import torch.nn.functional as F
 
 from cosystream.config import EngineConfig
+from cosystream.cuda_graphs import BATCH_BUCKETS, bucket, capture_stream
 from cosystream.engine import vocoder_fast
 from cosystream.engine.chunking import ChunkPlan
 from cosystream.engine.flow_passes import FinalPass
 from cosystream.engine.flow_runner import FlowRunner, PooledStream
-from cosystream.engine.graphs import BATCH_BUCKETS, REPLAY_ROWS, GraphCache, bucket, capture_stream, maybe_compile
+from cosystream.engine.graphs import REPLAY_ROWS, GraphCache, maybe_compile
 from cosystream.engine.scheduler import PROMPT_PHASE_STREAMS
 from cosystream.engine.stopwatch import Stopwatch
 from cosystream.engine.upload_cache import is_upload_key

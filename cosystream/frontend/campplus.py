@@ -62,7 +62,7 @@ CHECK_SEED = 20240638
 # which 16 prompts of 10 s reach; a burst of longer prompts runs in several calls.
 MAX_BATCH_FRAMES = 16_000
 # With CUDA graphs (on CUDA), a call pads its prompts to a multiple of this many fbank frames (1 s) and its
-# rows to a batch bucket (engine/graphs.py), so one captured graph serves every batch in its bucket; padding changes
+# rows to a batch bucket (cuda_graphs.py), so one captured graph serves every batch in its bucket; padding changes
 # no result (the masks), only the device's work.
 GRAPH_FRAME_STEP = 100
 MAX_GRAPHS = 160  # captured shapes at most (capture_buckets' 120 for 30 s and 16 rows fit); others run eagerly
@@ -138,7 +138,7 @@ class CamPlusPlus:
         empties torch's allocator cache); returns how many were captured. Nothing without CUDA graphs."""
         if self._graphs is None:
             return 0
-        from cosystream.engine.graphs import BATCH_BUCKETS
+        from cosystream.cuda_graphs import BATCH_BUCKETS
 
         before = len(self._graphs.graphs)
         longest = self.padded_size(1, max_frames)[1]
@@ -152,7 +152,7 @@ class CamPlusPlus:
         """(rows, frames) of the call for `prompts` prompts of at most `longest` frames."""
         if not self.cuda_graphs:
             return prompts, longest
-        from cosystream.engine.graphs import bucket
+        from cosystream.cuda_graphs import bucket
 
         return bucket(prompts), -(-longest // GRAPH_FRAME_STEP) * GRAPH_FRAME_STEP
 
@@ -262,7 +262,7 @@ class _GraphedCalls:
 
     def __init__(self, compute: Callable[..., torch.Tensor], device: torch.device, dtype: torch.dtype,
                  bins: int) -> None:
-        from cosystream.engine.graphs import capture_stream
+        from cosystream.cuda_graphs import capture_stream
 
         self.compute, self.device, self.bins = compute, device, bins
         self.shared = torch.zeros(MAX_BATCH_FRAMES * bins, device=device, dtype=dtype)
@@ -289,7 +289,7 @@ class _GraphedCalls:
 
     def _capture(self, key: tuple[int, int], masks: Sequence[torch.Tensor]
                  ) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor], torch.Tensor]:
-        from cosystream.engine.graphs import CAPTURE_LOCK
+        from cosystream.cuda_graphs import CAPTURE_LOCK
 
         with CAPTURE_LOCK:
             static = [m.clone() for m in masks]

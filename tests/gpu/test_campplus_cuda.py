@@ -55,7 +55,7 @@ def test_cuda_network_equals_the_interpreter_and_onnxruntime(campplus_path, cuda
 
 
 def test_analyzer_captures_every_bucket_at_load_and_none_later(campplus_path, checkpoint, speech_like_wavs):
-    from cosystream.engine.graphs import BATCH_BUCKETS
+    from cosystream.cuda_graphs import BATCH_BUCKETS
     from cosystream.frontend.audio import MAX_PROMPT_S
     from cosystream.frontend.campplus import GRAPH_FRAME_STEP, MAX_BATCH_FRAMES
     from cosystream.frontend.speaker import SpeakerEncoder
