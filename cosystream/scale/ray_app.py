@@ -32,6 +32,7 @@ import dataclasses
 import functools
 import logging
 import os
+import pkgutil
 import re
 import signal
 import tempfile
@@ -105,6 +106,9 @@ class ReplicaSpec:
     settings: ServerSettings = field(default_factory=ServerSettings)
     health_timeout_s: float = 10.0  # the engine loop must answer a no-op within this
     log_level: str = "info"
+    # "module:callable" applied to the built engine, whose result the app serves (benchmarks/scale_overhead.py
+    # swaps synthesis for a stand-in to measure the serving path alone); None: the engine itself
+    engine_hook: str | None = None
 
     def __post_init__(self) -> None:
         if self.voice_store not in ("file", "actor"):
@@ -280,6 +284,8 @@ class CosyStreamReplica:
         if remote_store is not None:
             engine.voices.close()
             engine.voices = remote_store
+        if spec.engine_hook:
+            engine = pkgutil.resolve_name(spec.engine_hook)(engine)
         if spec.settings.warmup:
             # before the constructor returns: Ray routes to a replica only once it is constructed
             await loop.run_in_executor(None, engine.warmup)
