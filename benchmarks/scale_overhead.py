@@ -158,6 +158,9 @@ def role(pid: int, root: int) -> str:
         return "proxy"
     if "ServeReplica" in cmd:
         return "replicas"
+    for part in ("ServeController", "gcs_server", "raylet"):
+        if part in cmd:
+            return part
     return "server" if pid == root else "ray, other"
 
 
@@ -293,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         if name == "run":
             p.add_argument("--servers", default="single,ray2", help="single, rayN (comma-separated)")
             p.add_argument("--c1", type=int, default=40)
-            p.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], default=[8, 32])
+            p.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",") if x], default=[8, 32])
             p.add_argument("--requests", type=int, default=128)
             p.add_argument("--out", default="/tmp/scale_overhead")
     args = parser.parse_args(argv)
