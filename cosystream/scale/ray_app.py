@@ -495,11 +495,12 @@ def build_application(spec: ReplicaSpec, num_replicas: int, num_gpus: float = 0.
                       max_ongoing_requests: int = 1024, health_check_period_s: float = 2.0,
                       health_check_timeout_s: float | None = None) -> Any:
     """The bound Serve application: `num_replicas` replicas of `spec`, each with `num_gpus` GPUs (1: one GPU
-    each) or, without GPUs, `num_cpus` CPUs. max_ongoing_requests is far above any engine's slots on purpose:
-    the engine's admission decides when a replica is full, not Ray's queue."""
+    each; 0: none) and `num_cpus` CPUs (Ray gives the replica's process that many OpenMP threads).
+    max_ongoing_requests is far above any engine's slots on purpose: the engine's admission decides when a replica
+    is full, not Ray's queue."""
     if num_replicas < 1:
         raise ValueError(f"num_replicas: must be at least 1, got {num_replicas}")
-    actor_options: dict[str, Any] = {"num_gpus": num_gpus} if num_gpus > 0 else {"num_cpus": num_cpus}
+    actor_options: dict[str, Any] = {"num_cpus": num_cpus, **({"num_gpus": num_gpus} if num_gpus > 0 else {})}
     router = RequestRouterConfig(request_router_class=EngineAwareRouter,
                                  request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
                                  request_routing_stats_timeout_s=max(ROUTING_STATS_PERIOD_S, 5.0))
@@ -518,7 +519,7 @@ def app_builder(args: dict[str, Any]) -> Any:
     """`serve run cosystream.scale.ray_app:app_builder model_dir=DIR [key=value ...]` or a config's `args`.
 
     Keys: model_dir (required), num_replicas (1), num_gpus (1 per replica when the cluster has GPUs, else 0),
-    num_cpus (1, CPU replicas), device, dtype, voice_store (actor; file for one host), voices_db,
+    num_cpus (1 per replica), device, dtype, voice_store (actor; file for one host), voices_db,
     max_streams, first_audio_budget_s, max_streams_per_client, warmup (true), config (FIELD=VALUE,... or a
     mapping of EngineConfig fields), health_timeout_s (10), log_level (info). API keys: $COSYSTREAM_API_KEYS.
     """
@@ -563,7 +564,9 @@ def local_resources(num_replicas: int, device: str | None) -> tuple[float, float
     if gpus:
         if num_replicas > gpus:
             raise ValueError(f"--replicas: {num_replicas} replicas need {num_replicas} GPUs, this machine has {gpus}")
-        return 1.0, 0.0, {"num_gpus": gpus}
+        # each GPU's share of the CPUs, less one for the proxy and Ray's own processes: Ray gives a replica's
+        # process as many OpenMP threads as CPUs it reserved (1 by default), where one server process has them all
+        return 1.0, float(max(1, (os.cpu_count() or 1) // gpus - 1)), {"num_gpus": gpus}
     return 0.0, 1.0, {"num_cpus": max(os.cpu_count() or 1, num_replicas + 1)}
 
 

@@ -381,3 +381,22 @@ def test_health_check_fails_for_a_stopped_or_wedged_engine() -> None:
         asyncio.run(CosyStreamReplica.check_health(replica(_Core(1.0))))
     with pytest.raises(ApiError, match="engine stopped"):  # the engine loop ended
         asyncio.run(CosyStreamReplica.check_health(replica(_Core(0.0, error=RuntimeError("CUDA error")))))
+
+
+def test_a_local_cluster_gives_each_gpu_replica_its_share_of_the_cpus(monkeypatch) -> None:
+    """Ray sets a replica's OpenMP threads to the CPUs it reserved (1 unless told), where one server process
+    has them all: on a GPU machine each replica reserves its GPU's share of the CPUs, less one for Ray."""
+    import torch
+
+    from cosystream.scale import ray_app
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(ray_app.os, "cpu_count", lambda: 32)
+    assert ray_app.local_resources(2, None) == (1.0, 15.0, {"num_gpus": 2})
+    monkeypatch.setattr(ray_app.os, "cpu_count", lambda: 2)
+    assert ray_app.local_resources(1, "cuda") == (1.0, 1.0, {"num_gpus": 2})  # never less than one
+    with pytest.raises(ValueError, match="3 replicas need 3 GPUs"):
+        ray_app.local_resources(3, None)
+    assert ray_app.local_resources(2, "cpu") == (0.0, 1.0, {"num_cpus": 3})  # no GPU: one CPU process each
+    app = ray_app.build_application(ray_app.ReplicaSpec(model_dir="/m"), 2, num_gpus=1.0, num_cpus=15.0)
+    assert app._bound_deployment.ray_actor_options == {"num_cpus": 15.0, "num_gpus": 1.0}
