@@ -88,9 +88,14 @@ PRELOADED_VOICES = 256  # a starting replica loads the prompts of the most recen
 # The environment of a local cluster's processes (`serve_replicas`; on a cluster, that of `ray start`): the proxy
 # middlewares, and Ray Serve's gRPC data plane between the proxy and the replicas (what its throughput-optimized
 # mode uses; a few ms less per request than Ray actor calls), whose message cap must hold the largest response
-# the app sends in one piece (a non-streamed WAV; gRPC's default is 4 MiB). Values already set are kept.
+# the app sends in one piece (a non-streamed WAV; gRPC's default is 4 MiB). Two more settings of that mode keep
+# each message on one event loop: the app runs on the replica's own loop, not on a second one in another thread,
+# and the proxy's router on the proxy's loop; every hop between two loops is a thread switch per message, and in a
+# replica each one waits for the GIL its engine thread holds while it drives the GPU (docs/scaling.md, "The data
+# path"). Values already set are kept.
 RAY_ENV_DEFAULTS = {PROXY_CALLBACK_ENV: PROXY_CALLBACK_PATH, "RAY_SERVE_PROXY_USE_GRPC": "1",
-                    "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(1 << 30)}
+                    "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(1 << 30),
+                    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
 
 @dataclass(frozen=True)

@@ -265,7 +265,7 @@ def test_killed_replica_fails_its_stream_and_the_app_recovers(base_url: str) -> 
         raw_stream = client.stream("POST", "/v1/tts", json=body)
         victim, survivor = events_stream.__enter__(), raw_stream.__enter__()
         try:
-            assert victim.status_code == survivor.status_code == 200
+            assert victim.status_code == survivor.status_code == 200, (victim.read(), survivor.read())
             assert {victim.headers[REPLICA], survivor.headers[REPLICA]} == set(replicas), "streams not spread"
             lines, audio = victim.iter_lines(), survivor.iter_bytes()
             first_event, first_audio = json.loads(next(lines)), next(audio)  # both are streaming
