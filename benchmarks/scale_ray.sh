@@ -10,8 +10,10 @@
 #     >= 3.7x with 4;
 #   an open loop at twice that level's request rate for $OPEN_S s: accepted first audio p99 within the budget
 #     (refusals are 503 overloaded, counted apart).
-# Every server runs with --first-audio-budget-s $BUDGET_S, so one start serves all three measurements. With the
-# defaults the load takes about 70 s per server (2x H200: 6 min 50 s in all, both server starts included).
+# Every server runs with --first-audio-budget-s $BUDGET_S, so one start serves all three measurements. On 2x H200
+# the previous defaults (40 requests at c=1, 8-32 streams per replica at 48 requests a level, 12 s of open loop)
+# took 6 min 51 s in all, of which the two server starts 170 and 97 s; these were chosen to fit about the same
+# time (not timed on a GPU yet).
 #
 # Here, once:  bash benchmarks/fetch_wheels.sh && bash benchmarks/scale_ray_wheels.sh bundle   # .whl, .whl_ray
 # There, one call (carry .whl and .whl_ray):
