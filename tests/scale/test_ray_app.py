@@ -254,6 +254,26 @@ def test_requests_go_to_the_replica_holding_their_uploaded_prompt_and_a_websocke
         assert _ws_served(client) - before == Counter({holder: 4})  # every session ran on the holder
 
 
+def test_a_client_that_leaves_mid_stream_ends_its_request_on_the_replica(base_url: str) -> None:
+    """The replica does not watch the client itself (no call back into the proxy for a request whose body came with
+    it): the proxy, which relays the response, sees the client leave and cancels the request on the replica."""
+    long_tokens = 400
+    with _client(base_url) as client:
+        _wait_all_running(client, 120)
+        body = {"text": "Hi there.", "voice": VOICE, "response_format": "pcm", "force_tokens": long_tokens}
+        with client.stream("POST", "/v1/tts", json=body) as response:
+            assert response.status_code == 200
+            request_id = response.headers["x-request-id"]
+            assert next(response.iter_bytes())  # streaming; then the client leaves
+        deadline = time.monotonic() + 60
+        while (found := client.get(f"/v1/requests/{request_id}")).status_code == 404:
+            assert time.monotonic() < deadline, "the request never ended on its replica"
+            time.sleep(0.2)
+        record = found.json()
+        assert record["outcome"] == "cancelled", record
+        assert record["audio_s"] < long_tokens * SAMPLES_PER_TOKEN / 24000, record  # ended before its audio did
+
+
 def test_killed_replica_fails_its_stream_and_the_app_recovers(base_url: str) -> None:
     with _client(base_url) as client:
         _wait_all_running(client, 120)
