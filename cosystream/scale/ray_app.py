@@ -260,6 +260,41 @@ class _ReplicaHeaders:
                 await send(held.pop())
 
 
+def defer_proxy_lookup() -> bool:
+    """Make Ray's replica look up the proxy actor of an HTTP request only when it calls it. Ray unpacks each request
+    with the proxy's actor handle for its receive, looked up by name (a call to Ray's control store, about half a
+    millisecond, synchronous on the replica's loop) before the app runs; for a request whose body the proxy carried,
+    the app never calls the proxy (scale/proxy.py's skip_fetch), so the look-up is wasted on the request's path.
+    Here the receive Ray unpacks resolves the handle at its first call instead, and keeps it for the request as Ray
+    does. Process-wide, idempotent; False (nothing changed) where Ray's request class has another shape."""
+    try:
+        from ray.serve._private.common import StreamingHTTPRequest
+        from ray.serve._private.constants import SERVE_NAMESPACE
+    except ImportError:
+        return False
+    current = getattr(StreamingHTTPRequest, "receive_asgi_messages", None)
+    if getattr(getattr(current, "fget", None), "_cosystream_deferred", False):
+        return True
+    probe = StreamingHTTPRequest({"type": "http"}, proxy_actor_name="probe")
+    if not isinstance(current, property) or not all(
+            hasattr(probe, a) for a in ("_proxy_actor_name", "_cached_proxy_actor", "_receive_asgi_messages")):
+        return False
+
+    def receive_asgi_messages(request: Any) -> Any:
+        if request._receive_asgi_messages is None:
+            async def fetch(request_metadata: Any) -> bytes:
+                if request._cached_proxy_actor is None:
+                    request._cached_proxy_actor = ray.get_actor(request._proxy_actor_name, namespace=SERVE_NAMESPACE)
+                return await request._cached_proxy_actor.receive_asgi_messages.remote(request_metadata)
+
+            request._receive_asgi_messages = fetch
+        return request._receive_asgi_messages
+
+    receive_asgi_messages._cosystream_deferred = True  # type: ignore[attr-defined]
+    StreamingHTTPRequest.receive_asgi_messages = property(receive_asgi_messages)  # type: ignore[method-assign]
+    return True
+
+
 def _noop() -> None:
     return None
 
@@ -273,6 +308,7 @@ class CosyStreamReplica:
         from cosystream.server.app import build_app, configure_logging
 
         configure_logging(spec.log_level)
+        defer_proxy_lookup()
         context = serve.get_replica_context()
         self.replica_id: str = context.replica_id.unique_id
         self.spec = spec

@@ -420,3 +420,44 @@ def test_a_local_cluster_gives_each_gpu_replica_its_share_of_the_cpus(monkeypatc
     assert ray_app.local_resources(2, "cpu") == (0.0, 1.0, {"num_cpus": 3})  # no GPU: one CPU process each
     app = ray_app.build_application(ray_app.ReplicaSpec(model_dir="/m"), 2, num_gpus=1.0, num_cpus=15.0)
     assert app._bound_deployment.ray_actor_options == {"num_cpus": 15.0, "num_gpus": 1.0}
+
+
+def test_a_replica_looks_up_the_proxy_only_when_it_calls_it(monkeypatch) -> None:
+    """Ray unpacks an HTTP request with the proxy's actor handle for its receive, looked up by name before the app
+    runs; deferred, a request that never calls the proxy (its body carried) costs no look-up, and one that does
+    looks it up once and calls it as Ray would."""
+    import asyncio
+
+    from ray.serve._private.common import StreamingHTTPRequest
+    from ray.serve._private.constants import SERVE_NAMESPACE
+
+    from cosystream.scale import ray_app
+
+    looked_up: list[tuple[str, str]] = []
+
+    class ProxyMethod:
+        @staticmethod
+        def remote(metadata: str):  # noqa: ANN205 (an awaitable, as Ray's ObjectRef)
+            result = asyncio.get_running_loop().create_future()
+            result.set_result(b"messages for " + metadata.encode())
+            return result
+
+    class ProxyActor:
+        receive_asgi_messages = ProxyMethod
+
+    def get_actor(name: str, namespace: str) -> ProxyActor:
+        looked_up.append((name, namespace))
+        return ProxyActor()
+
+    monkeypatch.setattr(StreamingHTTPRequest, "receive_asgi_messages", StreamingHTTPRequest.receive_asgi_messages)
+    monkeypatch.setattr(ray_app.ray, "get_actor", get_actor)
+    assert ray_app.defer_proxy_lookup() and ray_app.defer_proxy_lookup()  # idempotent
+    unpacked = StreamingHTTPRequest({"type": "http"}, proxy_actor_name="SERVE_PROXY_ACTOR-node")
+    fetch = unpacked.receive_asgi_messages  # what Ray's replica does to every request before the app
+    assert looked_up == []
+
+    async def calls() -> list[bytes]:
+        return [await fetch("first"), await fetch("second")]
+
+    assert asyncio.run(calls()) == [b"messages for first", b"messages for second"]
+    assert looked_up == [("SERVE_PROXY_ACTOR-node", SERVE_NAMESPACE)]  # once for the request
