@@ -606,9 +606,18 @@ def local_resources(num_replicas: int, device: str | None) -> tuple[float, float
         if num_replicas > gpus:
             raise ValueError(f"--replicas: {num_replicas} replicas need {num_replicas} GPUs, this machine has {gpus}")
         # each GPU's share of the CPUs, less one for the proxy and Ray's own processes: Ray gives a replica's
-        # process as many OpenMP threads as CPUs it reserved (1 by default), where one server process has them all
-        return 1.0, float(max(1, (os.cpu_count() or 1) // gpus - 1)), {"num_gpus": gpus}
+        # process as many OpenMP threads as CPUs it reserved (1 by default), where one server process has them all;
+        # the cluster is told the same count (Ray's own may differ in a container), so the shares always fit
+        cpus = _usable_cpus()
+        return 1.0, float(max(1, cpus // gpus - 1)), {"num_gpus": gpus, "num_cpus": cpus}
     return 0.0, 1.0, {"num_cpus": max(os.cpu_count() or 1, num_replicas + 1)}
+
+
+def _usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the platform tells it), at least 1."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
 
 
 def serve_replicas(spec: ReplicaSpec, num_replicas: int, host: str, port: int, ray_address: str | None = None,

@@ -411,10 +411,11 @@ def test_a_local_cluster_gives_each_gpu_replica_its_share_of_the_cpus(monkeypatc
     from cosystream.scale import ray_app
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(ray_app.os, "cpu_count", lambda: 32)
-    assert ray_app.local_resources(2, None) == (1.0, 15.0, {"num_gpus": 2})
+    monkeypatch.setattr(ray_app, "_usable_cpus", lambda: 32)
+    assert ray_app.local_resources(2, None) == (1.0, 15.0, {"num_gpus": 2, "num_cpus": 32})
+    monkeypatch.setattr(ray_app, "_usable_cpus", lambda: 2)
+    assert ray_app.local_resources(1, "cuda") == (1.0, 1.0, {"num_gpus": 2, "num_cpus": 2})  # never less than one
     monkeypatch.setattr(ray_app.os, "cpu_count", lambda: 2)
-    assert ray_app.local_resources(1, "cuda") == (1.0, 1.0, {"num_gpus": 2})  # never less than one
     with pytest.raises(ValueError, match="3 replicas need 3 GPUs"):
         ray_app.local_resources(3, None)
     assert ray_app.local_resources(2, "cpu") == (0.0, 1.0, {"num_cpus": 3})  # no GPU: one CPU process each
