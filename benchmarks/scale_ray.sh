@@ -3,15 +3,20 @@
 # call, on one warm machine, the standard workload (0.5B random model written there, 250 forced tokens), the
 # issue's three targets measured the same way for every server:
 #   c=1 first audio ($C1_REQUESTS requests): Ray within 5 ms of the single-process server;
-#   a closed-loop sweep ($CAP_LEVELS streams per replica, $REQS requests per replica a level): capacity = the
-#     highest level whose requests were all accepted and played without an underrun; Ray's aggregate (audio s per
-#     wall s) there against the single process's: >= 1.9x with 2 replicas, >= 3.7x with 4;
+#   a closed-loop sweep ($CAP_LEVELS streams per replica, each level $LEVEL_S s of back-to-back requests; REQS=N
+#     instead: N requests per replica a level): capacity = the clean level (all accepted, played without an
+#     underrun) of the highest steady aggregate, the audio s per wall s delivered while every stream of the level
+#     had a request open (benchmarks/scale_table.py); Ray's against the single process's: >= 1.9x with 2 replicas,
+#     >= 3.7x with 4;
 #   an open loop at twice that level's request rate for $OPEN_S s: accepted first audio p99 within the budget
 #     (refusals are 503 overloaded, counted apart).
-# Every server runs with --first-audio-budget-s $BUDGET_S, so one start serves all three measurements.
+# Every server runs with --first-audio-budget-s $BUDGET_S, so one start serves all three measurements. On 2x H200
+# the previous defaults (40 requests at c=1, 8-32 streams per replica at 48 requests a level, 12 s of open loop)
+# took 6 min 51 s in all, of which the two server starts 170 and 97 s; these were chosen to fit about the same
+# time (not timed on a GPU yet).
 #
 # Here, once:  bash benchmarks/fetch_wheels.sh && bash benchmarks/scale_ray_wheels.sh bundle   # .whl, .whl_ray
-# There, one call (carry .whl and .whl_ray; not timed on a GPU yet: two server starts plus about 3 min of load):
+# There, one call (carry .whl and .whl_ray):
 #   REPLICAS=2 bash benchmarks/scale_ray.sh all       # prep, the single-process server, Ray with 2 replicas
 #   parts: prep | single | ray (REPLICAS=N) | table; RAY1=1 adds Ray with one replica (the proxy's own cost);
 #   ACTOR=1 adds Ray with N replicas reached by Ray actor calls instead of the gRPC data plane (ray<N>actor)
@@ -21,16 +26,17 @@
 # On a CPU, for a dry run with the fixture model (small levels, a few tokens), after
 # `python ../shared/fixtures/materialize.py ../shared/fixtures/cosyvoice2-tiny /tmp/x`:
 #   OUT=/tmp/out PREP=0 MODEL=/tmp/x/model SERVE_FLAGS="--device cpu --no-warmup" FORCE_TOKENS=4 \
-#   CAP_LEVELS="1 2" REQS=4 C1_REQUESTS=4 OPEN_S=3 PROCS=1 BUDGET_S=5 REPLICAS=2 bash benchmarks/scale_ray.sh all
+#   CAP_LEVELS="1 2" LEVEL_S=3 C1_REQUESTS=4 OPEN_S=3 PROCS=1 BUDGET_S=5 REPLICAS=2 bash benchmarks/scale_ray.sh all
 set -u
 OUT=${OUT:?set OUT to a folder for the results}
 MODEL=${MODEL:-/tmp/m05}
 SERVE_FLAGS=${SERVE_FLAGS:---config flow_slots=28 --config flow_frames=832}
 BUDGET_S=${BUDGET_S:-0.5}
-CAP_LEVELS=${CAP_LEVELS:-8 16 24 32}
-REQS=${REQS:-48}
-C1_REQUESTS=${C1_REQUESTS:-40}
-OPEN_S=${OPEN_S:-12}
+CAP_LEVELS=${CAP_LEVELS:-12 16 20 24}
+LEVEL_S=${LEVEL_S:-4}
+REQS=${REQS:-}
+C1_REQUESTS=${C1_REQUESTS:-30}
+OPEN_S=${OPEN_S:-10}
 PROCS=${PROCS:-4}
 REPLICAS=${REPLICAS:-2}
 PORT=${PORT:-8000}
@@ -84,8 +90,9 @@ measure() {  # $1: server name, $2: replicas, then extra `serve` flags
   stamp "$name: c=1, $C1_REQUESTS requests"
   bench "/tmp/scale_parts/${name}_c1.json" --concurrency 1 --requests-per-level "$C1_REQUESTS"
   stamp "$name: closed loop $(levels "$n")"
-  bench "/tmp/scale_parts/${name}_sweep.json" --concurrency "$(levels "$n")" --requests-per-level $((REQS * n)) \
-    --procs "$PROCS"
+  local per_level=(--duration "$LEVEL_S")
+  if [ -n "$REQS" ]; then per_level=(--requests-per-level $((REQS * n))); fi
+  bench "/tmp/scale_parts/${name}_sweep.json" --concurrency "$(levels "$n")" "${per_level[@]}" --procs "$PROCS"
   local rate
   rate=$(python3 benchmarks/scale_table.py rate "/tmp/scale_parts/${name}_sweep.json") || rate=0
   if [ "$rate" != 0 ]; then

@@ -408,14 +408,17 @@ def _with_request_id(scope: Scope) -> tuple[Scope, str]:
 def from_proxy(scope: Scope, receive: Receive,
                now: Callable[[], float] = time.time) -> tuple[Scope, Receive, float | None]:
     """The replica's side of what `VoiceHint` carries: (scope, receive, seconds since the proxy received the
-    request, or None when the request came another way). A carried body is the first message `receive` gives;
-    the copies of it that Ray's own receive still fetches from the proxy are skipped, its disconnect passes."""
+    request, or None when the request came another way). A carried body is the first message `receive` gives,
+    and Ray's replica is spared its call back into the proxy for the request's messages (`skip_fetch`); without
+    that call, or when a copy of the body still comes through it, `receive` skips the copies and passes the
+    disconnect."""
     arrival = scope.get(PROXY_ARRIVAL_KEY)
     proxy_s = max(0.0, now() - arrival) if isinstance(arrival, (int, float)) else None  # 0: clocks of two hosts
     body = scope.get(PROXY_BODY_KEY)
     if not isinstance(body, bytes):
         return scope, receive, proxy_s
     scope = {k: v for k, v in scope.items() if k != PROXY_BODY_KEY}
+    skip_fetch(receive)
     replayed = False
 
     async def receive_carried() -> Message:
@@ -429,6 +432,29 @@ def from_proxy(scope: Scope, receive: Receive,
                 return message
 
     return scope, receive_carried, proxy_s
+
+
+RAY_FETCH_ATTR = "_receive_asgi_messages"  # Ray's ASGIReceiveProxy: the call into the proxy its background task makes
+
+
+async def _no_messages(_request_metadata: Any) -> bytes:
+    await asyncio.Event().wait()  # never: Ray cancels the waiting task when the request ends
+    raise AssertionError("unreachable")
+
+
+def skip_fetch(receive: Receive) -> bool:
+    """Spare Ray's replica its call back into the proxy for a request whose whole body came with it: the receive Ray
+    hands the replica starts, for every HTTP request, a background task that asks the proxy (a Ray actor call, and a
+    look-up of the proxy actor by name) for the request's body and then its disconnect. The body is here already,
+    and a client that leaves is seen by the proxy itself, which cancels the request on the replica (its response
+    generator watches the client). The task has not run yet when the app is called (it is scheduled just before,
+    on the same loop, and reads the call when it starts), so the call it makes becomes a wait until Ray cancels it
+    at the request's end. True when it was spared; a receive of another shape (another Ray version, a test) is left
+    as it is."""
+    if not (hasattr(receive, "fetch_until_disconnect") and callable(getattr(receive, RAY_FETCH_ATTR, None))):
+        return False
+    setattr(receive, RAY_FETCH_ATTR, _no_messages)
+    return True
 
 
 def _replay(messages: list[Message], receive: Receive) -> Receive:

@@ -32,6 +32,7 @@ import dataclasses
 import functools
 import logging
 import os
+import pkgutil
 import re
 import signal
 import tempfile
@@ -87,9 +88,14 @@ PRELOADED_VOICES = 256  # a starting replica loads the prompts of the most recen
 # The environment of a local cluster's processes (`serve_replicas`; on a cluster, that of `ray start`): the proxy
 # middlewares, and Ray Serve's gRPC data plane between the proxy and the replicas (what its throughput-optimized
 # mode uses; a few ms less per request than Ray actor calls), whose message cap must hold the largest response
-# the app sends in one piece (a non-streamed WAV; gRPC's default is 4 MiB). Values already set are kept.
+# the app sends in one piece (a non-streamed WAV; gRPC's default is 4 MiB). Two more settings of that mode keep
+# each message on one event loop: the app runs on the replica's own loop, not on a second one in another thread,
+# and the proxy's router on the proxy's loop; every hop between two loops is a thread switch per message, and in a
+# replica each one waits for the GIL its engine thread holds while it drives the GPU (docs/scaling.md, "The data
+# path"). Values already set are kept.
 RAY_ENV_DEFAULTS = {PROXY_CALLBACK_ENV: PROXY_CALLBACK_PATH, "RAY_SERVE_PROXY_USE_GRPC": "1",
-                    "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(1 << 30)}
+                    "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(1 << 30),
+                    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
 
 @dataclass(frozen=True)
@@ -105,6 +111,9 @@ class ReplicaSpec:
     settings: ServerSettings = field(default_factory=ServerSettings)
     health_timeout_s: float = 10.0  # the engine loop must answer a no-op within this
     log_level: str = "info"
+    # "module:callable" applied to the built engine, whose result the app serves (benchmarks/scale_overhead.py
+    # swaps synthesis for a stand-in to measure the serving path alone); None: the engine itself
+    engine_hook: str | None = None
 
     def __post_init__(self) -> None:
         if self.voice_store not in ("file", "actor"):
@@ -251,6 +260,41 @@ class _ReplicaHeaders:
                 await send(held.pop())
 
 
+def defer_proxy_lookup() -> bool:
+    """Make Ray's replica look up the proxy actor of an HTTP request only when it calls it. Ray unpacks each request
+    with the proxy's actor handle for its receive, looked up by name (a call to Ray's control store, about half a
+    millisecond, synchronous on the replica's loop) before the app runs; for a request whose body the proxy carried,
+    the app never calls the proxy (scale/proxy.py's skip_fetch), so the look-up is wasted on the request's path.
+    Here the receive Ray unpacks resolves the handle at its first call instead, and keeps it for the request as Ray
+    does. Process-wide, idempotent; False (nothing changed) where Ray's request class has another shape."""
+    try:
+        from ray.serve._private.common import StreamingHTTPRequest
+        from ray.serve._private.constants import SERVE_NAMESPACE
+    except ImportError:
+        return False
+    current = getattr(StreamingHTTPRequest, "receive_asgi_messages", None)
+    if getattr(getattr(current, "fget", None), "_cosystream_deferred", False):
+        return True
+    probe = StreamingHTTPRequest({"type": "http"}, proxy_actor_name="probe")
+    if not isinstance(current, property) or not all(
+            hasattr(probe, a) for a in ("_proxy_actor_name", "_cached_proxy_actor", "_receive_asgi_messages")):
+        return False
+
+    def receive_asgi_messages(request: Any) -> Any:
+        if request._receive_asgi_messages is None:
+            async def fetch(request_metadata: Any) -> bytes:
+                if request._cached_proxy_actor is None:
+                    request._cached_proxy_actor = ray.get_actor(request._proxy_actor_name, namespace=SERVE_NAMESPACE)
+                return await request._cached_proxy_actor.receive_asgi_messages.remote(request_metadata)
+
+            request._receive_asgi_messages = fetch
+        return request._receive_asgi_messages
+
+    receive_asgi_messages._cosystream_deferred = True  # type: ignore[attr-defined]
+    StreamingHTTPRequest.receive_asgi_messages = property(receive_asgi_messages)  # type: ignore[method-assign]
+    return True
+
+
 def _noop() -> None:
     return None
 
@@ -264,6 +308,7 @@ class CosyStreamReplica:
         from cosystream.server.app import build_app, configure_logging
 
         configure_logging(spec.log_level)
+        defer_proxy_lookup()
         context = serve.get_replica_context()
         self.replica_id: str = context.replica_id.unique_id
         self.spec = spec
@@ -280,6 +325,8 @@ class CosyStreamReplica:
         if remote_store is not None:
             engine.voices.close()
             engine.voices = remote_store
+        if spec.engine_hook:
+            engine = pkgutil.resolve_name(spec.engine_hook)(engine)
         if spec.settings.warmup:
             # before the constructor returns: Ray routes to a replica only once it is constructed
             await loop.run_in_executor(None, engine.warmup)
@@ -489,11 +536,12 @@ def build_application(spec: ReplicaSpec, num_replicas: int, num_gpus: float = 0.
                       max_ongoing_requests: int = 1024, health_check_period_s: float = 2.0,
                       health_check_timeout_s: float | None = None) -> Any:
     """The bound Serve application: `num_replicas` replicas of `spec`, each with `num_gpus` GPUs (1: one GPU
-    each) or, without GPUs, `num_cpus` CPUs. max_ongoing_requests is far above any engine's slots on purpose:
-    the engine's admission decides when a replica is full, not Ray's queue."""
+    each; 0: none) and `num_cpus` CPUs (Ray gives the replica's process that many OpenMP threads).
+    max_ongoing_requests is far above any engine's slots on purpose: the engine's admission decides when a replica
+    is full, not Ray's queue."""
     if num_replicas < 1:
         raise ValueError(f"num_replicas: must be at least 1, got {num_replicas}")
-    actor_options: dict[str, Any] = {"num_gpus": num_gpus} if num_gpus > 0 else {"num_cpus": num_cpus}
+    actor_options: dict[str, Any] = {"num_cpus": num_cpus, **({"num_gpus": num_gpus} if num_gpus > 0 else {})}
     router = RequestRouterConfig(request_router_class=EngineAwareRouter,
                                  request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
                                  request_routing_stats_timeout_s=max(ROUTING_STATS_PERIOD_S, 5.0))
@@ -512,7 +560,7 @@ def app_builder(args: dict[str, Any]) -> Any:
     """`serve run cosystream.scale.ray_app:app_builder model_dir=DIR [key=value ...]` or a config's `args`.
 
     Keys: model_dir (required), num_replicas (1), num_gpus (1 per replica when the cluster has GPUs, else 0),
-    num_cpus (1, CPU replicas), device, dtype, voice_store (actor; file for one host), voices_db,
+    num_cpus (1 per replica), device, dtype, voice_store (actor; file for one host), voices_db,
     max_streams, first_audio_budget_s, max_streams_per_client, warmup (true), config (FIELD=VALUE,... or a
     mapping of EngineConfig fields), health_timeout_s (10), log_level (info). API keys: $COSYSTREAM_API_KEYS.
     """
@@ -557,8 +605,19 @@ def local_resources(num_replicas: int, device: str | None) -> tuple[float, float
     if gpus:
         if num_replicas > gpus:
             raise ValueError(f"--replicas: {num_replicas} replicas need {num_replicas} GPUs, this machine has {gpus}")
-        return 1.0, 0.0, {"num_gpus": gpus}
+        # each GPU's share of the CPUs, less one for the proxy and Ray's own processes: Ray gives a replica's
+        # process as many OpenMP threads as CPUs it reserved (1 by default), where one server process has them all;
+        # the cluster is told the same count (Ray's own may differ in a container), so the shares always fit
+        cpus = _usable_cpus()
+        return 1.0, float(max(1, cpus // gpus - 1)), {"num_gpus": gpus, "num_cpus": cpus}
     return 0.0, 1.0, {"num_cpus": max(os.cpu_count() or 1, num_replicas + 1)}
+
+
+def _usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the platform tells it), at least 1."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
 
 
 def serve_replicas(spec: ReplicaSpec, num_replicas: int, host: str, port: int, ray_address: str | None = None,

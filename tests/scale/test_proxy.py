@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pickle
 
 import pytest
 
@@ -266,6 +267,54 @@ def test_the_proxy_carries_the_body_it_read_and_its_arrival_to_the_replica() -> 
     assert from_proxy(scope, ray_receive, now=lambda: scope[PROXY_ARRIVAL_KEY] - 1.0)[2] == 0.0  # skewed clocks
     plain = {"type": "http", "headers": []}  # not through the proxy middleware: left as it is
     assert from_proxy(plain, ray_receive) == (plain, ray_receive, None)
+
+
+def _ray_receive_proxy():
+    """Ray's own receive of a replica (ray.serve's ASGIReceiveProxy), or a skip where the extra is not installed."""
+    import os
+
+    try:
+        from ray.serve._private.http_util import ASGIReceiveProxy
+    except ImportError:
+        if os.environ.get("CI", "").lower() == "true":  # the optional extra: CI installs it and must not skip
+            raise
+        pytest.skip("ray[serve] is not installed")
+    return ASGIReceiveProxy
+
+
+def test_a_replica_given_the_whole_body_does_not_call_back_into_the_proxy() -> None:
+    """Ray's receive starts, before the app runs, a task that calls the proxy for the request's messages; with the
+    body carried that call is never made (the app still gets the body once), and without it Ray's call stays."""
+    from cosystream.scale.proxy import from_proxy
+
+    asgi_receive_proxy = _ray_receive_proxy()
+    body = json.dumps({"text": "Hello.", "voice": "anna"}).encode()
+    carried, _ = _hinted(body)
+    plain = {"type": "http", "method": "POST", "path": "/v1/tts", "headers": []}
+
+    async def replica(scope: dict) -> tuple[list, list[dict]]:
+        calls: list = []
+
+        async def call_the_proxy(metadata) -> bytes:  # what Ray's replica does: an actor call to the proxy
+            calls.append(metadata)
+            if len(calls) > 1:  # the proxy answers the next call when the client leaves
+                await asyncio.sleep(3600)
+            return pickle.dumps([{"type": "http.request", "body": body, "more_body": False}])
+
+        ray_receive = asgi_receive_proxy(scope, "request metadata", call_the_proxy)
+        fetch = asyncio.create_task(ray_receive.fetch_until_disconnect())  # as Ray does, just before the app
+        _, receive, _ = from_proxy(scope, ray_receive)
+        received = [await receive()]
+        await asyncio.sleep(0.05)
+        done = fetch.done()
+        fetch.cancel()
+        assert not done  # spared or not, the task itself ends only when Ray cancels it
+        return calls, received
+
+    calls, received = asyncio.run(replica(carried))
+    assert calls == [] and received == [{"type": "http.request", "body": body, "more_body": False}]
+    calls, received = asyncio.run(replica(plain))
+    assert calls == ["request metadata"] * 2 and received[0]["body"] == body  # the body, then the wait
 
 
 def test_large_or_unfinished_bodies_are_left_to_ray(monkeypatch) -> None:

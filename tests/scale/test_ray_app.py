@@ -254,6 +254,26 @@ def test_requests_go_to_the_replica_holding_their_uploaded_prompt_and_a_websocke
         assert _ws_served(client) - before == Counter({holder: 4})  # every session ran on the holder
 
 
+def test_a_client_that_leaves_mid_stream_ends_its_request_on_the_replica(base_url: str) -> None:
+    """The replica does not watch the client itself (no call back into the proxy for a request whose body came with
+    it): the proxy, which relays the response, sees the client leave and cancels the request on the replica."""
+    long_tokens = 400
+    with _client(base_url) as client:
+        _wait_all_running(client, 120)
+        body = {"text": "Hi there.", "voice": VOICE, "response_format": "pcm", "force_tokens": long_tokens}
+        with client.stream("POST", "/v1/tts", json=body) as response:
+            assert response.status_code == 200
+            request_id = response.headers["x-request-id"]
+            assert next(response.iter_bytes())  # streaming; then the client leaves
+        deadline = time.monotonic() + 60
+        while (found := client.get(f"/v1/requests/{request_id}")).status_code == 404:
+            assert time.monotonic() < deadline, "the request never ended on its replica"
+            time.sleep(0.2)
+        record = found.json()
+        assert record["outcome"] == "cancelled", record
+        assert record["audio_s"] < long_tokens * SAMPLES_PER_TOKEN / 24000, record  # ended before its audio did
+
+
 def test_killed_replica_fails_its_stream_and_the_app_recovers(base_url: str) -> None:
     with _client(base_url) as client:
         _wait_all_running(client, 120)
@@ -265,7 +285,7 @@ def test_killed_replica_fails_its_stream_and_the_app_recovers(base_url: str) -> 
         raw_stream = client.stream("POST", "/v1/tts", json=body)
         victim, survivor = events_stream.__enter__(), raw_stream.__enter__()
         try:
-            assert victim.status_code == survivor.status_code == 200
+            assert victim.status_code == survivor.status_code == 200, (victim.read(), survivor.read())
             assert {victim.headers[REPLICA], survivor.headers[REPLICA]} == set(replicas), "streams not spread"
             lines, audio = victim.iter_lines(), survivor.iter_bytes()
             first_event, first_audio = json.loads(next(lines)), next(audio)  # both are streaming
@@ -381,3 +401,64 @@ def test_health_check_fails_for_a_stopped_or_wedged_engine() -> None:
         asyncio.run(CosyStreamReplica.check_health(replica(_Core(1.0))))
     with pytest.raises(ApiError, match="engine stopped"):  # the engine loop ended
         asyncio.run(CosyStreamReplica.check_health(replica(_Core(0.0, error=RuntimeError("CUDA error")))))
+
+
+def test_a_local_cluster_gives_each_gpu_replica_its_share_of_the_cpus(monkeypatch) -> None:
+    """Ray sets a replica's OpenMP threads to the CPUs it reserved (1 unless told), where one server process
+    has them all: on a GPU machine each replica reserves its GPU's share of the CPUs, less one for Ray."""
+    import torch
+
+    from cosystream.scale import ray_app
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(ray_app, "_usable_cpus", lambda: 32)
+    assert ray_app.local_resources(2, None) == (1.0, 15.0, {"num_gpus": 2, "num_cpus": 32})
+    monkeypatch.setattr(ray_app, "_usable_cpus", lambda: 2)
+    assert ray_app.local_resources(1, "cuda") == (1.0, 1.0, {"num_gpus": 2, "num_cpus": 2})  # never less than one
+    monkeypatch.setattr(ray_app.os, "cpu_count", lambda: 2)
+    with pytest.raises(ValueError, match="3 replicas need 3 GPUs"):
+        ray_app.local_resources(3, None)
+    assert ray_app.local_resources(2, "cpu") == (0.0, 1.0, {"num_cpus": 3})  # no GPU: one CPU process each
+    app = ray_app.build_application(ray_app.ReplicaSpec(model_dir="/m"), 2, num_gpus=1.0, num_cpus=15.0)
+    assert app._bound_deployment.ray_actor_options == {"num_cpus": 15.0, "num_gpus": 1.0}
+
+
+def test_a_replica_looks_up_the_proxy_only_when_it_calls_it(monkeypatch) -> None:
+    """Ray unpacks an HTTP request with the proxy's actor handle for its receive, looked up by name before the app
+    runs; deferred, a request that never calls the proxy (its body carried) costs no look-up, and one that does
+    looks it up once and calls it as Ray would."""
+    import asyncio
+
+    from ray.serve._private.common import StreamingHTTPRequest
+    from ray.serve._private.constants import SERVE_NAMESPACE
+
+    from cosystream.scale import ray_app
+
+    looked_up: list[tuple[str, str]] = []
+
+    class ProxyMethod:
+        @staticmethod
+        def remote(metadata: str):  # noqa: ANN205 (an awaitable, as Ray's ObjectRef)
+            result = asyncio.get_running_loop().create_future()
+            result.set_result(b"messages for " + metadata.encode())
+            return result
+
+    class ProxyActor:
+        receive_asgi_messages = ProxyMethod
+
+    def get_actor(name: str, namespace: str) -> ProxyActor:
+        looked_up.append((name, namespace))
+        return ProxyActor()
+
+    monkeypatch.setattr(StreamingHTTPRequest, "receive_asgi_messages", StreamingHTTPRequest.receive_asgi_messages)
+    monkeypatch.setattr(ray_app.ray, "get_actor", get_actor)
+    assert ray_app.defer_proxy_lookup() and ray_app.defer_proxy_lookup()  # idempotent
+    unpacked = StreamingHTTPRequest({"type": "http"}, proxy_actor_name="SERVE_PROXY_ACTOR-node")
+    fetch = unpacked.receive_asgi_messages  # what Ray's replica does to every request before the app
+    assert looked_up == []
+
+    async def calls() -> list[bytes]:
+        return [await fetch("first"), await fetch("second")]
+
+    assert asyncio.run(calls()) == [b"messages for first", b"messages for second"]
+    assert looked_up == [("SERVE_PROXY_ACTOR-node", SERVE_NAMESPACE)]  # once for the request
