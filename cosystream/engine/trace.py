@@ -7,6 +7,10 @@ Each line: `t` (perf_counter seconds), `streams`, `free_slots` (flow slots free,
 streams that need a flow slot to open), `later_ready`, `finals_waiting`, `lm_waiting`, `returned` (jobs a
 preempted batch handed back), and `phases`: the plan, one [kind, jobs] pair per phase (["opens", n] when it
 only opens streams ahead, [] when the worker stays idle).
+
+A busy worker asked to stop (Scheduler.preempt) gives a line with `preempt` (the kind asked), `running` (the
+kind of phase then on the worker), `phases_left` (its unstarted phases), `slots_after_batch`, `free_slots`,
+`first_ready` and `first_no_slot` as above, and `due_finals` (the batch holds due final passes).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import json
 import os
 from typing import TextIO
 
-from cosystream.engine.scheduler import EngineView, JobView, Plan
+from cosystream.engine.scheduler import EngineView, JobView, Plan, Preempt, StreamView
 
 TRACE_ENV = "COSYSTREAM_TRACE"
 
@@ -37,14 +41,16 @@ class DecisionTrace:
         if record is not None:
             self.file.write(json.dumps(record, separators=(",", ":")) + "\n")
 
+    def write_preempt(self, view: EngineView, decision: Preempt, running: str, phases_left: int) -> None:
+        self.file.write(json.dumps(preempt_record(view, decision, running, phases_left), separators=(",", ":")) + "\n")
+
     def close(self) -> None:
         self.file.close()
 
 
 def decision_record(view: EngineView, plan: Plan, returned: int) -> dict | None:
     """The record of one decision; None when nothing was in view to decide on."""
-    first_ready = [s for s in view.streams if s.first and not s.planned and not s.lm_pending
-                   and (s.ready or s.missing_tokens == 0)]
+    first_ready = _first_ready(view)
     later_ready = sum(s.ready and not s.first and not s.next_final and not s.planned for s in view.streams)
     finals = sum(s.final_waits and not s.planned for s in view.streams)
     phases: list = [[_phase_kind(phase), len(phase)] for phase in plan.phases]
@@ -56,6 +62,21 @@ def decision_record(view: EngineView, plan: Plan, returned: int) -> dict | None:
             "first_ready": len(first_ready), "first_no_slot": sum(not s.opened and s.needs_slot for s in first_ready),
             "later_ready": later_ready, "finals_waiting": finals, "lm_waiting": view.lm_waiting,
             "returned": returned, "phases": phases}
+
+
+def preempt_record(view: EngineView, decision: Preempt, running: str, phases_left: int) -> dict:
+    """The record of a request to the busy worker to stop (`running`: the kind of its phase on the GPU now)."""
+    first_ready = _first_ready(view)
+    worker = view.worker
+    return {"t": round(view.now, 6), "preempt": decision.value, "running": running, "phases_left": phases_left,
+            "slots_after_batch": view.slots_after_batch, "free_slots": view.free_flow_slots,
+            "first_ready": len(first_ready), "first_no_slot": sum(not s.opened and s.needs_slot for s in first_ready),
+            "due_finals": worker is not None and worker.due_finals}
+
+
+def _first_ready(view: EngineView) -> list[StreamView]:
+    return [s for s in view.streams if s.first and not s.planned and not s.lm_pending
+            and (s.ready or s.missing_tokens == 0)]
 
 
 def _phase_kind(phase: list[JobView]) -> str:

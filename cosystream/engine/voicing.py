@@ -250,6 +250,8 @@ class Voicing:
             worker.pause.set()
         if decision is not Preempt.none:
             worker.preempt.set()
+            if self.trace is not None:
+                self.trace.write_preempt(view, decision, worker.running, max(0, len(self._phase_costs) - 1))
 
     def _decode_paused(self) -> bool:
         if not self._first_in_flight:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import replace
@@ -13,6 +14,7 @@ from engine_threads import synthesize_together
 from cosystream.config import EngineConfig
 from cosystream.engine.scheduler import EngineView, Plan, Preempt, Scheduler
 from cosystream.engine.sync_engine import Engine
+from cosystream.engine.trace import TRACE_ENV
 from cosystream.params import SamplingParams, SynthesisParams
 
 TEXTS = ["hello there.", "good morning to you.", "a short line.", "the quick brown fox."]
@@ -273,7 +275,12 @@ def test_a_batch_stopped_for_a_slot_hands_back_its_rest_and_never_pauses_a_final
     params = [SynthesisParams(text=t, voice="v", force_tokens=40 + 20 * i, sampling=SamplingParams(greedy=True, seed=i))
               for i, t in enumerate(TEXTS[:3])]
     runs = {}
+    trace = tmp_path / "trace.jsonl"
     for stop in (True, False):
+        if stop:  # the stop requests go to the decision trace
+            monkeypatch.setenv(TRACE_ENV, str(trace))
+        else:
+            monkeypatch.delenv(TRACE_ENV)
         eng = Engine.from_pretrained(model_dir, voices_db=str(tmp_path / f"v{stop}.db"), max_streams=4,
                                      overlap_token2wav=True)
         try:
@@ -300,6 +307,8 @@ def test_a_batch_stopped_for_a_slot_hands_back_its_rest_and_never_pauses_a_final
             eng.close()
     (stopped, num_handed_back), (whole, _) = runs[True], runs[False]
     assert num_handed_back > 0  # some batch really was cut short
+    asked = [r for r in map(json.loads, trace.read_text().splitlines()) if "preempt" in r]
+    assert asked and {r["preempt"] for r in asked} == {"slot"}
     for a, b in zip(whole, stopped, strict=True):
         assert not isinstance(a, Exception) and not isinstance(b, Exception), (a, b)
         assert a.num_chunks == b.num_chunks >= 2

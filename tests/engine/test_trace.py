@@ -25,3 +25,23 @@ def test_the_trace_records_the_first_chunk_phase_of_a_request(model_dir, fixture
     assert [r["t"] for r in records] == sorted(r["t"] for r in records)
     firsts = [r for r in records if any(kind == "first" for kind, _ in r["phases"])]
     assert len(firsts) == 1 and firsts[0]["first_ready"] == 1 and firsts[0]["streams"] == 1
+
+
+def test_a_request_to_stop_the_busy_worker_is_one_line_with_what_asked_for_it(tmp_path):
+    """Scheduler.preempt's decisions while the worker runs: which kind, the phase it interrupts, the slots the batch
+    gave back and the first chunks waiting, with and without a free slot to open in."""
+    import io
+
+    from cosystream.engine.scheduler import EngineView, Preempt, StreamView, WorkerView
+    from cosystream.engine.trace import DecisionTrace
+
+    def first(key: str, opened: bool) -> StreamView:
+        return StreamView(key=key, arrival_s=9.0, first=True, deadline_s=9.5, opened=opened, needs_slot=not opened)
+
+    view = EngineView(now=10.0, streams=[first("a", False), first("b", True), first("c", False)], free_flow_slots=0,
+                      slots_after_batch=3, worker=WorkerView(busy=True, due_finals=False))
+    out = io.StringIO()
+    DecisionTrace(out).write_preempt(view, Preempt.slot, running="final", phases_left=2)
+    record = json.loads(out.getvalue())
+    assert record == {"t": 10.0, "preempt": "slot", "running": "final", "phases_left": 2, "slots_after_batch": 3,
+                      "free_slots": 0, "first_ready": 3, "first_no_slot": 2, "due_finals": False}
