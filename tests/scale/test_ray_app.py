@@ -112,6 +112,19 @@ def _wait_all_running(client: httpx.Client, timeout_s: float) -> dict:
     raise AssertionError(f"the application did not recover in {timeout_s} s: {client.get('/ready').text}")
 
 
+def _wait_voice_on_every_replica(client: httpx.Client, timeout_s: float) -> None:
+    """Until every replica's load report lists VOICE, then two report periods, so that the proxy's router has
+    them too: it prefers a replica holding a request's voice to a less loaded one, and a report published before
+    a re-registration reached a replica does not list it yet."""
+    from cosystream.scale.ray_app import ROUTING_STATS_PERIOD_S
+
+    deadline = time.monotonic() + timeout_s
+    while not all(VOICE in r["load"]["voices"] for r in _replicas(client).values()):
+        assert time.monotonic() < deadline, f"{VOICE} not on every replica: {_replicas(client)}"
+        time.sleep(0.2)
+    time.sleep(2 * ROUTING_STATS_PERIOD_S)
+
+
 def _wait_status(client: httpx.Client, status: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -277,6 +290,7 @@ def test_a_client_that_leaves_mid_stream_ends_its_request_on_the_replica(base_ur
 def test_killed_replica_fails_its_stream_and_the_app_recovers(base_url: str) -> None:
     with _client(base_url) as client:
         _wait_all_running(client, 120)
+        _wait_voice_on_every_replica(client, 10)  # (so the two streams below spread over both)
         replicas = _replicas(client)
         long_tokens = 400
         body = {"text": "Hi there.", "voice": VOICE, "response_format": "pcm", "force_tokens": long_tokens}
