@@ -148,6 +148,48 @@ def test_streams_opened_ahead_of_their_first_chunk_give_the_same_audio(model_dir
         np.testing.assert_allclose(b.pcm, a.pcm, atol=5e-4, rtol=0)
 
 
+def _three_streams_in_two_slots(model_dir, fixture_dir, voices_db, monkeypatch, scheduler: type | None):
+    """Three requests of forced lengths on an overlapped engine whose flow pool (CUDA only) is a two-slot CPU pool,
+    with `scheduler` in charge (None: the default). Returns (results, paused: one flag per runner call, True when
+    a phase of final passes paused, jobs handed back by stopped batches)."""
+    from cosystream.engine.flow_runner import FlowRunner
+
+    params = [SynthesisParams(text=t, voice="v", force_tokens=40 + 20 * i, sampling=SamplingParams(greedy=True, seed=i))
+              for i, t in enumerate(TEXTS[:3])]
+    eng = Engine.from_pretrained(model_dir, voices_db=str(voices_db), max_streams=4, overlap_token2wav=True)
+    try:
+        eng.run(eng.async_engine.add_voice("v", str(fixture_dir / "prompt_24k.wav"), "Hello there."))
+        core = eng.async_engine.core
+        t2w = core.t2w
+        t2w.pool = FlowRunner(t2w.flow, num_slots=2, max_frames=512, use_graphs=False)
+        if scheduler is not None:
+            monkeypatch.setattr(core, "scheduler", scheduler(core.scheduler.cost))
+        paused: list[bool] = []
+        real_run = t2w.run
+
+        def run(items, should_stop=None):
+            out = real_run(items, should_stop=should_stop)
+            paused.append(out is None)
+            return out
+
+        monkeypatch.setattr(t2w, "run", run)
+        handed_back = core.stats()["token2wav_handed_back"]
+        results = synthesize_together(eng, params)
+        assert t2w.pool.free == [0, 1] and not core.batch_in_flight and core.handed_back == 0
+        return results, paused, core.stats()["token2wav_handed_back"] - handed_back
+    finally:
+        eng.close()
+
+
+def _same_audio(want: list, got: list) -> None:
+    for a, b in zip(want, got, strict=True):
+        assert not isinstance(a, Exception) and not isinstance(b, Exception), (a, b)
+        assert a.num_chunks == b.num_chunks >= 2
+        # which streams share a batch (and a final pass) depends on timing: float sums over other batch
+        # compositions differ by up to 1e-3 (as above); a lost, repeated or misplaced Euler step by ~0.1-1
+        np.testing.assert_allclose(b.pcm, a.pcm, atol=2e-3, rtol=0)
+
+
 @pytest.mark.slow  # ~8 s: every Euler step
 def test_final_passes_paused_after_every_euler_step_give_the_same_audio(model_dir, fixture_dir, tmp_path,
                                                                          monkeypatch):
@@ -155,43 +197,12 @@ def test_final_passes_paused_after_every_euler_step_give_the_same_audio(model_di
     a scheduler that always asks, every such phase stops after one step and goes on in a later batch, while
     other batches (new streams in the slots those passes gave back) run between its steps. The audio equals
     the default scheduler's. The pool exists on CUDA only, so a two-slot CPU pool stands in (three requests)."""
-    from cosystream.engine.flow_runner import FlowRunner
-
-    params = [SynthesisParams(text=t, voice="v", force_tokens=40 + 20 * i, sampling=SamplingParams(greedy=True, seed=i))
-              for i, t in enumerate(TEXTS[:3])]
-    runs = {}
-    for always in (True, False):
-        eng = Engine.from_pretrained(model_dir, voices_db=str(tmp_path / f"v{always}.db"), max_streams=4,
-                                     overlap_token2wav=True)
-        try:
-            eng.run(eng.async_engine.add_voice("v", str(fixture_dir / "prompt_24k.wav"), "Hello there."))
-            core = eng.async_engine.core
-            t2w = core.t2w
-            t2w.pool = FlowRunner(t2w.flow, num_slots=2, max_frames=512, use_graphs=False)
-            if always:
-                monkeypatch.setattr(core, "scheduler", _AlwaysPreempt(core.scheduler.cost))
-            paused: list[int] = []
-            real_run = t2w.run
-
-            def run(items, should_stop=None, real=real_run, seen=paused):
-                out = real(items, should_stop=should_stop)
-                seen.append(out is None)
-                return out
-
-            monkeypatch.setattr(t2w, "run", run)
-            runs[always] = (synthesize_together(eng, params), sum(paused))
-            assert t2w.pool.free == [0, 1] and not core.batch_in_flight and core.handed_back == 0
-        finally:
-            eng.close()
-    (stepped, num_paused), (whole, _) = runs[True], runs[False]
+    stepped, paused, _ = _three_streams_in_two_slots(model_dir, fixture_dir, tmp_path / "a.db", monkeypatch,
+                                                     _AlwaysPreempt)
+    whole, _, _ = _three_streams_in_two_slots(model_dir, fixture_dir, tmp_path / "b.db", monkeypatch, None)
     # three streams' final passes, ten Euler steps each, at least one run per step
-    assert num_paused >= 9
-    for a, b in zip(whole, stepped, strict=True):
-        assert not isinstance(a, Exception) and not isinstance(b, Exception), (a, b)
-        assert a.num_chunks == b.num_chunks >= 2
-        # which streams share a batch (and a final pass) depends on timing: float sums over other batch
-        # compositions differ by up to 1e-3 (as above); a lost, repeated or misplaced Euler step by ~0.1-1
-        np.testing.assert_allclose(b.pcm, a.pcm, atol=2e-3, rtol=0)
+    assert sum(paused) >= 9
+    _same_audio(whole, stepped)
 
 
 class _Buffered(Scheduler):
@@ -248,20 +259,13 @@ def test_later_chunks_held_back_for_a_later_batch_give_the_same_audio(model_dir,
         np.testing.assert_allclose(b.pcm, a.pcm, atol=2e-3, rtol=0)
 
 
-class _AlwaysStop(Scheduler):
+class _AlwaysStop(_AlwaysPreempt):
     """Asks the busy worker to stop after every phase as for a first chunk waiting for a flow slot: phases of
     official final passes run to their end (they do not pause), the rest of the batch is handed back."""
-
-    @staticmethod
-    def phases(jobs):
-        return [[job] for phase in Scheduler.phases(jobs) for job in phase]
 
     def preempt(self, view: EngineView) -> Preempt:
         worker = view.worker
         return Preempt.slot if worker is not None and worker.busy and not worker.preempt_asked else Preempt.none
-
-    def wake_after_s(self, view: EngineView) -> float | None:
-        return 0.001
 
 
 @pytest.mark.slow  # ~8 s: every phase
@@ -270,46 +274,13 @@ def test_a_batch_stopped_for_a_slot_hands_back_its_rest_and_never_pauses_a_final
     """Preempt.slot: the worker stops after its running phase and hands the rest back, but a phase of final
     passes runs all its Euler steps. The audio equals the default scheduler's (two-slot CPU pool, three
     requests: one waits for a slot)."""
-    from cosystream.engine.flow_runner import FlowRunner
-
-    params = [SynthesisParams(text=t, voice="v", force_tokens=40 + 20 * i, sampling=SamplingParams(greedy=True, seed=i))
-              for i, t in enumerate(TEXTS[:3])]
-    runs = {}
     trace = tmp_path / "trace.jsonl"
-    for stop in (True, False):
-        if stop:  # the stop requests go to the decision trace
-            monkeypatch.setenv(TRACE_ENV, str(trace))
-        else:
-            monkeypatch.delenv(TRACE_ENV)
-        eng = Engine.from_pretrained(model_dir, voices_db=str(tmp_path / f"v{stop}.db"), max_streams=4,
-                                     overlap_token2wav=True)
-        try:
-            eng.run(eng.async_engine.add_voice("v", str(fixture_dir / "prompt_24k.wav"), "Hello there."))
-            core = eng.async_engine.core
-            t2w = core.t2w
-            t2w.pool = FlowRunner(t2w.flow, num_slots=2, max_frames=512, use_graphs=False)
-            if stop:
-                monkeypatch.setattr(core, "scheduler", _AlwaysStop(core.scheduler.cost))
-            paused: list[bool] = []
-            real_run = t2w.run
-
-            def run(items, should_stop=None, real=real_run, seen=paused):
-                out = real(items, should_stop=should_stop)
-                seen.append(out is None)
-                return out
-
-            monkeypatch.setattr(t2w, "run", run)
-            handed_back = core.stats()["token2wav_handed_back"]
-            runs[stop] = (synthesize_together(eng, params), core.stats()["token2wav_handed_back"] - handed_back)
-            assert not (stop and any(paused))  # (the default scheduler pauses them for a first chunk)
-            assert t2w.pool.free == [0, 1] and not core.batch_in_flight and core.handed_back == 0
-        finally:
-            eng.close()
-    (stopped, num_handed_back), (whole, _) = runs[True], runs[False]
-    assert num_handed_back > 0  # some batch really was cut short
+    monkeypatch.setenv(TRACE_ENV, str(trace))  # the stop requests go to the decision trace
+    stopped, paused, handed_back = _three_streams_in_two_slots(model_dir, fixture_dir, tmp_path / "a.db",
+                                                               monkeypatch, _AlwaysStop)
+    monkeypatch.delenv(TRACE_ENV)
+    whole, _, _ = _three_streams_in_two_slots(model_dir, fixture_dir, tmp_path / "b.db", monkeypatch, None)
+    assert not any(paused) and handed_back > 0  # some batch really was cut short, and no final pass paused
     asked = [r for r in map(json.loads, trace.read_text().splitlines()) if "preempt" in r]
     assert asked and {r["preempt"] for r in asked} == {"slot"}
-    for a, b in zip(whole, stopped, strict=True):
-        assert not isinstance(a, Exception) and not isinstance(b, Exception), (a, b)
-        assert a.num_chunks == b.num_chunks >= 2
-        np.testing.assert_allclose(b.pcm, a.pcm, atol=2e-3, rtol=0)
+    _same_audio(whole, stopped)
