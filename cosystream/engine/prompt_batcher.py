@@ -44,8 +44,9 @@ ANALYSIS_DTYPE = torch.float32
 # 0: CAM++ on the GPU; N > 0: CAM++ on onnxruntime on the CPU, N prompts at once, beside the GPU work
 # (benchmarks/prompt_analysis.py --speaker-threads measures which is faster for prompts of distinct lengths)
 SPEAKER_THREADS = 0
-# CAM++ calls (one per distinct prompt length) run on this many threads at once, each on its own CUDA stream
-# (benchmarks/prompt_analysis.py --graph-threads measures what it gains)
+# where CAM++ stays on the ONNX interpreter (a graph other than the released one), its calls (one per distinct
+# prompt length) run on this many threads at once, each on its own CUDA stream (benchmarks/prompt_analysis.py
+# --graph-threads measures what it gains)
 GRAPH_THREADS = 1
 
 

@@ -89,8 +89,8 @@ class CamPlusPlus:
         self.embedding_size = self.embedding_weight.shape[0]
         self._zero = torch.zeros((), device=device, dtype=dtype)
         # on CUDA, calls padded to shape buckets, each bucket's call captured once as a CUDA graph and replayed: eager,
-        # its ~1,000 small kernels a call are launch-bound (one prompt alone took 78 ms to analyse on an H200, 17 ms
-        # graphed). `cuda_graphs` (None: on CUDA) pads the calls on the CPU too, where they run eagerly (tests)
+        # its ~1,000 small kernels a call are bound by their launches. `cuda_graphs` (None: on CUDA) pads the calls on
+        # the CPU too, where they run eagerly (tests)
         self.cuda_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self._graphs = _GraphedCalls(self.compute, device, dtype, self.bins) \
             if self.cuda_graphs and device.type == "cuda" else None
