@@ -22,9 +22,6 @@ else), with the refinements that keep the GPU's batches full:
 * a batch runs in phases: clients about to run dry (`DRY_S`), first chunks, later chunks, official
   final passes (due ones, then those that may pause, at most `FINAL_PHASE_STREAMS` a phase); later
   chunks whose ODE has a first chunk's shape ride along with it (`RIDER_STREAMS` in the call);
-* official final passes that are not due stay out of a batch that voices a first chunk and, where they
-  hold no flow slot (CosyVoice2's), out of every batch while a first chunk waits for a slot: the slots
-  a batch's chunks give back come back when it stops, so passes behind those chunks would only delay them;
 * a first chunk (or a client about to run dry) that becomes ready while a batch runs preempts the
   worker after its running phase; phases of final passes pause between Euler steps for it;
 * a first chunk that waits only for a flow slot while the running batch has given slots back stops the
@@ -152,8 +149,6 @@ class EngineView:
     slots_after_batch: int = 0  # slots given back while the worker's batch runs: free once it is done
     max_batch: int = 64
     official_finals: bool = True  # final chunks are whole-utterance passes (final_attention="full")
-    finals_hold_slots: bool = True  # ... that keep their streams' flow slots until they run (False: the slot went
-    #                                 back once the stream's LM ended and its other chunks were voiced)
     worker: WorkerView | None = None  # None: batches run inline on the engine thread
     open_ahead: bool = True
     free_lm_slots: int = 0
@@ -457,23 +452,11 @@ class Scheduler:
                    and s.missing_tokens * step_s <= left for s in view.streams)
 
     def _without_costly_finals(self, view: EngineView, ready: list[StreamView], due: set) -> list[StreamView]:
-        """Official final passes that are not due stay out of a batch that voices a first chunk (unless new
-        streams wait for the flow slots those passes free), and, where the passes hold no slot, out of a batch
-        while a first chunk waits for a slot: the slots its chunks give back return when the batch stops, so
-        passes behind them would hold that first chunk back for nothing. With nothing else ready, one phase of
-        them goes."""
-        if not view.official_finals:
+        """A batch that voices a first chunk leaves out official final passes that are not due, unless new
+        streams wait for the flow slots they would free."""
+        if not view.official_finals or not any(s.first for s in ready) or self._slots_short(view):
             return ready
-        slot_wait = not view.finals_hold_slots and any(map(self._waits_for_a_slot, view.streams))
-        if view.finals_hold_slots:
-            if not any(s.first for s in ready) or self._slots_short(view):
-                return ready
-        elif not slot_wait and not any(s.first for s in ready):
-            return ready
-        kept = [s for s in ready if s.first or not s.next_final or s.key in due]
-        if kept or not slot_wait:
-            return kept
-        return ready[:FINAL_PHASE_STREAMS]
+        return [s for s in ready if s.first or not s.next_final or s.key in due]
 
     def _without_early_later_chunks(self, view: EngineView, ready: list[StreamView], due: set) -> list[StreamView]:
         """While the LM decodes and others could join, a later (not final) chunk with HOLD_S of audio or

@@ -122,8 +122,7 @@ class Voicing:
             now=now, streams=streams, lm_decoding=self._lm_decoding(), free_flow_slots=free,
             flow_slots=None if free is None else self.t2w.flow_slots(),
             max_batch=self.max_chunk_batch,
-            official_finals=self.t2w.final_attention == "full", finals_hold_slots=self.t2w.final_reads_slot,
-            open_ahead=self.open_ahead,
+            official_finals=self.t2w.final_attention == "full", open_ahead=self.open_ahead,
             worker=None if worker is None else WorkerView(
                 busy=self._in_flight is not None, first_keys=frozenset(self._first_in_flight),
                 preempt_asked=worker.preempt.is_set(), pause_asked=worker.pause.is_set(), dry_asked=worker.dry.is_set(),

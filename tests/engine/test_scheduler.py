@@ -173,24 +173,6 @@ def test_a_first_chunk_batch_leaves_out_final_passes_that_are_not_due():
     assert "later" in s.plan(short).new_keys
 
 
-def test_final_passes_holding_no_slot_wait_while_a_first_chunk_waits_for_a_slot():
-    """Where a final pass holds no flow slot, passes that are not due stay out of a batch while a first chunk
-    waits for a slot (the slots the batch's chunks give back return when it stops); alone, one phase goes."""
-    s = Scheduler(_cost(final_s=0.1))
-    waiting = _first("new", ready=False, opened=False, needs_slot=True)
-    finals = [_later(f"f{i}", 8.0 + i, final=True) for i in range(sched.FINAL_PHASE_STREAMS + 2)]
-    streams = (waiting, _later("chunk", 0.5, lm_done=True), _later("due", 1.0, final=True), *finals)
-    plan = s.plan(_view(*streams, free_slots=0, finals_hold_slots=False))
-    assert sorted(plan.new_keys) == ["chunk", "due"]
-    # passes that hold their slots free what the first chunk waits for: they go
-    assert "f0" in s.plan(_view(*streams, free_slots=0)).new_keys
-    # nothing else ready: one phase of passes, earliest deadline first
-    alone = s.plan(_view(waiting, *finals, free_slots=0, finals_hold_slots=False))
-    assert _keys(alone.phases) == [[f"f{i}" for i in range(sched.FINAL_PHASE_STREAMS)]]
-    # no first chunk waits: every ready pass goes
-    assert len(s.plan(_view(*streams[1:], free_slots=0, finals_hold_slots=False)).new_keys) == len(streams) - 1
-
-
 def test_final_passes_go_in_phases_of_bounded_size_due_ones_first():
     jobs = [JobView(f"p{i}", first=False, final=True, audio_left_s=5.0, pausable=True)
             for i in range(sched.FINAL_PHASE_STREAMS + 3)]
