@@ -40,8 +40,6 @@ class ChunkJob:
     pausable: bool = False  # an official final pass: its phase may pause between Euler steps
     due: bool = False  # ... that is due: it pauses only for a client about to run dry
     builds_prompt: bool = False  # opening its stream runs the flow over a new voice's prompt (a prompt pass)
-    frees_slot: bool = False  # once voiced, its stream has only an official final pass left, which reads no slot
-    slot_freed: bool = False  # ... and the worker gave that slot back right after the chunk's phase
 
 
 # ------------------------------------------------------------------ messages to the engine thread
@@ -182,20 +180,6 @@ def _prompts_together(t2w: runners.Token2WavRunner, opening: list[ChunkJob], dev
         return [None] * len(opening)
 
 
-def give_slots_back(t2w: runners.Token2WavRunner, jobs: Sequence[ChunkJob], results: Sequence) -> int:
-    """Give back, right after their phase, the flow slots of streams left with only an official final pass
-    (which reads no slot), when their chunk came out finite (a failed stream's slot is scrubbed first, by the
-    engine): the worker owns the pool while it runs, so a new stream can open in such a slot in the next
-    batch instead of after this one. Returns how many went back."""
-    freed = 0
-    for job, result in zip(jobs, results, strict=True):
-        if job.frees_slot and job.state is not None and result is not None and faults.is_finite_audio(result[0]):
-            t2w.release(job.state)
-            job.slot_freed = True
-            freed += 1
-    return freed
-
-
 def stop_test(worker: ChunkWorker | None, jobs: Sequence[ChunkJob]) -> Callable[[], bool] | None:
     """What a phase of official final passes asks between Euler steps: due passes give way only to a client
     about to run dry, others to first chunks too. None: the phase does not pause."""
@@ -214,7 +198,6 @@ class ChunkWorker:
         self.preempt = threading.Event()  # set by the engine thread: stop after the running phase
         self.pause = threading.Event()  # ... and pause a phase of final passes not due (set with it)
         self.dry = threading.Event()  # ... and the urgent chunk is a client's about to run dry (set with it)
-        self.slot_wanted = threading.Event()  # set by the engine thread: stop after a phase that frees a flow slot
         self.running = "idle"  # the kind of phase on the GPU now (phase_kind), read by the engine's stats
         self.thread = threading.Thread(target=self._run, name="cosystream-token2wav", daemon=True)
         device = core.lm_runner.device
@@ -231,7 +214,6 @@ class ChunkWorker:
         self.preempt.clear()  # a request to stop early is about the batch before this one
         self.pause.clear()
         self.dry.clear()
-        self.slot_wanted.clear()
         self.jobs.put(phases)
 
     def _run(self) -> None:
@@ -250,8 +232,7 @@ class ChunkWorker:
                 now = time.perf_counter()
                 rest = phases[i + 1:]
                 paused = error is None and results is None  # final passes stopped between Euler steps
-                freed = 0 if paused or error is not None else give_slots_back(self.core.t2w, jobs, results)
-                stop = paused or (bool(rest) and (self.preempt.is_set() or (freed > 0 and self.slot_wanted.is_set())))
+                stop = paused or (bool(rest) and self.preempt.is_set())
                 # one message with the unstarted jobs: the engine must not plan before it has them back
                 returned = [job for phase in ([jobs] if paused else []) + rest for job in phase] if stop else []
                 done, results = ([], []) if paused else (jobs, results)

@@ -29,9 +29,6 @@ else), with the refinements that keep the GPU's batches full:
   its final passes); final passes do not pause for it, and a batch that holds due ones is not stopped
   for it: under overload such a chunk is always there, and due passes handed back again and again would
   run late and stall everyone's later chunks;
-* a stream left with only its final pass (which reads no slot, as CosyVoice2's) gives its slot back as soon
-  as its last chunk's phase is done, and a busy worker stops after such a phase while a first chunk waits
-  for a slot and the batch holds no due final passes (`wants_a_slot`);
 * decode steps pause while a first chunk is on the worker, unless another request still waits for its
   first audio (the two share the GPU);
 * official final passes come due earliest deadline first, each costing the measured pass;
@@ -362,14 +359,6 @@ class Scheduler:
         if not worker.pause_asked and self.prompt_passes(view):
             return Preempt.first  # a new voice's prompt pass: done while its first chunk's tokens are decoded
         return Preempt.none
-
-    def wants_a_slot(self, view: EngineView) -> bool:
-        """Should the busy worker stop after the next phase that gives a flow slot back (a stream left with
-        only a final pass that reads none)? When a first chunk waits for nothing but a slot and the batch
-        holds no due final passes (those are not handed back again and again)."""
-        worker = view.worker
-        return (worker is not None and worker.busy and not worker.due_finals
-                and any(map(self._waits_for_a_slot, view.streams)))
 
     @staticmethod
     def _waits_for_a_slot(s: StreamView) -> bool:

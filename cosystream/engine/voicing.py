@@ -188,11 +188,10 @@ class Voicing:
                 elif job is None:
                     req = by_key[jv.key]
                     seg = req.audio_segment
-                    chunk = seg.planner.next_plan(len(seg.tokens), seg.lm_status == LMStatus.done)
                     job = jobs[jv.key] = ChunkJob(
-                        req, seg, chunk, open_args=self._open_args(req, seg) if seg.t2w is None else None,
-                        state=seg.t2w, first=req.is_first_chunk,
-                        frees_slot=chunk is not None and not chunk.is_final and self._only_a_slotless_final_left(seg))
+                        req, seg, seg.planner.next_plan(len(seg.tokens), seg.lm_status == LMStatus.done),
+                        open_args=self._open_args(req, seg) if seg.t2w is None else None, state=seg.t2w,
+                        first=req.is_first_chunk)
                 job.pausable, job.due = jv.pausable, jv.due
                 phases[-1].append(job)
         batch = [job for phase in phases for job in phase]
@@ -245,8 +244,6 @@ class Voicing:
             return
         view, _ = self._view(now, self._in_flight_segments(), only=self.scheduler.may_be_urgent)
         decision = self.scheduler.preempt(view)
-        if self.scheduler.wants_a_slot(view):
-            worker.slot_wanted.set()
         if decision is Preempt.dry:
             worker.dry.set()
         if decision in (Preempt.dry, Preempt.first):
@@ -306,16 +303,13 @@ class Voicing:
         """When the official final pass reads no flow slot (CosyVoice2's), once a segment's LM is done and its
         next chunk is that pass (none of its chunks on the worker or handed back), its slot goes back: new
         streams need not wait while the pass waits behind first chunks."""
-        if seg.t2w is None or not self._only_a_slotless_final_left(seg):
+        if (seg.t2w is None or seg.lm_status != LMStatus.done or seg.planner.finished
+                or self.t2w.final_attention != "full" or self.t2w.final_reads_slot
+                or not seg.planner.next_is_final(len(seg.tokens))):
             return
         if any(job.seg is seg for job in (self._in_flight or []) + self._returned):
             return  # released once that chunk is voiced (_job_done)
         self._release_later(seg.t2w, self._slot_released(seg))
-
-    def _only_a_slotless_final_left(self, seg: Segment) -> bool:
-        """Is the segment's LM done and its next chunk the official final pass, which reads no flow slot?"""
-        return (seg.lm_status == LMStatus.done and not seg.planner.finished and self.t2w.final_attention == "full"
-                and not self.t2w.final_reads_slot and seg.planner.next_is_final(len(seg.tokens)))
 
     def _release_later(self, state: object, on_back: Callable[[], None] | None = None) -> None:
         """Give a stream's slot back now, or once the worker's batch stops (the pool is the worker's while
@@ -442,9 +436,7 @@ class Voicing:
         pcm, flow_s, vocoder_s = result
         if faults.is_finite_audio(pcm):  # the chunk is on the host already: checking it is cheap
             self._emit(req, job.seg, job.plan.is_final, pcm, flow_s, vocoder_s, now)
-            if job.slot_freed:  # the worker gave it back after the chunk's phase
-                self._slot_released(job.seg)()
-            elif not job.plan.is_final:
+            if not job.plan.is_final:
                 self._release_flow_slot_before_final(job.seg)
         else:
             self._fail(req, faults.non_finite("flow or vocoder"))

@@ -4,23 +4,13 @@ passes."""
 
 from __future__ import annotations
 
-import queue
 import threading
 from types import SimpleNamespace
 from typing import Any
 
-import numpy as np
 import torch
 
-from cosystream.engine.chunk_worker import (
-    ChunkJob,
-    ChunksDone,
-    ChunkWorker,
-    _riders,
-    give_slots_back,
-    run_jobs,
-    stop_test,
-)
+from cosystream.engine.chunk_worker import ChunkJob, _riders, run_jobs, stop_test
 from cosystream.engine.chunking import ChunkPlan
 from cosystream.engine.stopwatch import Stopwatch
 
@@ -114,72 +104,3 @@ def test_a_phase_of_final_passes_pauses_for_what_may_pause_it_only():
     assert due()
     chunk = ChunkJob(SimpleNamespace(), SimpleNamespace(), None)
     assert stop_test(worker, [chunk]) is None and stop_test(None, [job(False)]) is None
-
-
-class _Pool(_Runner):
-    """A runner with a slot pool: voices every chunk (NaN for a state named "nan"), records slots given back;
-    `gate`: each run waits for it (so a test can act while a phase runs)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.released: list[Any] = []
-        self.gate = threading.Event()
-        self.gate.set()
-
-    def run(self, items: list, should_stop: Any = None) -> list:
-        self.gate.wait(timeout=10)
-        return [(np.full(4, np.nan if state == "nan" else 0.0, np.float32), 0.0, 0.0) for state, _, _ in items]
-
-    def release(self, state: Any) -> None:
-        self.released.append(state)
-
-
-def _chunk(state: str, frees_slot: bool = False, final: bool = False) -> ChunkJob:
-    return ChunkJob(req=None, seg=SimpleNamespace(tokens=[1, 2, 3]), plan=_plan(final), state=state,
-                    frees_slot=frees_slot)
-
-
-def test_streams_left_with_a_slotless_final_give_their_slot_back_after_their_phase():
-    """Only jobs marked to free their slot, and only when their chunk came out finite (a failed stream's slot
-    is scrubbed by the engine before anyone reuses it)."""
-    pool = _Pool()
-    jobs = [_chunk("a", frees_slot=True), _chunk("b"), _chunk("nan", frees_slot=True)]
-    assert give_slots_back(pool, jobs, run_jobs(pool, jobs, CPU)) == 1
-    assert pool.released == ["a"] and [job.slot_freed for job in jobs] == [True, False, False]
-
-
-def _worker(pool: _Pool) -> ChunkWorker:
-    core = SimpleNamespace(t2w=pool, inbox=queue.Queue(), lm_runner=SimpleNamespace(device=CPU))
-    worker = ChunkWorker(core)
-    worker.start()
-    return worker
-
-
-def _phase_results(worker: ChunkWorker) -> list[ChunksDone]:
-    done = [worker.core.inbox.get(timeout=10)]
-    while not done[-1].last:
-        done.append(worker.core.inbox.get(timeout=10))
-    return done
-
-
-def test_a_worker_asked_for_a_slot_stops_after_the_phase_that_frees_one():
-    pool = _Pool()
-    worker = _worker(pool)
-    try:
-        pool.gate.clear()
-        worker.submit([[_chunk("a", frees_slot=True)], [_chunk("f", final=True)]])
-        worker.slot_wanted.set()  # while the first phase runs
-        pool.gate.set()
-        done = _phase_results(worker)
-        assert len(done) == 1 and [job.state for job in done[0].returned] == ["f"] and pool.released == ["a"]
-        # not asked: the batch runs on to its end, the slot back all the same
-        pool.released.clear()
-        worker.submit([[_chunk("a", frees_slot=True)], [_chunk("f", final=True)]])
-        done = _phase_results(worker)
-        assert len(done) == 2 and not done[0].returned and pool.released == ["a"]
-        # asked, but no phase frees a slot: it runs on
-        worker.submit([[_chunk("b")], [_chunk("f", final=True)]])
-        worker.slot_wanted.set()
-        assert len(_phase_results(worker)) == 2
-    finally:
-        worker.stop()

@@ -271,18 +271,6 @@ def test_a_first_chunk_waiting_for_a_slot_the_batch_gave_back_stops_it_after_its
     assert s.preempt(_view(waiting, worker=due, free_slots=0, slots_after_batch=1)) is Preempt.none
 
 
-def test_a_busy_worker_is_asked_for_a_slot_while_a_first_chunk_waits_only_for_one():
-    """It then stops after the next phase that gives a slot back (a stream left with only a final pass that
-    reads none); not while its batch holds due final passes, nor for a first chunk still missing tokens."""
-    s, busy = Scheduler(), WorkerView(busy=True)
-    waiting = _first("new", ready=False, opened=False, needs_slot=True)
-    assert s.wants_a_slot(_view(waiting, worker=busy, free_slots=0))
-    assert not s.wants_a_slot(_view(waiting, worker=WorkerView(busy=True, due_finals=True), free_slots=0))
-    assert not s.wants_a_slot(_view(waiting, worker=WorkerView(), free_slots=0))  # idle: the plan takes it
-    decoding = _first("new", ready=False, opened=False, needs_slot=True, missing=5)
-    assert not s.wants_a_slot(_view(decoding, worker=busy, free_slots=0))
-
-
 def test_a_busy_worker_is_preempted_for_a_new_voice_s_prompt_pass():
     s, busy = Scheduler(), WorkerView(busy=True)
     new = _new_voice("new", NOW)
