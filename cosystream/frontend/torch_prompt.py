@@ -32,7 +32,6 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -365,22 +364,22 @@ class TorchPromptAnalyzer:
     def analyse(self, prompts: Sequence[PromptAudio]) -> list[PromptAnalysis]:
         """The raw analysis of each prompt (align with `build_voice_prompt`), batched across the list.
 
-        On CUDA the waveforms go to the device first without waiting, then CAM++ (a CUDA-graph replay, bound by the
-        device) and the prompt mels are queued on a stream of their own, then the speech tokenizer (operator by
-        operator, bound by the host's launches) on the caller's stream: the device runs the speaker network while the
-        host launches the tokenizer, and nothing the tokenizer waits for (its own copies to the device) waits for
-        CAM++. The same kernels on the same inputs as in one stream: the results do not change."""
+        On CUDA the waveforms go to the device first without waiting, then CAM++ (the network's CUDA-graph replays,
+        bound by the device) and the prompt mels are queued on a stream of their own, then the speech tokenizer
+        (operator by operator, bound by the host's launches) on the caller's stream: the device runs the speaker
+        network while the host launches the tokenizer. The same kernels on the same inputs as in one stream: the
+        results do not change."""
         if not prompts:
             return []
         on_cpu = self._cpu_xvectors([p.wav_16k for p in prompts]) if self._speaker_pool is not None else None
         with self._exact():
             wavs_16k = [self._upload(p.wav_16k) for p in prompts]
             wavs_24k = [self._upload(p.wav_24k) for p in prompts]
-            with self._beside(wavs_16k + wavs_24k) as beside:
-                with beside:
-                    xvectors = self._xvectors(wavs_16k) if on_cpu is None else None
-                    mels = self._mels(wavs_24k)
-                tokens = self._tokens(wavs_16k)
+            with self._beside(wavs_16k + wavs_24k):
+                xvectors = self._xvectors(wavs_16k) if on_cpu is None else None
+                mels = self._mels(wavs_24k)
+            tokens = self._tokens(wavs_16k)
+            self._join_beside()
             if on_cpu is not None:
                 xvectors = [f.result() for f in on_cpu]
             assert xvectors is not None
@@ -396,19 +395,21 @@ class TorchPromptAnalyzer:
         return wav.to(self.device)
 
     @contextlib.contextmanager
-    def _beside(self, inputs: Sequence[torch.Tensor]) -> Iterator[contextlib.AbstractContextManager[Any]]:
-        """Yields the context that queues work on the side stream (on CUDA; elsewhere it does nothing). The side
-        stream starts after the caller's queued work (the uploads of `inputs`), and the caller's stream waits for
-        everything queued beside once the block ends."""
+    def _beside(self, inputs: Sequence[torch.Tensor]) -> Iterator[None]:
+        """On CUDA, the work inside is queued on the side stream, after the caller's stream's queued work (the
+        uploads of `inputs`); elsewhere it runs as it is. `_join_beside` then orders the caller's stream after it."""
         if self._side is None:
-            yield contextlib.nullcontext()
+            yield
             return
-        caller = torch.cuda.current_stream(self.device)
-        self._side.wait_stream(caller)
+        self._side.wait_stream(torch.cuda.current_stream(self.device))
         for tensor in inputs:
             tensor.record_stream(self._side)  # the caller's allocations, read beside: not reused before that
-        yield torch.cuda.stream(self._side)
-        caller.wait_stream(self._side)
+        with torch.cuda.stream(self._side):
+            yield
+
+    def _join_beside(self) -> None:
+        if self._side is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._side)
 
     def _cpu_xvectors(self, wavs_16k: Sequence[torch.Tensor]) -> list[Future]:
         assert self._speaker_pool is not None and self._cpu_speaker is not None

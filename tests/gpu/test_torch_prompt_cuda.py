@@ -132,4 +132,6 @@ def test_cuda_analysis_waits_for_the_device_only_to_copy_its_results_back(checkp
             assert torch.equal(result.tokens, onnx_tokenizer.tokenize(prompt.wav_16k))
             torch.testing.assert_close(result.xvector, onnx_speaker.embed(prompt.wav_16k), atol=XVECTOR_ATOL,
                                        rtol=XVECTOR_ATOL)
-            torch.testing.assert_close(result.mel, analyzer.mels([prompt.wav_24k])[0], atol=0, rtol=0)
+            # the mel computed beside the tokenizer is the one computed alone
+            torch.testing.assert_close(result.mel, analyzer.mels([prompt.wav_24k])[0], atol=MATCHA_ATOL / 100,
+                                       rtol=0)
