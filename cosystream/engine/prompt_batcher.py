@@ -283,7 +283,6 @@ class PromptBatcher:
             return self.analyzer.analyse(prompts)
 
 
-
 class _ArrivalsPool(ThreadPoolExecutor):
     """The batcher's frontend threads: a request handed over counts as on its way (`PromptBatcher._on_the_way`)
     from then until it submits its recording or ends, so an open batch waits for it and for nothing else."""

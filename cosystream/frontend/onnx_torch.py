@@ -284,7 +284,7 @@ def _gather(ctx: _Context, x: list[Any], attrs: Attrs) -> list[torch.Tensor]:
     axis = _axis(attrs.get("axis", 0), data.ndim)
     index = index.long()
     index = torch.where(index < 0, index + data.shape[axis], index)  # on the host for a host index
-    index = ctx.send(index) if not data.is_cpu else index
+    index = index.to(data.device) if data.is_cpu else ctx.send(index)
     out = torch.index_select(data, axis, index.reshape(-1))
     return [out.reshape([*data.shape[:axis], *index.shape, *data.shape[axis + 1:]])]
 
