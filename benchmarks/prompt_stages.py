@@ -267,6 +267,7 @@ async def engine_stages(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------ report
 def print_report(report: dict[str, Any]) -> None:
     one = report["one_prompt"]
+    print(f"package {report['package']}")
     print(f"{report['device']}, {report['seconds']} s recordings, medians of {report['repeats']} (ms); tokenizer "
           f"{one['tokenizer_mode']}, CAM++ {one['speaker_mode']}, collect window {one['collect_window_ms']:.1f} ms")
     print("one prompt alone, each stage synchronised (queued: when its call returned):")
@@ -306,8 +307,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    import cosystream
+
     report: dict[str, Any] = {"device": args.device, "seconds": args.seconds, "repeats": args.repeats,
-                              "one_prompt": standalone(args)}
+                              "package": str(Path(cosystream.__file__).parent), "one_prompt": standalone(args)}
     if args.engine:
         with tempfile.TemporaryDirectory(prefix="prompt-stages-") as tmp:
             report["engine"] = asyncio.run(engine_stages(args, Path(tmp)))
