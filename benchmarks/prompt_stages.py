@@ -31,7 +31,8 @@ The frontend stage, from submission to the request handed to the engine core, sp
 time from the previous mark): `admit`, `to_thread` (to `_build_request` on a frontend thread), `decode_resample`,
 `to_analysis` (the batcher's hand-off), `analyse` (`TorchPromptAnalyzer.analyse`), `from_analysis` (the result back
 to the frontend thread), `transcript` (its normalisation, ids and the voice prompt), `request` (the target text and
-the request), `to_loop` (back to the event loop and into the core); `frontend_s` is the engine's own stage time.
+the request), `to_loop` (back to the event loop and into the core); `engine_frontend` is the engine's own stage
+time (its `frontend_s`).
 A CPU engine analyses with onnxruntime on the frontend thread: `onnx_analysis_transcript` replaces the four steps
 from `to_analysis` to `transcript`.
 """
@@ -255,7 +256,7 @@ async def engine_stages(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 samples.setdefault("onnx_analysis_transcript", []).append(onnx_s)
             samples.setdefault("submit_to_core", []).append(marks.now["core_start"] - marks.now["submit"])
             if frontend_s is not None:
-                samples.setdefault("frontend_s", []).append(frontend_s)
+                samples.setdefault("engine_frontend", []).append(frontend_s)
     finally:
         frontend_module.prepare_prompt_audio = real_prepare  # type: ignore[assignment]
         engine.close()
@@ -285,8 +286,8 @@ def print_report(report: dict[str, Any]) -> None:
         for name in [step[0] for step in ENGINE_STEPS] + ["onnx_analysis_transcript"]:
             if name in eng:
                 print(f"  {name:18s} {eng[name]:8.2f}")
-        print(f"  {'submit_to_core':18s} {eng['submit_to_core']:8.2f}   (engine frontend_s "
-              f"{eng.get('frontend_s', float('nan')):.2f})")
+        print(f"  {'submit_to_core':18s} {eng['submit_to_core']:8.2f}   (the engine's frontend_s "
+              f"{eng.get('engine_frontend', float('nan')):.2f})")
 
 
 def build_parser() -> argparse.ArgumentParser:
