@@ -23,6 +23,8 @@
 #   zeroshot_http  a new recording in every /v1/tts request over HTTP (cosystream bench --distinct-prompts), c=1,16
 #   prompt_analysis  benchmarks/prompt_analysis.py on the released side-model architectures (/tmp/m05r), and
 #                  the prompt analysis GPU tests
+#   prompt_stages  benchmarks/prompt_stages.py on /tmp/m05r: one new recording's analysis stage by stage, and the
+#                  frontend stage of an in-process engine split at its calls (one stream)
 # Carry .whl (benchmarks/fetch_wheels.sh), .whl_ray (scale_ray) and .base (overload_base); the GPU tests read
 # the fixture sets shipped in tests/fixtures. Shared preparation (wheels, the 0.5B
 # CosyVoice2 model in /tmp/m05 and /tmp/m05r unless NO_M05=1, the workload) runs once, first.
@@ -115,6 +117,11 @@ part() {  # $1: part, $2: lane folder, $3: port
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_campplus_cuda.py \
       tests/gpu/test_torch_prompt_cuda.py > "$dir/prompt_gpu_tests.log" 2>&1
     tail -3 "$dir/prompt_gpu_tests.log" ;;
+  prompt_stages)
+    stamp "prompt stages: one new recording's analysis stage by stage, then inside the engine (one stream)"
+    timeout 400 python3 benchmarks/prompt_stages.py --model-dir /tmp/m05r --device cuda --repeats 20 --engine \
+      --out "$dir/prompt_stages.json" > "$dir/prompt_stages.txt" 2>&1
+    tail -40 "$dir/prompt_stages.txt" ;;
   *) echo "lanes.sh: unknown part $1" >&2; return 2 ;;
   esac
 }

@@ -153,16 +153,21 @@ zeroshot_analysis|zeroshot)
       stamp "registered voice, c=1,16"
       timeout 300 $R --concurrency 1,16 --requests-per-level "${ZS_REQS:-64}" --out "$OUT/zs_registered.json" 2>&1 \
         | rows
+      [ -f "$OUT/zs_registered.json" ] && python3 benchmarks/first_audio_path.py "$OUT/zs_registered.json"
     fi
     if [[ $runs == *" distinct "* ]]; then
       stamp "a new recording in every request, c=1,16"
       timeout 300 $R --prompt-per-request --distinct-prompts --concurrency 1,16 --requests-per-level "${ZS_REQS:-64}" \
         --out "$OUT/zs_distinct.json" 2>&1 | rows
+      # where the first audio waits, level by level (stage medians beside the worker's record)
+      [ -f "$OUT/zs_distinct.json" ] && python3 benchmarks/first_audio_path.py "$OUT/zs_distinct.json"
     fi
     if [[ $runs == *" no_open_ahead "* ]]; then
       stamp "the same, prompt passes with the first chunk only (open_ahead=false)"
       timeout 300 $R --config open_ahead=false --prompt-per-request --distinct-prompts --concurrency 1,16 \
         --requests-per-level "${ZS_REQS:-64}" --out "$OUT/zs_distinct_no_open_ahead.json" 2>&1 | rows
+      [ -f "$OUT/zs_distinct_no_open_ahead.json" ] && python3 benchmarks/first_audio_path.py \
+        "$OUT/zs_distinct_no_open_ahead.json"
     fi
   fi
   stamp done

@@ -2,10 +2,13 @@
 
 Frontend threads call `make_voice_prompt` as they would call the frontend's. On a CUDA device the
 checked audio goes to one worker thread that runs `TorchPromptAnalyzer` on everything that has
-arrived: the first prompt opens a batch, which takes whatever else arrives within
-`COLLECT_WINDOW_S` (up to `MAX_BATCH`), and prompts that arrive while the worker is busy form the
-next batch. Waiting is on a queue (no sleeping, no polling). Decoding, resampling and the
-transcript stay on the calling thread, so they run in parallel with the GPU work.
+arrived: the first prompt opens a batch, which takes whatever is already waiting and, while other
+recordings are on their way (requests handed to the batcher's threads, `executor`, still decoding
+theirs), whatever arrives within `COLLECT_WINDOW_S` (up to `MAX_BATCH`); prompts that arrive while
+the worker is busy form the next batch. A recording that arrives alone is analysed at once: no
+companion is on its way, so waiting could only delay it. Waiting is on a queue (no sleeping, no
+polling). Decoding, resampling and the transcript stay on the calling thread, so they run in
+parallel with the GPU work.
 
 Admission reads `backlog()` (recordings waiting and the batch running) and, through `costs`, the measured
 seconds of each analysis (engine/prompt_load.py).
@@ -23,6 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -37,7 +41,7 @@ from cosystream.params import SynthesisParams
 
 log = logging.getLogger(__name__)
 
-COLLECT_WINDOW_S = 0.002  # how long a batch stays open for prompts that arrive together
+COLLECT_WINDOW_S = 0.002  # how long a batch stays open for recordings on their way (being decoded) when it opens
 MAX_BATCH = 16  # prompts per batch; a burst larger than this becomes several batches
 # float32 keeps the official tokens; benchmarks/prompt_analysis.py measures what bf16/fp16 change
 ANALYSIS_DTYPE = torch.float32
@@ -54,6 +58,14 @@ GRAPH_THREADS = 1
 class _Job:
     prompt: PromptAudio
     future: Future = field(default_factory=Future)
+
+
+class _Wake:
+    """Queued when a recording on its way will not come (its request failed before its analysis): a batch waiting
+    for it stops waiting."""
+
+
+_WAKE = _Wake()
 
 
 @dataclass
@@ -79,7 +91,9 @@ class PromptBatcher:
         self._queued = 0  # submitted, not in a batch yet
         self._running = 0  # in the batch analysed now ...
         self._running_since: float | None = None  # ... since then (time.perf_counter)
-        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._on_the_way = 0  # requests handed to `executor` that have neither submitted their recording nor ended
+        self._preparing = threading.local()  # per executor thread: does its request count in `_on_the_way`?
+        self._queue: queue.SimpleQueue[_Job | _Wake | None] = queue.SimpleQueue()
         self._closed = False
         self._stream = (torch.cuda.Stream(analyzer.device)
                         if analyzer is not None and analyzer.device.type == "cuda" else None)
@@ -88,7 +102,7 @@ class PromptBatcher:
         # so a burst needs as many threads as a batch holds (the engine's frontend pool is kept small).
         self.executor: ThreadPoolExecutor | None = None
         if analyzer is not None:
-            self.executor = ThreadPoolExecutor(max_workers=max_batch, thread_name_prefix="prompt-frontend")
+            self.executor = _ArrivalsPool(self, max_workers=max_batch)
             self._thread = threading.Thread(target=self._serve, name="prompt-analysis", daemon=True)
             self._thread.start()
 
@@ -149,8 +163,33 @@ class PromptBatcher:
         job = _Job(prompt)
         with self._line:
             self._queued += 1
+            if getattr(self._preparing, "counted", False):  # its request is no longer on its way: it is queued
+                self._preparing.counted = False
+                self._on_the_way -= 1
         self._queue.put(job)
         return job.future
+
+    # ------------------------------------------------------- requests on their way (see _ArrivalsPool)
+    def _arriving(self) -> None:
+        with self._line:
+            self._on_the_way += 1
+
+    def _prepare(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run a request's preparation on an executor thread; it counts as on its way until it submits its
+        recording (`submit`) or ends without one (a bad recording, a recording seen before)."""
+        self._preparing.counted = True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if self._preparing.counted:
+                self._preparing.counted = False
+                self._gone()
+
+    def _gone(self) -> None:
+        """A request counted as on its way ends without submitting: a batch waiting for it need not wait."""
+        with self._line:
+            self._on_the_way -= 1
+        self._queue.put(_WAKE)
 
     def close(self) -> None:
         """Stop the worker after the batches already queued; later submissions are refused."""
@@ -167,7 +206,7 @@ class PromptBatcher:
                 job = self._queue.get_nowait()
             except queue.Empty:
                 return
-            if job is not None:
+            if isinstance(job, _Job):
                 job.future.set_exception(CosyStreamError("prompt analysis: the engine is closing"))
 
     # ------------------------------------------------------------------ worker
@@ -176,6 +215,8 @@ class PromptBatcher:
             first = self._queue.get()
             if first is None:
                 return
+            if first is _WAKE:
+                continue
             batch, stop = self._collect(first)
             with self._line:
                 self._queued -= len(batch)
@@ -189,19 +230,31 @@ class PromptBatcher:
                 return
 
     def _collect(self, first: _Job) -> tuple[list[_Job], bool]:
-        """The opened batch plus what arrives within the window (or is already waiting); True on shutdown."""
+        """The opened batch plus what is already waiting and, while other recordings are on their way, what
+        arrives within the window; True on shutdown."""
         batch = [first]
         deadline = time.monotonic() + self.collect_window_s
         while len(batch) < self.max_batch:
-            remaining = deadline - time.monotonic()
             try:
-                job = self._queue.get(timeout=remaining) if remaining > 0 else self._queue.get_nowait()
+                job = self._queue.get_nowait()
             except queue.Empty:
-                break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._companions_coming(len(batch)):
+                    break
+                try:
+                    job = self._queue.get(timeout=remaining)
+                except queue.Empty:
+                    break
             if job is None:
                 return batch, True
-            batch.append(job)
+            if isinstance(job, _Job):
+                batch.append(job)
         return batch, False
+
+    def _companions_coming(self, taken: int) -> bool:
+        """Is a recording on its way (being decoded), or submitted and about to reach the queue?"""
+        with self._line:
+            return self._on_the_way > 0 or self._queued > taken
 
     def _run(self, batch: Sequence[_Job]) -> None:
         t0 = time.perf_counter()
@@ -229,3 +282,19 @@ class PromptBatcher:
         with torch.cuda.stream(self._stream):
             return self.analyzer.analyse(prompts)
 
+
+class _ArrivalsPool(ThreadPoolExecutor):
+    """The batcher's frontend threads: a request handed over counts as on its way (`PromptBatcher._on_the_way`)
+    from then until it submits its recording or ends, so an open batch waits for it and for nothing else."""
+
+    def __init__(self, batcher: PromptBatcher, max_workers: int) -> None:
+        super().__init__(max_workers=max_workers, thread_name_prefix="prompt-frontend")
+        self._batcher = batcher
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        self._batcher._arriving()
+        try:
+            return super().submit(self._batcher._prepare, fn, *args, **kwargs)
+        except BaseException:  # shut down: the request never starts
+            self._batcher._gone()
+            raise

@@ -70,7 +70,15 @@ class _Context:
 
     def to_compute(self, t: torch.Tensor) -> torch.Tensor:
         """On the device; floats in the compute dtype."""
-        return t.to(self.device, self.dtype if t.dtype.is_floating_point else None)
+        return self.send(t.to(self.dtype) if t.dtype.is_floating_point else t)
+
+    def send(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` on the device. A host tensor goes to a CUDA device through pinned memory without waiting: a plain
+        copy from the host synchronises the host with the stream, which would stall the host's work (launching the
+        graph's next operators) until the device had run everything queued before it."""
+        if not t.is_cpu or self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def same_place(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Operands of one op on one device and, for floats, one dtype (the compute dtype wins over float32)."""
@@ -274,8 +282,9 @@ def _concat(ctx: _Context, x: list[Any], attrs: Attrs) -> list[torch.Tensor]:
 def _gather(ctx: _Context, x: list[Any], attrs: Attrs) -> list[torch.Tensor]:
     data, index = x
     axis = _axis(attrs.get("axis", 0), data.ndim)
-    index = index.to(data.device).long()
-    index = torch.where(index < 0, index + data.shape[axis], index)
+    index = index.long()
+    index = torch.where(index < 0, index + data.shape[axis], index)  # on the host for a host index
+    index = index.to(data.device) if data.is_cpu else ctx.send(index)
     out = torch.index_select(data, axis, index.reshape(-1))
     return [out.reshape([*data.shape[:axis], *index.shape, *data.shape[axis + 1:]])]
 

@@ -288,6 +288,8 @@ class TorchPromptAnalyzer:
         self.device = torch.device(device)
         self.dtype = dtype
         self.mel_dims = mel_dims
+        # on CUDA, CAM++ and the prompt mels run on this stream beside the speech tokenizer (see `analyse`)
+        self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.tokenizer = BatchedGraph(TorchOnnxGraph(speech_tokenizer, self.device, dtype, fold_shapes),
                                       sequence_axis=2)
         with self._exact():
@@ -360,17 +362,54 @@ class TorchPromptAnalyzer:
             return [m.cpu() for m in self._mels(wavs_24k)]
 
     def analyse(self, prompts: Sequence[PromptAudio]) -> list[PromptAnalysis]:
-        """The raw analysis of each prompt (align with `build_voice_prompt`), batched across the list."""
+        """The raw analysis of each prompt (align with `build_voice_prompt`), batched across the list.
+
+        On CUDA the waveforms go to the device first without waiting, then CAM++ (the network's CUDA-graph replays,
+        bound by the device) and the prompt mels are queued on a stream of their own, then the speech tokenizer
+        (operator by operator, bound by the host's launches) on the caller's stream: the device runs the speaker
+        network while the host launches the tokenizer. The same kernels on the same inputs as in one stream: the
+        results do not change."""
         if not prompts:
             return []
         on_cpu = self._cpu_xvectors([p.wav_16k for p in prompts]) if self._speaker_pool is not None else None
         with self._exact():
-            wavs_16k = [p.wav_16k.to(self.device, torch.float32) for p in prompts]
+            wavs_16k = [self._upload(p.wav_16k) for p in prompts]
+            wavs_24k = [self._upload(p.wav_24k) for p in prompts]
+            with self._beside(wavs_16k + wavs_24k):
+                xvectors = self._xvectors(wavs_16k) if on_cpu is None else None
+                mels = self._mels(wavs_24k)
+            tokens = self._tokens(wavs_16k)
+            self._join_beside()
+            if on_cpu is not None:
+                xvectors = [f.result() for f in on_cpu]
+            assert xvectors is not None
             # everything is queued on the device before the first copy back waits for it
-            tokens, mels = self._tokens(wavs_16k), self._mels([p.wav_24k for p in prompts])
-            xvectors = [f.result() for f in on_cpu] if on_cpu is not None else self._xvectors(wavs_16k)
             return [PromptAnalysis(t.to("cpu", torch.int32), m.cpu(), x.to("cpu", torch.float32))
                     for t, m, x in zip(tokens, mels, xvectors, strict=True)]
+
+    def _upload(self, wav: torch.Tensor) -> torch.Tensor:
+        """A host waveform on the device, float32, without synchronising the host with the device on CUDA."""
+        wav = wav.to(torch.float32)
+        if self.device.type == "cuda" and wav.is_cpu:
+            return wav.pin_memory().to(self.device, non_blocking=True)
+        return wav.to(self.device)
+
+    @contextlib.contextmanager
+    def _beside(self, inputs: Sequence[torch.Tensor]) -> Iterator[None]:
+        """On CUDA, the work inside is queued on the side stream, after the caller's stream's queued work (the
+        uploads of `inputs`); elsewhere it runs as it is. `_join_beside` then orders the caller's stream after it."""
+        if self._side is None:
+            yield
+            return
+        self._side.wait_stream(torch.cuda.current_stream(self.device))
+        for tensor in inputs:
+            tensor.record_stream(self._side)  # the caller's allocations, read beside: not reused before that
+        with torch.cuda.stream(self._side):
+            yield
+
+    def _join_beside(self) -> None:
+        if self._side is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._side)
 
     def _cpu_xvectors(self, wavs_16k: Sequence[torch.Tensor]) -> list[Future]:
         assert self._speaker_pool is not None and self._cpu_speaker is not None

@@ -258,3 +258,88 @@ def test_without_batching_nothing_waits_in_line(frontend):
     assert (line.queued, line.running, line.waiting) == (0, 0, 1)
     batcher.make_voice_prompt(_speech(1.0, seed=3))
     assert costs.analysis_s(1) > 0.0
+
+
+class RecordingAnalyzer:
+    """Records each batch's size and answers at once (tokens and mel of the prompt's length, x-vector = its first
+    sample), so voice prompts can be built from the answers."""
+
+    def __init__(self) -> None:
+        self.batches: list[int] = []
+        self.device = torch.device("cpu")
+
+    def close(self) -> None:
+        pass
+
+    def analyse(self, prompts: list[PromptAudio]) -> list[PromptAnalysis]:
+        self.batches.append(len(prompts))
+        return [PromptAnalysis(tokens=torch.zeros(p.wav_16k.numel() // 640, dtype=torch.int32),
+                               mel=torch.zeros(p.wav_16k.numel() // 320, 80),
+                               xvector=torch.full((192,), float(p.wav_16k[0]))) for p in prompts]
+
+
+LONG_WINDOW_S = 60.0  # far longer than any test's timeout: a batch that waited for it would fail the test
+
+
+def _hand_over_together(batcher: PromptBatcher, recordings: list) -> list:
+    """Requests handed to the batcher's threads as the engine does (`pool_for`), all of them before any starts
+    its preparation: they arrive together."""
+    assert batcher.executor is not None
+    gate = threading.Event()
+
+    def prepare(recording):
+        gate.wait(timeout=10)
+        return batcher.make_voice_prompt(recording, "a prompt.")
+
+    futures = [batcher.executor.submit(prepare, recording) for recording in recordings]
+    gate.set()
+    return futures
+
+
+def test_a_recording_that_arrives_alone_is_analysed_without_waiting_for_companions(frontend):
+    analyzer = RecordingAnalyzer()
+    batcher = PromptBatcher(frontend, analyzer, collect_window_s=LONG_WINDOW_S)  # type: ignore[arg-type]
+    try:
+        alone = _hand_over_together(batcher, [_speech(1.0, seed=1)])[0]
+        assert alone.result(timeout=10).prompt_speech_tokens.numel() > 0
+        direct = batcher.make_voice_prompt(_speech(0.8, seed=2))  # not through the batcher's threads
+        assert direct.xvector.numel() == 192
+        assert analyzer.batches == [1, 1]
+        assert batcher.backlog().waiting == 0
+    finally:
+        batcher.close()
+
+
+def test_recordings_that_arrive_together_are_analysed_in_one_batch(frontend):
+    """The batch opened by the first recording decoded waits for those still being decoded, however long their
+    decoding takes within the window."""
+    analyzer = RecordingAnalyzer()
+    batcher = PromptBatcher(frontend, analyzer, collect_window_s=LONG_WINDOW_S, max_batch=8)  # type: ignore[arg-type]
+    recordings = [_speech(0.5 + 0.3 * seed, seed) for seed in range(5)]
+    try:
+        voices = [f.result(timeout=10) for f in _hand_over_together(batcher, recordings)]
+        assert analyzer.batches == [len(recordings)]
+        for recording, voice in zip(recordings, voices, strict=True):
+            assert float(voice.xvector[0]) == pytest.approx(float(recording[0][0]))  # its own analysis
+    finally:
+        batcher.close()
+
+
+def test_a_bad_recording_on_its_way_fails_alone_and_holds_no_batch(frontend):
+    """A request whose recording cannot be decoded ends without reaching the batcher: its error is its own, and
+    the batch waiting for it runs without waiting out the window."""
+    from cosystream.errors import BadInput
+
+    analyzer = RecordingAnalyzer()
+    batcher = PromptBatcher(frontend, analyzer, collect_window_s=LONG_WINDOW_S, max_batch=8)  # type: ignore[arg-type]
+    good = [_speech(0.6, seed) for seed in (1, 2)]
+    try:
+        first, bad, second = _hand_over_together(batcher, [good[0], b"RIFF not a wav file", good[1]])
+        with pytest.raises(BadInput):
+            bad.result(timeout=10)
+        assert first.result(timeout=10).xvector.numel() == second.result(timeout=10).xvector.numel() == 192
+        assert analyzer.batches == [2]
+        assert batcher.backlog().waiting == 0
+        assert batcher.make_voice_prompt(_speech(0.7, seed=3)).xvector.numel() == 192  # still serving
+    finally:
+        batcher.close()

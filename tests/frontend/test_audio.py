@@ -178,11 +178,42 @@ def test_missing_file_is_rejected(tmp_path):
         load_audio(tmp_path / "absent.wav")
 
 
-def test_non_finite_samples_are_rejected():
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("where", [0, 5, 15999])
+def test_non_finite_samples_are_rejected(bad, where):
     samples = np.ones(16000, dtype=np.float32)
-    samples[5] = np.nan
+    samples[where] = bad
     with pytest.raises(BadInput, match="NaN"):
         load_audio((samples, 16000))
+
+
+@pytest.mark.parametrize("channels", [1, 2])
+def test_a_float_file_with_a_non_finite_sample_is_rejected(channels):
+    import io
+
+    import soundfile as sf
+
+    samples = np.full((16000, channels), 0.25, dtype=np.float32)
+    samples[123, channels - 1] = np.nan
+    buffer = io.BytesIO()
+    sf.write(buffer, samples, 16000, format="WAV", subtype="FLOAT")
+    with pytest.raises(BadInput, match="prompt_wav: the audio contains NaN"):
+        load_audio(buffer.getvalue())
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+def test_decoded_files_are_the_mean_of_their_channels(channels):
+    import io
+
+    import soundfile as sf
+
+    rng = np.random.default_rng(channels)
+    samples = rng.uniform(-0.5, 0.5, (8000, channels)).astype(np.float32)
+    buffer = io.BytesIO()
+    sf.write(buffer, samples, 16000, format="WAV", subtype="FLOAT")
+    data, rate = load_audio(buffer.getvalue())
+    assert rate == 16000
+    assert torch.equal(data, torch.from_numpy(samples).mean(dim=1))
 
 
 def test_too_low_sample_rate_is_rejected(write_audio, speech_like):

@@ -73,7 +73,7 @@ def test_engine_on_cuda_analyses_recordings_sent_together_in_batches(model_dir, 
         want = eng.async_engine.frontend.make_voice_prompt(recordings[0], "hello there.")
         got = batcher.make_voice_prompt(recordings[0], "hello there.")
         assert torch.equal(got.prompt_speech_tokens, want.prompt_speech_tokens)
-        # submitted microseconds apart, well inside the collect window: analysed together
+        # submitted directly, one after another: those that arrive while the first is analysed meet in one batch
         rate = eng.async_engine.hparams.mel.sampling_rate
         before = batcher.stats.largest_batch
         futures = [batcher.submit(prepare_prompt_audio(r, rate)) for r in recordings]
@@ -100,3 +100,38 @@ def test_cuda_runs_realistic_side_model_graphs_as_onnxruntime(checkpoint, tmp_pa
         assert torch.equal(result.tokens, onnx_tokenizer.tokenize(prompt.wav_16k))
         torch.testing.assert_close(result.xvector, onnx_speaker.embed(prompt.wav_16k), atol=XVECTOR_ATOL,
                                    rtol=XVECTOR_ATOL)
+
+
+def test_cuda_analysis_waits_for_the_device_only_to_copy_its_results_back(checkpoint, tmp_path):
+    """The released architectures (reduced width): on prompts of lengths not seen before (the shape arithmetic
+    folded anew), the host synchronises with the device only in the copies of the results back (tokens, mel and
+    x-vector per prompt), so it launches the whole analysis while the device runs it; and the results are those
+    of onnxruntime and of each prompt alone."""
+    import warnings
+
+    from cosystream.testing.realistic_side_models import write_campplus, write_speech_tokenizer
+
+    tokenizer = write_speech_tokenizer(tmp_path / "speech_tokenizer_v2.onnx", "v2", "small", seed=7)
+    campplus = write_campplus(tmp_path / "campplus.onnx", "small", seed=8)
+    mel_dims = checkpoint.hparams.mel
+    analyzer = TorchPromptAnalyzer(tokenizer, campplus, mel_dims, "cuda", torch.float32)
+    prompts = [prepare_prompt_audio(r, mel_dims.sampling_rate) for r in _recordings(4)]
+    analyzer.analyse(prompts[:1])  # warm-up: kernels, cuFFT plans, pinned host blocks
+    for batch in (prompts[1:2], prompts[2:]):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                results = analyzer.analyse(batch)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+        assert len(syncs) <= 3 * len(batch), syncs
+        onnx_tokenizer, onnx_speaker = SpeechTokenizer(tokenizer), SpeakerEncoder(campplus)
+        for prompt, result in zip(batch, results, strict=True):
+            assert torch.equal(result.tokens, onnx_tokenizer.tokenize(prompt.wav_16k))
+            torch.testing.assert_close(result.xvector, onnx_speaker.embed(prompt.wav_16k), atol=XVECTOR_ATOL,
+                                       rtol=XVECTOR_ATOL)
+            # the mel computed beside the tokenizer is the one computed alone
+            torch.testing.assert_close(result.mel, analyzer.mels([prompt.wav_24k])[0], atol=MATCHA_ATOL / 100,
+                                       rtol=0)
