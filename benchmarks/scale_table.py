@@ -97,6 +97,38 @@ def capacity(sweep: dict) -> tuple[dict | None, bool, float, float]:
     return best, best is levels[-1], aggregate, rate
 
 
+def replica_split(requests: list[dict]) -> dict[str, tuple[int, int]]:
+    """Per replica that served a request of a level: (requests it served, most of them open at once), from the
+    server's records (`replica`, which the Ray app adds to GET /v1/requests/{id}); empty when none names one."""
+    by_replica: dict[str, list[dict]] = {}
+    for r in requests:
+        replica = (r.get("server") or {}).get("replica")
+        if replica and r.get("end_s") is not None:
+            by_replica.setdefault(replica, []).append(r)
+    split = {}
+    for replica, served in sorted(by_replica.items()):
+        events = sorted([(r["start_s"], 1) for r in served] + [(r["end_s"], -1) for r in served],
+                        key=lambda e: (e[0], e[1]))
+        open_now = peak = 0
+        for _, delta in events:
+            open_now += delta
+            peak = max(peak, open_now)
+        split[replica] = (len(served), peak)
+    return split
+
+
+def balance(name: str, run: dict) -> list[str]:
+    """One line per closed-loop level of a run over replicas: how its requests split between them."""
+    lines = []
+    for level in sorted(run.get("sweep", {}).get("levels", []), key=lambda lv: lv["value"]):
+        requests = [r for r in run["sweep"].get("requests", []) if r.get("level") == level["level"]]
+        split = replica_split(requests)
+        if split:
+            parts = ", ".join(f"{replica} {n} served (at most {peak} at once)" for replica, (n, peak) in split.items())
+            lines.append(f"{name} {level['level']}: {parts}")
+    return lines
+
+
 def _ms(stats: dict | None, key: str) -> str:
     return f"{stats[key] * 1000:.0f}" if stats and stats.get(key) is not None else "-"
 
@@ -145,7 +177,8 @@ def table(paths: list[str], budget_s: float) -> str:
             p99_s = open_level["first_audio_s"]["p99"]
             verdicts.append(f"{name}: open loop at 2x capacity, accepted p99 {p99_s * 1000:.0f} ms, budget "
                             f"{budget_s * 1000:.0f} ms: {_ok(p99_s <= budget_s)}")
-    return "\n".join(lines + [""] + verdicts) + "\n"
+    split = [line for name, run in runs if run.get("replicas", 1) > 1 for line in balance(name, run)]
+    return "\n".join(lines + [""] + verdicts + ([""] + split if split else [])) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
