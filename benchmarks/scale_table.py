@@ -97,24 +97,23 @@ def capacity(sweep: dict) -> tuple[dict | None, bool, float, float]:
     return best, best is levels[-1], aggregate, rate
 
 
-def replica_split(requests: list[dict]) -> dict[str, tuple[int, int]]:
-    """Per replica that served a request of a level: (requests it served, most of them open at once), from the
-    server's records (`replica`, which the Ray app adds to GET /v1/requests/{id}); empty when none names one."""
-    by_replica: dict[str, list[dict]] = {}
-    for r in requests:
+def replica_split(requests: list[dict]) -> dict[str, tuple[int, float]]:
+    """Per replica that served a request of a level: (requests it served, the mean of its requests open at once
+    over the level, from its first request's start to its last one's end), from the server's records (`replica`,
+    which the Ray app adds to GET /v1/requests/{id}); empty when none names one. (A mean, not a peak: the client
+    sees a stream end a little after the proxy does, which may already have routed the stream's next request, so
+    client times overlap on a replica where the streams did not.)"""
+    ended = [r for r in requests if r.get("end_s") is not None]
+    if not ended:
+        return {}
+    span_s = max(r["end_s"] for r in ended) - min(r["start_s"] for r in ended)
+    split: dict[str, tuple[int, float]] = {}
+    for r in ended:
         replica = (r.get("server") or {}).get("replica")
-        if replica and r.get("end_s") is not None:
-            by_replica.setdefault(replica, []).append(r)
-    split = {}
-    for replica, served in sorted(by_replica.items()):
-        events = sorted([(r["start_s"], 1) for r in served] + [(r["end_s"], -1) for r in served],
-                        key=lambda e: (e[0], e[1]))
-        open_now = peak = 0
-        for _, delta in events:
-            open_now += delta
-            peak = max(peak, open_now)
-        split[replica] = (len(served), peak)
-    return split
+        if replica:
+            served, busy_s = split.get(replica, (0, 0.0))
+            split[replica] = (served + 1, busy_s + r["end_s"] - r["start_s"])
+    return {replica: (n, busy_s / span_s if span_s > 0 else 0.0) for replica, (n, busy_s) in sorted(split.items())}
 
 
 def balance(name: str, run: dict) -> list[str]:
@@ -124,7 +123,8 @@ def balance(name: str, run: dict) -> list[str]:
         requests = [r for r in run["sweep"].get("requests", []) if r.get("level") == level["level"]]
         split = replica_split(requests)
         if split:
-            parts = ", ".join(f"{replica} {n} served (at most {peak} at once)" for replica, (n, peak) in split.items())
+            parts = ", ".join(f"{replica} {n} served ({mean:.1f} open on average)"
+                              for replica, (n, mean) in split.items())
             lines.append(f"{name} {level['level']}: {parts}")
     return lines
 

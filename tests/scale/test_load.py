@@ -150,5 +150,6 @@ def test_the_scale_table_splits_a_level_by_the_replica_that_served_each_request(
 
     requests = [served("a", 0.0, 1.0), served("a", 0.5, 1.5), served("a", 1.0, 2.0), served("b", 0.0, 1.0),
                 served(None, 0.2, 0.21), served("b", 3.0, None)]  # a refusal; a request that never ended
-    assert replica_split(requests) == {"a": (3, 2), "b": (1, 1)}  # a: one ends as the next starts at 1.0
-    assert replica_split([served(None, 0.0, 1.0)]) == {}
+    # the level spans 0 to 2 s: a's requests were open 3 s of it in all, b's 1 s
+    assert replica_split(requests) == {"a": (3, 1.5), "b": (1, 0.5)}
+    assert replica_split([served(None, 0.0, 1.0)]) == {} and replica_split([]) == {}
