@@ -116,6 +116,27 @@ def replica_split(requests: list[dict]) -> dict[str, tuple[int, float]]:
     return {replica: (n, busy_s / span_s if span_s > 0 else 0.0) for replica, (n, busy_s) in sorted(split.items())}
 
 
+def busiest_share(requests: list[dict], step_s: float = 0.005) -> float | None:
+    """The busiest replica's share of the streams open at once, averaged over the middle 80 % of a level (ramp-up
+    and drain left out), sampled every `step_s`: 1 / replicas when the router kept them even at every moment (a
+    mean over the level can look even while the waves of a closed loop take turns on one replica). None without
+    records that name their replica."""
+    served = [r for r in requests if r.get("end_s") is not None and (r.get("server") or {}).get("replica")]
+    if not served:
+        return None
+    t0, t1 = min(r["start_s"] for r in served), max(r["end_s"] for r in served)
+    t, end, shares = t0 + 0.1 * (t1 - t0), t1 - 0.1 * (t1 - t0), []
+    while t < end:
+        open_now: dict[str, int] = {}
+        for r in served:
+            if r["start_s"] <= t < r["end_s"]:
+                open_now[r["server"]["replica"]] = open_now.get(r["server"]["replica"], 0) + 1
+        if open_now:
+            shares.append(max(open_now.values()) / sum(open_now.values()))
+        t += step_s
+    return sum(shares) / len(shares) if shares else None
+
+
 def balance(name: str, run: dict) -> list[str]:
     """One line per closed-loop level of a run over replicas: how its requests split between them."""
     lines = []
@@ -125,7 +146,9 @@ def balance(name: str, run: dict) -> list[str]:
         if split:
             parts = ", ".join(f"{replica} {n} served ({mean:.1f} open on average)"
                               for replica, (n, mean) in split.items())
-            lines.append(f"{name} {level['level']}: {parts}")
+            share = busiest_share(requests)
+            busiest = f"; the busiest replica held {share:.0%} of the open streams at a time" if share else ""
+            lines.append(f"{name} {level['level']}: {parts}{busiest}")
     return lines
 
 

@@ -153,3 +153,17 @@ def test_the_scale_table_splits_a_level_by_the_replica_that_served_each_request(
     # the level spans 0 to 2 s: a's requests were open 3 s of it in all, b's 1 s
     assert replica_split(requests) == {"a": (3, 1.5), "b": (1, 0.5)}
     assert replica_split([served(None, 0.0, 1.0)]) == {} and replica_split([]) == {}
+
+
+def test_the_scale_table_measures_how_unevenly_streams_were_spread_at_each_moment() -> None:
+    from benchmarks.scale_table import busiest_share
+
+    def on(replica: str, start_s: float, end_s: float) -> dict:
+        return {"start_s": start_s, "end_s": end_s, "server": {"replica": replica}}
+
+    # waves taking turns: 3 streams on a then 3 on b; even over the level, never even at a moment
+    turns = [on("a", 0.0, 1.0) for _ in range(3)] + [on("b", 1.0, 2.0) for _ in range(3)]
+    assert abs(busiest_share(turns) - 1.0) < 1e-9
+    even = [on("a", 0.0, 2.0), on("b", 0.0, 2.0), on("a", 0.0, 2.0), on("b", 0.0, 2.0)]
+    assert abs(busiest_share(even) - 0.5) < 1e-9
+    assert busiest_share([{"start_s": 0.0, "end_s": 1.0, "server": {}}]) is None
