@@ -167,7 +167,8 @@ def in_flight_now(report: LoadReport | None, open_here: int, net_since_report: i
     streams this router holds open there (`open_here`). The report alone is up to a reporting period old: in a
     closed loop, where streams end in waves, an old high count would keep new streams off a replica whose streams
     just ended and send them all to the other. Without the ledger reaching back to the report (None), the larger
-    of the report's count and `open_here`. Streams other routers sent since the report are not seen."""
+    of the report's count and `open_here`. Streams other routers sent since the report are not seen, and across
+    hosts the report's time (the replica's clock) is off by the two clocks' difference."""
     if report is None:
         return open_here
     if net_since_report is None:

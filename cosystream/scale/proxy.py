@@ -207,11 +207,17 @@ class StreamLedger:
 
     def net_since(self, replica: Any, since: float) -> int | None:
         """Streams started minus ended on `replica` after `since` (this proxy's), or None when the ledger does
-        not reach back that far."""
+        not reach back that far. Read from the newest event back (events are kept in the order they happened),
+        so a router asking about a recent report on every request reads only the events since it."""
         with self._lock:
             if since < max(self._started, self.now() - self.window_s):
                 return None
-            return sum(delta for t, delta in self._events.get(replica, ()) if t > since)
+            net = 0
+            for t, delta in reversed(self._events.get(replica, ())):
+                if t <= since:
+                    break
+                net += delta
+            return net
 
     def _discard_expected(self, request_id: str) -> None:
         self._expected[request_id] -= 1
