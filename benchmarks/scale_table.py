@@ -97,6 +97,61 @@ def capacity(sweep: dict) -> tuple[dict | None, bool, float, float]:
     return best, best is levels[-1], aggregate, rate
 
 
+def replica_split(requests: list[dict]) -> dict[str, tuple[int, float]]:
+    """Per replica that served a request of a level: (requests it served, the mean of its requests open at once
+    over the level, from its first request's start to its last one's end), from the server's records (`replica`,
+    which the Ray app adds to GET /v1/requests/{id}); empty when none names one. (A mean, not a peak: the client
+    sees a stream end a little after the proxy does, which may already have routed the stream's next request, so
+    client times overlap on a replica where the streams did not.)"""
+    ended = [r for r in requests if r.get("end_s") is not None]
+    if not ended:
+        return {}
+    span_s = max(r["end_s"] for r in ended) - min(r["start_s"] for r in ended)
+    split: dict[str, tuple[int, float]] = {}
+    for r in ended:
+        replica = (r.get("server") or {}).get("replica")
+        if replica:
+            served, busy_s = split.get(replica, (0, 0.0))
+            split[replica] = (served + 1, busy_s + r["end_s"] - r["start_s"])
+    return {replica: (n, busy_s / span_s if span_s > 0 else 0.0) for replica, (n, busy_s) in sorted(split.items())}
+
+
+def busiest_share(requests: list[dict], step_s: float = 0.005) -> float | None:
+    """The busiest replica's share of the streams open at once, averaged over the middle 80 % of a level (ramp-up
+    and drain left out), sampled every `step_s`: 1 / replicas when the router kept them even at every moment (a
+    mean over the level can look even while the waves of a closed loop take turns on one replica). None without
+    records that name their replica."""
+    served = [r for r in requests if r.get("end_s") is not None and (r.get("server") or {}).get("replica")]
+    if not served:
+        return None
+    t0, t1 = min(r["start_s"] for r in served), max(r["end_s"] for r in served)
+    t, end, shares = t0 + 0.1 * (t1 - t0), t1 - 0.1 * (t1 - t0), []
+    while t < end:
+        open_now: dict[str, int] = {}
+        for r in served:
+            if r["start_s"] <= t < r["end_s"]:
+                open_now[r["server"]["replica"]] = open_now.get(r["server"]["replica"], 0) + 1
+        if open_now:
+            shares.append(max(open_now.values()) / sum(open_now.values()))
+        t += step_s
+    return sum(shares) / len(shares) if shares else None
+
+
+def balance(name: str, run: dict) -> list[str]:
+    """One line per closed-loop level of a run over replicas: how its requests split between them."""
+    lines = []
+    for level in sorted(run.get("sweep", {}).get("levels", []), key=lambda lv: lv["value"]):
+        requests = [r for r in run["sweep"].get("requests", []) if r.get("level") == level["level"]]
+        split = replica_split(requests)
+        if split:
+            parts = ", ".join(f"{replica} {n} served ({mean:.1f} open on average)"
+                              for replica, (n, mean) in split.items())
+            share = busiest_share(requests)
+            busiest = f"; the busiest replica held {share:.0%} of the open streams at a time" if share else ""
+            lines.append(f"{name} {level['level']}: {parts}{busiest}")
+    return lines
+
+
 def _ms(stats: dict | None, key: str) -> str:
     return f"{stats[key] * 1000:.0f}" if stats and stats.get(key) is not None else "-"
 
@@ -145,7 +200,8 @@ def table(paths: list[str], budget_s: float) -> str:
             p99_s = open_level["first_audio_s"]["p99"]
             verdicts.append(f"{name}: open loop at 2x capacity, accepted p99 {p99_s * 1000:.0f} ms, budget "
                             f"{budget_s * 1000:.0f} ms: {_ok(p99_s <= budget_s)}")
-    return "\n".join(lines + [""] + verdicts) + "\n"
+    split = [line for name, run in runs if run.get("replicas", 1) > 1 for line in balance(name, run)]
+    return "\n".join(lines + [""] + verdicts + ([""] + split if split else [])) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -161,13 +161,30 @@ def every_replica_full(entries: Iterable[tuple[LoadReport | None, Callable[[floa
         for load, net_since in entries)
 
 
+def in_flight_now(report: LoadReport | None, open_here: int, net_since_report: int | None) -> int:
+    """A replica's streams now, as one router can tell: its last report's count moved on by what this router saw
+    start and end there since (`net_since_report`: the StreamLedger of scale/proxy.py), and never fewer than the
+    streams this router holds open there (`open_here`). The report alone is up to a reporting period old: in a
+    closed loop, where streams end in waves, an old high count would keep new streams off a replica whose streams
+    just ended and send them all to the other. Without the ledger reaching back to the report (None), the larger
+    of the report's count and `open_here`. Streams other routers sent since the report are not seen, and across
+    hosts the report's time (the replica's clock) is off by the two clocks' difference."""
+    if report is None:
+        return open_here
+    if net_since_report is None:
+        return max(report.in_flight, open_here)
+    return max(open_here, report.in_flight + net_since_report)
+
+
 def rank_replicas(loads: Mapping[Hashable, LoadReport | None], routed_here: Mapping[Hashable, int] | None = None,
-                  voice: str | None = None) -> list[Hashable]:
+                  voice: str | None = None, in_flight: Mapping[Hashable, int] | None = None,
+                  avoid: Collection[Hashable] = ()) -> list[Hashable]:
     """Replica ids, best first, for one new stream.
 
-    `routed_here` counts the streams this router sent to each replica that are still open: the published
-    reports are up to one reporting period old, so a replica's load is the larger of the two counts.
-    Order: ready replicas before unready ones; those that can meet the first-audio budget before those that
+    A replica's load is `in_flight` (the router's estimate of its streams now, `in_flight_now`; else its
+    report's count) or, when larger, `routed_here` (the streams this router sent there that are still open).
+    Order: replicas in `avoid` (those that refused this very request) last; then ready replicas before unready
+    ones; those that can meet the first-audio budget before those that
     cannot; among those that can, replicas holding `voice` (a voice name or an upload_key: the request's prompt)
     first, then the least loaded (streams per LM slot),
     then the lowest expected first audio; replicas that cannot meet it follow by expected first audio, so when
@@ -176,17 +193,19 @@ def rank_replicas(loads: Mapping[Hashable, LoadReport | None], routed_here: Mapp
     without a report yet ranks as idle and ready.
     """
     routed_here = routed_here or {}
+    in_flight = in_flight or {}
 
     def key(replica: Hashable) -> tuple:
         load = loads.get(replica) or LoadReport()
-        n = max(load.in_flight, routed_here.get(replica, 0))
+        n = max(in_flight.get(replica, load.in_flight), routed_here.get(replica, 0))
         expected_s = load.expected_first_audio_s(n)
         fits = load.fits_budget(n)
         holds_voice = voice is not None and load.holds(voice)
         expected = expected_s if expected_s is not None else 0.0
         if fits:
-            return (not load.ready, False, not holds_voice, n / (load.capacity or 1), expected, random.random())
-        return (not load.ready, True, False, expected, n / (load.capacity or 1), random.random())
+            return (replica in avoid, not load.ready, False, not holds_voice, n / (load.capacity or 1), expected,
+                    random.random())
+        return (replica in avoid, not load.ready, True, False, expected, n / (load.capacity or 1), random.random())
 
     return sorted(loads, key=key)
 

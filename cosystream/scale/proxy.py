@@ -139,6 +139,7 @@ _VOICE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 REQUEST_ID_HEADER = b"x-request-id"  # Ray's proxy takes a request's id from it (and returns it to the client)
 LEDGER_WINDOW_S = 10.0  # how far back the ledger can tell a replica's streams started and ended
 _refusal_checks: dict[Any, Callable[[], bool]] = {}  # see register_refusal_check
+_retry_checks: dict[Any, Callable[[str], bool]] = {}  # see register_retry_check
 
 
 class StreamLedger:
@@ -155,6 +156,7 @@ class StreamLedger:
         self._expected: Counter[str] = Counter()  # synthesis requests not routed yet
         self._replica_of: dict[str, Any] = {}  # routed and not ended: request id -> replica
         self._events: dict[Any, deque[tuple[float, int]]] = {}  # replica -> (time, +1 routed / -1 ended)
+        self._refused_by: dict[str, frozenset] = {}  # request id -> the replicas that refused it (while it is open)
         self._started = self.now()
 
     def expect(self, request_id: str) -> None:
@@ -182,13 +184,40 @@ class StreamLedger:
             else:
                 self._discard_expected(request_id)
 
+    def refused(self, request_id: str) -> bool:
+        """The replica `request_id` was routed to refused it (503 overloaded): it ended there, and that replica is
+        remembered (`refused_by`) until `forget`. False when the request's replica is not known (never routed
+        here): nothing is remembered."""
+        with self._lock:
+            replica = self._replica_of.pop(request_id, None)
+            if replica is None:
+                return False
+            self._event(replica, self.now(), -1)
+            self._refused_by[request_id] = self._refused_by.get(request_id, frozenset()) | {replica}
+            return True
+
+    def refused_by(self, request_id: str) -> frozenset:
+        """The replicas that refused `request_id` so far (the router ranks them last for its next attempt)."""
+        return self._refused_by.get(request_id, frozenset())
+
+    def forget(self, request_id: str) -> None:
+        """`request_id` is answered: drop what `refused` remembered of it."""
+        with self._lock:
+            self._refused_by.pop(request_id, None)
+
     def net_since(self, replica: Any, since: float) -> int | None:
         """Streams started minus ended on `replica` after `since` (this proxy's), or None when the ledger does
-        not reach back that far."""
+        not reach back that far. Read from the newest event back (events are kept in the order they happened),
+        so a router asking about a recent report on every request reads only the events since it."""
         with self._lock:
             if since < max(self._started, self.now() - self.window_s):
                 return None
-            return sum(delta for t, delta in self._events.get(replica, ()) if t > since)
+            net = 0
+            for t, delta in reversed(self._events.get(replica, ())):
+                if t <= since:
+                    break
+                net += delta
+            return net
 
     def _discard_expected(self, request_id: str) -> None:
         self._expected[request_id] -= 1
@@ -220,6 +249,25 @@ def refused_here() -> bool:
     try:
         return checks[0]()
     except Exception:  # a router that cannot tell: the request goes to a replica, which decides
+        return False
+
+
+def register_retry_check(key: Any, check: Callable[[str], bool]) -> None:
+    """A router in this process (keyed as in register_refusal_check) tells `VoiceHint` whether a request that a
+    replica refused is worth sending once more: check(request_id) is True when a replica that has not refused it
+    may admit it (and counts that retry). Any thread may call it."""
+    _retry_checks[key] = check
+
+
+def retry_here(request_id: str) -> bool:
+    """Whether the one registered router would send a refused request to another replica (never with no router or
+    several apps, as refused_here)."""
+    checks = list(_retry_checks.values())
+    if len(checks) != 1:
+        return False
+    try:
+        return checks[0](request_id)
+    except Exception:  # a router that cannot tell: the refusal goes to the client
         return False
 
 
@@ -274,6 +322,34 @@ class VoiceHint:
         if messages[-1]["type"] == "http.request" and len(body) <= CARRIED_BODY_MAX_BYTES:
             scope[PROXY_BODY_KEY] = body  # whole: the replica replays it instead of fetching it
         scope, request_id = _with_request_id(scope)
+        try:
+            if messages[-1]["type"] != "http.request":  # the client left before its body was whole: no second try
+                return await self._attempt(scope, messages, receive, request_id, send)
+            first = _RefusalCatcher(send, request_id)
+            try:
+                await self._attempt(scope, messages, receive, request_id, first.send, first)
+            except BaseException:
+                if first.refused:  # held back and never answered: it ended all the same
+                    LEDGER.ended(request_id)
+                else:  # a 503 cut short: what came of it is the client's
+                    with contextlib.suppress(Exception):
+                        await first.release()
+                raise
+            if not first.refused:
+                return
+            if not LEDGER.refused(request_id):  # routed by no router here: it ends as it is
+                LEDGER.ended(request_id)
+            elif retry_here(request_id):  # another replica may admit it: one more try, answered as it comes
+                return await self._attempt(scope, messages, receive, request_id, send)
+            await first.release()
+        finally:
+            LEDGER.forget(request_id)
+
+    async def _attempt(self, scope: Scope, messages: list[Message], receive: Receive, request_id: str,
+                       send: Send, catcher: _RefusalCatcher | None = None) -> None:
+        """Send the request to the app behind (Ray's proxy, which routes it), its stream counted in the ledger
+        until its last message, which the ledger sees before the client does (a refusal that `catcher` holds back
+        is the caller's to count)."""
         LEDGER.expect(request_id)
         ended = False
 
@@ -281,7 +357,8 @@ class VoiceHint:
             nonlocal ended
             if not ended and message["type"] == "http.response.body" and not message.get("more_body", False):
                 ended = True
-                LEDGER.ended(request_id)  # before the client hears of it
+                if catcher is None or not catcher.holding:
+                    LEDGER.ended(request_id)
             await send(message)
 
         try:
@@ -354,6 +431,43 @@ class VoiceHint:
             LEDGER.ended(request_id)
         if not closed:
             await _end_websocket(send)
+
+
+class _RefusalCatcher:
+    """The `send` of a request's first attempt: a replica's refusal (503 `overloaded`: its admission would not meet
+    the first-audio budget) is held back, so the proxy can send the request to another replica instead; every
+    other response goes to the client as it comes. A refusal is a small JSON answer and a stream's response starts
+    with 200, so holding 503s costs a stream nothing; `release` sends a held refusal on when no retry is made."""
+
+    def __init__(self, send: Send, request_id: str) -> None:
+        self._send = send
+        self._request_id = request_id
+        self._held: list[Message] = []
+        self.refused = False
+
+    @property
+    def holding(self) -> bool:
+        """Whether a 503 is held back (its last message, when it comes, is counted in the ledger by the caller)."""
+        return bool(self._held)
+
+    async def send(self, message: Message) -> None:
+        if not self._held and message["type"] == "http.response.start" and message.get("status") == 503:
+            self._held.append(message)
+            return
+        if not self._held or self.refused:
+            return await self._send(message)
+        self._held.append(message)
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            body = b"".join(m.get("body", b"") for m in self._held if m["type"] == "http.response.body")
+            self.refused = _error_code(body) == OVERLOADED_CODE
+            if not self.refused:  # another 503 (engine_dead, ...): the client's as it is
+                LEDGER.ended(self._request_id)
+                await self.release()
+
+    async def release(self) -> None:
+        held, self._held = self._held, []
+        for message in held:
+            await self._send(message)
 
 
 class _ReadAhead:
@@ -497,6 +611,15 @@ async def _form_hint(scope: Scope, body: bytes) -> str | None:
             return prompt_hint(fields, audio or None)
     except Exception:  # a malformed form: the app answers it
         return None
+
+
+def _error_code(body: bytes) -> str | None:
+    """The `error.code` of a JSON error body (server/errors.py's shape), or None."""
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return None
+    return error.get("code") if isinstance(error, dict) else None
 
 
 def _ws_start(message: Message | None) -> dict[str, Any] | None:

@@ -58,6 +58,7 @@ from cosystream.scale.load import (
     LoadReport,
     every_replica_full,
     held_voice_names,
+    in_flight_now,
     merge_metrics,
     rank_replicas,
     report_from_server,
@@ -65,7 +66,7 @@ from cosystream.scale.load import (
 )
 from cosystream.scale.proxy import CALLBACK_ENV as PROXY_CALLBACK_ENV
 from cosystream.scale.proxy import CALLBACK_PATH as PROXY_CALLBACK_PATH
-from cosystream.scale.proxy import from_proxy, register_refusal_check
+from cosystream.scale.proxy import from_proxy, register_refusal_check, register_retry_check
 from cosystream.server.errors import ApiError
 from cosystream.server.metrics import CONTENT_TYPE
 from cosystream.server.session import proxy_wait_s, request_id_override
@@ -84,6 +85,8 @@ VOICE_BROADCAST_TIMEOUT_S = 1.0  # a registration answers once every replica dro
 PEER_CALL_TIMEOUT_S = 5.0  # /metrics, /v1/requests/{id}, /v1/replicas: how long to wait for the other replicas
 ROUTING_STATS_PERIOD_S = 0.5  # how often each replica publishes its LoadReport
 PROXY_REFUSAL_FRESH_S = 2 * ROUTING_STATS_PERIOD_S  # the proxy refuses on reports at most this old
+REFUSED_OUTCOME = "overloaded"  # a finished request's outcome when admission refused it (server/session.py)
+PICK_HOLD_S = 2.0  # a router's choice counts as a stream on its replica until Ray confirms it, at most this long
 PRELOADED_VOICES = 256  # a starting replica loads the prompts of the most recently changed voices
 # The environment of a local cluster's processes (`serve_replicas`; on a cluster, that of `ray start`): the proxy
 # middlewares, and Ray Serve's gRPC data plane between the proxy and the replicas (what its throughput-optimized
@@ -377,8 +380,9 @@ class CosyStreamReplica:
         return self.replica_id, self.state.metrics.render().decode()
 
     def finished_request(self, request_id: str) -> dict[str, Any] | None:
+        """A finished request's record, with the replica that kept it (`replica`)."""
         record = self.state.finished.get(request_id)
-        return None if record is None else record.model_dump(mode="json")
+        return None if record is None else {**record.model_dump(mode="json"), "replica": self.replica_id}
 
     def describe(self) -> dict[str, Any]:
         return {"replica": self.replica_id, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
@@ -440,10 +444,13 @@ class CosyStreamReplica:
         return JSONResponse({"status": status, "replicas_running": running, "replicas_target": target})
 
     async def _finished_request(self, request_id: str) -> JSONResponse:
+        """The request's record from whichever replica served it. A request one replica refused and the proxy
+        sent on to another (scale/proxy.py) has a record on both, under one id: the served one is returned."""
         local = self.finished_request(request_id)
-        if local is None:
+        if local is None or local.get("outcome") == REFUSED_OUTCOME:
             found = [r for r in await self._peer_results("finished_request", request_id) if r is not None]
-            local = found[0] if found else None
+            found.sort(key=lambda r: r.get("outcome") == REFUSED_OUTCOME)  # served first
+            local = found[0] if found else local
         if local is None:
             raise ApiError(404, "request_not_found", f"request {request_id!r} is unknown, still running, or no "
                            "longer kept by any replica", field="request_id")
@@ -466,19 +473,33 @@ def _replica_counts(app_name: str, deployment: str) -> tuple[int, int]:
 # ---------------------------------------------------------------- the router
 
 class EngineAwareRouter(RequestRouter):
-    """Ranks replicas by their published LoadReports (scale/load.rank_replicas) corrected by the streams this
-    router itself sent and that are still open. Runs in every caller of the deployment: Ray's HTTP proxies.
+    """Ranks replicas by their published LoadReports (scale/load.rank_replicas), each replica's streams counted as
+    the router can tell them now (scale/load.in_flight_now: the report moved on by the streams this proxy saw
+    start and end there since, StreamLedger of scale/proxy.py). Runs in every caller of the deployment: Ray's
+    HTTP proxies.
+
+    A burst of requests (a closed loop's streams end together and their next requests come together) is routed
+    back to back, before any of them reaches its replica and is counted there or in the ledger: each choice
+    counts at once as a stream on the replica ranked first (`_picked`), until Ray reports where the request went
+    (on_request_routed) or that it ended (on_request_completed), so a burst is spread instead of all going to the
+    replica that was least loaded before it.
+
     In a proxy it also tells the proxy middleware when every replica is known to be full
     (scale/load.every_replica_full), so the refusal is answered there, without a trip to a replica; those
-    refusals are counted in Ray's metric `cosystream_proxy_refusals` (a replica never sees them)."""
+    refusals are counted in Ray's metric `cosystream_proxy_refusals` (a replica never sees them). A request a
+    replica refused goes once more to the best replica that has not refused it, when there is one that is not
+    known to be full (scale/proxy.py's VoiceHint), counted in `cosystream_proxy_retries`."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._open: Counter[ReplicaID] = Counter()
         self._replica_of: dict[str, ReplicaID] = {}
+        self._picked: dict[str, tuple[ReplicaID, float]] = {}  # internal request id -> (replica ranked first, when)
         self._refusals: Any = None  # Ray's counter, made at the first refusal
+        self._retries: Any = None  # Ray's counter, made at the first retry
         self._parsed: dict[ReplicaID, tuple[Any, LoadReport | None]] = {}  # replica -> (its stats, their report)
         register_refusal_check(getattr(self, "_deployment_id", None), self.refuse_new_stream)
+        register_retry_check(getattr(self, "_deployment_id", None), self.retry_refused)
 
     def _report(self, replica: RunningReplica) -> LoadReport | None:
         """The replica's LoadReport, parsed once per published report (every request reads every replica's)."""
@@ -508,21 +529,61 @@ class EngineAwareRouter(RequestRouter):
         self._refusals.inc()
         return True
 
+    def retry_refused(self, request_id: str) -> bool:
+        """True (and counted) when a replica that has not refused `request_id` yet may admit it: one that is not
+        known to be full (LoadReport.known_full). Called by the proxy middleware as refuse_new_stream is."""
+        ledger = scale_proxy.LEDGER
+        refused_by = ledger.refused_by(request_id)
+        now = time.time()
+        others = [r for r in list(self.curr_replicas.values()) if r.replica_id not in refused_by]
+        if not any(not every_replica_full([(self._report(r), functools.partial(ledger.net_since, r.replica_id))],
+                                          now, PROXY_REFUSAL_FRESH_S) for r in others):
+            return False
+        if self._retries is None:
+            from ray.util.metrics import Counter as RayCounter
+
+            self._retries = RayCounter("cosystream_proxy_retries", "synthesis requests a replica refused that the "
+                                       "proxy sent to another replica")
+        self._retries.inc()
+        return True
+
+    def _picked_per_replica(self, now: float) -> Counter[ReplicaID]:
+        """Choices not yet confirmed by Ray, per replica; a choice older than PICK_HOLD_S (a request cancelled
+        while it was routed: Ray calls neither hook) is forgotten."""
+        if any(now - t > PICK_HOLD_S for _, t in self._picked.values()):
+            self._picked = {k: v for k, v in self._picked.items() if now - v[1] <= PICK_HOLD_S}
+        return Counter(replica for replica, _ in self._picked.values())
+
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         by_id = {r.replica_id: r for r in candidate_replicas}
         loads = {r.replica_id: self._report(r) for r in candidate_replicas}
+        now = time.time()
+        picked = self._picked_per_replica(now)
+        ledger = scale_proxy.LEDGER
+        in_flight = {}
+        for replica_id, load in loads.items():
+            since = load.reported_at if load is not None else None
+            net = ledger.net_since(replica_id, since) if since is not None else None
+            in_flight[replica_id] = in_flight_now(load, self._open[replica_id], net) + picked[replica_id]
         # the request's prompt key (a voice or an upload's digest), when the proxy's VoiceHint (scale/proxy.py)
-        # found one in it
-        voice = pending_request.metadata.multiplexed_model_id or None if pending_request is not None else None
-        return [[by_id[replica_id]] for replica_id in rank_replicas(loads, self._open, voice=voice)]
+        # found one in it; the replicas that already refused it (the proxy sends a refused request once more)
+        metadata = pending_request.metadata if pending_request is not None else None
+        voice = (metadata.multiplexed_model_id or None) if metadata is not None else None
+        avoid = ledger.refused_by(metadata.request_id) if metadata is not None else frozenset()
+        ranked = rank_replicas(loads, voice=voice, in_flight=in_flight, avoid=avoid)
+        if metadata is not None and ranked:
+            self._picked[metadata.internal_request_id] = (ranked[0], now)
+        return [[by_id[replica_id]] for replica_id in ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        self._picked.pop(pending_request.metadata.internal_request_id, None)
         self._open[replica_id] += 1
         self._replica_of[pending_request.metadata.internal_request_id] = replica_id
         scale_proxy.LEDGER.routed(pending_request.metadata.request_id, replica_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._picked.pop(internal_request_id, None)  # e.g. the replica's queue refused it: Ray routes it again
         if self._replica_of.pop(internal_request_id, None) is None:
             return
         self._open[replica_id] -= 1

@@ -117,3 +117,53 @@ def test_the_proxy_refuses_only_when_every_replica_is_known_full() -> None:
     asked: list[float] = []
     every_replica_full([(_full(reported_at=99.9), lambda since: asked.append(since) or 0)], now=100.5, fresh_s=1.0)
     assert asked == [99.9]  # the ledger is asked about the time of that replica's own report
+
+
+def test_a_replica_load_is_its_report_moved_on_by_what_the_router_saw_since() -> None:
+    from cosystream.scale.load import in_flight_now
+
+    report = LoadReport(in_flight=16)
+    assert in_flight_now(report, open_here=6, net_since_report=-10) == 6  # 10 of the 16 ended since the report
+    assert in_flight_now(report, open_here=3, net_since_report=-14) == 3  # never below this router's open streams
+    assert in_flight_now(report, open_here=0, net_since_report=2) == 18  # two more started there since
+    assert in_flight_now(report, open_here=4, net_since_report=None) == 16  # the ledger does not reach back
+    assert in_flight_now(None, open_here=4, net_since_report=None) == 4  # no report yet
+
+
+def test_estimated_loads_replace_the_reports_and_refusing_replicas_rank_last() -> None:
+    base = {"service_first_audio_s": 0.1, "budget_s": 0.5}
+    loads = {"a": LoadReport(in_flight=16, **base), "b": LoadReport(in_flight=8, **base)}
+    assert rank_replicas(loads) == ["b", "a"]  # by the reports
+    assert rank_replicas(loads, in_flight={"a": 6, "b": 8}) == ["a", "b"]  # by the router's estimate of now
+    assert rank_replicas(loads, routed_here={"a": 9}, in_flight={"a": 6, "b": 8}) == ["b", "a"]  # a lower bound
+    # a replica that refused the request comes after every other, the unready and the over-budget ones included
+    loads["c"] = LoadReport(ready=False, **base)
+    loads["d"] = LoadReport(in_flight=2, service_first_audio_s=0.9, budget_s=0.5)
+    assert rank_replicas(loads, in_flight={"a": 6, "b": 8}, avoid={"a"}) == ["b", "d", "c", "a"]
+
+
+def test_the_scale_table_splits_a_level_by_the_replica_that_served_each_request() -> None:
+    from benchmarks.scale_table import replica_split
+
+    def served(replica: str | None, start_s: float, end_s: float | None) -> dict:
+        return {"start_s": start_s, "end_s": end_s, "server": {"replica": replica} if replica else {"refusal_s": 0.01}}
+
+    requests = [served("a", 0.0, 1.0), served("a", 0.5, 1.5), served("a", 1.0, 2.0), served("b", 0.0, 1.0),
+                served(None, 0.2, 0.21), served("b", 3.0, None)]  # a refusal; a request that never ended
+    # the level spans 0 to 2 s: a's requests were open 3 s of it in all, b's 1 s
+    assert replica_split(requests) == {"a": (3, 1.5), "b": (1, 0.5)}
+    assert replica_split([served(None, 0.0, 1.0)]) == {} and replica_split([]) == {}
+
+
+def test_the_scale_table_measures_how_unevenly_streams_were_spread_at_each_moment() -> None:
+    from benchmarks.scale_table import busiest_share
+
+    def on(replica: str, start_s: float, end_s: float) -> dict:
+        return {"start_s": start_s, "end_s": end_s, "server": {"replica": replica}}
+
+    # waves taking turns: 3 streams on a then 3 on b; even over the level, never even at a moment
+    turns = [on("a", 0.0, 1.0) for _ in range(3)] + [on("b", 1.0, 2.0) for _ in range(3)]
+    assert abs(busiest_share(turns) - 1.0) < 1e-9
+    even = [on("a", 0.0, 2.0), on("b", 0.0, 2.0), on("a", 0.0, 2.0), on("b", 0.0, 2.0)]
+    assert abs(busiest_share(even) - 0.5) < 1e-9
+    assert busiest_share([{"start_s": 0.0, "end_s": 1.0, "server": {}}]) is None

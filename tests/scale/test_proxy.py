@@ -474,3 +474,76 @@ def test_streams_through_the_proxy_are_in_the_ledger_from_routing_to_their_last_
     asyncio.run(proxy.VoiceHint(ws_app)({"type": "websocket", "path": "/v1/tts/stream", "headers": []},
                                         ws_receive, send))
     assert seen_during == [1, 1] and proxy.LEDGER.net_since("ws-replica", since) == 0
+
+
+def _refusal(code: str = "overloaded") -> list[dict]:
+    body = json.dumps({"error": {"code": code, "message": f"{code}: from a replica", "field": None}}).encode()
+    return [{"type": "http.response.start", "status": 503,
+             "headers": [(b"content-type", b"application/json"), (b"retry-after", b"2")]},
+            {"type": "http.response.body", "body": body[:10], "more_body": True},
+            {"type": "http.response.body", "body": body[10:], "more_body": False}]
+
+
+def _through_refusing_replicas(answers: dict[str, list[dict]], retry: bool) -> tuple[list[dict], list[str], set]:
+    """One JSON /v1/tts request through VoiceHint in front of a fake Ray proxy that routes each attempt to the
+    first replica in `answers` that has not refused the request yet (as EngineAwareRouter ranks them) and replays
+    that replica's answer; the registered router says `retry` when asked for a second attempt. Returns (what the
+    client was sent, the replicas each attempt went to, the replicas the router was told refused it)."""
+    from cosystream.scale import proxy
+
+    body = json.dumps({"text": "Hello.", "voice": "anna"}).encode()
+    chunks = [{"type": "http.request", "body": body, "more_body": False}]
+    sent, attempts, told = [], [], set()
+
+    async def receive() -> dict:
+        return chunks.pop(0) if chunks else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def ray_proxy(scope, receive, send) -> None:
+        request_id = dict(scope["headers"])[proxy.REQUEST_ID_HEADER].decode()
+        assert (await receive())["body"] == body  # every attempt gets the whole body
+        replica = next(r for r in answers if r not in proxy.LEDGER.refused_by(request_id))
+        told.update(proxy.LEDGER.refused_by(request_id))
+        attempts.append(replica)
+        proxy.LEDGER.routed(request_id, replica)  # what EngineAwareRouter.on_request_routed does
+        for message in answers[replica]:
+            await send(message)
+
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    saved = dict(proxy._retry_checks)
+    proxy._retry_checks.clear()
+    proxy.register_retry_check("deployment", lambda request_id: retry)
+    try:
+        asyncio.run(proxy.VoiceHint(ray_proxy)({"type": "http", "method": "POST", "path": "/v1/tts",
+                                                "headers": headers}, receive, send))
+    finally:
+        proxy._retry_checks.clear()
+        proxy._retry_checks.update(saved)
+    return sent, attempts, told
+
+
+def test_a_refused_request_goes_once_to_another_replica_before_the_client_hears_of_it() -> None:
+    import time
+
+    from cosystream.scale import proxy
+
+    since = time.time()
+    served = [{"type": "http.response.start", "status": 200, "headers": []},
+              {"type": "http.response.body", "body": b"audio", "more_body": False}]
+    sent, attempts, told = _through_refusing_replicas({"r1": _refusal(), "r2": served}, retry=True)
+    assert attempts == ["r1", "r2"] and told == {"r1"}
+    assert sent == served  # the client hears only the replica that served it
+    assert proxy.LEDGER.net_since("r1", since) == 0 and proxy.LEDGER.net_since("r2", since) == 0  # both ended
+    assert proxy.LEDGER._refused_by == {}  # forgotten once answered
+    # every replica refuses: after one retry, the last refusal is the client's, as the replica sent it
+    sent, attempts, _ = _through_refusing_replicas({"r1": _refusal(), "r2": _refusal(), "r3": served}, retry=True)
+    assert attempts == ["r1", "r2"] and sent == _refusal()
+    # no replica that may admit it (the router says so): the first refusal is the client's, at once
+    sent, attempts, _ = _through_refusing_replicas({"r1": _refusal(), "r2": served}, retry=False)
+    assert attempts == ["r1"] and sent == _refusal()
+    # a 503 that is not a refusal (the engine stopped) is not sent elsewhere
+    sent, attempts, _ = _through_refusing_replicas({"r1": _refusal("engine_dead"), "r2": served}, retry=True)
+    assert attempts == ["r1"] and sent == _refusal("engine_dead")
+    assert proxy.LEDGER.net_since("r1", since) == 0 and proxy.LEDGER._refused_by == {}

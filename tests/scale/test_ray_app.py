@@ -27,6 +27,7 @@ from websockets.sync.client import connect
 
 from cosystream.engine.voices import VoiceStore
 from cosystream.testing.audio import tone_wav
+from cosystream.testing.refusal import REFUSE_DIR_ENV, refusal_marker
 
 try:
     import ray
@@ -68,10 +69,17 @@ def voices_db(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def base_url(model_dir, voices_db: Path) -> Iterator[str]:
+def refuse_dir(tmp_path_factory) -> Path:
+    """Where a test puts a replica's marker (cosystream/testing/refusal.py) to make it refuse new streams."""
+    return tmp_path_factory.mktemp("ray_refuse")
+
+
+@pytest.fixture(scope="module")
+def base_url(model_dir, voices_db: Path, refuse_dir: Path) -> Iterator[str]:
     port = _free_port()
     for key, value in RAY_ENV_DEFAULTS.items():  # as `cosystream serve --replicas`: the proxy Ray starts inherits
         os.environ.setdefault(key, value)
+    os.environ[REFUSE_DIR_ENV] = str(refuse_dir)  # the replicas Ray starts inherit it too
     ray.init(num_cpus=4, object_store_memory=80 * 1024 * 1024, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
     try:
@@ -79,12 +87,13 @@ def base_url(model_dir, voices_db: Path) -> Iterator[str]:
         # the store a multi-machine cluster uses (a named actor on the head node); "file" is a plain VoiceStore
         spec = ReplicaSpec(model_dir=str(model_dir), device="cpu", voice_store="actor", voices_db=str(voices_db),
                            engine_kwargs={"max_streams": 4}, settings=ServerSettings(warmup=False),
-                           log_level="warning")
+                           log_level="warning", engine_hook="cosystream.testing.refusal:refusing_engine")
         serve.run(build_application(spec, num_replicas=2, num_cpus=1), name=APP_NAME, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
         ray.shutdown()
+        os.environ.pop(REFUSE_DIR_ENV, None)
 
 
 def _client(base_url: str) -> httpx.Client:
@@ -265,6 +274,58 @@ def test_requests_go_to_the_replica_holding_their_uploaded_prompt_and_a_websocke
         for _ in range(3):
             assert _ws_session(base_url, 2, recording)[1][-1]["type"] == "done"
         assert _ws_served(client) - before == Counter({holder: 4})  # every session ran on the holder
+
+
+def _refused(client: httpx.Client) -> Counter:
+    """Requests each replica refused (503 overloaded), from the application's /metrics."""
+    refused: Counter = Counter()
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == "cosystream_requests_total" and sample.labels.get("outcome") == "overloaded":
+                refused[sample.labels["replica"]] += int(sample.value)
+    return refused
+
+
+def test_a_request_one_replica_refuses_is_served_by_the_other(base_url: str, refuse_dir: Path) -> None:
+    """A replica's refusal (its admission's 503 overloaded) does not reach the client while another replica may
+    admit the request: the proxy sends it there once. The refusing replica is the one the router prefers (it alone
+    holds the request's uploaded prompt), and its load report says nothing of the refusal, as one published before
+    a burst. When every replica refuses, the client gets the refusal after that one retry."""
+    recording = tone_wav(seconds=1.5, seed=37)
+    form = {"text": "Hi there.", "prompt_text": UPLOAD_TEXT, "response_format": "pcm", "force_tokens": "2"}
+
+    def upload() -> httpx.Response:
+        return client.post("/v1/tts", data=form, files={"prompt_wav": ("me.wav", recording, "audio/wav")})
+
+    with _client(base_url) as client:
+        _wait_all_running(client, RECOVERY_TIMEOUT_S)
+        replicas = _replicas(client)
+        first = upload()
+        assert first.status_code == 200, first.text
+        holder = first.headers[REPLICA]
+        (other,) = set(replicas) - {holder}
+        time.sleep(1.5)  # the holder's next load report reaches the proxy's router
+        markers = [refusal_marker(refuse_dir, replicas[r]["pid"]) for r in (holder, other)]
+        try:
+            markers[0].touch()
+            before = _refused(client)
+            response = upload()
+            assert response.status_code == 200, response.text
+            assert response.headers[REPLICA] == other
+            assert len(response.content) == 2 * SAMPLES_PER_TOKEN * 2
+            assert _refused(client) - before == Counter({holder: 1})  # routed to the holder first, which refused
+            found = client.get(f"/v1/requests/{response.headers['x-request-id']}")  # a record on both: the served one
+            assert found.status_code == 200, found.text
+            assert found.json()["outcome"] == "ok" and found.json()["replica"] == other, found.text
+            markers[1].touch()
+            before = _refused(client)
+            response = upload()
+            assert response.status_code == 503 and response.json()["error"]["code"] == "overloaded", response.text
+            assert float(response.headers["retry-after"]) >= 1
+            assert _refused(client) - before == Counter({holder: 1, other: 1})  # one retry, no more
+        finally:
+            for marker in markers:
+                marker.unlink(missing_ok=True)
 
 
 def test_a_client_that_leaves_mid_stream_ends_its_request_on_the_replica(base_url: str) -> None:
@@ -476,3 +537,52 @@ def test_a_replica_looks_up_the_proxy_only_when_it_calls_it(monkeypatch) -> None
 
     assert asyncio.run(calls()) == [b"messages for first", b"messages for second"]
     assert looked_up == [("SERVE_PROXY_ACTOR-node", SERVE_NAMESPACE)]  # once for the request
+
+
+def test_the_router_spreads_a_burst_by_the_streams_each_replica_has_now(monkeypatch) -> None:
+    """A closed loop's streams end in waves and their next requests come as a burst, routed back to back before any
+    reaches its replica. The router counts each choice at once, and reads a replica's load as its last report
+    moved on by the streams the proxy saw start and end there since: a report from before a wave ended must not
+    send the whole burst to the other replica. Without a cluster: the router on fake replicas."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from cosystream.scale import proxy, ray_app
+    from cosystream.scale.load import LoadReport
+
+    clock = [100.0]
+    ledger = proxy.StreamLedger(window_s=10.0, now=lambda: clock[0])
+    monkeypatch.setattr(proxy, "LEDGER", ledger)
+    clock[0] = 100.2  # 10 streams start on a, both replicas report (a: 16 streams, b: 8), then the 10 end
+    for i in range(10):
+        ledger.expect(f"old{i}")
+        ledger.routed(f"old{i}", "a")
+    stats = {r: LoadReport(in_flight=n, service_first_audio_s=0.1, budget_s=0.5, voices=("anna",),
+                           reported_at=100.5).as_dict() for r, n in (("a", 16), ("b", 8))}
+    clock[0] = 101.0
+    for i in range(10):
+        ledger.ended(f"old{i}")
+    replicas = {r: SimpleNamespace(replica_id=r, routing_stats=stats[r]) for r in stats}
+    router = object.__new__(ray_app.EngineAwareRouter)  # Ray's constructor wants a live deployment
+    router._replicas, router._open, router._replica_of, router._picked, router._parsed = replicas, Counter(), {}, {}, {}
+
+    def request(n: int) -> SimpleNamespace:
+        ledger.expect(f"new{n}")  # as the proxy middleware does for a synthesis request
+        return SimpleNamespace(metadata=SimpleNamespace(internal_request_id=f"internal{n}", request_id=f"new{n}",
+                                                        multiplexed_model_id="anna"))
+
+    async def burst(first: int, size: int) -> list[tuple[SimpleNamespace, str]]:
+        chosen = []
+        for n in range(first, first + size):
+            pending = request(n)
+            ranked = await router.choose_replicas(list(replicas.values()), pending)
+            chosen.append((pending, ranked[0][0].replica_id))
+        return chosen
+
+    chosen = asyncio.run(burst(0, 10))
+    # a has 6 streams now, b 8: the burst brings both to 12 (a report-only count, 16 against 8, sends all to b)
+    assert Counter(r for _, r in chosen) == {"a": 6, "b": 4}
+    for pending, replica in chosen:  # Ray confirms where each went: counted once, in the ledger and as open
+        router.on_request_routed(pending, replica, None)
+    assert router._picked == {}
+    assert Counter(r for _, r in asyncio.run(burst(10, 24))) == {"a": 12, "b": 12}
