@@ -40,9 +40,6 @@ class ChunkJob:
     pausable: bool = False  # an official final pass: its phase may pause between Euler steps
     due: bool = False  # ... that is due: it pauses only for a client about to run dry
     builds_prompt: bool = False  # opening its stream runs the flow over a new voice's prompt (a prompt pass)
-    frees_slot: bool = False  # once voiced, its stream has only an official final pass left, which reads no slot
-    slot_freed: bool = False  # ... and the worker took that slot back (for a first chunk of the batch, or the pool)
-    in_freed_slot: bool = False  # a first chunk whose stream opens in a slot an earlier phase of the batch frees
 
 
 # ------------------------------------------------------------------ messages to the engine thread
@@ -183,30 +180,6 @@ def _prompts_together(t2w: runners.Token2WavRunner, opening: list[ChunkJob], dev
         return [None] * len(opening)
 
 
-def slots_freed(jobs: Sequence[ChunkJob], results: Sequence) -> list[ChunkJob]:
-    """The phase's jobs whose streams are left with only an official final pass (which reads no slot) and
-    came out finite (a failed stream's slot is scrubbed first, by the engine): their slots are the batch's to
-    hand to its first chunks waiting for one (`in_freed_slot`), the rest go back to the pool at its end."""
-    freed = [job for job, result in zip(jobs, results, strict=True)
-             if job.frees_slot and job.state is not None and result is not None and faults.is_finite_audio(result[0])]
-    for job in freed:
-        job.slot_freed = True
-    return freed
-
-
-def open_in_freed_slots(t2w: runners.Token2WavRunner, jobs: list[ChunkJob], freed: list[ChunkJob]) -> list[ChunkJob]:
-    """Give the phase's first chunks that open in freed slots the slots of `freed` (taken from it), one each,
-    back in the pool just before they open; those left without one leave the phase (returned: handed back)."""
-    late = [job for job in jobs if job.in_freed_slot and job.open_args is not None]
-    given = min(len(late), len(freed))
-    for _ in range(given):
-        t2w.release(freed.pop(0).state)
-    held = late[given:]
-    if held:
-        jobs[:] = [job for job in jobs if all(job is not h for h in held)]
-    return held
-
-
 def stop_test(worker: ChunkWorker | None, jobs: Sequence[ChunkJob]) -> Callable[[], bool] | None:
     """What a phase of official final passes asks between Euler steps: due passes give way only to a client
     about to run dry, others to first chunks too. None: the phase does not pause."""
@@ -245,33 +218,23 @@ class ChunkWorker:
 
     def _run(self) -> None:
         torch.set_grad_enabled(False)
-        t2w = self.core.t2w
         while (phases := self.jobs.get()) is not None:
-            freed: list[ChunkJob] = []  # voiced jobs whose slots the batch hands on (slots_freed)
             i = 0
             while i < len(phases):
                 jobs = phases[i]
-                held = open_in_freed_slots(t2w, jobs, freed)  # (they leave `jobs`: handed back)
-                kind = self.running = phase_kind(jobs) if jobs else "first"
-                results, error = [], None
+                kind = self.running = phase_kind(jobs)
+                results, error = None, None
                 t0 = time.perf_counter()
-                if jobs:
-                    try:
-                        results = self._compute(phases, i)  # riders of phase i + 1 join `jobs` in place
-                    except BaseException as e:  # reported with the phase; the engine thread decides
-                        error = e
+                try:
+                    results = self._compute(phases, i)  # riders of phase i + 1 join `jobs` in place
+                except BaseException as e:  # reported with the phase; the engine thread decides
+                    error = e
                 now = time.perf_counter()
                 rest = phases[i + 1:]
                 paused = error is None and results is None  # final passes stopped between Euler steps
-                if error is None and not paused:
-                    freed += slots_freed(jobs, results)
                 stop = paused or (bool(rest) and self.preempt.is_set())
-                if not rest or stop:  # slots no first chunk of the batch took: back in the pool before it ends
-                    for job in freed:
-                        t2w.release(job.state)
                 # one message with the unstarted jobs: the engine must not plan before it has them back
-                unstarted = [job for phase in ([jobs] if paused else []) + rest for job in phase] if stop else []
-                returned = held + unstarted
+                returned = [job for phase in ([jobs] if paused else []) + rest for job in phase] if stop else []
                 done, results = ([], []) if paused else (jobs, results)
                 self.core.inbox.put(ChunksDone(done, results, error, now, now - t0, not rest or stop, returned,
                                                kind))

@@ -29,10 +29,6 @@ else), with the refinements that keep the GPU's batches full:
   its final passes); final passes do not pause for it, and a batch that holds due ones is not stopped
   for it: under overload such a chunk is always there, and due passes handed back again and again would
   run late and stall everyone's later chunks;
-* where final passes read no flow slot (CosyVoice2's), a stream left with only its final pass gives its slot
-  back as soon as the phase of its last chunk is done (the worker does it), and first chunks that wait for
-  nothing but a slot join the batch in a phase of their own right after its later chunks, opening in the
-  slots those chunks free (as many as they free), before its final passes;
 * decode steps pause while a first chunk is on the worker, unless another request still waits for its
   first audio (the two share the GPU);
 * official final passes come due earliest deadline first, each costing the measured pass;
@@ -116,7 +112,6 @@ class StreamView:
     row_since_s: float | None = None  # when its LM segment took the LM row it holds (None: it holds none)
     lm_tokens: int = 0  # tokens its LM segment has generated so far
     lm_expected_tokens: int | None = None  # ... will generate in all, when known (forced); None: as measured
-    frees_slot: bool = False  # voicing its next chunk leaves it only a final pass that reads no flow slot
 
     def ode(self) -> Hashable | None:
         """The ODE key (`ode_key`, or `ode_key_of()` once: asking the runner costs host time)."""
@@ -154,8 +149,6 @@ class EngineView:
     slots_after_batch: int = 0  # slots given back while the worker's batch runs: free once it is done
     max_batch: int = 64
     official_finals: bool = True  # final chunks are whole-utterance passes (final_attention="full")
-    finals_hold_slots: bool = True  # ... that keep their streams' flow slots until they run (False: the slot goes
-    #                                 back once the stream's LM ended and its other chunks were voiced)
     worker: WorkerView | None = None  # None: batches run inline on the engine thread
     open_ahead: bool = True
     free_lm_slots: int = 0
@@ -176,8 +169,6 @@ class JobView:
     due: bool = False  # an official final pass that is due: pauses only for a client about to run dry
     pausable: bool = False  # an official final pass: its phase may pause between Euler steps
     prompt_pass: bool = False  # no chunk: the job opens its stream ahead, building a new voice's prompt state
-    frees_slot: bool = False  # once voiced, its stream's slot goes to a first chunk of the batch waiting for one
-    in_freed_slot: bool = False  # a first chunk that opens in a slot an earlier phase of its batch frees
 
 
 @dataclass(slots=True)
@@ -258,9 +249,7 @@ class Scheduler:
         now = view.now
         ready = sorted((s for s in view.streams if s.ready and not s.planned),
                        key=lambda s: (not s.first, s.deadline_s))
-        returned = self._open_now_if_a_slot_is_free(view, returned)
-        ready = self._within_free_slots(view, ready, reserved=sum(job.opening and not job.in_freed_slot
-                                                                    for job in returned))
+        ready = self._within_free_slots(view, ready, reserved=sum(job.opening for job in returned))
         due = self.due_finals(view) if ready else set()
         if not returned and (not ready or not self._worth_a_batch(view, ready, due)
                              or self._first_chunks_due_soon(view, ready)):
@@ -274,10 +263,7 @@ class Scheduler:
         # handed-back jobs were planned before: whether their final pass is due is judged anew
         jobs = [replace(job, due=job.final and job.key in due) for job in returned]
         jobs += [JobView(s.key, s.first, s.next_final, s.audio_left_s(now), opening=not s.opened,
-                         due=s.next_final and s.key in due, pausable=s.next_final, frees_slot=s.frees_slot)
-                 for s in ready]
-        jobs += [JobView(s.key, True, False, -math.inf, opening=True, in_freed_slot=True)
-                 for s in self._in_freed_slots(view, jobs)[:max(0, view.max_batch - len(jobs))]]
+                         due=s.next_final and s.key in due, pausable=s.next_final) for s in ready]
         room = view.max_batch - len(jobs)
         opening = sum(job.opening for job in jobs)
         jobs += [JobView(s.key, False, False, -math.inf, opening=True, prompt_pass=True)
@@ -285,57 +271,26 @@ class Scheduler:
         return Plan(phases=self.phases(jobs))
 
     @staticmethod
-    def _in_freed_slots(view: EngineView, jobs: Sequence[JobView]) -> list[StreamView]:
-        """First chunks that wait for nothing but a flow slot and open in the slots this batch's chunks free
-        (streams left with only a final pass that reads none), earliest deadline first, as many as they free."""
-        if view.finals_hold_slots or view.worker is None or view.free_flow_slots is None:
-            return []
-        frees = sum(job.frees_slot for job in jobs) - sum(job.in_freed_slot for job in jobs)
-        if frees <= 0:
-            return []
-        taken = {job.key for job in jobs}
-        waiting = sorted((s for s in view.streams if s.key not in taken and Scheduler._waits_for_a_slot(s)),
-                         key=lambda s: (s.deadline_s, s.arrival_s))
-        return waiting[:frees]
-
-    @staticmethod
-    def _open_now_if_a_slot_is_free(view: EngineView, returned: Sequence[JobView]) -> list[JobView]:
-        """Handed-back first chunks that were to open in slots freed by their batch open like any other when
-        a slot is free now (earliest first); the others wait for slots freed again."""
-        if view.free_flow_slots is None or not any(job.in_freed_slot for job in returned):
-            return list(returned)
-        free = view.free_flow_slots - sum(job.opening and not job.in_freed_slot for job in returned)
-        jobs = []
-        for job in returned:
-            if job.in_freed_slot and free > 0:
-                job, free = replace(job, in_freed_slot=False), free - 1
-            jobs.append(job)
-        return jobs
-
-    @staticmethod
     def phases(jobs: Sequence[JobView]) -> list[list[JobView]]:
         """A batch's jobs in the order they are voiced and handed back: clients about to run dry, first
-        chunks, new voices' prompt passes (one phase: their flow passes batched), later chunks, first chunks
-        opening in slots those chunks free, final passes (due ones, then those that may pause, in phases of
-        at most FINAL_PHASE_STREAMS). Each phase's audio goes out when that phase is done, so a first chunk
-        never waits for the whole-utterance passes in its batch; the phases would not share a flow call
-        anyway."""
-        order: list[list[JobView]] = [[], [], [], [], [], [], []]
+        chunks, new voices' prompt passes (one phase: their flow passes batched), later chunks, final passes
+        (due ones, then those that may pause, in phases of at most FINAL_PHASE_STREAMS). Each phase's audio
+        goes out when that phase is done, so a first chunk never waits for the whole-utterance passes in its
+        batch; the phases would not share a flow call anyway."""
+        order: list[list[JobView]] = [[], [], [], [], [], []]
         for job in jobs:
             if job.prompt_pass:
                 order[2].append(job)
-            elif job.in_freed_slot:
-                order[4].append(job)
             elif job.first:
                 order[1].append(job)
             elif job.audio_left_s < DRY_S:
                 order[0].append(job)
             elif job.final:
-                order[5 if job.due or not job.pausable else 6].append(job)
+                order[4 if job.due or not job.pausable else 5].append(job)
             else:
                 order[3].append(job)
-        phases = [phase for phase in order[:5] if phase]
-        for finals in order[5:]:
+        phases = [phase for phase in order[:4] if phase]
+        for finals in order[4:]:
             phases += [finals[i:i + FINAL_PHASE_STREAMS] for i in range(0, len(finals), FINAL_PHASE_STREAMS)]
         return phases
 

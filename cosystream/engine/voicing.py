@@ -6,7 +6,6 @@ engine thread only; it decides nothing itself (engine/scheduler.py does).
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import time
@@ -103,7 +102,6 @@ class Voicing:
             lm_tokens=len(lm_seg.tokens) if lm_seg is not None else 0, lm_expected_tokens=req.force_tokens)
         if view.ready and opened and not next_final:
             view.ode_key_of = lambda: self._ode_key(seg, n, done)
-        view.frees_slot = has and not next_final and self._last_before_a_slotless_final(seg, n, done)
         view.opens_ahead = (view.needs_slot and seg.bistream is None and not is_planned
                             and seg.lm_status in (LMStatus.decoding, LMStatus.done))
         if view.opens_ahead or not opened:  # (admission counts the prompt passes of every stream to open)
@@ -124,8 +122,7 @@ class Voicing:
             now=now, streams=streams, lm_decoding=self._lm_decoding(), free_flow_slots=free,
             flow_slots=None if free is None else self.t2w.flow_slots(),
             max_batch=self.max_chunk_batch,
-            official_finals=self.t2w.final_attention == "full", finals_hold_slots=self.t2w.final_reads_slot,
-            open_ahead=self.open_ahead,
+            official_finals=self.t2w.final_attention == "full", open_ahead=self.open_ahead,
             worker=None if worker is None else WorkerView(
                 busy=self._in_flight is not None, first_keys=frozenset(self._first_in_flight),
                 preempt_asked=worker.preempt.is_set(), pause_asked=worker.pause.is_set(), dry_asked=worker.dry.is_set(),
@@ -174,8 +171,7 @@ class Voicing:
     def _job_view(self, job: ChunkJob, now: float) -> JobView:
         final = job.plan is not None and job.plan.is_final
         left = -math.inf if job.req.is_first_chunk else self._deadline(job.req) - now
-        return JobView(id(job.req), job.first, final, left, opening=job.open_args is not None, pausable=final,
-                       frees_slot=job.frees_slot, in_freed_slot=job.in_freed_slot)
+        return JobView(id(job.req), job.first, final, left, opening=job.open_args is not None, pausable=final)
 
     def _run_batch(self, plan: Plan, returned: list[ChunkJob], by_key: dict[int, RequestState], now: float) -> None:
         jobs = {id(job.req): job for job in returned}
@@ -192,22 +188,19 @@ class Voicing:
                 elif job is None:
                     req = by_key[jv.key]
                     seg = req.audio_segment
-                    chunk = seg.planner.next_plan(len(seg.tokens), seg.lm_status == LMStatus.done)
                     job = jobs[jv.key] = ChunkJob(
-                        req, seg, chunk, open_args=self._open_args(req, seg) if seg.t2w is None else None,
-                        state=seg.t2w, first=req.is_first_chunk,
-                        frees_slot=chunk is not None and not chunk.is_final and self._only_a_slotless_final_left(seg))
-                job.pausable, job.due, job.in_freed_slot = jv.pausable, jv.due, jv.in_freed_slot
+                        req, seg, seg.planner.next_plan(len(seg.tokens), seg.lm_status == LMStatus.done),
+                        open_args=self._open_args(req, seg) if seg.t2w is None else None, state=seg.t2w,
+                        first=req.is_first_chunk)
+                job.pausable, job.due = jv.pausable, jv.due
                 phases[-1].append(job)
         batch = [job for phase in phases for job in phase]
         for job in batch:
-            if job.first and not job.in_freed_slot:  # handed back and planned again: the last hand-over ran
+            if job.first:  # handed back and planned again: the last hand-over is the one that ran
                 job.req.times.first_chunk_start_s = now - job.req.t_submit
         if self._chunks is not None:
             self._in_flight = batch
-            # (a first chunk waiting for a slot its batch frees is not on the GPU yet: decode steps go on)
-            self._first_in_flight = {id(job.req) for job in batch
-                                     if job.req.is_first_chunk and job.plan is not None and not job.in_freed_slot}
+            self._first_in_flight = {id(job.req) for job in batch if job.req.is_first_chunk and job.plan is not None}
             self._phase_costs = [self._predict_s(phase) for phase in phases]
             self._phase_started = now
             self._worker_free_at = now + sum(self._phase_costs)
@@ -310,24 +303,13 @@ class Voicing:
         """When the official final pass reads no flow slot (CosyVoice2's), once a segment's LM is done and its
         next chunk is that pass (none of its chunks on the worker or handed back), its slot goes back: new
         streams need not wait while the pass waits behind first chunks."""
-        if seg.t2w is None or not self._only_a_slotless_final_left(seg):
+        if (seg.t2w is None or seg.lm_status != LMStatus.done or seg.planner.finished
+                or self.t2w.final_attention != "full" or self.t2w.final_reads_slot
+                or not seg.planner.next_is_final(len(seg.tokens))):
             return
         if any(job.seg is seg for job in (self._in_flight or []) + self._returned):
             return  # released once that chunk is voiced (_job_done)
         self._release_later(seg.t2w, self._slot_released(seg))
-
-    def _last_before_a_slotless_final(self, seg: Segment, n: int, done: bool) -> bool:
-        """Would voicing the segment's next chunk (of its `n` tokens, its LM `done`) leave it only the official
-        final pass, which reads no flow slot?"""
-        if not done or self.t2w.final_attention != "full" or self.t2w.final_reads_slot or seg.planner.finished:
-            return False
-        after = copy.copy(seg.planner)
-        return after.next_plan(n, done) is not None and not after.finished and after.next_is_final(n)
-
-    def _only_a_slotless_final_left(self, seg: Segment) -> bool:
-        """Is the segment's LM done and its next chunk the official final pass, which reads no flow slot?"""
-        return (seg.lm_status == LMStatus.done and not seg.planner.finished and self.t2w.final_attention == "full"
-                and not self.t2w.final_reads_slot and seg.planner.next_is_final(len(seg.tokens)))
 
     def _release_later(self, state: object, on_back: Callable[[], None] | None = None) -> None:
         """Give a stream's slot back now, or once the worker's batch stops (the pool is the worker's while
@@ -388,9 +370,6 @@ class Voicing:
             self._phase_started = now
             self._worker_free_at = now + sum(self._phase_costs)
         self.t2w_chunks += len(voiced)
-        for job in voiced:  # a first chunk that waited in its batch for a freed slot started with its phase
-            if job.in_freed_slot:
-                job.req.times.first_chunk_start_s = msg.now - msg.busy_s - job.req.t_submit
         for job in jobs:  # streams the batch opened belong to their segments now (or are given back)
             if job.open_args is not None and job.state is not None:
                 if job.req.request_id in self.requests and not job.req.cancelled:
@@ -457,9 +436,7 @@ class Voicing:
         pcm, flow_s, vocoder_s = result
         if faults.is_finite_audio(pcm):  # the chunk is on the host already: checking it is cheap
             self._emit(req, job.seg, job.plan.is_final, pcm, flow_s, vocoder_s, now)
-            if job.slot_freed:  # the worker gave it back after the chunk's phase
-                self._slot_released(job.seg)()
-            elif not job.plan.is_final:
+            if not job.plan.is_final:
                 self._release_flow_slot_before_final(job.seg)
         else:
             self._fail(req, faults.non_finite("flow or vocoder"))

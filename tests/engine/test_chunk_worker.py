@@ -4,23 +4,13 @@ passes."""
 
 from __future__ import annotations
 
-import queue
 import threading
 from types import SimpleNamespace
 from typing import Any
 
-import numpy as np
 import torch
 
-from cosystream.engine.chunk_worker import (
-    ChunkJob,
-    ChunksDone,
-    ChunkWorker,
-    _riders,
-    run_jobs,
-    slots_freed,
-    stop_test,
-)
+from cosystream.engine.chunk_worker import ChunkJob, _riders, run_jobs, stop_test
 from cosystream.engine.chunking import ChunkPlan
 from cosystream.engine.stopwatch import Stopwatch
 
@@ -114,76 +104,3 @@ def test_a_phase_of_final_passes_pauses_for_what_may_pause_it_only():
     assert due()
     chunk = ChunkJob(SimpleNamespace(), SimpleNamespace(), None)
     assert stop_test(worker, [chunk]) is None and stop_test(None, [job(False)]) is None
-
-
-class _Pool(_Runner):
-    """A runner with a slot pool: voices every chunk (NaN for a state named "nan"), records in `events` the
-    slots given back and the streams opened, in order."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.events: list[str] = []
-
-    def run(self, items: list, should_stop: Any = None) -> list:
-        return [(np.full(4, np.nan if state == "nan" else 0.0, np.float32), 0.0, 0.0) for state, _, _ in items]
-
-    def start(self, inputs: Any, voice_key: str | None, prompt: Any = None, **kwargs: Any) -> str:
-        self.events.append(f"open {voice_key}")
-        return voice_key
-
-    def release(self, state: Any) -> None:
-        self.events.append(f"release {state}")
-
-
-def _chunk(state: str, frees_slot: bool = False, final: bool = False) -> ChunkJob:
-    return ChunkJob(req=None, seg=SimpleNamespace(tokens=[1, 2, 3]), plan=_plan(final), state=state,
-                    frees_slot=frees_slot)
-
-
-def _late_first(key: str) -> ChunkJob:
-    return ChunkJob(req=None, seg=SimpleNamespace(tokens=[1, 2, 3]), plan=_plan(), first=True, in_freed_slot=True,
-                    open_args=dict(inputs=key, voice_key=key, stored=None))
-
-
-def test_slots_are_freed_by_streams_left_with_a_slotless_final_whose_chunk_came_out_finite():
-    """A failed stream's slot is scrubbed by the engine before anyone reuses it: it is not handed on."""
-    pool = _Pool()
-    jobs = [_chunk("a", frees_slot=True), _chunk("b"), _chunk("nan", frees_slot=True)]
-    assert slots_freed(jobs, run_jobs(pool, jobs, CPU)) == [jobs[0]]
-    assert [job.slot_freed for job in jobs] == [True, False, False] and pool.events == []
-
-
-def _batch(phases: list[list[ChunkJob]]) -> tuple[list[str], list[ChunksDone]]:
-    """Run one batch on a worker thread over a _Pool: (the pool's events, the phases' messages)."""
-    pool = _Pool()
-    core = SimpleNamespace(t2w=pool, inbox=queue.Queue(), lm_runner=SimpleNamespace(device=CPU))
-    worker = ChunkWorker(core)
-    worker.start()
-    try:
-        worker.submit(phases)
-        done = [core.inbox.get(timeout=10)]
-        while not done[-1].last:
-            done.append(core.inbox.get(timeout=10))
-    finally:
-        worker.stop()
-    return pool.events, done
-
-
-def test_a_first_chunk_of_the_batch_opens_in_the_slot_an_earlier_phase_freed():
-    events, done = _batch([[_chunk("a", frees_slot=True)], [_late_first("x")], [_chunk("f", final=True)]])
-    assert events == ["release a", "open x"]  # the slot goes back just before the stream opens in it
-    assert [[job.state for job in msg.jobs] for msg in done] == [["a"], ["x"], ["f"]]
-    assert not any(msg.returned for msg in done)
-
-
-def test_a_first_chunk_without_a_freed_slot_is_handed_back_and_the_batch_runs_on():
-    events, done = _batch([[_chunk("b")], [_late_first("x")], [_chunk("f", final=True)]])
-    assert events == [] and len(done) == 3
-    assert done[1].jobs == [] and [job.open_args["voice_key"] for job in done[1].returned] == ["x"]
-    assert [job.state for job in done[2].jobs] == ["f"]
-
-
-def test_slots_no_first_chunk_took_go_back_to_the_pool_before_the_batch_ends():
-    events, done = _batch([[_chunk("a", frees_slot=True), _chunk("c", frees_slot=True)], [_late_first("x")],
-                           [_chunk("f", final=True)]])
-    assert events == ["release a", "open x", "release c"] and len(done) == 3

@@ -12,7 +12,6 @@ import pytest
 from engine_threads import synthesize_together
 
 from cosystream.config import ChunkSchedule
-from cosystream.engine import chunk_worker
 from cosystream.engine.chunking import ChunkPlanner
 from cosystream.engine.flow_runner import FlowRunner
 from cosystream.engine.sync_engine import Engine
@@ -115,37 +114,3 @@ def test_a_voice_prompt_longer_than_a_slot_is_not_encoded(checkpoint, load_fixtu
     assert t2w._build_prompt_cache(inputs).num_tokens == 0
     t2w.pool = FlowRunner(t2w.flow, num_slots=1, max_frames=512, use_graphs=False)
     assert t2w._build_prompt_cache(inputs).num_tokens > 0
-
-
-def test_a_first_chunk_waiting_for_a_slot_opens_in_one_a_later_chunk_of_its_batch_frees(model_dir, fixture_dir,
-                                                                                      tmp_path, monkeypatch):
-    """The official final pass reads no slot, so a stream whose LM is done gives its slot back once its last
-    other chunk is voiced; a first chunk waiting for a slot joins that chunk's batch and opens in it right
-    after its phase. The audio is the eager path's, and every slot is back in the pool at the end."""
-    eng = Engine.from_pretrained(model_dir, voices_db=str(tmp_path / "v.db"), max_streams=4, overlap_token2wav=True)
-    try:
-        eng.run(eng.async_engine.add_voice("v", str(fixture_dir / "prompt_24k.wav"), "Hello there."))
-        params = [SynthesisParams(text="a line to say, and then some more of it.", voice="v", force_tokens=90,
-                                  sampling=SamplingParams(greedy=True, seed=i)) for i in range(3)]
-        want = [eng.synthesize(p) for p in params]  # no pool on the CPU: the eager path
-        t2w = eng.async_engine.core.t2w
-        t2w.pool = FlowRunner(t2w.flow, num_slots=1, max_frames=1024, use_graphs=False)
-        handed = []  # first chunks that opened in a slot their batch freed
-        real = chunk_worker.open_in_freed_slots
-
-        def open_in_freed_slots(runner, jobs, freed):
-            late = sum(job.in_freed_slot for job in jobs)
-            held = real(runner, jobs, freed)
-            handed.append(late - len(held))
-            return held
-
-        monkeypatch.setattr(chunk_worker, "open_in_freed_slots", open_in_freed_slots)
-        results = synthesize_together(eng, params)
-        assert all(not isinstance(r, Exception) for r in results), results
-        assert sum(handed) >= 1, handed
-        for got, ref in zip(results, want, strict=True):
-            assert len(got.pcm) == len(ref.pcm)
-            np.testing.assert_allclose(got.pcm, ref.pcm, atol=2e-3)
-        assert t2w.pool.free == [0]
-    finally:
-        eng.close()

@@ -271,27 +271,6 @@ def test_a_first_chunk_waiting_for_a_slot_the_batch_gave_back_stops_it_after_its
     assert s.preempt(_view(waiting, worker=due, free_slots=0, slots_after_batch=1)) is Preempt.none
 
 
-def test_first_chunks_waiting_for_a_slot_open_in_the_slots_the_batch_s_chunks_free():
-    """Where final passes read no slot, a batch's later chunks that leave their streams only such a pass free
-    their slots for first chunks waiting for one (earliest deadline first, as many as they free), in a phase
-    right after those chunks and before the final passes."""
-    s = Scheduler(_cost(final_s=0.1))
-    waiting = [_first(f"w{i}", ready=False, opened=False, needs_slot=True, arrival=NOW - 0.3 + 0.1 * i)
-               for i in range(3)]
-    streams = [*waiting, _later("c1", 0.5, lm_done=True, frees_slot=True), _later("c2", 0.5, lm_done=True,
-               frees_slot=True), _later("c3", 0.5), _later("due", 1.0, final=True)]
-    plan = s.plan(_view(*streams, free_slots=0, finals_hold_slots=False))
-    assert _keys(plan.phases) == [["c1", "c2", "c3"], ["w0", "w1"], ["due"]]
-    assert all(job.in_freed_slot and job.first and job.opening for job in plan.phases[1])
-    assert s.plan(_view(*streams, free_slots=0)).new_keys == ["c1", "c2", "c3", "due"]  # passes hold slots
-    # handed back before their phase: they open like any first chunk where a slot is free now
-    late = [JobView("w0", True, False, -math.inf, opening=True, in_freed_slot=True),
-            JobView("w1", True, False, -math.inf, opening=True, in_freed_slot=True)]
-    again = s.plan(_view(free_slots=1, finals_hold_slots=False), late)
-    assert [[(job.key, job.in_freed_slot) for job in phase] for phase in again.phases] == [
-        [("w0", False)], [("w1", True)]]
-
-
 def test_a_busy_worker_is_preempted_for_a_new_voice_s_prompt_pass():
     s, busy = Scheduler(), WorkerView(busy=True)
     new = _new_voice("new", NOW)
