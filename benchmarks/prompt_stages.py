@@ -143,7 +143,7 @@ def host_syncs(analyzer: TorchPromptAnalyzer, data: bytes, rate: int) -> list[st
             analyzer.analyse([prompt])
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    return [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "called a synchronizing" in str(w.message)]
 
 
 def standalone(args: argparse.Namespace) -> dict[str, Any]:
