@@ -66,12 +66,14 @@ class AsyncEngine:
         device, dtype = torch.device(config.device), _DTYPES[config.dtype]
         with loading("frontend (tokenizer, text normaliser, ONNX speaker and speech-token models)"):
             self.frontend = Frontend(ckpt, device=config.device)
-        # prompt recordings are analysed on the GPU in batches when the engine runs on CUDA (ONNX on the CPU)
-        self.prompt_batcher = PromptBatcher.for_engine(self.frontend, ckpt, config.device)
         self.voices = VoiceStore(config.voices_db or default_db_path())
         self.lm, lm_runner, t2w = build_runners(ckpt, config, device, dtype)
         self.token2wav = t2w
         self.core = EngineCore(lm_runner, t2w, self.lm, config)
+        # prompt recordings are analysed on the GPU in batches when the engine runs on CUDA (ONNX on the CPU);
+        # built after the runners, so that the flow pool, sized from the GPU memory then free, does not shrink by
+        # what the analysis' models and CUDA graphs hold
+        self.prompt_batcher = PromptBatcher.for_engine(self.frontend, ckpt, config.device)
         self.prompt_batcher.costs = lambda: self.core.scheduler.prompt_costs  # admission's, measured analyses
         self._admitted = 0  # streams admitted (EngineCore.admit) ...
         self._not_submitted = 0  # ... of which never reached the engine (their frontend failed)
