@@ -14,6 +14,8 @@
 #                  there), with the scheduler's decision trace (COSYSTREAM_TRACE)
 #   overload_base  the same on the baseline package in .base (git archive <commit> cosystream benchmarks | tar
 #                  -x -C .base), the benchmark scripts of this tree; BASE_MULTS, BASE_SEEDS: its own levels
+#   overload@DIR   the same on the package in DIR (another carried `git archive` folder, e.g. .v1): several
+#                  variants against one baseline in one lease
 #   cv3            CosyVoice3 0.5B random model: the pooled flow per chunk (cv3_fast.py), the engine at 1 and 16
 #                  streams and offline (bench_engine.py; CV3_OFFLINE=0: not offline)
 #   cv3_offline    CosyVoice3 0.5B offline (stream=False), 32 at once
@@ -58,6 +60,8 @@ part() {  # $1: part, $2: lane folder, $3: port
   overload_base)
     OUT=$dir PORT=$3 PKG=$PWD/.base COSYSTREAM_TRACE=$dir/trace.jsonl MULTS=${BASE_MULTS:-${MULTS:-1 2 4}} \
       SEEDS=${BASE_SEEDS:-${SEEDS:-0 1 2}} bash benchmarks/levels_all.sh overload ;;
+  overload@*)
+    OUT=$dir PORT=$3 PKG=$PWD/${1#overload@} COSYSTREAM_TRACE=$dir/trace.jsonl bash benchmarks/levels_all.sh overload ;;
   cv3)
     cv3_model "$dir"
     stamp "cv3: pooled flow per chunk, batches 1, 16"
