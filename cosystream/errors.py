@@ -1,5 +1,7 @@
 """Error types that cross layer boundaries; the server maps each one to an HTTP status."""
 
+import json
+
 
 class CosyStreamError(Exception):
     """Base class of every error cosystream raises on purpose."""
@@ -48,3 +50,12 @@ class SynthesisFailed(CosyStreamError, RuntimeError):
     def __init__(self, message: str, code: str = "engine_fault") -> None:
         super().__init__(message)
         self.code = code
+
+
+def error_code(body: str | bytes) -> str | None:
+    """The `error.code` of the server's JSON error body (server/errors.py's shape); None for any other body."""
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return None
+    return error.get("code") if isinstance(error, dict) else None

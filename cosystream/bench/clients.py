@@ -26,6 +26,7 @@ import websockets
 
 from cosystream.bench.loadgen import run_timed
 from cosystream.bench.report import RequestRecord, Timeline
+from cosystream.errors import error_code
 from cosystream.outputs import SAMPLE_RATE
 
 TARGETS = ("tts", "ws", "openai")
@@ -150,15 +151,6 @@ class PcmCounter:
         return b""
 
 
-def _error_code(body: str) -> str | None:
-    """`error.code` of our JSON error body (server/errors.py); None for any other body."""
-    try:
-        error = json.loads(body).get("error")
-    except (ValueError, AttributeError):
-        return None
-    return error.get("code") if isinstance(error, dict) else None
-
-
 def _server_time_s(value: str | None) -> float | None:
     """The server's own time from the request's arrival to its response (`Server-Timing: app;dur=<ms>`)."""
     for metric in (value or "").split(","):
@@ -255,7 +247,7 @@ class HttpClient:
                 timeline.record.status = response.status_code
                 if response.status_code != 200:
                     text = (await response.aread()).decode(errors="replace")
-                    if response.status_code in REFUSAL_STATUSES and _error_code(text) != "engine_dead":
+                    if response.status_code in REFUSAL_STATUSES and error_code(text) != "engine_dead":
                         _refuse(timeline, response.status_code, response.headers)
                     else:
                         timeline.fail(f"HTTP {response.status_code}: {text[:MAX_ERROR_BODY]}", response.status_code)
@@ -385,7 +377,7 @@ class RawHttpClient:
                 timeline.record.status = status
                 if status != 200:
                     text = b"".join([data async for data in conn.body(headers)]).decode(errors="replace")
-                    if status in REFUSAL_STATUSES and _error_code(text) != "engine_dead":
+                    if status in REFUSAL_STATUSES and error_code(text) != "engine_dead":
                         _refuse(timeline, status, headers)
                     else:
                         timeline.fail(f"HTTP {status}: {text[:MAX_ERROR_BODY]}", status)
@@ -444,7 +436,7 @@ async def fetch_server_times(url: str, records: list[RequestRecord], timeout_s: 
                 if response.status_code == 200:
                     record.server = server_view(response.json())
                     filled += 1
-                elif _error_code(response.text) != "request_not_found":  # no such endpoint: stop asking
+                elif error_code(response.text) != "request_not_found":  # no such endpoint: stop asking
                     unsupported.set()
             except (httpx.HTTPError, ValueError, AttributeError):  # gone, or not our JSON: the times stay unknown
                 unsupported.set()

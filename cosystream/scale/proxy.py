@@ -49,6 +49,8 @@ from typing import Any
 from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from cosystream.errors import error_code
+
 CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 CALLBACK_PATH = "cosystream.scale.proxy:proxy_middlewares"
 LOST_STATUS = 503
@@ -459,7 +461,7 @@ class _RefusalCatcher:
         self._held.append(message)
         if message["type"] == "http.response.body" and not message.get("more_body", False):
             body = b"".join(m.get("body", b"") for m in self._held if m["type"] == "http.response.body")
-            self.refused = _error_code(body) == OVERLOADED_CODE
+            self.refused = error_code(body) == OVERLOADED_CODE
             if not self.refused:  # another 503 (engine_dead, ...): the client's as it is
                 LEDGER.ended(self._request_id)
                 await self.release()
@@ -611,15 +613,6 @@ async def _form_hint(scope: Scope, body: bytes) -> str | None:
             return prompt_hint(fields, audio or None)
     except Exception:  # a malformed form: the app answers it
         return None
-
-
-def _error_code(body: bytes) -> str | None:
-    """The `error.code` of a JSON error body (server/errors.py's shape), or None."""
-    try:
-        error = json.loads(body).get("error")
-    except (ValueError, AttributeError):
-        return None
-    return error.get("code") if isinstance(error, dict) else None
 
 
 def _ws_start(message: Message | None) -> dict[str, Any] | None:

@@ -39,6 +39,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -495,8 +496,7 @@ class EngineAwareRouter(RequestRouter):
         self._open: Counter[ReplicaID] = Counter()
         self._replica_of: dict[str, ReplicaID] = {}
         self._picked: dict[str, tuple[ReplicaID, float]] = {}  # internal request id -> (replica ranked first, when)
-        self._refusals: Any = None  # Ray's counter, made at the first refusal
-        self._retries: Any = None  # Ray's counter, made at the first retry
+        self._counters: dict[str, Any] = {}  # Ray's counters by name, each made at its first count
         self._parsed: dict[ReplicaID, tuple[Any, LoadReport | None]] = {}  # replica -> (its stats, their report)
         register_refusal_check(getattr(self, "_deployment_id", None), self.refuse_new_stream)
         register_retry_check(getattr(self, "_deployment_id", None), self.retry_refused)
@@ -516,36 +516,36 @@ class EngineAwareRouter(RequestRouter):
     def refuse_new_stream(self) -> bool:
         """True (and counted) when every replica would refuse a new stream now; called by the proxy middleware
         from the proxy's own event loop, so it only reads what the router's loop replaces whole."""
-        replicas = list(self.curr_replicas.values())
-        ledger = scale_proxy.LEDGER
-        entries = [(self._report(r), functools.partial(ledger.net_since, r.replica_id)) for r in replicas]
+        entries = [self._full_entry(r) for r in list(self.curr_replicas.values())]
         if not every_replica_full(entries, time.time(), PROXY_REFUSAL_FRESH_S):
             return False
-        if self._refusals is None:
-            from ray.util.metrics import Counter as RayCounter
-
-            self._refusals = RayCounter("cosystream_proxy_refusals", "synthesis requests refused by the proxy: "
-                                        "every replica was at its first-audio budget")
-        self._refusals.inc()
+        self._count("cosystream_proxy_refusals",
+                    "synthesis requests refused by the proxy: every replica was at its first-audio budget")
         return True
 
     def retry_refused(self, request_id: str) -> bool:
         """True (and counted) when a replica that has not refused `request_id` yet may admit it: one that is not
         known to be full (LoadReport.known_full). Called by the proxy middleware as refuse_new_stream is."""
-        ledger = scale_proxy.LEDGER
-        refused_by = ledger.refused_by(request_id)
+        refused_by = scale_proxy.LEDGER.refused_by(request_id)
         now = time.time()
         others = [r for r in list(self.curr_replicas.values()) if r.replica_id not in refused_by]
-        if not any(not every_replica_full([(self._report(r), functools.partial(ledger.net_since, r.replica_id))],
-                                          now, PROXY_REFUSAL_FRESH_S) for r in others):
+        if all(every_replica_full([self._full_entry(r)], now, PROXY_REFUSAL_FRESH_S) for r in others):
             return False
-        if self._retries is None:
+        self._count("cosystream_proxy_retries", "synthesis requests a replica refused that the proxy sent to another "
+                    "replica")
+        return True
+
+    def _full_entry(self, replica: RunningReplica) -> tuple[LoadReport | None, Callable[[float], int | None]]:
+        """What every_replica_full reads of a replica: its last report and the ledger's streams since one."""
+        return self._report(replica), functools.partial(scale_proxy.LEDGER.net_since, replica.replica_id)
+
+    def _count(self, name: str, description: str) -> None:
+        """One more in Ray's counter `name` (made at its first count)."""
+        if name not in self._counters:
             from ray.util.metrics import Counter as RayCounter
 
-            self._retries = RayCounter("cosystream_proxy_retries", "synthesis requests a replica refused that the "
-                                       "proxy sent to another replica")
-        self._retries.inc()
-        return True
+            self._counters[name] = RayCounter(name, description)
+        self._counters[name].inc()
 
     def _picked_per_replica(self, now: float) -> Counter[ReplicaID]:
         """Choices not yet confirmed by Ray, per replica; a choice older than PICK_HOLD_S (a request cancelled

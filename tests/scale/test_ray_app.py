@@ -186,14 +186,19 @@ def _ws_session(base_url: str, tokens: int, recording: bytes | None = None) -> t
     return audio, events
 
 
-def _ws_served(client: httpx.Client) -> Counter:
-    """Finished WebSocket requests per replica, from the application's /metrics (labelled by replica)."""
-    served: Counter = Counter()
+def _requests_per_replica(client: httpx.Client, label: str, value: str) -> Counter:
+    """Finished requests per replica whose `label` is `value` (e.g. endpoint="ws", outcome="overloaded"), from the
+    application's /metrics (labelled by replica)."""
+    counts: Counter = Counter()
     for family in text_string_to_metric_families(client.get("/metrics").text):
         for sample in family.samples:
-            if sample.name == "cosystream_requests_total" and sample.labels.get("endpoint") == "ws":
-                served[sample.labels["replica"]] += int(sample.value)
-    return served
+            if sample.name == "cosystream_requests_total" and sample.labels.get(label) == value:
+                counts[sample.labels["replica"]] += int(sample.value)
+    return counts
+
+
+def _ws_served(client: httpx.Client) -> Counter:
+    return _requests_per_replica(client, "endpoint", "ws")
 
 
 def test_voice_registered_once_is_used_on_every_replica(base_url: str, voices_db: Path) -> None:
@@ -277,13 +282,8 @@ def test_requests_go_to_the_replica_holding_their_uploaded_prompt_and_a_websocke
 
 
 def _refused(client: httpx.Client) -> Counter:
-    """Requests each replica refused (503 overloaded), from the application's /metrics."""
-    refused: Counter = Counter()
-    for family in text_string_to_metric_families(client.get("/metrics").text):
-        for sample in family.samples:
-            if sample.name == "cosystream_requests_total" and sample.labels.get("outcome") == "overloaded":
-                refused[sample.labels["replica"]] += int(sample.value)
-    return refused
+    """Requests each replica refused (503 overloaded)."""
+    return _requests_per_replica(client, "outcome", "overloaded")
 
 
 def test_a_request_one_replica_refuses_is_served_by_the_other(base_url: str, refuse_dir: Path) -> None:
