@@ -358,10 +358,11 @@ class TorchPromptAnalyzer:
     @classmethod
     def from_checkpoint(cls, checkpoint: Checkpoint, device: str | torch.device = "cpu",
                         dtype: torch.dtype = torch.float32, speaker_threads: int = 0,
-                        graph_threads: int = 1, fast_campplus: bool = True) -> TorchPromptAnalyzer:
+                        graph_threads: int = 1, fast_campplus: bool = True,
+                        tokenizer_graphs: bool = True) -> TorchPromptAnalyzer:
         files = checkpoint.files
         return cls(files.speech_tokenizer, files.campplus, checkpoint.hparams.mel, device, dtype, speaker_threads,
-                   graph_threads=graph_threads, fast_campplus=fast_campplus)
+                   graph_threads=graph_threads, fast_campplus=fast_campplus, tokenizer_graphs=tokenizer_graphs)
 
     @property
     def speaker_mode(self) -> str:

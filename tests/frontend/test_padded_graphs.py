@@ -150,3 +150,31 @@ def test_the_cpu_analysis_captures_no_graphs(tokenizer_path, tmp_path, checkpoin
     campplus = write_campplus(tmp_path / "campplus.onnx", "small", seed=4)
     analyzer = TorchPromptAnalyzer(tokenizer_path, campplus, checkpoint.hparams.mel, "cpu")
     assert analyzer.tokenizer.graphs is None and analyzer.tokenizer_fallback is not None
+
+
+@pytest.mark.parametrize("version", ["v2", "v3"])
+def test_the_captured_call_reads_no_device_value_and_copies_nothing_new_from_the_host(tmp_path, version):
+    """What a CUDA-graph capture demands of the call, on "meta" (shapes, no data: reading a device value back
+    raises, as a capture refuses a synchronisation): with the lengths in a device buffer, the warm-up call folds the
+    shapes and copies the host tensors; the captured call then runs with no host read and no new host copy."""
+    path = write_speech_tokenizer(tmp_path / f"speech_tokenizer_{version}.onnx", version, "small", seed=22)
+    batched = BatchedGraph(TorchOnnxGraph(path, "meta"), sequence_axis=2)
+    batched.mode, batched.frames_per_output = "padded", 4  # the probe compares values, which meta has not
+    graphs = PaddedGraphs(batched, CHANNELS, step=STEP)
+    captured = []
+
+    def strict_capture(forward):
+        forward()  # the warm-up
+        graphs.ctx.capturing = True
+        try:
+            out = forward()
+        finally:
+            graphs.ctx.capturing = False
+        captured.append(out)
+        return lambda: out
+
+    graphs.capture_fn = strict_capture
+    for rows, frames in ((1, STEP), (4, 3 * STEP)):
+        replay = graphs._capture_one((rows, frames))
+        assert captured[-1].shape == (rows, frames // 4)
+        assert replay.folded is not None  # the shape arithmetic the graph reads, held with it
