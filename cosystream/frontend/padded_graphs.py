@@ -35,7 +35,7 @@ import torch
 
 from cosystream.cuda_graphs import BATCH_BUCKETS, bucket
 from cosystream.frontend.onnx_torch import StaticUploads
-from cosystream.frontend.shape_folding import FoldedShapes
+from cosystream.frontend.shape_folding import CallStats, FoldedShapes
 
 if TYPE_CHECKING:
     from cosystream.frontend.torch_prompt import BatchedGraph
@@ -110,6 +110,7 @@ class PaddedGraphs:
             return None
         out = self._replay(replay, key, features)
         self.replayed += 1
+        self.graph.stats = CallStats(replayed=True)
         return list(out[: len(features)].clone().unbind(0))  # the graph's output is rewritten by its next replay
 
     def _replay(self, replay: _Replay, key: tuple[int, int], features: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -106,9 +106,9 @@ def test_replays_give_the_eager_and_onnxruntime_tokens(batched, onnx_tokenizer):
     batched.graphs = graphs
     together = batched.run(feats[:3])  # one bucket of 4 rows (a filler row)
     alone = batched.run(feats[1:2])
-    assert graphs.replayed == 2
+    assert graphs.replayed == 2 and batched.graph.stats.replayed and batched.graph.stats.ops_run == 0
     longer = batched.run(feats[3:])  # no graph of its shape: eager
-    assert graphs.replayed == 2
+    assert graphs.replayed == 2 and not batched.graph.stats.replayed and batched.graph.stats.ops_run > 0
     for got, want, wav in zip(together + longer, eager[:3] + eager[3:], wavs[:3] + wavs[3:], strict=True):
         assert got.shape == want.shape == (math.ceil(whisper_log_mel(wav).shape[-1] / 4),)
         assert torch.equal(got, want)
