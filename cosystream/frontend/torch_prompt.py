@@ -348,7 +348,11 @@ class TorchPromptAnalyzer:
             return f"the tokenizer's CUDA graphs run in float32 only (analysis dtype {self.dtype})"
         if self.tokenizer.mode != "padded":
             return f"the tokenizer's CUDA graphs need the padded batch mode (probed: {self.tokenizer.mode})"
-        graphs = PaddedGraphs(self.tokenizer, channels)
+        # a fast path never stops the analysis from loading: whatever fails here leaves the interpreter in charge
+        try:
+            graphs = PaddedGraphs(self.tokenizer, channels)
+        except Exception as exc:  # noqa: BLE001 (out of memory for its buffers)
+            return f"the tokenizer's CUDA graphs could not be set up: {exc!r}"
         graphs.capture(capture_shapes(GRAPH_ROWS, int(MAX_PROMPT_S * TOKENIZER_SAMPLE_RATE) // WHISPER_HOP))
         if graphs.disabled is not None:
             return graphs.disabled
