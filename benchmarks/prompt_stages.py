@@ -25,7 +25,8 @@ CUDA; on the CPU the torch analysis is forced, where the engine keeps onnxruntim
 * `host_syncs`: where one `analyse` of a new prompt synchronised the host with the device (torch's sync debug
   mode; the copies of the results back are three of them);
 * `tokenizer_graphs`: the shape buckets whose tokenizer calls replay CUDA graphs (0 off CUDA; `tokenizer_graphs_off`
-  says why none), and `analyzer_load_s`: the analysis' load, its graph captures included.
+  says why none; `--tokenizer-eager` leaves them out of part 1), and `analyzer_load_s`: the analysis' load, its
+  graph captures included.
 
 Part 2 (`--engine`): `AsyncEngine` on the model (`--dtype`, `--config` as for bench_engine.py), one request at a time
 (zero-shot, the workload's texts, `--force-tokens`, streamed to the end before the next), each with a new recording.
@@ -158,6 +159,9 @@ def standalone(args: argparse.Namespace) -> dict[str, Any]:
     if batcher.analyzer is None:
         raise SystemExit("the torch runner cannot run this model's graphs (see the log)")
     analyzer, clock = batcher.analyzer, Clock(torch.device(args.device))
+    if args.tokenizer_eager:
+        analyzer.tokenizer.graphs = None
+        analyzer.tokenizer_fallback = "--tokenizer-eager"
     new = recordings(args.seconds, workload.PROMPT_SAMPLE_RATE)
     try:
         for _ in range(2):  # warm-up: kernels, cuFFT plans, pinned host blocks
@@ -312,6 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", action="append", default=[], metavar="FIELD=VALUE", help="--engine: EngineConfig")
     p.add_argument("--force-tokens", type=int, default=workload.FORCE_TOKENS)
     p.add_argument("--warmup", type=int, default=3, help="--engine: requests before the timed ones")
+    p.add_argument("--tokenizer-eager", action="store_true",
+                   help="part 1: the speech tokenizer operator by operator, its CUDA graphs not replayed")
     p.add_argument("--out", help="write the report as JSON here")
     return p
 
