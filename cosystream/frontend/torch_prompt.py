@@ -106,7 +106,7 @@ class BatchedGraph:
 
     def run(self, features: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Per-prompt features [C, T_i] (feature axis first) -> one output row per prompt."""
-        if self.mode == "padded" and (len(features) > 1 or self.graphs is not None):
+        if self.mode == "padded" and (len(features) > 1 or (self.graphs is not None and len(features) == 1)):
             return self._run_padded(features)
         groups: dict[int, list[int]] = {}
         for index, feats in enumerate(features):

@@ -114,6 +114,7 @@ def test_replays_give_the_eager_and_onnxruntime_tokens(batched, onnx_tokenizer):
         assert torch.equal(got, want)
         assert torch.equal(got.to(torch.int32), onnx_tokenizer.tokenize(wav))
     assert torch.equal(alone[0], eager[1])
+    assert batched.run([]) == []
 
 
 def test_a_replay_that_ignores_its_inputs_fails_the_self_check_and_the_calls_run_eagerly(batched, onnx_tokenizer):
