@@ -145,7 +145,9 @@ def graph_ops(analyzer: TorchPromptAnalyzer, prompts: Sequence[PromptAudio], fre
     for label in ("new_length", "cached_shape"):
         analyzer.analyse(batch)
         for name, graph in graphs.items():
-            report.setdefault(name, dict(graph.node_counts))[f"ops_{label}"] = graph.stats.ops_run
+            entry = report.setdefault(name, dict(graph.node_counts))
+            entry[f"ops_{label}"] = graph.stats.ops_run  # 0 for a CUDA-graph replay (no operator on the host)
+            entry[f"replayed_{label}"] = graph.stats.replayed
     if analyzer.fast_speaker is not None:
         report["campplus_module"] = {"torch_ops_one_prompt": torch_ops(lambda: analyzer.embed([batch[0].wav_16k])),
                                      f"torch_ops_batch{len(prompts)}": torch_ops(
@@ -274,8 +276,9 @@ def print_report(report: dict[str, Any]) -> None:
                 print(f"    {graph}: torch operator calls per call: " + ", ".join(f"{k.removeprefix('torch_ops_')} {v}"
                                                                              for k, v in ops.items()))
                 continue
+            replays = " (CUDA-graph replays)" if ops.get("replayed_new_length") else ""
             print(f"    {graph}: operator calls per call: new length {ops['ops_new_length']}, cached shape "
-                  f"{ops['ops_cached_shape']} (plan {ops['plan']} nodes, compute {ops['compute']})")
+                  f"{ops['ops_cached_shape']}{replays} (plan {ops['plan']} nodes, compute {ops['compute']})")
         if entry["speaker_fallback"]:
             print(f"    CAM++ not on the batched network: {entry['speaker_fallback']}")
         print(f"    vs ONNX: tokens {entry['token_agreement']:.4%} equal, {entry['prompts_all_tokens_equal']}/"

@@ -23,7 +23,10 @@ CUDA; on the CPU the torch analysis is forced, where the engine keeps onnxruntim
 * `via_pool`: the same handed to the batcher's threads (`executor`, as the engine's `run_in_executor` does) and
   waited for from this thread;
 * `host_syncs`: where one `analyse` of a new prompt synchronised the host with the device (torch's sync debug
-  mode; the copies of the results back are three of them).
+  mode; the copies of the results back are three of them);
+* `tokenizer_graphs`: the shape buckets whose tokenizer calls replay CUDA graphs (0 off CUDA; `tokenizer_graphs_off`
+  says why none; `--tokenizer-eager` leaves them out of part 1), and `analyzer_load_s`: the analysis' load, its
+  graph captures included.
 
 Part 2 (`--engine`): `AsyncEngine` on the model (`--dtype`, `--config` as for bench_engine.py), one request at a time
 (zero-shot, the workload's texts, `--force-tokens`, streamed to the end before the next), each with a new recording.
@@ -150,10 +153,15 @@ def standalone(args: argparse.Namespace) -> dict[str, Any]:
     checkpoint = load_checkpoint(args.model_dir)
     rate = checkpoint.hparams.mel.sampling_rate
     frontend = Frontend(checkpoint)
+    started = time.perf_counter()
     batcher = PromptBatcher.for_engine(frontend, checkpoint, args.device, use_torch=True)
+    load_s = time.perf_counter() - started
     if batcher.analyzer is None:
         raise SystemExit("the torch runner cannot run this model's graphs (see the log)")
     analyzer, clock = batcher.analyzer, Clock(torch.device(args.device))
+    if args.tokenizer_eager:
+        analyzer.tokenizer.graphs = None
+        analyzer.tokenizer_fallback = "--tokenizer-eager"
     new = recordings(args.seconds, workload.PROMPT_SAMPLE_RATE)
     try:
         for _ in range(2):  # warm-up: kernels, cuFFT plans, pinned host blocks
@@ -176,6 +184,10 @@ def standalone(args: argparse.Namespace) -> dict[str, Any]:
         report["stages_sum"] = round(sum(report[name] for name in stages), 3)
         report["host_syncs"] = host_syncs(analyzer, next(new), rate)
         report["tokenizer_mode"], report["speaker_mode"] = analyzer.tokenizer.mode, analyzer.speaker_mode
+        graphs = analyzer.tokenizer.graphs
+        report["tokenizer_graphs"] = len(graphs.replays) if graphs is not None else 0
+        report["tokenizer_graphs_off"] = analyzer.tokenizer_fallback
+        report["analyzer_load_s"] = round(load_s, 2)  # with the CUDA-graph captures of the tokenizer and CAM++
         report["collect_window_ms"] = batcher.collect_window_s * 1e3
         report["batches"] = batcher.stats.batches
     finally:
@@ -271,6 +283,8 @@ def print_report(report: dict[str, Any]) -> None:
     print(f"package {report['package']}")
     print(f"{report['device']}, {report['seconds']} s recordings, medians of {report['repeats']} (ms); tokenizer "
           f"{one['tokenizer_mode']}, CAM++ {one['speaker_mode']}, collect window {one['collect_window_ms']:.1f} ms")
+    print(f"tokenizer CUDA graphs: {one['tokenizer_graphs']} ({one['tokenizer_graphs_off'] or 'on'}); analysis "
+          f"loaded in {one['analyzer_load_s']:.1f} s")
     print("one prompt alone, each stage synchronised (queued: when its call returned):")
     for name in ("decode_resample", "upload", "whisper_log_mel", "speech_tokenizer", "fbank", "campplus",
                  "prompt_mel", "copies_back"):
@@ -302,6 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", action="append", default=[], metavar="FIELD=VALUE", help="--engine: EngineConfig")
     p.add_argument("--force-tokens", type=int, default=workload.FORCE_TOKENS)
     p.add_argument("--warmup", type=int, default=3, help="--engine: requests before the timed ones")
+    p.add_argument("--tokenizer-eager", action="store_true",
+                   help="part 1: the speech tokenizer operator by operator, its CUDA graphs not replayed")
     p.add_argument("--out", help="write the report as JSON here")
     return p
 

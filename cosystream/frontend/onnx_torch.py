@@ -114,6 +114,41 @@ class _Context:
         return _ONNX_TO_TORCH_DTYPE[onnx_type]
 
 
+class CaptureUnsafe(RuntimeError):
+    """A call being captured in a CUDA graph would copy a host tensor its warm-up did not: the copy's source would
+    be a host buffer the graph does not own."""
+
+
+class StaticUploads(_Context):
+    """The context of calls captured in a CUDA graph (`TorchOnnxGraph.__call__(..., ctx=)`).
+
+    A graph replays the device work alone: a copy from the host captured in it would read, at every replay, a
+    host buffer that is long reused. So every host tensor a call sends to the device (shape arithmetic that meets
+    device tensors: an index range, a position table) is copied once, in a warm-up call of the same shapes before
+    the capture, and kept here, keyed by its dtype, shape and bytes; while `capturing`, a call takes those copies,
+    and a host tensor not copied before raises `CaptureUnsafe` (the capture fails; its caller runs eagerly).
+    The copies are only read (the runner's operators write no input in place), so one serves every call that
+    sends equal contents. Host values that only depend on the input shapes are what a captured call may bake in;
+    a host value that depends on the inputs' data would need a device-to-host copy, which a capture refuses.
+    """
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__(device, dtype)
+        self.copies: dict[tuple, torch.Tensor] = {}
+        self.capturing = False
+
+    def send(self, t: torch.Tensor) -> torch.Tensor:
+        if not t.is_cpu:
+            return t.to(self.device)
+        key = (t.dtype, tuple(t.shape), t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        copy = self.copies.get(key)
+        if copy is None:
+            if self.capturing:
+                raise CaptureUnsafe(f"a host tensor {t.dtype} {tuple(t.shape)} not copied in the warm-up")
+            copy = self.copies[key] = t.to(self.device)  # outside the capture: a plain copy may wait
+        return copy
+
+
 def _scalar_for(t: torch.Tensor, other: torch.Tensor) -> bool:
     return t.is_cpu and t.numel() == 1 and other.ndim >= t.ndim
 
@@ -635,51 +670,62 @@ class TorchOnnxGraph:
                 return self._place(torch.tensor(list(attrs[key]), dtype=dtype))
         raise UnsupportedGraph(f"{self.path.name}: Constant node {node.name!r} has no supported value")
 
-    def __call__(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def __call__(self, inputs: dict[str, torch.Tensor], ctx: _Context | None = None) -> dict[str, torch.Tensor]:
+        """The graph's outputs for `inputs`. `ctx` replaces the graph's own context for this call (`StaticUploads`
+        for calls captured in a CUDA graph)."""
+        ctx = self.ctx if ctx is None else ctx
         given: dict[str, torch.Tensor] = {}
         for name in self.input_names:
             if name not in inputs:
                 raise ValueError(f"{self.path.name}: missing input {name!r}")
             tensor = inputs[name]
             if self.input_types.get(name) in _FLOAT_ONNX_TYPES:
-                tensor = tensor.to(device=self.ctx.device, dtype=self.ctx.dtype)
+                tensor = tensor.to(device=ctx.device, dtype=ctx.dtype)
             given[name] = tensor
         with torch.inference_mode():
             if self.folding is None:
-                values = self._run(self._plan, {**self.constants, **given})
+                values = self._run(self._plan, {**self.constants, **given}, ctx)
             else:
-                values = self._run_folded(self.folding, given)
+                values = self._run_folded(self.folding, given, ctx)
         return {name: values[name] for name in self.output_names}
 
-    def _run(self, plan: list[Step], values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        ctx, settle = self.ctx, self.ctx.device.type != "cpu"
+    def folded_for(self, inputs: dict[str, torch.Tensor]) -> FoldedShapes | None:
+        """The cached shape arithmetic of inputs of these shapes (None: not folded yet, or no folding). A CUDA graph
+        captured over calls of these shapes reads its device tensors, so it holds them (the cache may drop them)."""
+        if self.folding is None:
+            return None
+        return self.folding.get(_fold_key({name: inputs[name] for name in self.input_names}))
+
+    def _run(self, plan: list[Step], values: dict[str, torch.Tensor], ctx: _Context) -> dict[str, torch.Tensor]:
+        settle = ctx.device.type != "cpu"
         for fn, names, outputs, attrs, frees in plan:
             outs = fn(ctx, [values[name] if name else None for name in names], attrs)
             for name, out in zip(outputs, outs, strict=False):
                 if name:
-                    values[name] = self._settle(out) if settle else out
+                    values[name] = _settle(out, ctx) if settle else out
             for name in frees:
                 del values[name]
         self.stats = CallStats(ops_run=len(plan))
         return values
 
-    def _run_folded(self, folding: ShapeFolding, given: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        key = tuple((name, tuple(t.shape), t.dtype) for name, t in given.items())
+    def _run_folded(self, folding: ShapeFolding, given: dict[str, torch.Tensor], ctx: _Context
+                    ) -> dict[str, torch.Tensor]:
+        key = _fold_key(given)
         folded = folding.get(key)
         if folded is not None:
-            values = self._run(self._dynamic_plan, {**self.constants, **folded.values, **given})
+            values = self._run(self._dynamic_plan, {**self.constants, **folded.values, **given}, ctx)
             self.stats = CallStats(ops_run=len(self._dynamic_plan), values_reused=len(folded.values),
                                    shape_cached=True)
             return values
-        folded, values = self._fold(folding, folding.reference_for(key), {**self.constants, **given})
+        folded, values = self._fold(folding, folding.reference_for(key), {**self.constants, **given}, ctx)
         folding.put(key, folded)
         return values
 
-    def _fold(self, folding: ShapeFolding, reference: FoldedShapes | None, values: dict[str, torch.Tensor]
-              ) -> tuple[FoldedShapes, dict[str, torch.Tensor]]:
+    def _fold(self, folding: ShapeFolding, reference: FoldedShapes | None, values: dict[str, torch.Tensor],
+              ctx: _Context) -> tuple[FoldedShapes, dict[str, torch.Tensor]]:
         """The whole plan for a new input shape, recording its shape-determined values; those that cannot differ
         from the reference folding's (every input unchanged) are taken from it instead of computed."""
-        ctx, settle = self.ctx, self.ctx.device.type != "cpu"
+        settle = ctx.device.type != "cpu"
         folded = FoldedShapes()
         changed: set[str] = set()
         ops_run = reused = 0
@@ -697,7 +743,7 @@ class TorchOnnxGraph:
                 ops_run += 1
                 for name, out in zip(outputs, outs, strict=False):
                     if name:
-                        values[name] = self._settle(out) if settle else out
+                        values[name] = _settle(out, ctx) if settle else out
                         if static:
                             folded.values[name] = values[name]
                             if not same_value(values[name], reference, name):
@@ -707,9 +753,14 @@ class TorchOnnxGraph:
         self.stats = CallStats(ops_run=ops_run, values_reused=reused)
         return folded, values
 
-    def _settle(self, out: torch.Tensor) -> torch.Tensor:
-        """A CPU result larger than shape bookkeeping (a mask expanded to [B, T, T]) moves to the device, where
-        the work that reads it runs."""
-        if out.is_cpu and out.numel() > MAX_CPU_NUMEL:
-            return self.ctx.to_compute(out)
-        return out
+
+def _fold_key(given: dict[str, torch.Tensor]) -> tuple:
+    return tuple((name, tuple(t.shape), t.dtype) for name, t in given.items())
+
+
+def _settle(out: torch.Tensor, ctx: _Context) -> torch.Tensor:
+    """A CPU result larger than shape bookkeeping (a mask expanded to [B, T, T]) moves to the device, where the work
+    that reads it runs."""
+    if out.is_cpu and out.numel() > MAX_CPU_NUMEL:
+        return ctx.to_compute(out)
+    return out

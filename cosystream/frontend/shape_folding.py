@@ -83,11 +83,13 @@ class FoldedShapes:
 @dataclass
 class CallStats:
     """What the last call ran: operator calls (each one host-side torch call or more), shape-determined values
-    taken from the fold cache or from the folding of another shape, and whether the input shape was cached."""
+    taken from the fold cache or from the folding of another shape, whether the input shape was cached, and whether
+    the call replayed a CUDA graph instead (frontend/padded_graphs.py: no operator ran on the host)."""
 
     ops_run: int = 0
     values_reused: int = 0
     shape_cached: bool = False
+    replayed: bool = False
 
 
 class ShapeFolding:

@@ -13,6 +13,10 @@ Which mode a graph allows is measured when it is loaded, not assumed (`probe_bat
 must give each prompt of a batch the result it gives that prompt alone, with loud noise in the
 padding. Results are CPU tensors, equal to the unbatched ones.
 
+On CUDA the padded tokenizer's calls replay CUDA graphs of shape buckets, captured over the interpreter at load
+and checked against its eager calls (`padded_graphs.PaddedGraphs`), so its few hundred operator calls a call
+become one launch.
+
 CAM++ runs as a hand-written network with the graph's weights (`campplus.CamPlusPlus`), all prompts of
 any lengths in one call, when the graph has the released architecture and the network reproduces it on
 the analysis device at load (`campplus.load_fast_campplus`); otherwise (another graph, another dtype than
@@ -41,6 +45,7 @@ from cosystream.frontend.audio import (
     FBANK_SHIFT,
     MAX_PROMPT_S,
     TOKENIZER_SAMPLE_RATE,
+    WHISPER_HOP,
     PromptAudio,
     prompt_mel,
     speaker_features,
@@ -48,6 +53,7 @@ from cosystream.frontend.audio import (
 )
 from cosystream.frontend.campplus import CamPlusPlus, load_fast_campplus
 from cosystream.frontend.onnx_torch import TorchOnnxGraph, UnsupportedGraph, torch_dtype
+from cosystream.frontend.padded_graphs import PaddedGraphs, capture_shapes
 from cosystream.frontend.speaker import SpeakerEncoder
 
 BATCH_MODES = ("padded", "same_length", "single")
@@ -90,6 +96,9 @@ class BatchedGraph:
         self.mode = "single"
         self.threads = 1  # calls run at once when a list needs several (see the module's docstring)
         self._pool: ThreadPoolExecutor | None = None
+        # padded calls replayed as CUDA graphs of shape buckets (set by TorchPromptAnalyzer on CUDA; see
+        # padded_graphs.py); a call without a graph of its shape runs eagerly
+        self.graphs: PaddedGraphs | None = None
 
     def close(self) -> None:
         if self._pool is not None:
@@ -97,7 +106,7 @@ class BatchedGraph:
 
     def run(self, features: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Per-prompt features [C, T_i] (feature axis first) -> one output row per prompt."""
-        if self.mode == "padded" and len(features) > 1:
+        if self.mode == "padded" and (len(features) > 1 or (self.graphs is not None and len(features) == 1)):
             return self._run_padded(features)
         groups: dict[int, list[int]] = {}
         for index, feats in enumerate(features):
@@ -140,11 +149,13 @@ class BatchedGraph:
     def _run_padded(self, features: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         # longest first: a graph may size its output by the first length of the batch
         order = sorted(range(len(features)), key=lambda i: -features[i].shape[-1])
-        longest = features[order[0]].shape[-1]
-        batch = features[order[0]].new_zeros(len(features), features[order[0]].shape[0], longest)
-        for row, i in enumerate(order):
-            batch[row, :, : features[i].shape[-1]] = features[i]
-        rows = self._call(batch, [features[i].shape[-1] for i in order])
+        rows = self.graphs.run([features[i] for i in order]) if self.graphs is not None else None
+        if rows is None:
+            longest = features[order[0]].shape[-1]
+            batch = features[order[0]].new_zeros(len(features), features[order[0]].shape[0], longest)
+            for row, i in enumerate(order):
+                batch[row, :, : features[i].shape[-1]] = features[i]
+            rows = self._call(batch, [features[i].shape[-1] for i in order])
         results: list[torch.Tensor | None] = [None] * len(features)
         for row, i in enumerate(order):
             results[i] = rows[row][: self.outputs_for(features[i].shape[-1])]
@@ -153,6 +164,10 @@ class BatchedGraph:
     def outputs_for(self, frames: int) -> int:
         assert self.frames_per_output is not None, "only padded graphs slice their rows"
         return math.ceil(frames / self.frames_per_output)
+
+    def call_eager(self, batch: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
+        """One interpreted call (never a replay): batch [B, C, T] and each row's length -> B output rows."""
+        return self._call(batch, lengths)
 
     def _call(self, batch: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
         """batch [B, C, T] -> B output rows (the graph's own output shape, batch axis dropped)."""
@@ -278,13 +293,17 @@ class TorchPromptAnalyzer:
     calls are padded to shape buckets and replayed as CUDA graphs, all captured here (for up to GRAPH_ROWS
     prompts of up to MAX_PROMPT_S).
 
+    `tokenizer_graphs` (the default) replays the padded tokenizer's calls as CUDA graphs of shape buckets on CUDA in
+    float32, all captured and self-checked here (padded_graphs.py); `tokenizer_fallback` then is None, else it says
+    why the tokenizer runs operator by operator (off CUDA, another dtype, another batch mode, a failed check).
+
     Not thread-safe: one caller at a time (the engine's prompt batcher owns one).
     """
 
     def __init__(self, speech_tokenizer: str | Path, campplus: str | Path, mel_dims: MelDims,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  speaker_threads: int = 0, fold_shapes: bool = True, graph_threads: int = 1,
-                 fast_campplus: bool = True) -> None:
+                 fast_campplus: bool = True, tokenizer_graphs: bool = True) -> None:
         self.device = torch.device(device)
         self.dtype = dtype
         self.mel_dims = mel_dims
@@ -292,8 +311,11 @@ class TorchPromptAnalyzer:
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.tokenizer = BatchedGraph(TorchOnnxGraph(speech_tokenizer, self.device, dtype, fold_shapes),
                                       sequence_axis=2)
+        channels = _feature_channels(self.tokenizer, axis=1)
         with self._exact():
-            self.tokenizer.probe_batching(channels=_feature_channels(self.tokenizer, axis=1))
+            self.tokenizer.probe_batching(channels)
+            self.tokenizer_fallback = self._graph_tokenizer(channels) if tokenizer_graphs else \
+                "the tokenizer's CUDA graphs are switched off (tokenizer_graphs=False)"
         self.speaker: BatchedGraph | None = None
         self.fast_speaker: CamPlusPlus | None = None
         self.speaker_fallback: str | None = None  # why CAM++ is not the batched module, when it is not
@@ -317,13 +339,34 @@ class TorchPromptAnalyzer:
                     self.fast_speaker.capture_buckets(longest, GRAPH_ROWS)
             self.speaker.threads = graph_threads
 
+    def _graph_tokenizer(self, channels: int) -> str | None:
+        """On CUDA, in float32, with a padded tokenizer: capture its calls' CUDA graphs, for every bucket of up to
+        GRAPH_ROWS prompts of up to MAX_PROMPT_S (padded_graphs.py). None when they replay, else why not."""
+        if self.device.type != "cuda":
+            return "no CUDA graphs off CUDA"
+        if self.dtype != torch.float32:
+            return f"the tokenizer's CUDA graphs run in float32 only (analysis dtype {self.dtype})"
+        if self.tokenizer.mode != "padded":
+            return f"the tokenizer's CUDA graphs need the padded batch mode (probed: {self.tokenizer.mode})"
+        # a fast path never stops the analysis from loading: whatever fails here leaves the interpreter in charge
+        try:
+            graphs = PaddedGraphs(self.tokenizer, channels)
+        except Exception as exc:  # noqa: BLE001 (out of memory for its buffers)
+            return f"the tokenizer's CUDA graphs could not be set up: {exc!r}"
+        graphs.capture(capture_shapes(GRAPH_ROWS, int(MAX_PROMPT_S * TOKENIZER_SAMPLE_RATE) // WHISPER_HOP))
+        if graphs.disabled is not None:
+            return graphs.disabled
+        self.tokenizer.graphs = graphs
+        return None
+
     @classmethod
     def from_checkpoint(cls, checkpoint: Checkpoint, device: str | torch.device = "cpu",
                         dtype: torch.dtype = torch.float32, speaker_threads: int = 0,
-                        graph_threads: int = 1, fast_campplus: bool = True) -> TorchPromptAnalyzer:
+                        graph_threads: int = 1, fast_campplus: bool = True,
+                        tokenizer_graphs: bool = True) -> TorchPromptAnalyzer:
         files = checkpoint.files
         return cls(files.speech_tokenizer, files.campplus, checkpoint.hparams.mel, device, dtype, speaker_threads,
-                   graph_threads=graph_threads, fast_campplus=fast_campplus)
+                   graph_threads=graph_threads, fast_campplus=fast_campplus, tokenizer_graphs=tokenizer_graphs)
 
     @property
     def speaker_mode(self) -> str:
