@@ -122,13 +122,17 @@ part() {  # $1: part, $2: lane folder, $3: port
       tests/gpu/test_torch_prompt_cuda.py > "$dir/prompt_gpu_tests.log" 2>&1
     tail -3 "$dir/prompt_gpu_tests.log" ;;
   prompt_stages)
+    stamp "prompt stages: the tokenizer's eager calls (one prompt alone, the comparison)"
+    timeout 200 python3 benchmarks/prompt_stages.py --model-dir /tmp/m05r --device cuda --tokenizer-eager \
+      --repeats "${STAGES_REPEATS:-20}" --out "$dir/prompt_stages_eager.json" > "$dir/prompt_stages_eager.txt" 2>&1
+    grep -E "tokenizer|analyse|loaded" "$dir/prompt_stages_eager.txt"
     stamp "prompt stages: one new recording's analysis stage by stage, then inside the engine (one stream)"
     timeout 400 python3 benchmarks/prompt_stages.py --model-dir /tmp/m05r --device cuda \
       --repeats "${STAGES_REPEATS:-20}" --engine --out "$dir/prompt_stages.json" > "$dir/prompt_stages.txt" 2>&1
     tail -40 "$dir/prompt_stages.txt"
-    stamp "prompt analysis GPU tests (CAM++ network and graphs, the analyzer's host syncs, against onnxruntime)"
+    stamp "prompt analysis GPU tests (CAM++ network and graphs, the tokenizer's graphs, the analyzer's host syncs)"
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_campplus_cuda.py \
-      tests/gpu/test_torch_prompt_cuda.py > "$dir/prompt_gpu_tests.log" 2>&1
+      tests/gpu/test_torch_prompt_cuda.py tests/gpu/test_tokenizer_graphs_cuda.py > "$dir/prompt_gpu_tests.log" 2>&1
     tail -3 "$dir/prompt_gpu_tests.log" ;;
   *) echo "lanes.sh: unknown part $1" >&2; return 2 ;;
   esac

@@ -233,7 +233,9 @@ async def engine_stages(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 
     config: dict[str, Any] = {"device": args.device, "dtype": args.dtype, "voices_db": str(tmp / "voices.db")}
     config.update(config_overrides(args.config))
+    started = time.perf_counter()
     engine = AsyncEngine.from_pretrained(args.model_dir, **config)
+    load_s = time.perf_counter() - started
     marks = Marks()
     batcher = engine.prompt_batcher
     engine._admit = marks.wrap("admit", engine._admit, "end")
@@ -271,9 +273,12 @@ async def engine_stages(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 samples.setdefault("engine_frontend", []).append(frontend_s)
     finally:
         frontend_module.prepare_prompt_audio = real_prepare  # type: ignore[assignment]
+        flow_slots = int(engine.stats().get("num_flow_slots", 0))
         engine.close()
     report: dict[str, Any] = {name: median_ms(values) for name, values in samples.items()}
     report["batches"], report["prompts"] = batcher.stats.batches, batcher.stats.prompts
+    report["engine_load_s"] = round(load_s, 2)
+    report["num_flow_slots"] = flow_slots
     return report
 
 
@@ -296,7 +301,8 @@ def print_report(report: dict[str, Any]) -> None:
     print(f"  host syncs in one analysis: {len(one['host_syncs'])} at {', '.join(one['host_syncs']) or '-'}")
     if "engine" in report:
         eng = report["engine"]
-        print(f"engine, one request at a time ({eng['prompts']} recordings in {eng['batches']} batches):")
+        print(f"engine loaded in {eng['engine_load_s']:.1f} s with {eng['num_flow_slots']} flow slots; one request "
+              f"at a time ({eng['prompts']} recordings in {eng['batches']} batches):")
         for name in [step[0] for step in ENGINE_STEPS] + ["onnx_analysis_transcript"]:
             if name in eng:
                 print(f"  {name:18s} {eng[name]:8.2f}")
