@@ -52,7 +52,15 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from cosystream.engine.costs import CostModel
-from cosystream.engine.prediction import Newcomer, PromptPass, StreamKey, next_chunks, simulate_worker, worker_state
+from cosystream.engine.prediction import (
+    Newcomer,
+    PromptPass,
+    StreamKey,
+    batch_end,
+    next_chunks,
+    simulate_worker,
+    worker_state,
+)
 from cosystream.engine.prompt_load import PromptBacklog, PromptCosts, analysis_ends
 
 # A later chunk whose client has less audio left than this is urgent: it opens a batch. Long enough for
@@ -77,6 +85,10 @@ RIDER_STREAMS = 16
 PROMPT_PHASE_STREAMS = 16
 # First-audio target of a stream's first chunk when admission has no budget (deadlines still order work).
 DEFAULT_FIRST_AUDIO_TARGET_S = 1.0
+# Worker seconds the admitted streams may owe in work the scheduler puts off behind first chunks (an official
+# final pass each, the first chunks still to run, the rest of the running batch). Past it the worker cannot
+# catch up: the passes put off come due together and hold every first chunk behind them.
+WORKER_DEBT_S = 1.0
 # Longest Retry-After admission answers (a prediction may be unbounded: a queue nothing has measured yet).
 MAX_RETRY_AFTER_S = 60.0
 # Chunks waiting is worth it only while the batch is small against the largest batch.
@@ -216,6 +228,7 @@ class Scheduler:
     # the policy's constants (module level, with why each has its value), per instance for tests
     hold_s = HOLD_S
     first_chunk_wait_s = FIRST_CHUNK_WAIT_S
+    worker_debt_limit_s = WORKER_DEBT_S
 
     def __init__(self, cost: CostModel | None = None, budget_s: float | None = None,
                  first_audio_target_s: float | None = None) -> None:
@@ -498,9 +511,14 @@ class Scheduler:
         budget and every running stream that meets its next deadline still does with the newcomer's work."""
         if self.budget_s is None or view is None:
             return Verdict(True, 0.0)
+        idle = not view.streams and pending_new == 0  # refusing would help no one
+        debt = self.worker_debt_s(view, now, pending_new + 1)
+        if not idle and debt > self.worker_debt_limit_s:
+            return Verdict(False, math.inf, f"the GPU already owes {debt:.2f} s of work put off for first chunks, "
+                           f"over its limit of {self.worker_debt_limit_s:g} s",
+                           min(MAX_RETRY_AFTER_S, max(1.0, debt - self.worker_debt_limit_s)))
         predicted, broken, start = self._predict(view, now, first_chunk_tokens, pending_new,
                                                  prompts or PromptBacklog())
-        idle = not view.streams and pending_new == 0  # refusing would help no one
         if idle or (predicted <= self.budget_s and broken == 0):
             return Verdict(True, predicted, predicted_start_s=start)
         retry = min(MAX_RETRY_AFTER_S, max(1.0, predicted - self.budget_s))
@@ -508,6 +526,17 @@ class Scheduler:
                   if predicted > self.budget_s else
                   f"admitting it would make {broken} running stream(s) miss their playback deadline")
         return Verdict(False, predicted, reason, retry, start)
+
+    def worker_debt_s(self, view: EngineView, now: float, new_streams: int = 0) -> float:
+        """Worker seconds owed in the work that waits behind first chunks: an official final pass for every
+        stream whose pass is not on the worker yet, a first chunk for every stream still to start one, each
+        at its measured cost, and the rest of the running batch; `new_streams` (admitted since the view, and
+        the newcomer) owe both. Under a sustained overload this is the queue that grows."""
+        owed_finals = new_streams + (sum(1 for s in view.streams if not (s.planned and s.next_final))
+                                     if view.official_finals else 0)
+        owed_firsts = new_streams + sum(1 for s in view.streams if s.first and not s.planned)
+        _, per_first = self.cost.phase_line("first")
+        return (batch_end(view, now) - now) + owed_finals * self.cost.final_pass_s() + owed_firsts * per_first
 
     def _newcomers(self, now: float, tokens: int, pending_new: int, prompts: PromptBacklog
                    ) -> tuple[list[Newcomer], Newcomer]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -343,6 +344,38 @@ def test_admission_predicts_the_first_audio_from_the_decode_step_and_the_chunks_
     # streams admitted since the view count as newcomers ahead of it
     assert not s.admit(_view(_later("a", 5.0, ready=False), free_lm_slots=4, lm_slots=8), NOW, 30,
                        pending_new=8).admitted
+
+
+def test_the_worker_debt_counts_a_final_pass_per_stream_a_first_chunk_per_stream_to_start_and_the_batch_left():
+    cost = _cost(first_s=0.1, final_s=0.02)
+    _, per_first = cost.phase_line("first")
+    s = Scheduler(cost, budget_s=1.0)
+    worker = WorkerView(busy=True, started_s=NOW - 0.1, predicted_s=0.3)  # 0.2 s of its batch left
+    on_worker = _later("fin_running", 3.0, final=True, planned=True)  # its pass is in that batch already
+    view = _view(_first("new0"), _first("new1", planned=True), _later("mid", 2.0), _later("fin", 4.0, final=True),
+                 on_worker, worker=worker)
+    # finals owed: new0, new1, mid, fin and 2 newcomers; first chunks owed: new0 and the 2 newcomers
+    assert s.worker_debt_s(view, NOW, new_streams=2) == pytest.approx(0.2 + 6 * 0.02 + 3 * per_first)
+    assert s.worker_debt_s(replace(view, official_finals=False), NOW) == pytest.approx(0.2 + per_first)
+
+
+def test_admission_refuses_while_the_worker_owes_more_than_its_debt_limit():
+    cost = _cost(step_s=0.001, first_s=0.01, later_s=0.01, final_s=0.02)
+    s = Scheduler(cost, budget_s=1.0)
+    s.worker_debt_limit_s = 0.5
+    _, per_first = cost.phase_line("first")
+    fit = int((0.5 - per_first) / 0.02)  # passes that fit with the newcomer's first chunk, its own pass one of them
+    finals = [_later(f"f{i}", 5.0, final=True) for i in range(fit - 1)]
+    assert s.admit(_view(*finals, free_lm_slots=8, lm_slots=8), NOW, 10).admitted
+    more = [*finals, _later("one_more", 5.0, final=True), _later("and_another", 5.0, final=True)]
+    refused = s.admit(_view(*more, free_lm_slots=8, lm_slots=8), NOW, 10)
+    assert not refused.admitted and "owes" in refused.reason and refused.retry_after_s >= 1.0
+    # every stream's first audio alone would be in time: the debt is what refuses
+    s.worker_debt_limit_s = math.inf
+    assert s.admit(_view(*more, free_lm_slots=8, lm_slots=8), NOW, 10).admitted
+    # admitted since the view: they owe as much
+    s.worker_debt_limit_s = 0.5
+    assert not s.admit(_view(*finals, free_lm_slots=8, lm_slots=8), NOW, 10, pending_new=2).admitted
 
 
 def test_admission_waits_for_an_lm_slot_by_the_measured_hold_time():

@@ -207,6 +207,7 @@ def test_the_predicted_first_audio_is_the_simulated_workers(seed):
     max_batch = rng.choice([8, 64])
     views, chunks, pending_new, busy_until, rest_s = _scenario(rng, budget)
     s = Scheduler(_cost_measured_on_this_gpu(), budget_s=budget)
+    s.worker_debt_limit_s = math.inf  # the simulation alone (the debt's own tests: test_scheduler.py)
     verdict = s.admit(_view(views, busy_until, rest_s, max_batch), NOW, FIRST_TOKENS, pending_new=pending_new)
     newcomers = _newcomers(pending_new, budget)
     reference = reference_finish(chunks + newcomers, busy_until, rest_s, max_batch)
