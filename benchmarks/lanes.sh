@@ -10,6 +10,8 @@
 #
 # A lane is NAME=GPUS:PART[,PART...]; parts:
 #   scale_ray      REPLICAS=${REPLICAS:-2} bash benchmarks/scale_ray.sh all (the single-process server and Ray)
+#   scale_single, scale_rayonly  its single-process half and its Ray half, each in a lane of its own (the same
+#                  lease, at once; `OUT=<folder with both> bash benchmarks/scale_ray.sh table` joins them)
 #   overload       levels_all.sh overload on this tree (SERVE_ARGS, CAPACITY, MULTS, SEEDS, PROCS, DURATION as
 #                  there), with the scheduler's decision trace (COSYSTREAM_TRACE)
 #   overload_base  the same on the baseline package in .base (git archive <commit> cosystream benchmarks | tar
@@ -42,6 +44,7 @@ prep() {
     mkdir -p /tmp/m05r && for f in /tmp/m05/*; do ln -sfn "$f" /tmp/m05r/; done
     python3 -m cosystream.testing.realistic_side_models /tmp/m05r && touch /tmp/m05r/.realistic
   fi
+  if [ -d .whl_ray ]; then bash benchmarks/scale_ray_wheels.sh install || exit 1; fi  # once, before lanes share it
   nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
 }
 
@@ -55,6 +58,10 @@ part() {  # $1: part, $2: lane folder, $3: port
   case "$1" in
   scale_ray)
     OUT=$dir/scale PORT=$3 bash benchmarks/scale_ray.sh all ;;
+  scale_single|scale_rayonly)  # the two halves of scale_ray in two lanes at once (then scale_ray.sh table)
+    local which=single
+    [ "$1" = scale_rayonly ] && which=ray
+    OUT=$dir/scale PORT=$3 bash benchmarks/scale_ray.sh "$which" ;;
   overload)
     OUT=$dir PORT=$3 COSYSTREAM_TRACE=$dir/trace.jsonl bash benchmarks/levels_all.sh overload ;;
   overload_base)
