@@ -86,9 +86,12 @@ PROMPT_PHASE_STREAMS = 16
 # First-audio target of a stream's first chunk when admission has no budget (deadlines still order work).
 DEFAULT_FIRST_AUDIO_TARGET_S = 1.0
 # Worker seconds the admitted streams may owe in work the scheduler puts off behind first chunks (an official
-# final pass each, the first chunks still to run, the rest of the running batch). Past it the worker cannot
-# catch up: the passes put off come due together and hold every first chunk behind them.
-WORKER_DEBT_S = 1.0
+# final pass each, the first chunks still to run, the rest of the running batch), in first-audio budgets.
+# Past it the worker cannot catch up: the passes put off come due together and hold every first chunk behind
+# them. In budgets, so that a slow device (a CPU, with its budget to match) is not refused by a GPU's
+# seconds: 2 budgets are the 1.0 s measured best at the 0.5 s budget on an H200 (1.6 s admitted nearly as
+# many late streams as no limit; docs/benchmarks.md).
+WORKER_DEBT_BUDGETS = 2.0
 # Longest Retry-After admission answers (a prediction may be unbounded: a queue nothing has measured yet).
 MAX_RETRY_AFTER_S = 60.0
 # Chunks waiting is worth it only while the batch is small against the largest batch.
@@ -228,13 +231,13 @@ class Scheduler:
     # the policy's constants (module level, with why each has its value), per instance for tests
     hold_s = HOLD_S
     first_chunk_wait_s = FIRST_CHUNK_WAIT_S
-    worker_debt_limit_s = WORKER_DEBT_S
 
     def __init__(self, cost: CostModel | None = None, budget_s: float | None = None,
                  first_audio_target_s: float | None = None) -> None:
         self.cost = cost or CostModel()
         self.prompt_costs = PromptCosts()  # new recordings' analysis and prompt passes, measured
         self.budget_s = budget_s
+        self.worker_debt_limit_s = math.inf if budget_s is None else WORKER_DEBT_BUDGETS * budget_s
         self._earliest: tuple[EngineView, tuple, float] | None = None  # the last newcomer's bound
         self.first_audio_target_s = first_audio_target_s or budget_s or DEFAULT_FIRST_AUDIO_TARGET_S
 
