@@ -11,6 +11,7 @@ the queue and the GPU streams; it makes no scheduling decision.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -227,6 +228,11 @@ class EngineCore(DecodeLoop, Voicing):
                 out[f"{name}s_beside_{beside}"] = float(count)
         for part, seconds in list(self.slow_step_parts.items()):
             out[f"decode_slow_step_seconds_in_{part}"] = seconds
+        view = self.published
+        if view is not None:  # what admission's debt rule reads (Scheduler.worker_debt_s)
+            out["worker_debt_seconds"] = self.scheduler.worker_debt_s(view, time.perf_counter())
+        if math.isfinite(self.scheduler.worker_debt_limit_s):
+            out["worker_debt_limit_seconds"] = self.scheduler.worker_debt_limit_s
         out.update(self.t2w.watch.stats())  # per-stage host and GPU seconds of the token-to-wave batches
         out.update(self.t2w.slot_gauges())
         device = self.lm_runner.device

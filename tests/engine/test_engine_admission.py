@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from cosystream.engine import scheduler as sched
 from cosystream.engine.scheduler import Scheduler
 from cosystream.engine.sync_engine import Engine
 from cosystream.errors import BadInput, Overloaded
@@ -115,3 +116,12 @@ def test_a_new_recording_is_predicted_to_wait_for_its_analysis(small, fixture_di
     kept = engine.core.admit(tokens, prompts=engine.prompt_batcher.backlog(new_recording=False))
     new = engine.core.admit(tokens, prompts=engine.prompt_batcher.backlog(new_recording=True))
     assert new.predicted_first_audio_s - kept.predicted_first_audio_s == pytest.approx(analysis_s, rel=0.05)
+
+
+def test_the_worker_debt_and_its_limit_are_engine_stats(small):
+    """What admission's debt rule reads is on /metrics (cosystream_engine_worker_debt_*): the limit, two budgets of
+    this engine's 60 s, and the debt of the latest view, never negative."""
+    small.synthesize(_params(0))
+    stats = small.async_engine.core.stats()
+    assert stats["worker_debt_limit_seconds"] == pytest.approx(sched.WORKER_DEBT_BUDGETS * 60.0)
+    assert stats["worker_debt_seconds"] >= 0.0
