@@ -4,7 +4,9 @@ the token-to-wave worker's own record of the same level (the engine stats the fi
     python3 benchmarks/first_audio_path.py out/zs_distinct.json [out/zs_registered.json ...]   # .json or .json.gz
 
 Per level, from the requests' server stage times (medians, ms from submission):
-  analysis (the frontend: a new recording's speech tokens, x-vector and mel), LM start (analysis + queue), first
+  analysis (the frontend: a new recording's speech tokens, x-vector and mel; of it the recording's own part:
+  decoding, analysis and transcript, and of that its batched analysis with the wait for its batch, where the
+  files have them), LM start (analysis + queue), first
   token, first chunk's tokens ready, first chunk handed to the worker, the wait between the two, the first
   chunk's flow and vocoder, first audio.
 From the engine stats (the level's difference):
@@ -24,7 +26,8 @@ import re
 import statistics
 from pathlib import Path
 
-_STAGES = (("analysis", "frontend_s"), ("LM start", None), ("first token", None),
+_STAGES = (("analysis", "frontend_s"), ("recording", "prompt_s"), ("batched analysis", "prompt_analysis_s"),
+           ("LM start", None), ("first token", None),
            ("tokens ready", "first_chunk_ready_s"), ("to the worker", "first_chunk_start_s"), ("waited", None),
            ("flow", "first_chunk_flow_s"), ("vocoder", "first_chunk_vocoder_s"), ("first audio", "first_audio_s"))
 _ODE_CALLS = re.compile(r"^token2wav_calls_ode_(\d+)x(\d+)$")

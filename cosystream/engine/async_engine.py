@@ -264,16 +264,21 @@ class AsyncEngine:
 
     def _build_request(self, params: SynthesisParams, emit) -> RequestState:
         _check_params(params)
+        started = time.perf_counter()
+        self.prompt_batcher.take_analysis_s()  # (what an earlier request left on this thread)
         voice, voice_key = self._resolve_voice(params)
+        prompt_s, analysis_s = time.perf_counter() - started, self.prompt_batcher.take_analysis_s()
         if isinstance(params.text, str):
             segments = [self._segment(inputs, params) for inputs in self._model_inputs(params, voice)]
         else:
             segments = [self._text_stream_segment(params, voice)]
-        return RequestState(
+        req = RequestState(
             request_id=params.request_id or uuid.uuid4().hex, segments=segments,
             sampling=self._row_sampling(params), emit=emit, voice_key=voice_key,
             voice_cache=self._voice_caches.get(voice_key) if voice_key else None,
             force_tokens=params.force_tokens, speed=params.speed)
+        req.times.prompt_s, req.times.prompt_analysis_s = prompt_s, analysis_s
+        return req
 
     def _model_inputs(self, params: SynthesisParams, voice: VoicePrompt | None) -> list[ModelInputs]:
         fe, mode = self.frontend, Mode(params.mode)

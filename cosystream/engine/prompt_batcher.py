@@ -93,6 +93,7 @@ class PromptBatcher:
         self._running_since: float | None = None  # ... since then (time.perf_counter)
         self._on_the_way = 0  # requests handed to `executor` that have neither submitted their recording nor ended
         self._preparing = threading.local()  # per executor thread: does its request count in `_on_the_way`?
+        self._waited = threading.local()  # per calling thread: its last `analyse` call's seconds (take_analysis_s)
         self._queue: queue.SimpleQueue[_Job | _Wake | None] = queue.SimpleQueue()
         self._closed = False
         self._stream = (torch.cuda.Stream(analyzer.device)
@@ -155,7 +156,18 @@ class PromptBatcher:
 
     def analyse(self, prompt: PromptAudio) -> PromptAnalysis:
         """Blocking: the analysis of one checked prompt, computed with whatever arrives with it."""
-        return self.submit(prompt).result()
+        started = time.perf_counter()
+        try:
+            return self.submit(prompt).result()
+        finally:
+            self._waited.seconds = time.perf_counter() - started
+
+    def take_analysis_s(self) -> float:
+        """Seconds of this thread's last `analyse` call (the hand-off, the wait for its batch, the batch's
+        analysis, the result back), then forgotten; 0.0 if it made none since."""
+        seconds = getattr(self._waited, "seconds", 0.0)
+        self._waited.seconds = 0.0
+        return seconds
 
     def submit(self, prompt: PromptAudio) -> Future:
         if self._closed or self.analyzer is None:

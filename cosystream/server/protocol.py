@@ -108,6 +108,10 @@ class StageTimes(BaseModel):
 
     queue_s: float = 0.0
     frontend_s: float = 0.0
+    prompt_s: float = Field(0.0, description="of frontend_s: the voice made ready (a new recording: its decoding, "
+                                             "analysis and transcript)")
+    prompt_analysis_s: float = Field(0.0, description="of prompt_s: the recording's batched analysis on the GPU, "
+                                                      "the wait for its batch included (0: none, or on the CPU)")
     llm_prefill_s: float = 0.0
     first_token_s: float = 0.0
     first_chunk_ready_s: float = 0.0

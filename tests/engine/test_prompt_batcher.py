@@ -343,3 +343,53 @@ def test_a_bad_recording_on_its_way_fails_alone_and_holds_no_batch(frontend):
         assert batcher.make_voice_prompt(_speech(0.7, seed=3)).xvector.numel() == 192  # still serving
     finally:
         batcher.close()
+
+
+def test_the_calling_thread_learns_how_long_its_analysis_took(frontend):
+    """take_analysis_s: the seconds of this thread's last `analyse` (its wait for the batch included), once."""
+    import time
+
+    analyzer = GatedAnalyzer()
+    batcher = PromptBatcher(frontend, analyzer, collect_window_s=0.0)  # type: ignore[arg-type]
+    held_s = 0.05
+
+    def release_after_hold() -> None:
+        assert analyzer.started.wait(timeout=10)
+        time.sleep(held_s)  # the batch the prompt waits for takes this long
+        analyzer.release.set()
+
+    helper = threading.Thread(target=release_after_hold)
+    try:
+        helper.start()
+        started = time.perf_counter()
+        batcher.analyse(_prompt(1.0))
+        outer = time.perf_counter() - started
+        helper.join(timeout=10)
+        taken = batcher.take_analysis_s()
+        assert held_s <= taken <= outer
+        assert batcher.take_analysis_s() == 0.0  # once
+        other: list[float] = []
+        thread = threading.Thread(target=lambda: other.append(batcher.take_analysis_s()))
+        thread.start()
+        thread.join(timeout=10)
+        assert other == [0.0]  # another thread made no call
+    finally:
+        analyzer.release.set()
+        batcher.close()
+
+
+def test_a_requests_times_show_its_recordings_part_of_the_frontend(engine):
+    """A new recording's preparation (decoding, analysis, transcript) is `prompt_s` of the request's frontend_s;
+    sent again it is reused and takes next to nothing. A CPU engine analyses on the frontend thread: no batched
+    analysis to report."""
+    recording = _speech(1.2, seed=21)
+
+    def zero_shot():
+        return engine.synthesize(SynthesisParams(text="hello there.", prompt_audio=recording, prompt_text="a prompt.",
+                                                 force_tokens=4)).times
+
+    new = zero_shot()
+    assert 0.0 < new.prompt_s <= new.frontend_s
+    assert new.prompt_analysis_s == 0.0
+    again = zero_shot()
+    assert again.prompt_s < new.prompt_s
