@@ -89,8 +89,7 @@ DEFAULT_FIRST_AUDIO_TARGET_S = 1.0
 # final pass each, the first chunks still to run, the rest of the running batch), in first-audio budgets.
 # Past it the worker cannot catch up: the passes put off come due together and hold every first chunk behind
 # them. In budgets, so that a slow device (a CPU, with its budget to match) is not refused by a GPU's
-# seconds: 2 budgets are the 1.0 s measured best at the 0.5 s budget on an H200 (1.6 s admitted nearly as
-# many late streams as no limit; docs/benchmarks.md).
+# seconds; two budgets: the best of the limits measured (docs/benchmarks.md, "Open loop and overload").
 WORKER_DEBT_BUDGETS = 2.0
 # Longest Retry-After admission answers (a prediction may be unbounded: a queue nothing has measured yet).
 MAX_RETRY_AFTER_S = 60.0
