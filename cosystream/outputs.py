@@ -15,7 +15,8 @@ class StageTimes:
 
     queue_s: float = 0.0  # submitted -> admitted to the LM
     frontend_s: float = 0.0  # text normalisation, tokenisation, prompt audio features
-    prompt_s: float = 0.0  # ... of which the voice made ready (a new recording: decoding, analysis, transcript)
+    prompt_s: float = 0.0  # ... of which the voice made ready (a new recording: decoding, analysis, transcript;
+    #                        the same recording sent by another request just before: the wait for its analysis)
     prompt_analysis_s: float = 0.0  # ... of which its batched analysis (the wait for its batch included; 0: none)
     llm_prefill_s: float = 0.0
     first_token_s: float = 0.0  # admitted -> first speech token

@@ -516,9 +516,11 @@ class Scheduler:
         idle = not view.streams and pending_new == 0  # refusing would help no one
         debt = self.worker_debt_s(view, now, pending_new + 1)
         if not idle and debt > self.worker_debt_limit_s:
-            return Verdict(False, math.inf, f"the GPU already owes {debt:.2f} s of work put off for first chunks, "
-                           f"over its limit of {self.worker_debt_limit_s:g} s",
-                           min(MAX_RETRY_AFTER_S, max(1.0, debt - self.worker_debt_limit_s)))
+            excess = debt - self.worker_debt_limit_s
+            # reported as over the budget by the excess, so a router ranks this engine among those that refuse
+            return Verdict(False, self.budget_s + excess, f"the GPU already owes {debt:.2f} s of work put off for "
+                           f"first chunks, over its limit of {self.worker_debt_limit_s:g} s",
+                           min(MAX_RETRY_AFTER_S, max(1.0, excess)))
         predicted, broken, start = self._predict(view, now, first_chunk_tokens, pending_new,
                                                  prompts or PromptBacklog())
         if idle or (predicted <= self.budget_s and broken == 0):
@@ -534,8 +536,8 @@ class Scheduler:
         stream whose pass is not on the worker yet, a first chunk for every stream still to start one, each
         at its measured cost, and the rest of the running batch; `new_streams` (admitted since the view, and
         the newcomer) owe both. Under a sustained overload this is the queue that grows."""
-        owed_finals = new_streams + (sum(1 for s in view.streams if not (s.planned and s.next_final))
-                                     if view.official_finals else 0)
+        owed_finals = (new_streams + sum(1 for s in view.streams if not (s.planned and s.next_final))
+                       if view.official_finals else 0)
         owed_firsts = new_streams + sum(1 for s in view.streams if s.first and not s.planned)
         _, per_first = self.cost.phase_line("first")
         return (batch_end(view, now) - now) + owed_finals * self.cost.final_pass_s() + owed_firsts * per_first

@@ -356,7 +356,9 @@ def test_the_worker_debt_counts_a_final_pass_per_stream_a_first_chunk_per_stream
                  on_worker, worker=worker)
     # finals owed: new0, new1, mid, fin and 2 newcomers; first chunks owed: new0 and the 2 newcomers
     assert s.worker_debt_s(view, NOW, new_streams=2) == pytest.approx(0.2 + 6 * 0.02 + 3 * per_first)
-    assert s.worker_debt_s(replace(view, official_finals=False), NOW) == pytest.approx(0.2 + per_first)
+    # whole-utterance final passes off: no stream owes one, new or running
+    assert s.worker_debt_s(replace(view, official_finals=False), NOW, new_streams=2) == pytest.approx(
+        0.2 + 3 * per_first)
 
 
 def test_admission_refuses_while_the_worker_owes_more_than_its_debt_limit():
@@ -374,12 +376,13 @@ def test_admission_refuses_while_the_worker_owes_more_than_its_debt_limit():
     more = [*finals, _later("one_more", 5.0, final=True), _later("and_another", 5.0, final=True)]
     refused = s.admit(_view(*more, free_lm_slots=8, lm_slots=8), NOW, 10)
     assert not refused.admitted and "owes" in refused.reason and refused.retry_after_s >= 1.0
+    assert math.isfinite(refused.predicted_first_audio_s) and refused.predicted_first_audio_s > s.budget_s
     # every stream's first audio alone would be in time: the debt is what refuses
     s.worker_debt_limit_s = math.inf
     assert s.admit(_view(*more, free_lm_slots=8, lm_slots=8), NOW, 10).admitted
     # admitted since the view: they owe as much
     s.worker_debt_limit_s = 0.5
-    assert not s.admit(_view(*finals, free_lm_slots=8, lm_slots=8), NOW, 10, pending_new=2).admitted
+    assert "owes" in s.admit(_view(*finals, free_lm_slots=8, lm_slots=8), NOW, 10, pending_new=2).reason
 
 
 def test_admission_waits_for_an_lm_slot_by_the_measured_hold_time():
