@@ -8,7 +8,9 @@ fi
 export PYTHONPATH=/tmp/site:${PKG:-$PWD}  # PKG: another tree's package (e.g. .base, the baseline) ...
 # ... which `python3 -m cosystream...` run from this tree would not import without this (python puts the working
 # folder first on its path)
-if [ -n "${PKG:-}" ]; then export PYTHONSAFEPATH=1; fi
+# (then the scripts' own folder, which that also keeps off python's path, goes on it by name: bench_engine.py
+# imports workload.py beside it)
+if [ -n "${PKG:-}" ]; then export PYTHONSAFEPATH=1 PYTHONPATH=$PYTHONPATH:$PWD/benchmarks; fi
 if ! python3 -c "import soundfile, fastapi, uvicorn, wetext" 2>/dev/null; then
   echo "gpu_prep: cosystream's dependencies are missing here: carry .whl/ (bash benchmarks/fetch_wheels.sh)" >&2
   set +e

@@ -24,6 +24,7 @@
 #   cv3_tests      CosyVoice3 GPU tests: compiled kernels vs reference, graphed pool vs eager, the fixtures
 #   cv3_http       CosyVoice3 0.5B over HTTP, one stream
 #   zeroshot       levels_all.sh zeroshot (registered voice and a new recording each request, c=1,16; ZS_RUNS)
+#   zeroshot@DIR   the same on the package in DIR (e.g. a prompt-batcher variant in .v3)
 #   zeroshot_http  a new recording in every /v1/tts request over HTTP (cosystream bench --distinct-prompts), c=1,16
 #   prompt_analysis  benchmarks/prompt_analysis.py on the released side-model architectures (/tmp/m05r), and
 #                  the prompt analysis GPU tests
@@ -104,6 +105,8 @@ part() {  # $1: part, $2: lane folder, $3: port
     kill -INT "$server"; wait "$server" ;;
   zeroshot)
     OUT=$dir bash benchmarks/levels_all.sh zeroshot ;;
+  zeroshot@*)  # the same on the package in a carried folder (a variant against this tree in one lease)
+    OUT=$dir PKG=$PWD/${1#zeroshot@} bash benchmarks/levels_all.sh zeroshot ;;
   zeroshot_http)
     stamp "zero-shot over HTTP: a new recording in every /v1/tts request (multipart), c=1,16"
     python3 -m cosystream.cli serve --model-dir /tmp/m05r --config flow_slots=28 --config flow_frames=832 \
