@@ -44,32 +44,35 @@ class _PhaseLine:
 
     def __init__(self, decay: float = PHASE_FIT_DECAY) -> None:
         self.decay = decay
-        self.w = self.wn = self.wnn = self.wy = self.wny = 0.0
+        # the weighted sums (w, wn, wnn, wy, wny) as one tuple, replaced whole: admission reads them from another
+        # thread than the one that observes, and must never see half of an update
+        self.sums = (0.0, 0.0, 0.0, 0.0, 0.0)
 
     def observe(self, chunks: int, seconds: float) -> None:
         if chunks <= 0 or not math.isfinite(seconds) or seconds < 0:
             return
         d, n = self.decay, float(chunks)
-        self.w, self.wn, self.wnn = d * self.w + 1, d * self.wn + n, d * self.wnn + n * n
-        self.wy, self.wny = d * self.wy + seconds, d * self.wny + n * seconds
+        w, wn, wnn, wy, wny = self.sums
+        self.sums = (d * w + 1, d * wn + n, d * wnn + n * n, d * wy + seconds, d * wny + n * seconds)
 
     @property
     def measured(self) -> bool:
-        return self.w > 0
+        return self.sums[0] > 0
 
     def line(self) -> tuple[float, float]:
         """(fixed seconds per phase, seconds per chunk); (0, 0) before any phase."""
-        if self.w <= 0:
+        w, wn, wnn, wy, wny = self.sums
+        if w <= 0:
             return 0.0, 0.0
-        mean_n, mean_y = self.wn / self.w, self.wy / self.w
-        var_n = self.wnn / self.w - mean_n * mean_n
+        mean_n, mean_y = wn / w, wy / w
+        var_n = wnn / w - mean_n * mean_n
         if var_n >= _MIN_SIZE_VARIANCE:
-            per = (self.wny / self.w - mean_n * mean_y) / var_n
+            per = (wny / w - mean_n * mean_y) / var_n
             if per >= 0:
                 fixed = mean_y - per * mean_n
                 if fixed >= 0:
                     return fixed, per
-                return 0.0, self.wny / self.wnn  # through the origin: no negative fixed cost
+                return 0.0, wny / wnn  # through the origin: no negative fixed cost
         # one size seen (or a fit that makes no physical sense): the prior split of the mean phase
         fixed = PRIOR_FIXED_SHARE * mean_y
         return fixed, (mean_y - fixed) / mean_n
@@ -91,8 +94,7 @@ class CostModel:
         self._slot_hold = _Ewma(0.1)  # seconds a stream holds its flow slot (open to release)
         self._slot_tail = _Ewma(0.1)  # seconds from a slot holder's LM done to its slot back
         self._phases: dict[str, _PhaseLine] = {}  # worker seconds per phase by kind and chunks in it
-        self._final_busy_s = 0.0
-        self._finals_done = 0.0
+        self._finals = (0.0, 0.0)  # (worker seconds, passes) of official final passes, decayed; replaced whole
 
     @property
     def decode_step_s(self) -> float | None:
@@ -137,32 +139,37 @@ class CostModel:
         """A worker phase of `jobs` chunks of one kind ("first", "chunks", "final") took `seconds`; a paused
         phase of final passes comes with jobs=0 (its time counts towards the passes that finish later)."""
         if kind == "final":
-            self._final_busy_s = 0.9 * self._final_busy_s + seconds
-            self._finals_done = 0.9 * self._finals_done + jobs
+            busy, done = self._finals
+            self._finals = (0.9 * busy + seconds, 0.9 * done + jobs)
             return
         if jobs > 0:
             self._phases.setdefault(kind, _PhaseLine()).observe(jobs, seconds)
 
     def final_pass_s(self) -> float:
         """Worker seconds per official final pass (0 before one was measured)."""
-        return self._final_busy_s / self._finals_done if self._finals_done > 0 else 0.0
+        busy, done = self._finals
+        return busy / done if done > 0 else 0.0
 
     def phase_s(self, kind: str, chunks: int) -> float:
         """Predicted worker seconds of a phase of `chunks` chunks of `kind` ("first", "chunks", "final");
         an unmeasured chunk kind borrows the other's line (0 before either was measured)."""
         if kind == "final":
             return self.final_pass_s() * chunks
+        fixed, per = self.phase_line(kind)
+        return fixed + per * chunks if chunks > 0 else 0.0
+
+    def phase_line(self, kind: str) -> tuple[float, float]:
+        """(fixed seconds per phase, seconds per chunk) of a chunk kind: its own fit, or the other chunk kind's
+        while its own has seen no phase; (0, 0) before either has. One reading of the fit (see _PhaseLine.sums).
+        Official final passes: no fixed part, the measured pass per stream."""
+        if kind == "final":
+            return 0.0, self.final_pass_s()
         line = self._phases.get(kind)
         if line is None or not line.measured:
             line = self._phases.get("first" if kind == "chunks" else "chunks")
             if line is None:
-                return 0.0
-        return line.seconds(chunks)
-
-    def phase_line(self, kind: str) -> tuple[float, float]:
-        """(fixed seconds per phase, seconds per chunk) of a chunk kind, as `phase_s` uses it."""
-        chunks = self.phase_s(kind, 2) - self.phase_s(kind, 1)
-        return self.phase_s(kind, 1) - chunks, chunks
+                return 0.0, 0.0
+        return line.line()
 
     def chunk_s(self, kind: str) -> float:
         """Worker seconds of one chunk voiced alone in a phase of `kind` (0 before one was measured)."""
