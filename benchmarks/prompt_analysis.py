@@ -38,7 +38,6 @@ import itertools
 import json
 import statistics
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -51,6 +50,7 @@ from cosystream.frontend.audio import PromptAudio, prepare_prompt_audio, prompt_
 from cosystream.frontend.speaker import SpeakerEncoder
 from cosystream.frontend.speech_tokenizer import SpeechTokenizer
 from cosystream.frontend.torch_prompt import PromptAnalysis, TorchPromptAnalyzer
+from cosystream.testing.host_syncs import recorded_host_syncs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -175,14 +175,9 @@ def host_syncs(analyzer: TorchPromptAnalyzer, prompts: Sequence[PromptAudio]) ->
     """Synchronisations of the host with the GPU in one analysis (torch's sync debug mode), None off CUDA."""
     if analyzer.device.type != "cuda":
         return None
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            analyzer.analyse(prompts)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+    with recorded_host_syncs() as syncs:
+        analyzer.analyse(prompts)
+    return len(syncs)
 
 
 def agreement(reference: Sequence[PromptAnalysis], results: Sequence[PromptAnalysis]) -> dict[str, float]:

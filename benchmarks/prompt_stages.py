@@ -50,7 +50,6 @@ import json
 import statistics
 import tempfile
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -66,6 +65,7 @@ from cosystream.frontend import Frontend
 from cosystream.frontend.audio import MIN_PROMPT_S, prepare_prompt_audio, prompt_mel, speaker_features, whisper_log_mel
 from cosystream.frontend.torch_prompt import TorchPromptAnalyzer
 from cosystream.params import Mode, SamplingParams, SynthesisParams
+from cosystream.testing.host_syncs import recorded_host_syncs
 
 STEP_S = 0.010  # lengths of the recordings this far apart: one tokenizer frame, a length not seen before
 
@@ -139,14 +139,9 @@ def host_syncs(analyzer: TorchPromptAnalyzer, data: bytes, rate: int) -> list[st
     if analyzer.device.type != "cuda":
         return []
     prompt = prepare_prompt_audio(data, rate)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            analyzer.analyse([prompt])
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "called a synchronizing" in str(w.message)]
+    with recorded_host_syncs() as syncs:
+        analyzer.analyse([prompt])
+    return [f"{Path(w.filename).name}:{w.lineno}" for w in syncs]
 
 
 def standalone(args: argparse.Namespace) -> dict[str, Any]:

@@ -107,8 +107,7 @@ def test_cuda_analysis_waits_for_the_device_only_to_copy_its_results_back(checkp
     folded anew), the host synchronises with the device only in the copies of the results back (tokens, mel and
     x-vector per prompt), so it launches the whole analysis while the device runs it; and the results are those
     of onnxruntime and of each prompt alone."""
-    import warnings
-
+    from cosystream.testing.host_syncs import recorded_host_syncs
     from cosystream.testing.realistic_side_models import write_campplus, write_speech_tokenizer
 
     tokenizer = write_speech_tokenizer(tmp_path / "speech_tokenizer_v2.onnx", "v2", "small", seed=7)
@@ -118,15 +117,9 @@ def test_cuda_analysis_waits_for_the_device_only_to_copy_its_results_back(checkp
     prompts = [prepare_prompt_audio(r, mel_dims.sampling_rate) for r in _recordings(4)]
     analyzer.analyse(prompts[:1])  # warm-up: kernels, cuFFT plans, pinned host blocks
     for batch in (prompts[1:2], prompts[2:]):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                results = analyzer.analyse(batch)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        syncs = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
-        assert len(syncs) <= 3 * len(batch), syncs
+        with recorded_host_syncs() as syncs:
+            results = analyzer.analyse(batch)
+        assert len(syncs) <= 3 * len(batch), [str(w.message) for w in syncs]
         onnx_tokenizer, onnx_speaker = SpeechTokenizer(tokenizer), SpeakerEncoder(campplus)
         for prompt, result in zip(batch, results, strict=True):
             assert torch.equal(result.tokens, onnx_tokenizer.tokenize(prompt.wav_16k))
