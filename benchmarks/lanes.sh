@@ -28,6 +28,7 @@
 #   zeroshot_http  a new recording in every /v1/tts request over HTTP (cosystream bench --distinct-prompts), c=1,16
 #   prompt_analysis  benchmarks/prompt_analysis.py on the released side-model architectures (/tmp/m05r), and
 #                  the prompt analysis GPU tests
+#   prompt_tests   the prompt analysis GPU tests alone (CAM++, the speech tokenizer's graphs, the analyzer)
 #   prompt_stages  benchmarks/prompt_stages.py on /tmp/m05r: one new recording's analysis stage by stage, and the
 #                  frontend stage of an in-process engine split at its calls (one stream)
 # Carry .whl (benchmarks/fetch_wheels.sh), .whl_ray (scale_ray) and .base (overload_base); the GPU tests read
@@ -130,6 +131,11 @@ part() {  # $1: part, $2: lane folder, $3: port
     stamp "prompt analysis GPU tests (CAM++ network and graphs against the interpreter and onnxruntime)"
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_campplus_cuda.py \
       tests/gpu/test_torch_prompt_cuda.py > "$dir/prompt_gpu_tests.log" 2>&1
+    tail -3 "$dir/prompt_gpu_tests.log" ;;
+  prompt_tests)
+    stamp "prompt analysis GPU tests (CAM++ network and graphs, the tokenizer's graphs, the analyzer's host syncs)"
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_campplus_cuda.py \
+      tests/gpu/test_torch_prompt_cuda.py tests/gpu/test_tokenizer_graphs_cuda.py > "$dir/prompt_gpu_tests.log" 2>&1
     tail -3 "$dir/prompt_gpu_tests.log" ;;
   prompt_stages)
     stamp "prompt stages: the tokenizer's eager calls (one prompt alone, the comparison)"
