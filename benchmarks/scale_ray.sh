@@ -18,10 +18,12 @@
 # Here, once:  bash benchmarks/fetch_wheels.sh && bash benchmarks/scale_ray_wheels.sh bundle   # .whl, .whl_ray
 # There, one call (carry .whl and .whl_ray):
 #   REPLICAS=2 bash benchmarks/scale_ray.sh all       # prep, the single-process server, Ray with 2 replicas
-#   parts: prep | single | ray (REPLICAS=N) | table; RAY1=1 adds Ray with one replica (the proxy's own cost);
+#   REPLICAS="4 2" bash benchmarks/scale_ray.sh all   # ... then Ray with 4 replicas, then with 2
+#   parts: prep | single | ray (REPLICAS=N or "N M") | table; RAY1=1 adds Ray with one replica (the proxy's own cost);
 #   ACTOR=1 adds Ray with N replicas reached by Ray actor calls instead of the gRPC data plane (ray<N>actor)
 # Results in $OUT (at most 8 files come back): <server>.json.gz (the bench JSON of its c=1, sweep and open loop:
-# {"c1": ..., "sweep": ..., "open": ...}), summary.md (the table), serve_<server>.log (its log's tail).
+# {"c1": ..., "sweep": ..., "open": ...}), summary.md (the table), serve_<server>.log (its log's tail, then the CPU
+# use of its processes, the proxy's and each replica's, over the run: benchmarks/proc_cpu.py).
 #
 # On a CPU, for a dry run with the fixture model (small levels, a few tokens), after
 # `python ../shared/fixtures/materialize.py ../shared/fixtures/cosyvoice2-tiny /tmp/x`:
@@ -87,6 +89,10 @@ measure() {  # $1: server name, $2: replicas, then extra `serve` flags
   done
   stamp "$name: ready after $(( $(date +%s) - t0 )) s"
   get "$URL/v1/replicas" | head -c 600; echo
+  rm -f "/tmp/scale_parts/${name}_cpu.jsonl"
+  python3 benchmarks/proc_cpu.py watch "/tmp/scale_parts/${name}_cpu.jsonl" --interval 1 &
+  local watcher=$!
+  stamp "$name: CPU of its processes sampled from now (benchmarks/proc_cpu.py)"
   stamp "$name: c=1, $C1_REQUESTS requests"
   bench "/tmp/scale_parts/${name}_c1.json" --concurrency 1 --requests-per-level "$C1_REQUESTS"
   stamp "$name: closed loop $(levels "$n")"
@@ -101,9 +107,13 @@ measure() {  # $1: server name, $2: replicas, then extra `serve` flags
   else
     echo "$name: no level was clean: no open loop"
   fi
+  kill "$watcher"; wait "$watcher" 2>/dev/null
   get "$URL/metrics" | grep -E '^cosystream_requests_total' | head -20
   kill -INT "$server"; wait "$server"
   tail -n 40 "/tmp/serve_$name.log" > "$OUT/serve_$name.log"
+  { echo "---- CPU in cores (CPU s per wall s) per 2 s window, from the c=1 run on"
+    python3 benchmarks/proc_cpu.py summary "/tmp/scale_parts/${name}_cpu.jsonl" --window 2; } \
+    | tee -a "$OUT/serve_$name.log" | grep -E "busiest process at most"
   python3 benchmarks/scale_table.py pack "$OUT/$name.json.gz" "$n" /tmp/scale_parts/"$name"_{c1,sweep,open}.json
 }
 
@@ -115,15 +125,15 @@ table() {
 case "${1:-}" in
 prep) prep ;;
 single) prep; measure single 1 ;;
-ray) prep; measure "ray$REPLICAS" "$REPLICAS" --replicas "$REPLICAS" ;;
+ray) prep; for n in $REPLICAS; do measure "ray$n" "$n" --replicas "$n"; done ;;
 table) table ;;
 all)
   prep
   measure single 1
   if [ "${RAY1:-0}" = 1 ]; then measure ray1 1 --replicas 1; fi
-  measure "ray$REPLICAS" "$REPLICAS" --replicas "$REPLICAS"
+  for n in $REPLICAS; do measure "ray$n" "$n" --replicas "$n"; done
   if [ "${ACTOR:-0}" = 1 ]; then
-    RAY_SERVE_PROXY_USE_GRPC=0 measure "ray${REPLICAS}actor" "$REPLICAS" --replicas "$REPLICAS"
+    n=${REPLICAS%% *}; RAY_SERVE_PROXY_USE_GRPC=0 measure "ray${n}actor" "$n" --replicas "$n"
   fi
   table
   ;;
