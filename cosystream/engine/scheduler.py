@@ -26,9 +26,10 @@ else), with the refinements that keep the GPU's batches full:
   worker after its running phase; phases of final passes pause between Euler steps for it;
 * a first chunk that waits only for a flow slot while the running batch has given slots back stops the
   batch after its running phase (the pool takes those slots back when the batch stops, not after all
-  its final passes); final passes do not pause for it, and a batch that holds due ones is not stopped
-  for it: under overload such a chunk is always there, and due passes handed back again and again would
-  run late and stall everyone's later chunks;
+  its final passes), and a phase of final passes not due pauses between Euler steps for it as for a
+  ready first chunk; a batch that holds due ones is not stopped for it: under overload such a chunk is
+  always there, and due passes handed back again and again would run late and stall everyone's later
+  chunks;
 * decode steps pause while a first chunk is on the worker, unless another request still waits for its
   first audio (the two share the GPU);
 * official final passes come due earliest deadline first, each costing the measured pass;
@@ -202,7 +203,7 @@ class Preempt(enum.Enum):
     none = "none"
     first = "first"  # stop after the running phase; a phase of final passes not due pauses between Euler steps
     dry = "dry"  # ... and a client is about to run dry: due final passes pause too
-    slot = "slot"  # stop after the running phase, which runs to its end (final passes do not pause)
+    slot = "slot"  # as `first`, for a first chunk waiting for a flow slot the running batch gave back
 
 
 @dataclass(slots=True)

@@ -246,7 +246,7 @@ class Voicing:
         decision = self.scheduler.preempt(view)
         if decision is Preempt.dry:
             worker.dry.set()
-        if decision in (Preempt.dry, Preempt.first):
+        if decision in (Preempt.dry, Preempt.first, Preempt.slot):
             worker.pause.set()
         if decision is not Preempt.none:
             worker.preempt.set()

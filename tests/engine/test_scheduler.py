@@ -257,8 +257,8 @@ def test_preemption_for_a_new_first_chunk_or_a_client_about_to_run_dry():
 
 def test_a_first_chunk_waiting_for_a_slot_the_batch_gave_back_stops_it_after_its_running_phase():
     """The pool takes slots given back during a batch when the batch stops: a first chunk that waits only for a
-    slot makes the worker stop after its running phase instead of waiting for its end; final passes do not
-    pause for it (Preempt.slot), so a steady flow of such chunks cannot hold them back until all are due."""
+    slot makes the worker stop after its running phase instead of waiting for its end (Preempt.slot); a batch
+    holding due final passes runs on, so a steady flow of such chunks cannot hand them back again and again."""
     s, busy = Scheduler(), WorkerView(busy=True)
     waiting = _first("new", ready=False, opened=False, needs_slot=True)
     assert s.preempt(_view(waiting, worker=busy, free_slots=0, slots_after_batch=1)) is Preempt.slot
