@@ -39,7 +39,7 @@ from cosystream.engine.decode_loop import DecodeLoop, _Step
 from cosystream.engine.lm_runner import RowSampling
 from cosystream.engine.prompt_load import PromptBacklog
 from cosystream.engine.request import LMStatus, RequestState
-from cosystream.engine.scheduler import Scheduler, Verdict
+from cosystream.engine.scheduler import Rule, Scheduler, Verdict
 from cosystream.engine.trace import DecisionTrace
 from cosystream.engine.voicing import Voicing
 from cosystream.errors import EngineDead
@@ -101,6 +101,7 @@ class EngineCore(DecodeLoop, Voicing):
         self.num_steps = 0
         self.lm_busy_s = 0.0  # admitting (prefill) and decode steps, on the engine thread
         self.admitted = self.refused = 0  # admission decisions (admit())
+        self.refused_by = dict.fromkeys(Rule, 0)  # ... the refusals by the rule that refused
         self._init_voicing()
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="cosystream-engine", daemon=True)
@@ -151,6 +152,8 @@ class EngineCore(DecodeLoop, Voicing):
             self.admitted += 1
         else:
             self.refused += 1
+            if verdict.rule is not None:
+                self.refused_by[verdict.rule] += 1
         return verdict
 
     def submit(self, req: RequestState) -> None:
@@ -216,6 +219,7 @@ class EngineCore(DecodeLoop, Voicing):
                "token2wav_due_final_phases": float(self.t2w_due_final_phases),
                "token2wav_handed_back": float(self.t2w_handed_back),
                "admission_admitted": float(self.admitted), "admission_refused": float(self.refused),
+               **{f"admission_refused_{rule.value}": float(n) for rule, n in self.refused_by.items()},
                "first_audio_predicted_seconds": self.first_audio_predicted_s,
                "first_audio_measured_seconds": self.first_audio_measured_s,
                "first_audio_predictions": float(self.first_audio_predictions)}

@@ -206,6 +206,14 @@ class Preempt(enum.Enum):
     slot = "slot"  # as `first`, for a first chunk waiting for a flow slot the running batch gave back
 
 
+class Rule(enum.Enum):
+    """The admission rule that refused a stream."""
+
+    debt = "debt"  # the GPU owes more put-off work than WORKER_DEBT_BUDGETS allow
+    budget = "budget"  # its predicted first audio is over the budget
+    deadlines = "deadlines"  # it would make running streams miss their playback deadlines
+
+
 @dataclass(slots=True)
 class Verdict:
     admitted: bool
@@ -213,6 +221,7 @@ class Verdict:
     reason: str = ""
     retry_after_s: float = 1.0
     predicted_start_s: float | None = None  # ... its first chunk's tokens and flow slot there (None: not predicted)
+    rule: Rule | None = None  # which rule refused it (None: admitted)
 
 
 @dataclass(slots=True)
@@ -521,16 +530,17 @@ class Scheduler:
             # reported as over the budget by the excess, so a router ranks this engine among those that refuse
             return Verdict(False, self.budget_s + excess, f"the GPU already owes {debt:.2f} s of work put off for "
                            f"first chunks, over its limit of {self.worker_debt_limit_s:g} s",
-                           min(MAX_RETRY_AFTER_S, max(1.0, excess)))
+                           min(MAX_RETRY_AFTER_S, max(1.0, excess)), rule=Rule.debt)
         predicted, broken, start = self._predict(view, now, first_chunk_tokens, pending_new,
                                                  prompts or PromptBacklog())
         if idle or (predicted <= self.budget_s and broken == 0):
             return Verdict(True, predicted, predicted_start_s=start)
         retry = min(MAX_RETRY_AFTER_S, max(1.0, predicted - self.budget_s))
-        reason = (f"predicted first audio in {predicted:.2f} s, over the budget of {self.budget_s:g} s"
-                  if predicted > self.budget_s else
-                  f"admitting it would make {broken} running stream(s) miss their playback deadline")
-        return Verdict(False, predicted, reason, retry, start)
+        if predicted > self.budget_s:
+            return Verdict(False, predicted, f"predicted first audio in {predicted:.2f} s, over the budget of "
+                           f"{self.budget_s:g} s", retry, start, Rule.budget)
+        return Verdict(False, predicted, f"admitting it would make {broken} running stream(s) miss their playback "
+                       "deadline", retry, start, Rule.deadlines)
 
     def worker_debt_s(self, view: EngineView, now: float, new_streams: int = 0) -> float:
         """Worker seconds owed in the work that waits behind first chunks: an official final pass for every

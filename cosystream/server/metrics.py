@@ -139,7 +139,8 @@ class _SchedulerCollector(Collector):
     """The engine scheduler's counters (engine/scheduler.py), from engine_stats at scrape time:
     cosystream_deadline_misses_total / cosystream_deadline_miss_seconds_total {kind, stage} (chunks delivered
     after their playback deadline, and by how much), cosystream_admission_total {decision} (admitted,
-    refused), and cosystream_first_audio_{predicted,measured}_seconds_total with
+    refused), cosystream_admission_refusals_total {rule} (debt, budget, deadlines: scheduler.Rule), and
+    cosystream_first_audio_{predicted,measured}_seconds_total with
     cosystream_first_audio_predictions_total (their ratio shows when the cost model is off)."""
 
     def __init__(self, engine: Any) -> None:
@@ -163,6 +164,12 @@ class _SchedulerCollector(Collector):
             decisions.add_metric(["admitted"], stats["admission_admitted"])
             decisions.add_metric(["refused"], stats.get("admission_refused", 0.0))
             yield decisions
+            by_rule = CounterMetricFamily("cosystream_admission_refusals", "new streams the engine's admission "
+                                          "refused, by the rule that refused them", labels=["rule"])
+            for key, value in stats.items():
+                if key.startswith("admission_refused_"):
+                    by_rule.add_metric([key.removeprefix("admission_refused_")], value)
+            yield by_rule
         for name, help_text in (("predicted", "admission's predicted first audio, summed over admitted requests"),
                                 ("measured", "measured first audio of the requests with a prediction, summed")):
             key = f"first_audio_{name}_seconds"

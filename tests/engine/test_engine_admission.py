@@ -80,6 +80,9 @@ def _burst(small, core, budget: float) -> None:
     assert all(v[1] <= budget for v in admitted), (budget, admitted)
     after = core.stats()
     assert after["admission_refused"] - stats["admission_refused"] == len(refused)
+    by_rule = {k: after[k] - stats[k] for k in after if k.startswith("admission_refused_")}
+    assert set(by_rule) == {"admission_refused_debt", "admission_refused_budget", "admission_refused_deadlines"}
+    assert sum(by_rule.values()) == len(refused)  # each refusal counted under the one rule that refused it
     assert after["admission_admitted"] - stats["admission_admitted"] == len(admitted)
     first_misses = sum(v for k, v in after.items() if k.startswith("deadline_misses_first_"))
     assert first_misses == sum(v for k, v in stats.items() if k.startswith("deadline_misses_first_"))

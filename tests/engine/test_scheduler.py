@@ -339,7 +339,7 @@ def test_admission_predicts_the_first_audio_from_the_decode_step_and_the_chunks_
     assert burst.predicted_first_audio_s == pytest.approx(fixed + 12 * per + 0.1)
     assert fixed + 12 * per > 30 * 0.01  # (the newcomer's tokens come while that phase runs)
     refused = Scheduler(s.cost, budget_s=0.4).admit(_view(*crowd, free_lm_slots=4, lm_slots=8), NOW, 30)
-    assert not refused.admitted and "budget" in refused.reason
+    assert not refused.admitted and "budget" in refused.reason and refused.rule is sched.Rule.budget
     assert refused.retry_after_s >= 1.0
     # streams admitted since the view count as newcomers ahead of it
     assert not s.admit(_view(_later("a", 5.0, ready=False), free_lm_slots=4, lm_slots=8), NOW, 30,
@@ -376,6 +376,7 @@ def test_admission_refuses_while_the_worker_owes_more_than_its_debt_limit():
     more = [*finals, _later("one_more", 5.0, final=True), _later("and_another", 5.0, final=True)]
     refused = s.admit(_view(*more, free_lm_slots=8, lm_slots=8), NOW, 10)
     assert not refused.admitted and "owes" in refused.reason and refused.retry_after_s >= 1.0
+    assert refused.rule is sched.Rule.debt
     assert math.isfinite(refused.predicted_first_audio_s) and refused.predicted_first_audio_s > s.budget_s
     # every stream's first audio alone would be in time: the debt is what refuses
     s.worker_debt_limit_s = math.inf
@@ -458,7 +459,7 @@ def test_admission_refuses_a_stream_that_would_make_a_running_stream_late():
     s = Scheduler(_cost(step_s=0.0, first_s=0.2, later_s=0.2), budget_s=1.0)
     tight = _later("tight", 0.35)  # on time alone (0.2 s of work), late behind a new first chunk (0.4 s)
     verdict = s.admit(_view(tight, free_lm_slots=4, lm_slots=4), NOW, 0)
-    assert not verdict.admitted and "1 running stream" in verdict.reason
+    assert not verdict.admitted and "1 running stream" in verdict.reason and verdict.rule is sched.Rule.deadlines
     assert verdict.predicted_first_audio_s <= 1.0  # its own first audio would have been in time
     doomed = _later("doomed", 0.1)  # late whatever happens: not the newcomer's fault
     assert s.admit(_view(doomed, free_lm_slots=4, lm_slots=4), NOW, 0).admitted

@@ -92,7 +92,9 @@ def test_scheduler_counters_carry_kind_and_stage_labels():
         def stats(self) -> dict:
             return {"deadline_misses_first_lm": 2.0, "deadline_miss_seconds_first_lm": 0.3,
                     "deadline_misses_later_token2wav": 1.0, "deadline_miss_seconds_later_token2wav": 0.05,
-                    "admission_admitted": 7.0, "admission_refused": 3.0, "first_audio_predicted_seconds": 1.5,
+                    "admission_admitted": 7.0, "admission_refused": 3.0, "admission_refused_debt": 1.0,
+                    "admission_refused_budget": 2.0, "admission_refused_deadlines": 0.0,
+                    "first_audio_predicted_seconds": 1.5,
                     "first_audio_measured_seconds": 1.8, "first_audio_predictions": 7.0}
 
     text = ServerMetrics(Engine()).render().decode()
@@ -101,6 +103,9 @@ def test_scheduler_counters_carry_kind_and_stage_labels():
     assert value(samples, "cosystream_deadline_misses_total", kind="first", stage="lm") == 2
     assert value(samples, "cosystream_deadline_miss_seconds_total", kind="later", stage="token2wav") == 0.05
     assert value(samples, "cosystream_admission_total", decision="refused") == 3
+    assert value(samples, "cosystream_admission_refusals_total", rule="debt") == 1
+    assert value(samples, "cosystream_admission_refusals_total", rule="budget") == 2
+    assert value(samples, "cosystream_admission_refusals_total", rule="deadlines") == 0
     assert value(samples, "cosystream_first_audio_measured_seconds_total") == 1.8
     assert value(samples, "cosystream_first_audio_predictions_total") == 7
 
