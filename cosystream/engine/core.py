@@ -100,8 +100,8 @@ class EngineCore(DecodeLoop, Voicing):
         self.slot_owner: dict[int, RequestState] = {}
         self.num_steps = 0
         self.lm_busy_s = 0.0  # admitting (prefill) and decode steps, on the engine thread
-        self.admitted = self.refused = 0  # admission decisions (admit())
-        self.refused_by = dict.fromkeys(Rule, 0)  # ... the refusals by the rule that refused
+        self.admitted = 0  # admission decisions (admit()): the streams admitted ...
+        self.refused_by = dict.fromkeys(Rule, 0)  # ... and those refused, by the rule that refused them
         self._init_voicing()
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="cosystream-engine", daemon=True)
@@ -148,12 +148,10 @@ class EngineCore(DecodeLoop, Voicing):
         if view is not None:
             pending = max(0, pending - view.added)
         verdict = self.scheduler.admit(view, time.perf_counter(), first_chunk_tokens, pending, prompts)
-        if verdict.admitted:
+        if verdict.rule is None:
             self.admitted += 1
         else:
-            self.refused += 1
-            if verdict.rule is not None:
-                self.refused_by[verdict.rule] += 1
+            self.refused_by[verdict.rule] += 1
         return verdict
 
     def submit(self, req: RequestState) -> None:
@@ -218,7 +216,7 @@ class EngineCore(DecodeLoop, Voicing):
                "token2wav_due_final_seconds": self.t2w_due_final_s,
                "token2wav_due_final_phases": float(self.t2w_due_final_phases),
                "token2wav_handed_back": float(self.t2w_handed_back),
-               "admission_admitted": float(self.admitted), "admission_refused": float(self.refused),
+               "admission_admitted": float(self.admitted), "admission_refused": float(sum(self.refused_by.values())),
                **{f"admission_refused_{rule.value}": float(n) for rule, n in self.refused_by.items()},
                "first_audio_predicted_seconds": self.first_audio_predicted_s,
                "first_audio_measured_seconds": self.first_audio_measured_s,

@@ -221,7 +221,7 @@ class Verdict:
     reason: str = ""
     retry_after_s: float = 1.0
     predicted_start_s: float | None = None  # ... its first chunk's tokens and flow slot there (None: not predicted)
-    rule: Rule | None = None  # which rule refused it (None: admitted)
+    rule: Rule | None = None  # which rule refused it (None: admitted; every refusal names one)
 
 
 @dataclass(slots=True)

@@ -244,14 +244,14 @@ class Voicing:
             return
         view, _ = self._view(now, self._in_flight_segments(), only=self.scheduler.may_be_urgent)
         decision = self.scheduler.preempt(view)
+        if decision is Preempt.none:
+            return
         if decision is Preempt.dry:
             worker.dry.set()
-        if decision in (Preempt.dry, Preempt.first, Preempt.slot):
-            worker.pause.set()
-        if decision is not Preempt.none:
-            worker.preempt.set()
-            if self.trace is not None:
-                self.trace.write_preempt(view, decision, worker.running, max(0, len(self._phase_costs) - 1))
+        worker.pause.set()  # every stop request pauses a phase of final passes not due (dry: due ones too)
+        worker.preempt.set()
+        if self.trace is not None:
+            self.trace.write_preempt(view, decision, worker.running, max(0, len(self._phase_costs) - 1))
 
     def _decode_paused(self) -> bool:
         if not self._first_in_flight:
