@@ -64,7 +64,7 @@ def admission_on(live, monkeypatch):
     monkeypatch.setattr(engine.core, "scheduler", Scheduler(engine.core.scheduler.cost, budget_s=600.0))
     # the session's server runs with admission off: its decision counters go back to what they were
     monkeypatch.setattr(engine.core, "admitted", engine.core.admitted)
-    monkeypatch.setattr(engine.core, "refused", engine.core.refused)
+    monkeypatch.setattr(engine.core, "refused_by", dict(engine.core.refused_by))
     return engine
 
 
