@@ -26,6 +26,10 @@ B="python3 benchmarks/bench_engine.py --model-dir /tmp/m05 --device cuda --dtype
   --timeout 150 --config flow_slots=28 --config flow_frames=832"
 stamp() { echo "== $(date +%T) $*"; }
 rows() { grep -E "^\| [cro]|^\| level|busy|Error|Traceback"; }
+metrics() {  # the server's /metrics page (a level's GPU time: benchmarks/metrics_delta.py of two of them)
+  python3 -c "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1]).read().decode())" \
+    "http://127.0.0.1:$PORT/metrics"
+}
 
 case "${1:-check}" in
 check)
@@ -92,24 +96,28 @@ overload)
   SERVE_LOG_LEVEL=warning source benchmarks/serve_bg.sh || exit 1
   if [ -n "${CLOSED:-}" ]; then  # the closed-loop targets on the same server first (e.g. CLOSED=1,16)
     stamp "closed loop c=$CLOSED over HTTP, ${CLOSED_REQS:-48} requests a level"
+    metrics > "$OUT/metrics_closed_before.txt"
     timeout 150 python3 -m cosystream.cli bench --url "http://127.0.0.1:$PORT" --target tts \
       --workload /tmp/wl/workload.json --warmup-requests 3 --tag commit=$C --tag "serve=$SERVE_ARGS" \
       --concurrency "$CLOSED" --requests-per-level "${CLOSED_REQS:-48}" --timeout 60 \
       --out "$OUT/closed.json" 2>&1 | rows
+    metrics > "$OUT/metrics_closed_after.txt"
   fi
   for mult in ${MULTS:-1 2 4}; do
     rate=$(python3 -c "print(round(${CAPACITY:-21} * $mult, 2))")
     for seed in ${SEEDS:-0 1 2}; do
       stamp "open loop ${rate} req/s (${mult}x) over HTTP, seed $seed"
+      metrics > "$OUT/metrics_x${mult}_s${seed}_before.txt"
       timeout 150 python3 -m cosystream.cli bench --url "http://127.0.0.1:$PORT" --target tts \
         --workload /tmp/wl/workload.json --warmup-requests 3 --tag commit=$C --tag "serve=$SERVE_ARGS" --rate "$rate" \
         --duration "${DURATION:-15}" --seed "$seed" \
         --timeout 60 --procs "${PROCS:-1}" --out "$OUT/overload_x${mult}_s$seed.json" 2>&1 | rows
+      metrics > "$OUT/metrics_x${mult}_s${seed}_after.txt"
     done
   done
+  python3 benchmarks/metrics_delta.py --dir "$OUT" --json "$OUT/overload_levels.json"  # each level's GPU time
   # admission's own account: prediction error, refusal times at the server, deadline misses by stage
-  python3 -c "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1]).read().decode())" \
-    "http://127.0.0.1:$PORT/metrics" > "$OUT/overload_metrics.txt" && grep -E "^cosystream_(first_audio_prediction_error|refusal)_seconds_(count|bucket)|^cosystream_(deadline_miss|admission)" \
+  metrics > "$OUT/overload_metrics.txt" && grep -E "^cosystream_(first_audio_prediction_error|refusal)_seconds_(count|bucket)|^cosystream_(deadline_miss|admission)" \
     "$OUT/overload_metrics.txt" | grep -v "_created"
   kill "$SERVER"; wait "$SERVER" 2>/dev/null
   stamp done
