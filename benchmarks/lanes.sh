@@ -14,7 +14,8 @@
 #                  lease, at once; `OUT=<folder with both> bash benchmarks/scale_ray.sh table` joins them)
 #   overload       levels_all.sh overload on this tree (SERVE_ARGS, CAPACITY, MULTS, SEEDS, PROCS, DURATION as
 #                  there), with the scheduler's decision trace (COSYSTREAM_TRACE)
-#   overload_default  the same with the server's default admission budget (SERVE_ARGS ignored)
+#   overload_default, overload_default@DIR  the same with the server's default admission budget (SERVE_ARGS
+#                  ignored), on this tree or the package in DIR
 #   overload_base  the same on the baseline package in .base (git archive <commit> cosystream benchmarks | tar
 #                  -x -C .base), the benchmark scripts of this tree; BASE_MULTS, BASE_SEEDS: its own levels
 #   overload@DIR   the same on the package in DIR (another carried `git archive` folder, e.g. .v1): several
@@ -69,6 +70,9 @@ part() {  # $1: part, $2: lane folder, $3: port
     OUT=$dir PORT=$3 COSYSTREAM_TRACE=$dir/trace.jsonl bash benchmarks/levels_all.sh overload ;;
   overload_default)  # the same with the server's own admission default (no --first-audio-budget-s)
     OUT=$dir PORT=$3 SERVE_ARGS= COSYSTREAM_TRACE=$dir/trace.jsonl bash benchmarks/levels_all.sh overload ;;
+  overload_default@*)
+    OUT=$dir PORT=$3 SERVE_ARGS= PKG=$PWD/${1#overload_default@} COSYSTREAM_TRACE=$dir/trace.jsonl \
+      bash benchmarks/levels_all.sh overload ;;
   overload_base)
     OUT=$dir PORT=$3 PKG=$PWD/.base COSYSTREAM_TRACE=$dir/trace.jsonl MULTS=${BASE_MULTS:-${MULTS:-1 2 4}} \
       SEEDS=${BASE_SEEDS:-${SEEDS:-0 1 2}} bash benchmarks/levels_all.sh overload ;;

@@ -89,9 +89,13 @@ DEFAULT_FIRST_AUDIO_TARGET_S = 1.0
 # Worker seconds the admitted streams may owe in work the scheduler puts off behind first chunks (an official
 # final pass each, the first chunks still to run, the rest of the running batch), in first-audio budgets.
 # Past it the worker cannot catch up: the passes put off come due together and hold every first chunk behind
-# them. In budgets, so that a slow device (a CPU, with its budget to match) is not refused by a GPU's
-# seconds; two budgets: the best of the limits measured (docs/benchmarks.md, "Open loop and overload").
+# them. In budgets, so that a tight budget also keeps the queue short; two budgets: the best of the limits
+# measured (docs/benchmarks.md, "Open loop and overload").
 WORKER_DEBT_BUDGETS = 2.0
+# ... and never more than this, whatever the budget: a final pass comes due with FINAL_SLACK_S of its
+# client's audio left, and a worker owing more than half that slack reaches the passes due too late, so that
+# admitted streams run dry (a larger budget buys later first audio, not a longer queue of put-off passes).
+WORKER_DEBT_MAX_S = FINAL_SLACK_S / 2
 # Longest Retry-After admission answers (a prediction may be unbounded: a queue nothing has measured yet).
 MAX_RETRY_AFTER_S = 60.0
 # Chunks waiting is worth it only while the batch is small against the largest batch.
@@ -246,7 +250,8 @@ class Scheduler:
         self.cost = cost or CostModel()
         self.prompt_costs = PromptCosts()  # new recordings' analysis and prompt passes, measured
         self.budget_s = budget_s
-        self.worker_debt_limit_s = math.inf if budget_s is None else WORKER_DEBT_BUDGETS * budget_s
+        self.worker_debt_limit_s = (math.inf if budget_s is None
+                                    else min(WORKER_DEBT_BUDGETS * budget_s, WORKER_DEBT_MAX_S))
         self._earliest: tuple[EngineView, tuple, float] | None = None  # the last newcomer's bound
         self.first_audio_target_s = first_audio_target_s or budget_s or DEFAULT_FIRST_AUDIO_TARGET_S
 
