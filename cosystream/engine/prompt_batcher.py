@@ -41,7 +41,7 @@ from cosystream.params import SynthesisParams
 
 log = logging.getLogger(__name__)
 
-COLLECT_WINDOW_S = 0.010  # how long a batch stays open for recordings on their way (being decoded) when it opens
+COLLECT_WINDOW_S = 0.030  # how long a batch stays open for recordings on their way (being decoded) when it opens
 MAX_BATCH = 16  # prompts per batch; a burst larger than this becomes several batches
 # float32 keeps the official tokens; benchmarks/prompt_analysis.py measures what bf16/fp16 change
 ANALYSIS_DTYPE = torch.float32
