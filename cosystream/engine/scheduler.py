@@ -92,9 +92,10 @@ DEFAULT_FIRST_AUDIO_TARGET_S = 1.0
 # them. In budgets, so that a tight budget also keeps the queue short; two budgets: the best of the limits
 # measured (docs/benchmarks.md, "Open loop and overload").
 WORKER_DEBT_BUDGETS = 2.0
-# ... and never more than this, whatever the budget: a final pass comes due with FINAL_SLACK_S of its
-# client's audio left, and a worker owing more than half that slack reaches the passes due too late, so that
-# admitted streams run dry (a larger budget buys later first audio, not a longer queue of put-off passes).
+# ... and never more than this unless the budget itself is longer (then one budget): a final pass comes due
+# with FINAL_SLACK_S of its client's audio left, and a worker owing more than half that slack reaches the
+# passes due too late, so that admitted streams run dry. A budget past it says that late audio is accepted (a
+# slow device, a CPU), and its own length bounds the queue.
 WORKER_DEBT_MAX_S = FINAL_SLACK_S / 2
 # Longest Retry-After admission answers (a prediction may be unbounded: a queue nothing has measured yet).
 MAX_RETRY_AFTER_S = 60.0
@@ -251,7 +252,7 @@ class Scheduler:
         self.prompt_costs = PromptCosts()  # new recordings' analysis and prompt passes, measured
         self.budget_s = budget_s
         self.worker_debt_limit_s = (math.inf if budget_s is None
-                                    else min(WORKER_DEBT_BUDGETS * budget_s, WORKER_DEBT_MAX_S))
+                                    else min(WORKER_DEBT_BUDGETS * budget_s, max(WORKER_DEBT_MAX_S, budget_s)))
         self._earliest: tuple[EngineView, tuple, float] | None = None  # the last newcomer's bound
         self.first_audio_target_s = first_audio_target_s or budget_s or DEFAULT_FIRST_AUDIO_TARGET_S
 
