@@ -116,6 +116,9 @@ def main() -> None:
             ap.error(f"--dir {args.dir}: no metrics_<level>_before.txt / _after.txt pairs")
         walls = {name: _wall_of(args.dir, name) for name, _, _ in pairs}
     elif args.before is not None and args.after is not None:
+        for path in (args.before, args.after):
+            if not path.is_file():
+                ap.error(f"{path}: no such snapshot file")
         pairs = [(args.after.stem, args.before, args.after)]
         walls = {args.after.stem: args.wall_s}
     else:

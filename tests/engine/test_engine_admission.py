@@ -129,15 +129,14 @@ def test_a_new_recording_is_predicted_to_wait_for_its_analysis(small, fixture_di
 
 
 def test_the_worker_debt_and_its_limit_are_engine_stats(small):
-    """What admission's debt rule reads is on /metrics (cosystream_engine_worker_debt_*): the limit, two budgets
-    up to its ceiling or one longer budget, and the debt of the view admission reads."""
+    """What admission's debt rule reads is on /metrics (cosystream_engine_worker_debt_*): the scheduler's limit
+    (its rule: test_scheduler.py), and the debt of the view admission reads."""
     small.synthesize(_params(0))
     core = small.async_engine.core
     stats = core.stats()
     # (the burst test before may have given the core a scheduler of another budget)
-    budget = core.scheduler.budget_s
-    assert stats["worker_debt_limit_seconds"] == pytest.approx(
-        min(sched.WORKER_DEBT_BUDGETS * budget, max(sched.WORKER_DEBT_MAX_S, budget)))
+    assert stats["worker_debt_limit_seconds"] == pytest.approx(core.scheduler.worker_debt_limit_s)
+    assert stats["worker_debt_limit_seconds"] <= sched.WORKER_DEBT_BUDGETS * core.scheduler.budget_s
     # the scheduler's reading of the view admission reads (the same view: only the running batch's rest moves)
     expected = core.scheduler.worker_debt_s(core.published, time.perf_counter())
     assert stats["worker_debt_seconds"] == pytest.approx(expected, abs=0.05)
