@@ -10,6 +10,7 @@ Closing the iterator early (client gone) aborts the request and frees its LM slo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import hashlib
 import logging
@@ -17,7 +18,7 @@ import random
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -207,6 +208,10 @@ class AsyncEngine:
             raise Overloaded(f"overloaded: {verdict.reason}; retry later", retry_after_s=verdict.retry_after_s)
         self._admitted += 1
         return verdict
+
+    def expecting_recording(self) -> contextlib.AbstractContextManager[Callable[[], None]]:
+        """PromptBatcher.expecting_recording: the caller's request is about to bring a recording."""
+        return self.prompt_batcher.expecting_recording()
 
     def is_new_recording(self, params: SynthesisParams) -> bool:
         """Does this request bring a recording whose analysis is not kept (so admission counts the analysis it

@@ -6,7 +6,10 @@ arrived: the first prompt opens a batch, which takes whatever is already waiting
 recordings are on their way (requests handed to the batcher's threads, `executor`, still decoding
 theirs), whatever arrives within `COLLECT_WINDOW_S` (up to `MAX_BATCH`); prompts that arrive while
 the worker is busy form the next batch. A recording that arrives alone is analysed at once: no
-companion is on its way, so waiting could only delay it. Waiting is on a queue (no sleeping, no
+companion is on its way, so waiting could only delay it. A request whose recording is still being
+uploaded counts as on its way too from the moment the server announces it (`expecting_recording`, around
+reading an HTTP body): a burst of uploads meets in one batch, as a burst of in-process requests does, even
+though the event loop reads and parses their bodies one after another. Waiting is on a queue (no sleeping, no
 polling). Decoding, resampling and the transcript stay on the calling thread, so they run in
 parallel with the GPU work.
 
@@ -19,11 +22,13 @@ analysis is used unchanged.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +71,18 @@ class _Wake:
 
 
 _WAKE = _Wake()
+
+
+class _Announced:
+    """A request announced by `expecting_recording` while it still counts as on its way."""
+
+    def __init__(self) -> None:
+        self.counted = True
+
+
+# the announcement of the request running in this context: its hand-over to the batcher's threads takes it over
+_ANNOUNCED: contextvars.ContextVar[_Announced | None] = contextvars.ContextVar("cosystream_recording_announced",
+                                                                              default=None)
 
 
 @dataclass
@@ -182,7 +199,36 @@ class PromptBatcher:
         return job.future
 
     # ------------------------------------------------------- requests on their way (see _ArrivalsPool)
+    @contextlib.contextmanager
+    def expecting_recording(self) -> Iterator[Callable[[], None]]:
+        """The request running in this context is about to bring a recording (its body is still arriving):
+        it counts as on its way from now until it is handed to the batcher's threads (which count it from then
+        on) or, failing that, until the block ends or the yielded function is called (say, its body held no
+        recording after all). A batch opened meanwhile waits for it, within its window. No-op without batching."""
+        if self.executor is None:
+            yield lambda: None
+            return
+        mark = _Announced()
+        with self._line:
+            self._on_the_way += 1
+        token = _ANNOUNCED.set(mark)
+
+        def withdraw() -> None:
+            if mark.counted:
+                mark.counted = False
+                self._gone()
+
+        try:
+            yield withdraw
+        finally:
+            _ANNOUNCED.reset(token)
+            withdraw()
+
     def _arriving(self) -> None:
+        mark = _ANNOUNCED.get()
+        if mark is not None and mark.counted:  # announced: it counts already, now as a request in preparation
+            mark.counted = False
+            return
         with self._line:
             self._on_the_way += 1
 

@@ -7,6 +7,8 @@ engine's per-stage timings, which raw HTTP audio has no reliable place for.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, File, Form, Path, Query, Request, Response, UploadFile
@@ -109,6 +111,16 @@ async def read_tts_body(request: Request, max_audio_s: float) -> tuple[TTSReques
         raise from_validation_errors(exc.errors()) from None
 
 
+def expecting_recording(engine: Any, request: Request) -> contextlib.AbstractContextManager[Callable[[], None]]:
+    """While a multipart body (which may carry a prompt recording) is read and its request handed over, the
+    engine's prompt batcher counts the recording as on its way, so a batch opened by the burst's first uploads
+    waits for the rest (engine/prompt_batcher.py). Yields the function that withdraws the announcement."""
+    announce = getattr(engine, "expecting_recording", None)  # the AsyncEngine's; other engines batch nothing
+    if announce is None or media_type(request) != "multipart/form-data":
+        return contextlib.nullcontext(lambda: None)
+    return announce()
+
+
 def check_options(opts: SynthesisOptions, max_chars: int) -> None:
     """What the schema cannot say: voice names and the length of the texts besides `text`."""
     for field in ("voice", "sft_speaker"):
@@ -143,13 +155,17 @@ async def tts(request: Request,
     state = get_state(request)
     state.check_ready()
     events_mode = choose_events(events, request.headers.get("accept", ""))
-    body, files = await read_tts_body(request, state.settings.max_audio_s)
-    check_options(body, state.max_text_chars)
-    if body.mode != Mode.vc:
-        check_text(body.text, "text", state.max_text_chars)
-    params = options_to_params(body, body.text, files, new_request_id())
-    session = SynthesisSession(state, "tts", params, body.response_format, arrival_time(request), client_id(request))
-    await session.open()
+    with expecting_recording(state.engine, request) as withdraw:
+        body, files = await read_tts_body(request, state.settings.max_audio_s)
+        if "prompt_wav" not in files:
+            withdraw()
+        check_options(body, state.max_text_chars)
+        if body.mode != Mode.vc:
+            check_text(body.text, "text", state.max_text_chars)
+        params = options_to_params(body, body.text, files, new_request_id())
+        session = SynthesisSession(state, "tts", params, body.response_format, arrival_time(request),
+                                   client_id(request))
+        await session.open()
     if events_mode is None:
         return audio_response(session)
     return events_response(session, sse=events_mode == "sse")

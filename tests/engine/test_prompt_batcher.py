@@ -345,6 +345,84 @@ def test_a_bad_recording_on_its_way_fails_alone_and_holds_no_batch(frontend):
         batcher.close()
 
 
+class AnnouncedUpload:
+    """A request announced to the batcher while its body is still arriving (as the server's /v1/tts does), on a
+    thread of its own (its own context): `arrive()` hands its recording over as the engine does, `fail()` ends it
+    without one."""
+
+    def __init__(self, batcher: PromptBatcher, recording) -> None:
+        self.batcher, self.recording = batcher, recording
+        self.announced, self.go, self.done = threading.Event(), threading.Event(), threading.Event()
+        self.future = None
+        self.arrives = True
+        self.thread = threading.Thread(target=self._run)
+        self.thread.start()
+        assert self.announced.wait(timeout=10)
+
+    def _run(self) -> None:
+        with self.batcher.expecting_recording():
+            self.announced.set()
+            self.go.wait(timeout=10)
+            if self.arrives:
+                assert self.batcher.executor is not None
+                self.future = self.batcher.executor.submit(self.batcher.make_voice_prompt, self.recording, "a prompt.")
+        self.done.set()
+
+    def arrive(self) -> None:
+        self.go.set()
+        self.thread.join(timeout=10)
+
+    def fail(self) -> None:
+        self.arrives = False
+        self.arrive()
+
+
+def test_a_batch_waits_for_a_recording_announced_before_its_upload_is_read(frontend):
+    """The first upload of a burst opens a batch; another request of the burst, announced while its body is still
+    being read, joins that batch when it arrives instead of forming one of its own after it."""
+    analyzer = RecordingAnalyzer()
+    batcher = PromptBatcher(frontend, analyzer, collect_window_s=LONG_WINDOW_S, max_batch=8)  # type: ignore[arg-type]
+    try:
+        late = AnnouncedUpload(batcher, _speech(0.9, seed=4))
+        first = _hand_over_together(batcher, [_speech(0.6, seed=3)])[0]
+        assert not first.done() and not analyzer.batches  # waiting for the announced one
+        late.arrive()
+        assert first.result(timeout=10).xvector.numel() == late.future.result(timeout=10).xvector.numel() == 192
+        assert analyzer.batches == [2]
+        # the announcement went over to the request's preparation and ended with it: a lone recording waits for none
+        assert batcher.make_voice_prompt(_speech(0.7, seed=5)).xvector.numel() == 192
+        assert analyzer.batches == [2, 1]
+    finally:
+        batcher.close()
+
+
+def test_an_announced_upload_without_a_recording_holds_no_batch(frontend):
+    """An announced request that ends without a recording (its body held none, or was bad) lets the batch that
+    waits for it go at once, and is not counted again later."""
+    analyzer = RecordingAnalyzer()
+    batcher = PromptBatcher(frontend, analyzer, collect_window_s=LONG_WINDOW_S, max_batch=8)  # type: ignore[arg-type]
+    try:
+        late = AnnouncedUpload(batcher, None)
+        first = _hand_over_together(batcher, [_speech(0.6, seed=6)])[0]
+        late.fail()
+        assert first.result(timeout=10).xvector.numel() == 192
+        assert analyzer.batches == [1]
+        with batcher.expecting_recording() as withdraw:  # withdrawn early: leaving the block does not count it twice
+            withdraw()
+            withdraw()
+        assert batcher.make_voice_prompt(_speech(0.7, seed=7)).xvector.numel() == 192
+        assert analyzer.batches == [1, 1] and batcher.backlog().waiting == 0
+    finally:
+        batcher.close()
+
+
+def test_without_batching_an_announcement_changes_nothing(frontend):
+    batcher = PromptBatcher(frontend)
+    with batcher.expecting_recording() as withdraw:
+        withdraw()
+    assert batcher.make_voice_prompt(_speech(0.5, seed=8)).xvector.numel() == 192
+
+
 def test_the_calling_thread_learns_how_long_its_analysis_took(frontend):
     """take_analysis_s: the seconds of this thread's last `analyse` (its wait for the batch included), once."""
     import time
