@@ -216,6 +216,7 @@ class EngineCore(DecodeLoop, Voicing):
                "token2wav_due_final_seconds": self.t2w_due_final_s,
                "token2wav_due_final_phases": float(self.t2w_due_final_phases),
                "token2wav_handed_back": float(self.t2w_handed_back),
+               "final_lane_busy_seconds": self.final_lane_busy_s,
                "admission_admitted": float(self.admitted), "admission_refused": float(sum(self.refused_by.values())),
                **{f"admission_refused_{rule.value}": float(n) for rule, n in self.refused_by.items()},
                "first_audio_predicted_seconds": self.first_audio_predicted_s,
@@ -236,6 +237,8 @@ class EngineCore(DecodeLoop, Voicing):
         if math.isfinite(self.scheduler.worker_debt_limit_s):
             out["worker_debt_limit_seconds"] = self.scheduler.worker_debt_limit_s
         out.update(self.t2w.watch.stats())  # per-stage host and GPU seconds of the token-to-wave batches
+        if self._chunks is not None and self._chunks.finals is not None:  # ... and of the final lane's passes
+            out.update({f"final_lane_{k}": v for k, v in self._chunks.finals.t2w.watch.stats().items()})
         out.update(self.t2w.slot_gauges())
         device = self.lm_runner.device
         if device.type == "cuda":
