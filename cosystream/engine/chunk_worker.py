@@ -42,6 +42,14 @@ class ChunkJob:
     builds_prompt: bool = False  # opening its stream runs the flow over a new voice's prompt (a prompt pass)
 
 
+# CUDA stream priorities (lower is scheduled first when kernels wait for SMs): LM decode steps, then the worker's
+# chunks (first audio waits on them), then the final lane's whole-utterance passes, whose large kernels would
+# otherwise hold the SMs that the chunks' small ones wait for.
+LM_STREAM_PRIORITY = -2
+WORKER_STREAM_PRIORITY = -1
+FINAL_LANE_STREAM_PRIORITY = 0
+
+
 # ------------------------------------------------------------------ messages to the engine thread
 @dataclass
 class Add:
@@ -199,7 +207,7 @@ class FinalLane:
         self.t2w = t2w
         self.jobs: queue.Queue[list[ChunkJob] | None] = queue.Queue()
         self.thread = threading.Thread(target=self._run, name="cosystream-final-passes", daemon=True)
-        self.stream = torch.cuda.Stream(core.lm_runner.device)
+        self.stream = torch.cuda.Stream(core.lm_runner.device, priority=FINAL_LANE_STREAM_PRIORITY)
 
     def start(self) -> None:
         self.thread.start()
@@ -242,7 +250,7 @@ class ChunkWorker:
         self.running = "idle"  # the kind of phase on the GPU now (phase_kind), read by the engine's stats
         self.thread = threading.Thread(target=self._run, name="cosystream-token2wav", daemon=True)
         device = core.lm_runner.device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.stream = torch.cuda.Stream(device, priority=WORKER_STREAM_PRIORITY) if device.type == "cuda" else None
         lane = core.t2w.final_lane() if self.stream is not None else None
         self.finals = FinalLane(core, lane) if lane is not None else None
 

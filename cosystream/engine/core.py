@@ -24,6 +24,7 @@ import torch
 from cosystream.config import EngineConfig
 from cosystream.engine import faults, runners
 from cosystream.engine.chunk_worker import (
+    LM_STREAM_PRIORITY,
     Abort,
     Add,
     Call,
@@ -107,9 +108,10 @@ class EngineCore(DecodeLoop, Voicing):
         self._thread = threading.Thread(target=self._run, name="cosystream-engine", daemon=True)
         device = lm_runner.device
         overlap = config.overlap
-        # LM steps run on a high-priority stream, so a decode step's small kernels are scheduled ahead of a
-        # flow batch's when both wait for the SMs.
-        self.gpu_stream = (torch.cuda.Stream(device, priority=-1) if overlap and device.type == "cuda"
+        # LM steps run on the highest-priority stream, so a decode step's small kernels are scheduled ahead of
+        # a flow batch's when both wait for the SMs (chunk_worker.py: the worker's stream comes next, the final
+        # lane's last).
+        self.gpu_stream = (torch.cuda.Stream(device, priority=LM_STREAM_PRIORITY) if overlap and device.type == "cuda"
                            else None)
         # Token-to-wave batches run on a second thread and CUDA stream, so LM decode steps go on while a
         # flow/HiFT batch computes. One batch is in flight at a time; the engine thread plans every batch.
