@@ -42,14 +42,6 @@ class ChunkJob:
     builds_prompt: bool = False  # opening its stream runs the flow over a new voice's prompt (a prompt pass)
 
 
-# CUDA stream priorities (lower is scheduled first when kernels wait for SMs): LM decode steps, then the worker's
-# chunks (first audio waits on them), then the final lane's whole-utterance passes, whose large kernels would
-# otherwise hold the SMs that the chunks' small ones wait for.
-LM_STREAM_PRIORITY = -2
-WORKER_STREAM_PRIORITY = -1
-FINAL_LANE_STREAM_PRIORITY = 0
-
-
 # ------------------------------------------------------------------ messages to the engine thread
 @dataclass
 class Add:
@@ -92,7 +84,6 @@ class ChunksDone:
     last: bool  # the batch's last phase (the worker is free)
     returned: list[ChunkJob] = field(default_factory=list)  # planned jobs of unstarted phases (preempted)
     kind: str = "chunks"  # phase_kind of the phase
-    on_final_lane: bool = False  # official final passes run by the final lane, beside the worker's batches
 
 
 @dataclass
@@ -197,49 +188,9 @@ def stop_test(worker: ChunkWorker | None, jobs: Sequence[ChunkJob]) -> Callable[
     return worker.dry.is_set if any(job.due for job in jobs) else worker.pause.is_set
 
 
-class FinalLane:
-    """A second token-to-wave thread, on CUDA streams of its own: runs the official final passes the engine
-    hands it (`Token2WavRunner.pausable` phases), in order and to the end, beside the worker's batches, through
-    the runner's `final_lane` (its own graphs; the same pool and streams). It touches no request state."""
-
-    def __init__(self, core: EngineCore, t2w: runners.Token2WavRunner) -> None:
-        self.core = core
-        self.t2w = t2w
-        self.jobs: queue.Queue[list[ChunkJob] | None] = queue.Queue()
-        self.thread = threading.Thread(target=self._run, name="cosystream-final-passes", daemon=True)
-        self.stream = torch.cuda.Stream(core.lm_runner.device, priority=FINAL_LANE_STREAM_PRIORITY)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def stop(self) -> None:
-        self.jobs.put(None)
-        self.thread.join(timeout=30)
-
-    def submit(self, jobs: list[ChunkJob]) -> None:
-        self.jobs.put(jobs)
-
-    def _run(self) -> None:
-        torch.set_grad_enabled(False)
-        device = self.core.lm_runner.device
-        while (jobs := self.jobs.get()) is not None:
-            results, error = None, None
-            t0 = time.perf_counter()
-            try:
-                self.stream.wait_stream(self.core.gpu_stream)
-                with torch.cuda.stream(self.stream):
-                    results = run_jobs(self.t2w, jobs, device)
-            except BaseException as e:  # reported with the jobs; the engine thread decides
-                error = e
-            now = time.perf_counter()
-            self.core.inbox.put(ChunksDone(jobs, results, error, now, now - t0, False, kind="final",
-                                           on_final_lane=True))
-
-
 class ChunkWorker:
     """The token-to-wave thread: runs one batch at a time on its own CUDA stream and posts each phase's
-    result to the engine's inbox. It touches no request state. Where the runner has a final lane, official
-    final passes go to a FinalLane thread instead (`finals`)."""
+    result to the engine's inbox. It touches no request state."""
 
     def __init__(self, core: EngineCore) -> None:
         self.core = core
@@ -250,20 +201,14 @@ class ChunkWorker:
         self.running = "idle"  # the kind of phase on the GPU now (phase_kind), read by the engine's stats
         self.thread = threading.Thread(target=self._run, name="cosystream-token2wav", daemon=True)
         device = core.lm_runner.device
-        self.stream = torch.cuda.Stream(device, priority=WORKER_STREAM_PRIORITY) if device.type == "cuda" else None
-        lane = core.t2w.final_lane() if self.stream is not None else None
-        self.finals = FinalLane(core, lane) if lane is not None else None
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def start(self) -> None:
         self.thread.start()
-        if self.finals is not None:
-            self.finals.start()
 
     def stop(self) -> None:
         self.jobs.put(None)
         self.thread.join(timeout=30)
-        if self.finals is not None:
-            self.finals.stop()
 
     def submit(self, phases: list[list[ChunkJob]]) -> None:
         self.preempt.clear()  # a request to stop early is about the batch before this one

@@ -24,7 +24,6 @@ import torch
 from cosystream.config import EngineConfig
 from cosystream.engine import faults, runners
 from cosystream.engine.chunk_worker import (
-    LM_STREAM_PRIORITY,
     Abort,
     Add,
     Call,
@@ -108,10 +107,9 @@ class EngineCore(DecodeLoop, Voicing):
         self._thread = threading.Thread(target=self._run, name="cosystream-engine", daemon=True)
         device = lm_runner.device
         overlap = config.overlap
-        # LM steps run on the highest-priority stream, so a decode step's small kernels are scheduled ahead of
-        # a flow batch's when both wait for the SMs (chunk_worker.py: the worker's stream comes next, the final
-        # lane's last).
-        self.gpu_stream = (torch.cuda.Stream(device, priority=LM_STREAM_PRIORITY) if overlap and device.type == "cuda"
+        # LM steps run on a high-priority stream, so a decode step's small kernels are scheduled ahead of a
+        # flow batch's when both wait for the SMs.
+        self.gpu_stream = (torch.cuda.Stream(device, priority=-1) if overlap and device.type == "cuda"
                            else None)
         # Token-to-wave batches run on a second thread and CUDA stream, so LM decode steps go on while a
         # flow/HiFT batch computes. One batch is in flight at a time; the engine thread plans every batch.
@@ -218,7 +216,6 @@ class EngineCore(DecodeLoop, Voicing):
                "token2wav_due_final_seconds": self.t2w_due_final_s,
                "token2wav_due_final_phases": float(self.t2w_due_final_phases),
                "token2wav_handed_back": float(self.t2w_handed_back),
-               "final_lane_busy_seconds": self.final_lane_busy_s,
                "admission_admitted": float(self.admitted), "admission_refused": float(sum(self.refused_by.values())),
                **{f"admission_refused_{rule.value}": float(n) for rule, n in self.refused_by.items()},
                "first_audio_predicted_seconds": self.first_audio_predicted_s,
@@ -239,8 +236,6 @@ class EngineCore(DecodeLoop, Voicing):
         if math.isfinite(self.scheduler.worker_debt_limit_s):
             out["worker_debt_limit_seconds"] = self.scheduler.worker_debt_limit_s
         out.update(self.t2w.watch.stats())  # per-stage host and GPU seconds of the token-to-wave batches
-        if self._chunks is not None and self._chunks.finals is not None:  # ... and of the final lane's passes
-            out.update({f"final_lane_{k}": v for k, v in self._chunks.finals.t2w.watch.stats().items()})
         out.update(self.t2w.slot_gauges())
         device = self.lm_runner.device
         if device.type == "cuda":

@@ -202,10 +202,6 @@ class CV3Token2WavRunner:
             return ("cv3-pool", False, self._frames_bucket(total))
         return ("cv3-pool", True, self._frames_bucket(total - state.pooled.length))
 
-    def final_lane(self) -> None:
-        """CosyVoice3's final chunks run on the worker (no final lane)."""
-        return None
-
     def pausable(self, jobs: Sequence[tuple[CV3Token2WavState, list[int], ChunkPlan]]) -> bool:
         return False
 

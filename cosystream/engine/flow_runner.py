@@ -15,8 +15,6 @@ slot when its first chunk fits; its chunks past the slot recompute every frame a
 
 from __future__ import annotations
 
-import copy
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -75,7 +73,6 @@ class FlowRunner(WholePasses):
         self.max_frames = max_frames
         self.num_slots = num_slots
         self.free = list(range(num_slots))
-        self._slots = threading.Lock()  # a final lane (final_lane) gives slots back beside the chunk worker
         self.scratch = num_slots
         self.chunk = est.dims.static_chunk_size
         self.graphs = GraphCache(self._ode, self.device, use_graphs, stream=capture_stream)
@@ -101,20 +98,6 @@ class FlowRunner(WholePasses):
         self.final_times: tuple[torch.Tensor, torch.Tensor] | None = None  # (t_emb [S, 4C], ResNet terms [S, 14C])
         if self.device.type == "cuda":
             self.use_constant_step_times()
-
-    def final_lane(self, capture_stream: torch.cuda.Stream | None, watch: Stopwatch) -> FlowRunner:
-        """This pool for a second thread that runs official final passes beside the chunk worker: the same
-        slots, weights and fused ops, its own graphs of the whole-utterance passes (captured on
-        `capture_stream`: graphs that replay at once must not share cuBLAS's workspace, engine/graphs.py) and
-        its own stage watch. Final passes read no slot; slots go back under one lock for both."""
-        lane = copy.copy(self)
-        use_graphs = self.graphs.enabled
-        lane.watch = watch
-        lane.final_encoder_graphs = GraphCache(lane._final_encode_core, self.device, use_graphs, stream=capture_stream)
-        lane.final_step_graphs = GraphCache(lane._final_step_core, self.device, use_graphs, stream=capture_stream)
-        lane.recompute_graphs = GraphCache(lane._recompute_core, self.device, use_graphs, stream=capture_stream)
-        lane.graphs = lane.encoder_graphs = GraphCache(_chunks_elsewhere, self.device, False)
-        return lane
 
     def use_fused_ops(self, ops: ModuleType | None, l2_prefetch_mb: float = 0.0) -> None:
         """Run the estimator's steps and the ODE's tail through `ops` (`cosystream.kernels.flow`, or
@@ -145,8 +128,7 @@ class FlowRunner(WholePasses):
 
     def open(self, prompt: PromptCache) -> PooledStream:
         """Take a slot and copy the voice's prompt state into it (≈ 0.6 GB for a 6 s prompt, one copy)."""
-        with self._slots:
-            slot = self.free.pop(0)
+        slot = self.free.pop(0)
         rows = slice(2 * slot, 2 * slot + 2)
         n = prompt.kv.shape[-2]
         try:
@@ -154,9 +136,8 @@ class FlowRunner(WholePasses):
             self.conv[:, rows] = prompt.conv
             encoder = self._encoder_in_slot(slot, prompt)
         except BaseException:  # e.g. out of memory for the encoder state: the slot is not lost
-            with self._slots:
-                self.free.append(slot)
-                self.free.sort()
+            self.free.append(slot)
+            self.free.sort()
             raise
         return PooledStream(slot, prompt, encoder)
 
@@ -203,12 +184,11 @@ class FlowRunner(WholePasses):
     def close(self, stream: PooledStream) -> None:
         """Give the stream's slot back; again is a no-op (a stream's slot goes back when its final pass
         starts, and the stream is released again when it ends)."""
-        with self._slots:
-            if stream.closed:
-                return
-            stream.closed = True
-            self.free.append(stream.slot)
-            self.free.sort()
+        if stream.closed:
+            return
+        stream.closed = True
+        self.free.append(stream.slot)
+        self.free.sort()
 
     # ------------------------------------------------------------------ chunks
     @torch.inference_mode()
@@ -364,10 +344,6 @@ class FlowRunner(WholePasses):
             return v
 
         return (self.cfm.solve(z, mu, spks, cond, velocity, fused=self.solver_ops),)
-
-
-def _chunks_elsewhere(*_: torch.Tensor) -> tuple[torch.Tensor]:
-    raise RuntimeError("a final lane runs official final passes only; chunks run on the chunk worker's pool")
 
 
 def _prompt_cond(prompt: PromptCache, start: int, num_new: int) -> torch.Tensor:

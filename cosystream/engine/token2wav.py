@@ -9,7 +9,6 @@ and vocoder calls on equal-length mel are batched through HiFT.
 
 from __future__ import annotations
 
-import copy
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -86,7 +85,6 @@ class Token2WavRunner:
         self.on_new_voice_cache: Callable[[str, dict[str, torch.Tensor]], None] | None = None
         self.fingerprint = f"{flow.dims}|{flow.input_embedding.weight.dtype}"
         self.max_voice_caches = max_voice_caches
-        self.lane: Token2WavRunner | None = None  # the final lane, once made (final_lane): warm-up captures its graphs
         # flow passes over new voices' prompts: calls, prompts encoded, most prompts in one call
         self.prompt_build_calls = self.prompts_built = self.largest_prompt_build = 0
         self.max_voice_cache_bytes = int(config.max_voice_cache_gb * 2**30)
@@ -101,26 +99,6 @@ class Token2WavRunner:
                                      config.cuda_graphs, stream=graph_stream)
         self.hift_next = GraphCache(lambda mel, cache, noise: vocode(mel, cache, noise=noise),
                                     self.device, config.cuda_graphs, stream=graph_stream)
-
-    def final_lane(self) -> Token2WavRunner | None:
-        """This runner for a second thread that runs official final passes (all `pausable` jobs) beside the
-        token-to-wave worker: the same pool, voices and streams; its own graphs of the final passes and of
-        HiFT, captured on a stream of its own, and its own stage watch. A final pass reads no slot and ten
-        Euler steps of one leave the GPU idle between small kernels, so chunks replayed meanwhile on the
-        worker's graphs run beside it instead of after it (benchmarks/flow_lanes.py). None without a pool
-        (final passes then run on the worker)."""
-        if self.pool is None or not self.pool.graphs.enabled:
-            return None
-        if self.lane is not None:
-            return self.lane
-        lane = copy.copy(self)
-        graph_stream = capture_stream(self.device)
-        lane.watch = Stopwatch(self.device)
-        lane.pool = self.pool.final_lane(graph_stream, lane.watch)
-        lane.hift_first = GraphCache(self.hift_first.fn, self.device, True, stream=graph_stream)
-        lane.hift_next = GraphCache(self.hift_next.fn, self.device, True, stream=graph_stream)
-        self.lane = lane
-        return lane
 
     # ------------------------------------------------------------------ per-voice and per-request state
     def prompt_cache(self, inputs: Any, voice_key: str | None, stored: dict[str, torch.Tensor] | None = None
@@ -649,17 +627,16 @@ class Token2WavRunner:
                 self.pool.capture(b, num_new, attn_len)
             for start, n, has_context in encoder_shapes:
                 self.pool.capture_encoder(b, start, n, has_context)
-        finals = self.lane or self  # the runner of official final passes and their vocoder calls
         for b in unbounded if official_final else []:
-            finals.pool.capture_full(UPSAMPLE * (prompt_tokens + target_tokens), b)
+            self.pool.capture_full(UPSAMPLE * (prompt_tokens + target_tokens), b)
         for frames, has_cache, by_slots in mel_lengths:
             for b in (batches if by_slots else unbounded):
                 if b <= REPLAY_ROWS:  # larger vocoder batches are split (_vocode)
-                    (self if by_slots else finals)._capture_hift(b, frames, has_cache)
-        return sum(len(cache.graphs) for runner in {id(r): r for r in (self, finals)}.values()
-                   for cache in (runner.pool.graphs, runner.pool.final_encoder_graphs, runner.pool.final_step_graphs,
-                                 runner.pool.encoder_graphs, runner.pool.recompute_graphs, runner.hift_first,
-                                 runner.hift_next))
+                    self._capture_hift(b, frames, has_cache)
+        pool = self.pool
+        return sum(len(cache.graphs) for cache in (pool.graphs, pool.final_encoder_graphs, pool.final_step_graphs,
+                                                    pool.encoder_graphs, pool.recompute_graphs, self.hift_first,
+                                                    self.hift_next))
 
     def _capture_hift(self, batch: int, frames: int, has_cache: bool) -> None:
         mel = torch.zeros(batch, self.hift.conv_pre.weight.shape[1], frames, device=self.device,

@@ -63,8 +63,6 @@ class Voicing:
         self.first_audio_predictions = 0
         self.t2w_batches = self.t2w_chunks = self.t2w_finals = self.t2w_due_final_phases = self.t2w_handed_back = 0
         self.t2w_busy_s = self.t2w_flow_s = self.t2w_vocoder_s = self.t2w_final_s = self.t2w_due_final_s = 0.0
-        self.final_lane_busy_s = 0.0  # seconds of the final lane's passes (beside the worker's batches)
-        self._on_final_lane: dict[int, ChunkJob] = {}  # id(segment) -> its final pass, handed to the final lane
 
     # ------------------------------------------------------------------ snapshots
     def _deadline(self, req: RequestState) -> float:
@@ -146,7 +144,7 @@ class Voicing:
         self._published_at = view.now
 
     def _in_flight_segments(self) -> set[int]:
-        return {id(job.seg) for job in self._in_flight or ()} | self._on_final_lane.keys()
+        return {id(job.seg) for job in self._in_flight or ()}
 
     # ------------------------------------------------------------------ decisions
     def _token2wav(self) -> None:
@@ -158,7 +156,7 @@ class Voicing:
             return
         returned = [job for job in self._returned if job.req.request_id in self.requests and not job.req.cancelled]
         self._returned = []
-        view, by_key = self._view(now, {id(job.seg) for job in returned} | self._on_final_lane.keys())
+        view, by_key = self._view(now, {id(job.seg) for job in returned})
         self._publish(view)
         plan = self.scheduler.plan(view, [self._job_view(job, now) for job in returned])
         if self.trace is not None:
@@ -200,11 +198,6 @@ class Voicing:
         for job in batch:
             if job.first:  # handed back and planned again: the last hand-over is the one that ran
                 job.req.times.first_chunk_start_s = now - job.req.t_submit
-        if self._chunks is not None and self._chunks.finals is not None:
-            phases = self._hand_finals_to_lane(phases)
-            batch = [job for phase in phases for job in phase]
-            if not phases:
-                return
         if self._chunks is not None:
             self._in_flight = batch
             self._first_in_flight = {id(job.req) for job in batch if job.req.is_first_chunk and job.plan is not None}
@@ -224,20 +217,6 @@ class Voicing:
                     error = e
                 end = time.perf_counter()
                 self._chunks_done(ChunksDone(part, results, error, end, end - t0, True, kind=kind))
-
-    def _hand_finals_to_lane(self, phases: list[list[ChunkJob]]) -> list[list[ChunkJob]]:
-        """Hand the phases of official final passes to the final lane, which runs them beside the worker's
-        batches (instead of after them, paused for every first chunk); the other phases, for the worker."""
-        assert self._chunks is not None and self._chunks.finals is not None
-        kept = []
-        for phase in phases:
-            if all(job.plan is not None and job.open_args is None and job.state is not None for job in phase) \
-                    and self.t2w.pausable([(job.state, job.seg.tokens, job.plan) for job in phase]):
-                self._on_final_lane.update((id(job.seg), job) for job in phase)
-                self._chunks.finals.submit(phase)
-            else:
-                kept.append(phase)
-        return kept
 
     def _predict_s(self, phase: list[ChunkJob]) -> float:
         """The cost model's seconds for one phase (phase_kind) of a batch; a phase that only opens streams costs
@@ -291,7 +270,7 @@ class Voicing:
     # ------------------------------------------------------------------ streams
     def _has_audio_work(self, req: RequestState) -> bool:
         seg = req.audio_segment
-        if seg is None or req.cancelled or id(seg) in self._on_final_lane or not self._can_voice(req, seg):
+        if seg is None or req.cancelled or not self._can_voice(req, seg):
             return False
         return seg.lm_status == LMStatus.done or len(seg.tokens) >= seg.planner.tokens_needed()
 
@@ -372,9 +351,6 @@ class Voicing:
         emit its audio, or fail its requests alone. Until the last phase the worker still uses the flow and
         HiFT. `msg.returned`: planned jobs of phases a preempted worker did not start (they open the next
         batch); handed-back open-only jobs are dropped (their streams open later)."""
-        if msg.on_final_lane:
-            self._finals_done(msg)
-            return
         jobs, now = msg.jobs, msg.now
         self.t2w_busy_s += msg.busy_s
         if msg.error is None:
@@ -429,25 +405,6 @@ class Voicing:
             calls, self._deferred_calls = self._deferred_calls, []
             for call in calls:
                 self._call(call)
-
-    def _finals_done(self, msg: ChunksDone) -> None:
-        """Official final passes came back from the final lane: emit their audio, or fail their requests."""
-        for job in msg.jobs:
-            self._on_final_lane.pop(id(job.seg), None)
-        self.final_lane_busy_s += msg.busy_s
-        self.t2w_chunks += len(msg.jobs)
-        if msg.error is not None:
-            log.error("final passes failed: %r", msg.error)
-            err = msg.error if isinstance(msg.error, Exception) else RuntimeError(repr(msg.error))
-            faults.release_device_memory(err, self.lm_runner.device)
-            for job in msg.jobs:
-                if job.req.request_id in self.requests:
-                    self._fail(job.req, err)
-            return
-        self._account_phase(msg)
-        for job, result in zip(msg.jobs, msg.results, strict=True):
-            self._job_done(job, result, msg.now)
-        self._lap("emit_audio")
 
     def _account_phase(self, msg: ChunksDone) -> None:
         """Feed the cost model; phases of official final passes (a paused one comes back with no jobs) are

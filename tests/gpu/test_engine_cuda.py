@@ -44,33 +44,3 @@ def test_streams_opened_ahead_of_their_first_chunk_on_cuda_give_the_same_audio(m
         assert a.num_chunks == b.num_chunks >= 2
         np.testing.assert_allclose(b.pcm, a.pcm, atol=2e-3, rtol=0)
 
-
-
-def test_official_final_passes_on_the_final_lane_give_the_audio_of_the_worker(model_dir, fixture_dir, tmp_path,
-                                                                              monkeypatch):
-    """With a flow pool on CUDA the official final passes run on a thread and graphs of their own (the final
-    lane), beside the worker's chunks: the audio is the one the worker itself makes of them."""
-    from cosystream.engine.token2wav import Token2WavRunner
-
-    params = [SynthesisParams(text=t, voice="v", force_tokens=60, sampling=SamplingParams(greedy=True, seed=i))
-              for i, t in enumerate(TEXTS)]
-    runs = {}
-    for lane in (True, False):
-        if not lane:
-            monkeypatch.setattr(Token2WavRunner, "final_lane", lambda self: None)
-        eng = Engine.from_pretrained(model_dir, device="cuda", voices_db=str(tmp_path / f"v{lane}.db"),
-                                     max_streams=4, flow_slots=2, flow_frames=512)
-        try:
-            eng.run(eng.async_engine.add_voice("v", str(fixture_dir / "prompt_24k.wav"), "Hello there."))
-            core = eng.async_engine.core
-            assert (core._chunks.finals is not None) is lane
-            runs[lane] = [eng.synthesize(p) for p in params]
-            stats = core.stats()
-            assert (stats["final_lane_busy_seconds"] > 0) is lane
-            assert stats["token2wav_finals"] == len(params)
-            assert sorted(core.t2w.pool.free) == [0, 1]
-        finally:
-            eng.close()
-    for a, b in zip(runs[False], runs[True], strict=True):
-        assert a.num_chunks == b.num_chunks >= 2
-        np.testing.assert_allclose(b.pcm, a.pcm, atol=2e-3, rtol=0)
