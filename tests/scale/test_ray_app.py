@@ -44,6 +44,7 @@ from cosystream.scale.ray_app import (  # noqa: E402
     REPLICA_HEADER,
     ReplicaSpec,
     build_application,
+    start_serve,
 )
 from cosystream.server.state import ServerSettings  # noqa: E402
 
@@ -83,7 +84,7 @@ def base_url(model_dir, voices_db: Path, refuse_dir: Path) -> Iterator[str]:
     ray.init(num_cpus=4, object_store_memory=80 * 1024 * 1024, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        start_serve("127.0.0.1", port)  # as `cosystream serve --replicas`, Ray's logging included
         # the store a multi-machine cluster uses (a named actor on the head node); "file" is a plain VoiceStore
         spec = ReplicaSpec(model_dir=str(model_dir), device="cpu", voice_store="actor", voices_db=str(voices_db),
                            engine_kwargs={"max_streams": 4}, settings=ServerSettings(warmup=False),
@@ -348,6 +349,23 @@ def test_a_client_that_leaves_mid_stream_ends_its_request_on_the_replica(base_ur
         assert record["audio_s"] < long_tokens * SAMPLES_PER_TOKEN / 24000, record  # ended before its audio did
 
 
+def test_ray_writes_no_access_line_for_a_served_request(base_url: str) -> None:
+    """By default neither Ray's proxy nor a replica writes Serve's access line for a request (building it costs
+    the replica CPU, ray_app.replica_logging): the request's id is in none of Serve's logs, while the proxy's log
+    still has Serve's other lines."""
+    with _client(base_url) as client:
+        response = _speak(client, 5)
+    assert response.status_code == 200, response.text
+    request_id = response.headers["x-request-id"]
+    serve_logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"  # this test's Ray session
+    replica_logs = sorted(serve_logs.glob("replica_*CosyStream*.log"))
+    proxy_logs = sorted(serve_logs.glob("proxy_*.log"))
+    assert replica_logs and proxy_logs, sorted(p.name for p in serve_logs.iterdir())
+    assert any(p.read_text().strip() for p in proxy_logs)
+    for path in replica_logs + proxy_logs:
+        assert request_id not in path.read_text(), f"{path.name} logged request {request_id}"
+
+
 def test_killed_replica_fails_its_stream_and_the_app_recovers(base_url: str) -> None:
     with _client(base_url) as client:
         _wait_all_running(client, 120)
@@ -426,12 +444,15 @@ def test_a_wedged_replica_is_taken_out_of_routing_and_replaced(base_url: str) ->
 
 
 def test_example_config_builds_the_application(tmp_path) -> None:
-    """examples/ray_serve.yaml names an importable builder whose arguments it accepts (no cluster needed)."""
+    """examples/ray_serve.yaml is a valid Serve config that names an importable builder whose arguments it accepts
+    (no cluster needed)."""
     import importlib
 
     import yaml
+    from ray.serve.schema import ServeDeploySchema
 
     config = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "ray_serve.yaml").read_text())
+    ServeDeploySchema.model_validate(config)  # raises on what Serve rejects, e.g. a misspelt logging_config field
     (application,) = config["applications"]
     module, name = application["import_path"].split(":")
     builder = getattr(importlib.import_module(module), name)
