@@ -113,12 +113,6 @@ def replica_logging(ray_access_log: bool = False) -> LoggingConfig:
     return LoggingConfig() if ray_access_log else LoggingConfig(enable_access_log=False, log_level="WARNING")
 
 
-def proxy_logging(ray_access_log: bool = False) -> LoggingConfig:
-    """Ray Serve's logging in its proxies and controller (serve.start): without the proxy's access line per
-    request, unless `ray_access_log`; their other informational lines (deployments, replicas starting) stay."""
-    return LoggingConfig(enable_access_log=ray_access_log)
-
-
 @dataclass(frozen=True)
 class ReplicaSpec:
     """What every replica builds: the engine's arguments and the server's settings (picklable)."""
@@ -700,16 +694,11 @@ def _usable_cpus() -> int:
     return max(1, os.cpu_count() or 1)
 
 
-def start_serve(host: str, port: int, ray_access_log: bool = False) -> None:
-    """Start Ray Serve (its controller and HTTP proxy on host:port) on the connected cluster (proxy_logging)."""
-    serve.start(http_options={"host": host, "port": port}, logging_config=proxy_logging(ray_access_log))
-
-
 def serve_replicas(spec: ReplicaSpec, num_replicas: int, host: str, port: int, ray_address: str | None = None,
                    ready: threading.Event | None = None, ray_access_log: bool = False) -> None:
     """Start (or join, with `ray_address`) a Ray cluster, deploy `num_replicas` replicas and serve until
     interrupted (SIGINT/SIGTERM), then tear the application down. `ray_access_log`: Ray's access line per
-    request in the proxy and the replicas (replica_logging)."""
+    request in the replicas too (replica_logging)."""
     if ray_address:  # its proxies run with the environment of `ray start` (docs/scaling.md)
         num_gpus, num_cpus = (1.0 if spec.device != "cpu" else 0.0), 1.0
         ray.init(address=ray_address, log_to_driver=False)
@@ -722,7 +711,7 @@ def serve_replicas(spec: ReplicaSpec, num_replicas: int, host: str, port: int, r
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        start_serve(host, port, ray_access_log)
+        serve.start(http_options={"host": host, "port": port})
         serve.run(build_application(spec, num_replicas, num_gpus=num_gpus, num_cpus=num_cpus,
                                     ray_access_log=ray_access_log), name=APP_NAME, route_prefix="/")
         log.info("event=ray_app_ready replicas=%d url=http://%s:%d", num_replicas, host, port)

@@ -101,8 +101,8 @@ def _add_scale_flags(serve: argparse.ArgumentParser) -> None:
                        help="with --replicas: voices in one SQLite file every replica opens (one machine), or "
                             "behind a named actor on the head node (several machines)")
     scale.add_argument("--ray-access-log", action="store_true",
-                       help="with --replicas: also write Ray Serve's access line per request in its proxy and replicas "
-                            "(off by default: it costs each replica CPU; cosystream logs every request anyway)")
+                       help="with --replicas: also write Ray Serve's access line per request in the replicas (off by "
+                            "default: it costs each replica CPU; cosystream logs every request anyway)")
 
 
 def _add_openai_flags(serve: argparse.ArgumentParser) -> None:
