@@ -20,6 +20,14 @@ read from /proc around each level. On a GPU machine a replica's CPU time per req
 thread, which drives the GPU from Python, does not get.
 
 Also the servers on their own: `serve-single --port P` and `serve-ray --replicas N --port P` (what `run` starts).
+
+    python3 benchmarks/scale_overhead.py access-log --model-dir MODEL [--rounds 8] [--requests 256]
+
+Ray Serve's access line per request in the replica, off (the default, ray_app.replica_logging) and on
+(`ray_access_log`), alternated in one Ray session: each block deploys the 1-replica app with one setting (a new
+replica process), then `--requests` requests at 16 streams, and reads the CPU per request of the replica and of the
+proxy. The proxy's setting never changes, so the ratio replica / proxy shows the setting's effect apart from the
+shared machine's drift, which moves both.
 """
 
 from __future__ import annotations
@@ -121,13 +129,18 @@ def serve_single(model_dir: str, port: int) -> None:
 
 
 def serve_ray(model_dir: str, port: int, replicas: int) -> None:
-    from cosystream.scale.ray_app import ReplicaSpec, serve_replicas
+    from cosystream.scale.ray_app import serve_replicas
+
+    serve_replicas(_ray_spec(model_dir, port), replicas, "127.0.0.1", port)
+
+
+def _ray_spec(model_dir: str, port: int) -> Any:
+    from cosystream.scale.ray_app import ReplicaSpec
     from cosystream.server.state import ServerSettings
 
-    spec = ReplicaSpec(model_dir=model_dir, device="cpu", voices_db=f"/tmp/scale_overhead_{port}.db",
+    return ReplicaSpec(model_dir=model_dir, device="cpu", voices_db=f"/tmp/scale_overhead_{port}.db",
                        engine_kwargs={"first_audio_budget_s": None}, settings=ServerSettings(warmup=False),
                        log_level="warning", engine_hook=HOOK)
-    serve_replicas(spec, replicas, "127.0.0.1", port)
 
 
 # ---------------------------------------------------------------- CPU time of a process tree
@@ -284,10 +297,54 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def access_log_ab(args: argparse.Namespace, workload: Path, out_dir: Path) -> str:
+    """The replica's CPU per request with Ray's access line off and on, alternated (module docstring)."""
+    import ray
+    from ray import serve
+
+    from cosystream.scale.ray_app import APP_NAME, RAY_ENV_DEFAULTS, build_application
+
+    for key, value in RAY_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    url = f"http://127.0.0.1:{args.port}"
+    spec = _ray_spec(args.model_dir, args.port)
+    ray.init(include_dashboard=False, log_to_driver=False, num_cpus=max(os.cpu_count() or 1, 2))
+    rows = ["| round | Ray access line | replica CPU ms per request | proxy CPU ms per request | replica / proxy "
+            "| req/s |", "|---|---|---|---|---|---|"]
+    ratios: dict[str, list[float]] = {"off": [], "on": []}
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+        for index in range(args.rounds):
+            for setting in ("off", "on"):
+                serve.run(build_application(spec, 1, ray_access_log=setting == "on"), name=APP_NAME,
+                          route_prefix="/")
+                flags = ("--concurrency", "16", "--warmup-requests", "0", "--no-register-voice")
+                if index == 0 and setting == "off":  # the voice and a first round of requests, uncounted
+                    _bench(url, workload, out_dir / "warm.json", "--concurrency", "16", "--requests-per-level",
+                           "32", "--warmup-requests", "0")
+                before = cpu_by_role(os.getpid())
+                level = _bench(url, workload, out_dir / f"r{index}_{setting}.json", *flags,
+                               "--requests-per-level", str(args.requests))["levels"][0]
+                after = cpu_by_role(os.getpid())
+                ok = max(level["num_ok"], 1)
+                replica, proxy = ((after.get(k, 0.0) - before.get(k, 0.0)) * 1000 / ok for k in ("replicas", "proxy"))
+                ratios[setting].append(replica / proxy)
+                rows.append(f"| {index} | {setting} | {replica:.2f} | {proxy:.2f} | {replica / proxy:.3f} "
+                            f"| {level['achieved_rate']:.1f} |")
+                print(rows[-1], flush=True)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    for setting, values in ratios.items():
+        rows.append(f"\nreplica / proxy with the access line {setting}: mean {sum(values) / len(values):.3f}, "
+                    f"{min(values):.3f} – {max(values):.3f}")
+    return "\n".join(rows) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("run", "serve-single", "serve-ray"):
+    for name in ("run", "serve-single", "serve-ray", "access-log"):
         p = sub.add_parser(name)
         p.add_argument("--model-dir", required=True)
         p.add_argument("--port", type=int, default=18431)
@@ -299,6 +356,10 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",") if x], default=[8, 32])
             p.add_argument("--requests", type=int, default=128)
             p.add_argument("--out", default="/tmp/scale_overhead")
+        if name == "access-log":
+            p.add_argument("--rounds", type=int, default=8)
+            p.add_argument("--requests", type=int, default=256)
+            p.add_argument("--out", default="/tmp/scale_overhead_access_log")
     args = parser.parse_args(argv)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
@@ -312,6 +373,11 @@ def main(argv: list[str] | None = None) -> int:
         workload = out_dir / "wl"
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "workload.py"), str(workload)], check=True,
                        stdout=subprocess.DEVNULL)
+        if args.command == "access-log":
+            text = access_log_ab(args, workload / "workload.json", out_dir)
+            (out_dir / "summary.md").write_text(text)
+            print(text)
+            return 0
         results = []
         for name in args.servers.split(","):
             print(f"== {time.strftime('%T')} {name}", flush=True)

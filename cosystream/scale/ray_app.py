@@ -50,6 +50,7 @@ from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from ray.serve.schema import LoggingConfig
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -100,6 +101,16 @@ PRELOADED_VOICES = 256  # a starting replica loads the prompts of the most recen
 RAY_ENV_DEFAULTS = {PROXY_CALLBACK_ENV: PROXY_CALLBACK_PATH, "RAY_SERVE_PROXY_USE_GRPC": "1",
                     "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(1 << 30),
                     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+
+
+def replica_logging(ray_access_log: bool = False) -> LoggingConfig:
+    """Ray Serve's logging in each replica. By default Serve writes an access line there for every request, and
+    building it costs the replica CPU, GIL time its engine thread waits for, even when the line is then filtered
+    out (`enable_access_log=False` alone still builds it): Serve's logger in the replica logs warnings and errors
+    only (a request that failed still is), so the line is never built. cosystream's own line per request
+    (`event=request_done`: the request id, outcome, stage times) stays; `ray_access_log` brings Ray's back, with
+    Serve's informational lines of the replica."""
+    return LoggingConfig() if ray_access_log else LoggingConfig(enable_access_log=False, log_level="WARNING")
 
 
 @dataclass(frozen=True)
@@ -595,11 +606,11 @@ class EngineAwareRouter(RequestRouter):
 
 def build_application(spec: ReplicaSpec, num_replicas: int, num_gpus: float = 0.0, num_cpus: float = 1.0,
                       max_ongoing_requests: int = 1024, health_check_period_s: float = 2.0,
-                      health_check_timeout_s: float | None = None) -> Any:
+                      health_check_timeout_s: float | None = None, ray_access_log: bool = False) -> Any:
     """The bound Serve application: `num_replicas` replicas of `spec`, each with `num_gpus` GPUs (1: one GPU
     each; 0: none) and `num_cpus` CPUs (Ray gives the replica's process that many OpenMP threads).
     max_ongoing_requests is far above any engine's slots on purpose: the engine's admission decides when a replica
-    is full, not Ray's queue."""
+    is full, not Ray's queue. Ray's access line per request is left out unless `ray_access_log` (replica_logging)."""
     if num_replicas < 1:
         raise ValueError(f"num_replicas: must be at least 1, got {num_replicas}")
     actor_options: dict[str, Any] = {"num_cpus": num_cpus, **({"num_gpus": num_gpus} if num_gpus > 0 else {})}
@@ -610,7 +621,7 @@ def build_application(spec: ReplicaSpec, num_replicas: int, num_gpus: float = 0.
         num_replicas=num_replicas, ray_actor_options=actor_options, max_ongoing_requests=max_ongoing_requests,
         health_check_period_s=health_check_period_s,
         health_check_timeout_s=health_check_timeout_s or spec.health_timeout_s + 5.0,
-        request_router_config=router)
+        request_router_config=router, logging_config=replica_logging(ray_access_log))
     return deployment.bind(spec)
 
 
@@ -623,7 +634,8 @@ def app_builder(args: dict[str, Any]) -> Any:
     Keys: model_dir (required), num_replicas (1), num_gpus (1 per replica when the cluster has GPUs, else 0),
     num_cpus (1 per replica), device, dtype, voice_store (actor; file for one host), voices_db,
     max_streams, first_audio_budget_s, max_streams_per_client, warmup (true), config (FIELD=VALUE,... or a
-    mapping of EngineConfig fields), health_timeout_s (10), log_level (info). API keys: $COSYSTREAM_API_KEYS.
+    mapping of EngineConfig fields), health_timeout_s (10), log_level (info), ray_access_log (false: Ray's
+    access line per request in the replicas, replica_logging). API keys: $COSYSTREAM_API_KEYS.
     """
     from cosystream.config import config_overrides
 
@@ -653,7 +665,8 @@ def app_builder(args: dict[str, Any]) -> Any:
     if num_gpus is None:
         num_gpus = 1.0 if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0 else 0.0
     return build_application(spec, int(args.get("num_replicas", 1)), num_gpus=float(num_gpus),
-                             num_cpus=float(args.get("num_cpus", 1.0)))
+                             num_cpus=float(args.get("num_cpus", 1.0)),
+                             ray_access_log=str(args.get("ray_access_log", "false")).lower() in _TRUE)
 
 
 # ---------------------------------------------------------------- `cosystream serve --replicas N`
@@ -682,9 +695,10 @@ def _usable_cpus() -> int:
 
 
 def serve_replicas(spec: ReplicaSpec, num_replicas: int, host: str, port: int, ray_address: str | None = None,
-                   ready: threading.Event | None = None) -> None:
+                   ready: threading.Event | None = None, ray_access_log: bool = False) -> None:
     """Start (or join, with `ray_address`) a Ray cluster, deploy `num_replicas` replicas and serve until
-    interrupted (SIGINT/SIGTERM), then tear the application down."""
+    interrupted (SIGINT/SIGTERM), then tear the application down. `ray_access_log`: Ray's access line per
+    request in the replicas too (replica_logging)."""
     if ray_address:  # its proxies run with the environment of `ray start` (docs/scaling.md)
         num_gpus, num_cpus = (1.0 if spec.device != "cpu" else 0.0), 1.0
         ray.init(address=ray_address, log_to_driver=False)
@@ -698,8 +712,8 @@ def serve_replicas(spec: ReplicaSpec, num_replicas: int, host: str, port: int, r
         signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": host, "port": port})
-        serve.run(build_application(spec, num_replicas, num_gpus=num_gpus, num_cpus=num_cpus), name=APP_NAME,
-                  route_prefix="/")
+        serve.run(build_application(spec, num_replicas, num_gpus=num_gpus, num_cpus=num_cpus,
+                                    ray_access_log=ray_access_log), name=APP_NAME, route_prefix="/")
         log.info("event=ray_app_ready replicas=%d url=http://%s:%d", num_replicas, host, port)
         if ready is not None:
             ready.set()

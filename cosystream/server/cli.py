@@ -100,6 +100,9 @@ def _add_scale_flags(serve: argparse.ArgumentParser) -> None:
     scale.add_argument("--voice-store", default="file", choices=("file", "actor"),
                        help="with --replicas: voices in one SQLite file every replica opens (one machine), or "
                             "behind a named actor on the head node (several machines)")
+    scale.add_argument("--ray-access-log", action="store_true",
+                       help="with --replicas: also write Ray Serve's access line per request in the replicas (off by "
+                            "default: it costs each replica CPU; cosystream logs every request anyway)")
 
 
 def _add_openai_flags(serve: argparse.ArgumentParser) -> None:
@@ -218,7 +221,8 @@ def _run_replicas(args: argparse.Namespace, engine_kwargs: dict) -> int:
                            voice_store=args.voice_store, voices_db=voices_db, engine_kwargs=engine_kwargs,
                            settings=settings_from_args(args), log_level=args.log_level)
         configure_logging(args.log_level)
-        serve_replicas(spec, args.replicas, args.host, args.port, ray_address=args.ray_address)
+        serve_replicas(spec, args.replicas, args.host, args.port, ray_address=args.ray_address,
+                       ray_access_log=args.ray_access_log)
     except (CosyStreamError, ValueError, TypeError, OSError) as exc:
         print(f"cosystream serve: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

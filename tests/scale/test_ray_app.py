@@ -348,6 +348,27 @@ def test_a_client_that_leaves_mid_stream_ends_its_request_on_the_replica(base_ur
         assert record["audio_s"] < long_tokens * SAMPLES_PER_TOKEN / 24000, record  # ended before its audio did
 
 
+def test_a_replica_writes_no_ray_access_line_for_a_request(base_url: str) -> None:
+    """By default a replica does not write Ray Serve's access line for a request (building it costs the replica
+    CPU, ray_app.replica_logging): the request's id is in no replica's Serve log, while Ray's proxy, whose logging
+    is Ray's default, writes its access line with that id."""
+    with _client(base_url) as client:
+        response = client.get("/health")  # any request a replica serves
+    assert response.status_code == 200, response.text
+    assert response.headers[REPLICA]
+    request_id = response.headers["x-request-id"]
+    serve_logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"  # this test's Ray session
+    replica_logs = sorted(serve_logs.glob("replica_*CosyStream*.log"))
+    proxy_logs = sorted(serve_logs.glob("proxy_*.log"))
+    assert replica_logs, sorted(p.name for p in serve_logs.iterdir())
+    deadline = time.monotonic() + 10  # the proxy logs a request once its response is sent
+    while not any(request_id in p.read_text() for p in proxy_logs):
+        assert time.monotonic() < deadline, f"no access line for {request_id} in {[p.name for p in proxy_logs]}"
+        time.sleep(0.2)
+    for path in replica_logs:
+        assert request_id not in path.read_text(), f"{path.name} logged request {request_id}"
+
+
 def test_killed_replica_fails_its_stream_and_the_app_recovers(base_url: str) -> None:
     with _client(base_url) as client:
         _wait_all_running(client, 120)
@@ -426,12 +447,15 @@ def test_a_wedged_replica_is_taken_out_of_routing_and_replaced(base_url: str) ->
 
 
 def test_example_config_builds_the_application(tmp_path) -> None:
-    """examples/ray_serve.yaml names an importable builder whose arguments it accepts (no cluster needed)."""
+    """examples/ray_serve.yaml is a valid Serve config that names an importable builder whose arguments it accepts
+    (no cluster needed)."""
     import importlib
 
     import yaml
+    from ray.serve.schema import ServeDeploySchema
 
     config = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "ray_serve.yaml").read_text())
+    ServeDeploySchema.model_validate(config)  # raises on what Serve rejects, e.g. a misspelt logging_config field
     (application,) = config["applications"]
     module, name = application["import_path"].split(":")
     builder = getattr(importlib.import_module(module), name)
