@@ -171,11 +171,31 @@ lane() {  # $1: NAME=GPUS:PARTS, $2: port
       stamp "lane $1 (GPUs $CUDA_VISIBLE_DEVICES): $p"
       part "$p" "$2" "$4"
     done
-    stamp "lane $1: done"' _ "$name" "$dir" "$parts" "$2" > "$dir/lane.log" 2>&1
+    stamp "lane $1: done"' _ "$name" "$dir" "$parts" "$2" > "$dir/lane.log" 2>&1 &
+  echo $! > "$dir.group"  # timeout leads a process group of its own, servers included: what finish stops
+  wait $!
+  rm -f "$dir.group"
   tar -czf "$OUT/lane_$name.tar.gz" -C /tmp/lanes "$name"
 }
 
+finish() {  # however lanes.sh ends (killed too, e.g. by an outer timeout shorter than LANE_S): stop what each lane
+  # still runs, so no server of this call stays up beside the next measurement, and archive what it has
+  trap - EXIT TERM INT
+  local spec name
+  for spec in "${specs[@]}"; do
+    name=${spec%%=*}
+    if [ -f "/tmp/lanes/$name.group" ]; then
+      kill -TERM -- "-$(cat "/tmp/lanes/$name.group")" 2>/dev/null
+      rm -f "/tmp/lanes/$name.group"
+    fi
+    [ -f "$OUT/lane_$name.tar.gz" ] || [ ! -d "/tmp/lanes/$name" ] || tar -czf "$OUT/lane_$name.tar.gz" -C /tmp/lanes "$name"
+  done
+}
+
 export -f stamp part cv3_model
+specs=("$@")
+trap finish EXIT
+trap 'exit 143' TERM INT
 mkdir -p "$OUT" /tmp/lanes
 stamp prep
 prep
