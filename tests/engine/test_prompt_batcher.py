@@ -17,6 +17,7 @@ from cosystream.frontend import Frontend
 from cosystream.frontend.audio import PromptAudio
 from cosystream.frontend.torch_prompt import PromptAnalysis
 from cosystream.params import SynthesisParams
+from cosystream.testing.prompt_analysis import RecordingAnalyzer
 
 
 def _speech(seconds: float, seed: int, rate: int = 16000) -> tuple[np.ndarray, int]:
@@ -258,24 +259,6 @@ def test_without_batching_nothing_waits_in_line(frontend):
     assert (line.queued, line.running, line.waiting) == (0, 0, 1)
     batcher.make_voice_prompt(_speech(1.0, seed=3))
     assert costs.analysis_s(1) > 0.0
-
-
-class RecordingAnalyzer:
-    """Records each batch's size and answers at once (tokens and mel of the prompt's length, x-vector = its first
-    sample), so voice prompts can be built from the answers."""
-
-    def __init__(self) -> None:
-        self.batches: list[int] = []
-        self.device = torch.device("cpu")
-
-    def close(self) -> None:
-        pass
-
-    def analyse(self, prompts: list[PromptAudio]) -> list[PromptAnalysis]:
-        self.batches.append(len(prompts))
-        return [PromptAnalysis(tokens=torch.zeros(p.wav_16k.numel() // 640, dtype=torch.int32),
-                               mel=torch.zeros(p.wav_16k.numel() // 320, 80),
-                               xvector=torch.full((192,), float(p.wav_16k[0]))) for p in prompts]
 
 
 LONG_WINDOW_S = 60.0  # far longer than any test's timeout: a batch that waited for it would fail the test

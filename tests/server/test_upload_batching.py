@@ -13,37 +13,18 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
-import torch
 from fake_engine import FakeEngine, fake_server
 from server_live import make_wav
 
 from cosystream.engine.prompt_batcher import PromptBatcher
 from cosystream.frontend import Frontend
-from cosystream.frontend.audio import PromptAudio
-from cosystream.frontend.torch_prompt import PromptAnalysis
 from cosystream.outputs import AudioChunk
 from cosystream.params import SynthesisParams
 from cosystream.server.state import ServerSettings
+from cosystream.testing.prompt_analysis import RecordingAnalyzer
 
 LONG_WINDOW_S = 60.0  # far beyond the tests' timeouts: only the announcements decide how long a batch waits
 BOUNDARY = "cosystream-test-boundary"
-
-
-class CountingAnalyzer:
-    """Answers at once and records each batch's size."""
-
-    def __init__(self) -> None:
-        self.batches: list[int] = []
-        self.device = torch.device("cpu")
-
-    def close(self) -> None:
-        pass
-
-    def analyse(self, prompts: list[PromptAudio]) -> list[PromptAnalysis]:
-        self.batches.append(len(prompts))
-        return [PromptAnalysis(tokens=torch.zeros(p.wav_16k.numel() // 640, dtype=torch.int32),
-                               mel=torch.zeros(p.wav_16k.numel() // 320, 80), xvector=torch.zeros(192))
-                for p in prompts]
 
 
 @dataclass
@@ -79,7 +60,7 @@ def frontend(checkpoint) -> Frontend:
 
 @pytest.fixture
 def served(frontend) -> Iterator:
-    analyzer = CountingAnalyzer()
+    analyzer = RecordingAnalyzer()
     engine = BatchingEngine(batcher=PromptBatcher(frontend, analyzer, collect_window_s=LONG_WINDOW_S))
     try:
         with fake_server(ServerSettings(), engine) as server:
