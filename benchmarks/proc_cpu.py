@@ -3,7 +3,8 @@
 `watch FILE` appends one JSON line a sample ({"t": wall seconds, "cpu": {pid: [role, cpu seconds]}}) every
 `--interval` seconds until it is killed; `summary FILE` prints each role's CPU use in cores (CPU seconds per
 wall second) over windows of `--window` seconds, and the busiest window. Roles are found by command line:
-Ray's HTTP proxy (`ray::ProxyActor`), the engine replicas (`ray::ServeReplica...`), Ray's controller, raylet
+Ray's HTTP proxy (`ray::ProxyActor`), the replicas (`ray::ServeReplica...`), each one's engine process
+(`cosystream.scale.engine_process`), Ray's controller, raylet
 and GCS, and the single-process server (`cosystream.cli serve`, which under `--replicas` is the driver). One
 role near 1.0 core in the busiest window is a Python process saturated on its one thread that counts (the GIL).
 
@@ -20,7 +21,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-ROLES = (("ProxyActor", "proxy"), ("ServeReplica", "replica"), ("ServeController", "controller"),
+ROLES = (("ProxyActor", "proxy"), ("ServeReplica", "replica"), ("cosystream.scale.engine_process", "engine"), ("ServeController", "controller"),
          ("raylet", "raylet"), ("gcs_server", "gcs"), ("cosystream.cli serve", "server"),
          ("cosystream serve", "server"))
 TICKS = os.sysconf("SC_CLK_TCK")

@@ -56,6 +56,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cosystream import errors as cosy_errors
 from cosystream.scale import proxy as scale_proxy  # its LEDGER by module: the router class may travel by value
+from cosystream.scale.engine_process import EngineProcess, Forwarder
 from cosystream.scale.load import (
     LoadReport,
     every_replica_full,
@@ -129,6 +130,8 @@ class ReplicaSpec:
     # "module:callable" applied to the built engine, whose result the app serves (benchmarks/scale_overhead.py
     # swaps synthesis for a stand-in to measure the serving path alone); None: the engine itself
     engine_hook: str | None = None
+    # the engine and its server in a child process, the replica forwarding to it (scale/engine_process.py)
+    engine_process: bool = field(default_factory=lambda: os.environ.get("COSYSTREAM_ENGINE_PROCESS", "1") != "0")
 
     def __post_init__(self) -> None:
         if self.voice_store not in ("file", "actor"):
@@ -328,6 +331,16 @@ class CosyStreamReplica:
         self.replica_id: str = context.replica_id.unique_id
         self.spec = spec
         self.device = spec.device or ("cuda" if ray.get_gpu_ids() else "cpu")
+        self._deployment_id = (context.app_name, context.deployment)
+        self.peers = serve.get_deployment_handle(context.deployment, context.app_name)
+        self.engine_process: EngineProcess | None = None
+        if spec.engine_process:
+            self.engine_process = await EngineProcess.start(spec, self.replica_id, self.device,
+                                                            ray.get_runtime_context().gcs_address)
+            self._forwarder = Forwarder(self.engine_process, self._cluster_answer, self._announce_voice_change)
+            log.info("event=replica_ready replica=%s pid=%d engine_pid=%d device=%s", self.replica_id, os.getpid(),
+                     self.engine_process.process.pid, self.device)
+            return
         dtype = spec.dtype or ("float32" if self.device == "cpu" else "bfloat16")
         voices_db = spec.voices_db
         remote_store = None
@@ -346,8 +359,6 @@ class CosyStreamReplica:
             # before the constructor returns: Ray routes to a replica only once it is constructed
             await loop.run_in_executor(None, engine.warmup)
         self.engine = engine
-        self._deployment_id = (context.app_name, context.deployment)
-        self.peers = serve.get_deployment_handle(context.deployment, context.app_name)
         settings = dataclasses.replace(spec.settings, warmup=False)  # warmed up above
         self.server_app = build_app(_VoiceAnnouncingEngine(engine, self._announce_voice_change), settings)
         self.state = self.server_app.state.server
@@ -356,12 +367,18 @@ class CosyStreamReplica:
         log.info("event=replica_ready replica=%s pid=%d device=%s", self.replica_id, os.getpid(), self.device)
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
-        return _ReplicaHeaders(self.server_app, self.replica_id)
+        return _ReplicaHeaders(self._forwarder if self.engine_process else self.server_app, self.replica_id)
+
+    def __del__(self) -> None:
+        if getattr(self, "engine_process", None) is not None:
+            self.engine_process.stop()
 
     # -------------------------------------------------------- what Ray asks of a replica
-    def record_routing_stats(self) -> dict[str, Any]:
+    async def record_routing_stats(self) -> dict[str, Any]:
         """The LoadReport the router ranks replicas by (published every ROUTING_STATS_PERIOD_S): with the prompt
         keys this replica holds, under the names requests give them (scale/proxy.py finds a request's key)."""
+        if self.engine_process is not None:
+            return await self.engine_process.get_json("report", timeout_s=ROUTING_STATS_PERIOD_S * 4)
         from cosystream.server.openai_speech import OPENAI_VOICES
 
         settings = self.state.settings
@@ -373,6 +390,10 @@ class CosyStreamReplica:
     async def check_health(self) -> None:
         """Raise when the engine loop stopped or does not run a no-op within health_timeout_s (a wedged GPU):
         Ray then stops routing to this replica and replaces it."""
+        if self.engine_process is not None:
+            self.engine_process.check_alive()
+            await self.engine_process.get_json("health", timeout_s=self.spec.health_timeout_s + 1.0)
+            return
         self.state.check_alive()
         timeout_s = self.spec.health_timeout_s
         loop = asyncio.get_running_loop()
@@ -383,22 +404,31 @@ class CosyStreamReplica:
     async def voice_changed(self, name: str) -> str:
         """Another replica registered or deleted `name`: drop this replica's copy, then load the stored one
         (if any), so the next request here uses what the store holds now."""
+        if self.engine_process is not None:
+            await self.engine_process.post_json("voice_changed", name=name)
+            return self.replica_id
         await self.engine.drop_cached_voice(name)
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self.engine.pool, self._load_voice, name)
         return self.replica_id
 
-    def metrics_text(self) -> tuple[str, str]:
+    async def metrics_text(self) -> tuple[str, str]:
+        if self.engine_process is not None:
+            return self.replica_id, await self.engine_process.get_text("metrics")
         return self.replica_id, self.state.metrics.render().decode()
 
-    def finished_request(self, request_id: str) -> dict[str, Any] | None:
+    async def finished_request(self, request_id: str) -> dict[str, Any] | None:
         """A finished request's record, with the replica that kept it (`replica`)."""
+        if self.engine_process is not None:
+            found = await self.engine_process.get_json("finished", request_id=request_id)
+            return None if found is None else {**found, "replica": self.replica_id}
         record = self.state.finished.get(request_id)
         return None if record is None else {**record.model_dump(mode="json"), "replica": self.replica_id}
 
-    def describe(self) -> dict[str, Any]:
+    async def describe(self) -> dict[str, Any]:
         return {"replica": self.replica_id, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
-                "device": self.device, "load": self.record_routing_stats()}
+                "device": self.device, "load": await self.record_routing_stats(),
+                **({"engine_pid": self.engine_process.process.pid} if self.engine_process is not None else {})}
 
     # -------------------------------------------------------- helpers
     def _load_voice(self, name: str) -> None:
@@ -449,8 +479,25 @@ class CosyStreamReplica:
         texts = dict(await self._peer_results("metrics_text"))
         return Response(merge_metrics(texts), media_type=CONTENT_TYPE)
 
-    async def _ready(self) -> JSONResponse:
-        self.state.check_ready()  # this replica serves: the application does
+    async def _cluster_answer(self, route: str, scope: Scope) -> ASGIApp:
+        """The answer to an application-wide route the engine process handed back (it checked the API key and,
+        for /ready, that this replica serves)."""
+        try:
+            if route == "metrics":
+                return await self._metrics()
+            if route == "ready":
+                return await self._ready(checked=True)
+            if route == "finished":
+                return await self._finished_request(scope["path"].rsplit("/", 1)[-1])
+            if route == "replicas":
+                return await self._replicas()
+        except ApiError as error:
+            return error.response()
+        return ApiError(404, "not_found", f"path: {scope['path']} is not a route", field="path").response()
+
+    async def _ready(self, checked: bool = False) -> JSONResponse:
+        if not checked:
+            self.state.check_ready()  # this replica serves: the application does
         running, target = await run_in_threadpool(_replica_counts, *self._deployment_id)
         status = "ok" if running >= target else "degraded"
         return JSONResponse({"status": status, "replicas_running": running, "replicas_target": target})
@@ -458,7 +505,7 @@ class CosyStreamReplica:
     async def _finished_request(self, request_id: str) -> JSONResponse:
         """The request's record from whichever replica served it. A request one replica refused and the proxy
         sent on to another (scale/proxy.py) has a record on both, under one id: the served one is returned."""
-        local = self.finished_request(request_id)
+        local = await self.finished_request(request_id)
         if local is None or local.get("outcome") == REFUSED_OUTCOME:
             found = [r for r in await self._peer_results("finished_request", request_id) if r is not None]
             found.sort(key=lambda r: r.get("outcome") == REFUSED_OUTCOME)  # served first

@@ -305,7 +305,7 @@ def test_a_request_one_replica_refuses_is_served_by_the_other(base_url: str, ref
         holder = first.headers[REPLICA]
         (other,) = set(replicas) - {holder}
         time.sleep(1.5)  # the holder's next load report reaches the proxy's router
-        markers = [refusal_marker(refuse_dir, replicas[r]["pid"]) for r in (holder, other)]
+        markers = [refusal_marker(refuse_dir, replicas[r]["engine_pid"]) for r in (holder, other)]
         try:
             markers[0].touch()
             before = _refused(client)
@@ -386,7 +386,7 @@ def test_killed_replica_fails_its_stream_and_the_app_recovers(base_url: str) -> 
             lines, audio = victim.iter_lines(), survivor.iter_bytes()
             first_event, first_audio = json.loads(next(lines)), next(audio)  # both are streaming
             assert first_event["type"] == "audio"
-            os.kill(replicas[victim.headers[REPLICA]]["pid"], signal.SIGKILL)
+            os.kill(replicas[victim.headers[REPLICA]]["engine_pid"], signal.SIGKILL)  # as a GPU fault ends it
             t_kill = time.monotonic()
             with ThreadPoolExecutor(1) as pool:
                 rest_of_audio = pool.submit(lambda: first_audio + b"".join(audio))
@@ -428,7 +428,7 @@ def test_a_wedged_replica_is_taken_out_of_routing_and_replaced(base_url: str) ->
         _wait_all_running(client, RECOVERY_TIMEOUT_S)
         replicas = _replicas(client)
         wedged_id, survivor_id = sorted(replicas)
-        wedged_pid = replicas[wedged_id]["pid"]
+        wedged_pid = replicas[wedged_id]["engine_pid"]
         os.kill(wedged_pid, signal.SIGSTOP)
         try:
             deadline = time.monotonic() + 60  # health checks every 2 s, each given 15 s
