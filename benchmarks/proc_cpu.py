@@ -21,7 +21,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-ROLES = (("ProxyActor", "proxy"), ("ServeReplica", "replica"), ("cosystream.scale.engine_process", "engine"), ("ServeController", "controller"),
+ROLES = (("ProxyActor", "proxy"), ("ServeReplica", "replica"), ("cosystream.scale.engine_process", "engine"),
+         ("ServeController", "controller"),
          ("raylet", "raylet"), ("gcs_server", "gcs"), ("cosystream.cli serve", "server"),
          ("cosystream serve", "server"))
 TICKS = os.sysconf("SC_CLK_TCK")

@@ -171,6 +171,8 @@ def role(pid: int, root: int) -> str:
         return "proxy"
     if "ServeReplica" in cmd:
         return "replicas"
+    if "cosystream.scale.engine_process" in cmd:
+        return "engines"
     for part in ("ServeController", "gcs_server", "raylet"):
         if part in cmd:
             return part

@@ -60,6 +60,7 @@ INTERNAL_HEADERS = frozenset({ARRIVAL_AGE_HEADER, PROXY_WAIT_HEADER, REQUEST_ID_
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade", b"host",
                         b"proxy-connection", b"content-length"})  # of a request (the client sets its own)
 RESPONSE_HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding"})
+PRELOADED_VOICES = 256  # a starting engine loads the prompts of the most recently changed voices
 READY_TIMEOUT_S = 1800.0  # loading and warming up a model (CUDA graph capture) on a cold machine
 STOP_TIMEOUT_S = 10.0
 
@@ -280,8 +281,6 @@ def build_engine(args: ChildArgs) -> Any:
         engine = pkgutil.resolve_name(spec.engine_hook)(engine)
     if spec.settings.warmup:
         engine.warmup()
-    from cosystream.scale.ray_app import PRELOADED_VOICES
-
     recent = sorted(engine.list_voices(), key=lambda info: info.updated_at, reverse=True)
     for info in recent[:PRELOADED_VOICES]:
         _load_voice(engine, info.name)
@@ -362,6 +361,10 @@ class EngineProcess:
             raise EngineProcessDied(f"the engine process (pid {process.pid}) ended before it was ready, exit code "
                                     f"{process.wait()}; its log is in the replica's")
         return cls(process, socket_path)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
 
     def exit_code(self) -> int | None:
         return self.process.poll()
@@ -448,7 +451,8 @@ class Forwarder:
                 return await answer(scope, receive, send)
             for name in response.headers.get_list(VOICE_CHANGED_HEADER.decode()):
                 await self.announce(unquote(name))
-            headers = [(k.lower(), v) for k, v in response.headers.raw if k.lower() not in RESPONSE_HOP_BY_HOP]
+            headers = [(k.lower(), v) for k, v in response.headers.raw
+                       if k.lower() not in RESPONSE_HOP_BY_HOP and k.lower() not in INTERNAL_HEADERS]
             await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
             async for chunk in response.aiter_raw():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})

@@ -4,9 +4,11 @@
     serve run cosystream.scale.ray_app:app_builder model_dir=DIR num_replicas=4   # an existing cluster
     serve run examples/ray_serve.yaml                                            # the same, from a config
 
-Each replica of the deployment `CosyStream` builds the engine and the unchanged FastAPI app (server/app.py)
-and is the application's ASGI ingress, so Ray's proxy carries every HTTP request and WebSocket straight to one
-replica (a WebSocket session lives on the replica that accepted it). What the replica adds around the app:
+Each replica of the deployment `CosyStream` is the application's ASGI ingress, so Ray's proxy carries every HTTP
+request and WebSocket straight to one replica (a WebSocket session lives on the replica that accepted it). The
+replica starts a process of its own for the engine and the unchanged FastAPI app (server/app.py) and forwards
+every request to it over a Unix socket (scale/engine_process.py): Ray's request path stays in the replica's
+process, and its GIL, apart from the engine's. What the replica adds around the app:
 
 * routing: it publishes a `LoadReport` (scale/load.py) through Ray's `record_routing_stats`; the deployment's
   `EngineAwareRouter` ranks replicas by whether they can meet the first-audio budget, then by the request's
@@ -19,23 +21,20 @@ replica (a WebSocket session lives on the replica that accepted it). What the re
 * one place to read: /metrics merges every replica's metrics (label `replica`), /ready reports the cluster,
   GET /v1/requests/{id} finds the request on whichever replica served it, GET /v1/replicas lists them;
   every response names its replica in `X-Cosystream-Replica`;
-* faults: `check_health` fails when the engine loop stopped or does not answer in time, so Ray takes the
-  replica out of routing and restarts it; a stream whose replica died ends with an `error` event, sent by
-  the proxy middleware of scale/proxy.py.
+* faults: `check_health` fails when the engine process ended, or its engine loop stopped or does not answer in
+  time, so Ray takes the replica out of routing and restarts it (the engine process ends with its replica); a
+  stream whose replica or engine process died ends with an `error` event, sent by the proxy middleware of
+  scale/proxy.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import dataclasses
 import functools
 import logging
 import os
-import pkgutil
 import re
 import signal
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -45,7 +44,6 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.serve.config import RequestRouterConfig
@@ -60,12 +58,9 @@ from cosystream.scale.engine_process import EngineProcess, Forwarder
 from cosystream.scale.load import (
     LoadReport,
     every_replica_full,
-    held_voice_names,
     in_flight_now,
     merge_metrics,
     rank_replicas,
-    report_from_server,
-    upload_key,
 )
 from cosystream.scale.proxy import CALLBACK_ENV as PROXY_CALLBACK_ENV
 from cosystream.scale.proxy import CALLBACK_PATH as PROXY_CALLBACK_PATH
@@ -90,7 +85,6 @@ ROUTING_STATS_PERIOD_S = 0.5  # how often each replica publishes its LoadReport
 PROXY_REFUSAL_FRESH_S = 2 * ROUTING_STATS_PERIOD_S  # the proxy refuses on reports at most this old
 REFUSED_OUTCOME = "overloaded"  # a finished request's outcome when admission refused it (server/session.py)
 PICK_HOLD_S = 2.0  # a router's choice counts as a stream on its replica until Ray confirms it, at most this long
-PRELOADED_VOICES = 256  # a starting replica loads the prompts of the most recently changed voices
 # The environment of a local cluster's processes (`serve_replicas`; on a cluster, that of `ray start`): the proxy
 # middlewares, and Ray Serve's gRPC data plane between the proxy and the replicas (what its throughput-optimized
 # mode uses; a few ms less per request than Ray actor calls), whose message cap must hold the largest response
@@ -130,8 +124,6 @@ class ReplicaSpec:
     # "module:callable" applied to the built engine, whose result the app serves (benchmarks/scale_overhead.py
     # swaps synthesis for a stand-in to measure the serving path alone); None: the engine itself
     engine_hook: str | None = None
-    # the engine and its server in a child process, the replica forwarding to it (scale/engine_process.py)
-    engine_process: bool = field(default_factory=lambda: os.environ.get("COSYSTREAM_ENGINE_PROCESS", "1") != "0")
 
     def __post_init__(self) -> None:
         if self.voice_store not in ("file", "actor"):
@@ -207,29 +199,6 @@ class RemoteVoiceStore:
 
 
 # ---------------------------------------------------------------- the replica
-
-class _VoiceAnnouncingEngine:
-    """The engine as the app sees it, except that registering or deleting a voice is announced to every
-    replica (which drop their in-memory copy) before the request answers."""
-
-    def __init__(self, engine: Any, announce: Any) -> None:
-        self._engine = engine
-        self._announce = announce
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
-
-    async def add_voice(self, name: str, audio: Any, prompt_text: str) -> Any:
-        info = await self._engine.add_voice(name, audio, prompt_text)
-        await self._announce(name)
-        return info
-
-    async def delete_voice(self, name: str) -> None:
-        try:
-            await self._engine.delete_voice(name)
-        finally:
-            await self._announce(name)  # also after a failed delete: another replica may have removed it
-
 
 class _ReplicaHeaders:
     """ASGI wrapper: every HTTP response and WebSocket accept names the replica that served it, and a request
@@ -313,17 +282,13 @@ def defer_proxy_lookup() -> bool:
     return True
 
 
-def _noop() -> None:
-    return None
-
-
 @serve.ingress()
 class CosyStreamReplica:
-    """One engine and the unchanged server app; Ray Serve's ASGI ingress for every route."""
+    """Ray Serve's ASGI ingress for every route: forwards each request to the engine process it started
+    (scale/engine_process.py) and answers what concerns the whole application."""
 
     async def __init__(self, spec: ReplicaSpec) -> None:
-        from cosystream.engine.async_engine import AsyncEngine
-        from cosystream.server.app import build_app, configure_logging
+        from cosystream.server.app import configure_logging
 
         configure_logging(spec.log_level)
         defer_proxy_lookup()
@@ -333,113 +298,55 @@ class CosyStreamReplica:
         self.device = spec.device or ("cuda" if ray.get_gpu_ids() else "cpu")
         self._deployment_id = (context.app_name, context.deployment)
         self.peers = serve.get_deployment_handle(context.deployment, context.app_name)
-        self.engine_process: EngineProcess | None = None
-        if spec.engine_process:
-            self.engine_process = await EngineProcess.start(spec, self.replica_id, self.device,
-                                                            ray.get_runtime_context().gcs_address)
-            self._forwarder = Forwarder(self.engine_process, self._cluster_answer, self._announce_voice_change)
-            log.info("event=replica_ready replica=%s pid=%d engine_pid=%d device=%s", self.replica_id, os.getpid(),
-                     self.engine_process.process.pid, self.device)
-            return
-        dtype = spec.dtype or ("float32" if self.device == "cpu" else "bfloat16")
-        voices_db = spec.voices_db
-        remote_store = None
-        if spec.voice_store == "actor":
-            remote_store = RemoteVoiceStore(voice_store_actor(spec.voices_db))
-            voices_db = str(Path(tempfile.mkdtemp(prefix="cosystream_replica_")) / "unused_voices.db")
-        loop = asyncio.get_running_loop()
-        engine = await loop.run_in_executor(None, lambda: AsyncEngine.from_pretrained(
-            spec.model_dir, device=self.device, dtype=dtype, voices_db=voices_db, **spec.engine_kwargs))
-        if remote_store is not None:
-            engine.voices.close()
-            engine.voices = remote_store
-        if spec.engine_hook:
-            engine = pkgutil.resolve_name(spec.engine_hook)(engine)
-        if spec.settings.warmup:
-            # before the constructor returns: Ray routes to a replica only once it is constructed
-            await loop.run_in_executor(None, engine.warmup)
-        self.engine = engine
-        settings = dataclasses.replace(spec.settings, warmup=False)  # warmed up above
-        self.server_app = build_app(_VoiceAnnouncingEngine(engine, self._announce_voice_change), settings)
-        self.state = self.server_app.state.server
-        self._add_cluster_routes(self.server_app)
-        await loop.run_in_executor(engine.pool, self._preload_voices)
-        log.info("event=replica_ready replica=%s pid=%d device=%s", self.replica_id, os.getpid(), self.device)
+        # loaded, warmed up and listening before the constructor returns: Ray routes to a replica once it is built
+        self.engine = await EngineProcess.start(spec, self.replica_id, self.device,
+                                                ray.get_runtime_context().gcs_address)
+        self._forwarder = Forwarder(self.engine, self._cluster_answer, self._announce_voice_change)
+        log.info("event=replica_ready replica=%s pid=%d engine_pid=%d device=%s", self.replica_id, os.getpid(),
+                 self.engine.pid, self.device)
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
-        return _ReplicaHeaders(self._forwarder if self.engine_process else self.server_app, self.replica_id)
+        return _ReplicaHeaders(self._forwarder, self.replica_id)
 
     def __del__(self) -> None:
-        if getattr(self, "engine_process", None) is not None:
-            self.engine_process.stop()
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.stop()
 
     # -------------------------------------------------------- what Ray asks of a replica
     async def record_routing_stats(self) -> dict[str, Any]:
-        """The LoadReport the router ranks replicas by (published every ROUTING_STATS_PERIOD_S): with the prompt
-        keys this replica holds, under the names requests give them (scale/proxy.py finds a request's key)."""
-        if self.engine_process is not None:
-            return await self.engine_process.get_json("report", timeout_s=ROUTING_STATS_PERIOD_S * 4)
-        from cosystream.server.openai_speech import OPENAI_VOICES
-
-        settings = self.state.settings
-        voices = held_voice_names(self.engine.cached_voices(), settings.voice_aliases, settings.default_voice,
-                                  sorted(OPENAI_VOICES))
-        cached_uploads = getattr(self.engine, "cached_uploads", list)
-        return report_from_server(self.state, voices, [upload_key(d) for d in cached_uploads()]).as_dict()
+        """The LoadReport the router ranks replicas by (published every ROUTING_STATS_PERIOD_S), made by the
+        engine process: with the prompt keys it holds, under the names requests give them (scale/proxy.py finds
+        a request's key)."""
+        return await self.engine.get_json("report", timeout_s=4 * ROUTING_STATS_PERIOD_S)
 
     async def check_health(self) -> None:
-        """Raise when the engine loop stopped or does not run a no-op within health_timeout_s (a wedged GPU):
-        Ray then stops routing to this replica and replaces it."""
-        if self.engine_process is not None:
-            self.engine_process.check_alive()
-            await self.engine_process.get_json("health", timeout_s=self.spec.health_timeout_s + 1.0)
-            return
-        self.state.check_alive()
-        timeout_s = self.spec.health_timeout_s
-        loop = asyncio.get_running_loop()
-        ping = loop.run_in_executor(None, lambda: self.engine.core.call(_noop, timeout_s=timeout_s))
-        await asyncio.wait_for(ping, timeout_s)
+        """Raise when the engine process ended, or its engine loop stopped or does not run a no-op within
+        health_timeout_s (a wedged GPU): Ray then stops routing to this replica and replaces it."""
+        self.engine.check_alive()
+        await self.engine.get_json("health", timeout_s=self.spec.health_timeout_s + 1.0)
 
     # -------------------------------------------------------- calls between replicas (handle.broadcast)
     async def voice_changed(self, name: str) -> str:
-        """Another replica registered or deleted `name`: drop this replica's copy, then load the stored one
+        """Another replica registered or deleted `name`: the engine drops its copy, then loads the stored one
         (if any), so the next request here uses what the store holds now."""
-        if self.engine_process is not None:
-            await self.engine_process.post_json("voice_changed", name=name)
-            return self.replica_id
-        await self.engine.drop_cached_voice(name)
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self.engine.pool, self._load_voice, name)
+        await self.engine.post_json("voice_changed", name=name)
         return self.replica_id
 
     async def metrics_text(self) -> tuple[str, str]:
-        if self.engine_process is not None:
-            return self.replica_id, await self.engine_process.get_text("metrics")
-        return self.replica_id, self.state.metrics.render().decode()
+        return self.replica_id, await self.engine.get_text("metrics")
 
     async def finished_request(self, request_id: str) -> dict[str, Any] | None:
         """A finished request's record, with the replica that kept it (`replica`)."""
-        if self.engine_process is not None:
-            found = await self.engine_process.get_json("finished", request_id=request_id)
-            return None if found is None else {**found, "replica": self.replica_id}
-        record = self.state.finished.get(request_id)
-        return None if record is None else {**record.model_dump(mode="json"), "replica": self.replica_id}
+        found = await self.engine.get_json("finished", request_id=request_id)
+        return None if found is None else {**found, "replica": self.replica_id}
 
     async def describe(self) -> dict[str, Any]:
-        return {"replica": self.replica_id, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
-                "device": self.device, "load": await self.record_routing_stats(),
-                **({"engine_pid": self.engine_process.process.pid} if self.engine_process is not None else {})}
+        return {"replica": self.replica_id, "pid": os.getpid(), "engine_pid": self.engine.pid,
+                "node_id": ray.get_runtime_context().get_node_id(), "device": self.device,
+                "load": await self.record_routing_stats()}
 
     # -------------------------------------------------------- helpers
-    def _load_voice(self, name: str) -> None:
-        with contextlib.suppress(cosy_errors.CosyStreamError):  # deleted: nothing to hold
-            self.engine.voice_prompt(name)
-
-    def _preload_voices(self) -> None:
-        recent = sorted(self.engine.list_voices(), key=lambda info: info.updated_at, reverse=True)
-        for info in recent[:PRELOADED_VOICES]:
-            self._load_voice(info.name)
-
     async def _announce_voice_change(self, name: str) -> None:
         response = self.peers.broadcast("voice_changed", name)
         try:
@@ -458,35 +365,15 @@ class CosyStreamReplica:
         results = await asyncio.wait_for(response.results_async(return_exceptions=True), PEER_CALL_TIMEOUT_S)
         return [r for r in results if not isinstance(r, BaseException)]
 
-    def _add_cluster_routes(self, app: FastAPI) -> None:
-        """Routes that answer for the whole application rather than this replica. They come before the app's own
-        routes of the same paths and sit behind its middleware (API keys, body limit) like every route."""
-        num_routes = len(app.router.routes)
-        app.add_api_route("/metrics", self._metrics, methods=["GET"], tags=["ops"], include_in_schema=True,
-                          summary="Prometheus metrics of every replica, each sample labelled `replica`")
-        app.add_api_route("/ready", self._ready, methods=["GET"], tags=["ops"],
-                          summary="Readiness of the application: 200 while a replica serves (status degraded "
-                                  "while fewer than all are running), 503 otherwise")
-        app.add_api_route("/v1/requests/{request_id}", self._finished_request, methods=["GET"], tags=["native"],
-                          summary="A finished request's stage times, from whichever replica served it")
-        app.add_api_route("/v1/replicas", self._replicas, methods=["GET"], tags=["ops"],
-                          summary="Every live replica: id, process, node, device and its load report")
-        routes = app.router.routes
-        routes[:] = routes[num_routes:] + routes[:num_routes]  # matched first, so they shadow the app's own
-        app.openapi_schema = None
-
-    async def _metrics(self) -> Response:
-        texts = dict(await self._peer_results("metrics_text"))
-        return Response(merge_metrics(texts), media_type=CONTENT_TYPE)
-
+    # -------------------------------------------------------- routes that answer for the whole application
     async def _cluster_answer(self, route: str, scope: Scope) -> ASGIApp:
-        """The answer to an application-wide route the engine process handed back (it checked the API key and,
-        for /ready, that this replica serves)."""
+        """The answer to an application-wide route the engine process handed back (CLUSTER_ROUTES; it checked
+        the API key and, for /ready, that this replica serves)."""
         try:
             if route == "metrics":
                 return await self._metrics()
             if route == "ready":
-                return await self._ready(checked=True)
+                return await self._ready()
             if route == "finished":
                 return await self._finished_request(scope["path"].rsplit("/", 1)[-1])
             if route == "replicas":
@@ -495,9 +382,11 @@ class CosyStreamReplica:
             return error.response()
         return ApiError(404, "not_found", f"path: {scope['path']} is not a route", field="path").response()
 
-    async def _ready(self, checked: bool = False) -> JSONResponse:
-        if not checked:
-            self.state.check_ready()  # this replica serves: the application does
+    async def _metrics(self) -> Response:
+        texts = dict(await self._peer_results("metrics_text"))
+        return Response(merge_metrics(texts), media_type=CONTENT_TYPE)
+
+    async def _ready(self) -> JSONResponse:
         running, target = await run_in_threadpool(_replica_counts, *self._deployment_id)
         status = "ok" if running >= target else "degraded"
         return JSONResponse({"status": status, "replicas_running": running, "replicas_target": target})

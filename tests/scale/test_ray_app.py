@@ -469,39 +469,6 @@ def test_example_config_builds_the_application(tmp_path) -> None:
     assert spec.engine_kwargs == {**application["args"]["config"], "first_audio_budget_s": budget}
 
 
-class _Core:
-    """An engine core whose thread takes `delay_s` to reach a message (0: a healthy loop)."""
-
-    def __init__(self, delay_s: float, error: BaseException | None = None) -> None:
-        self.delay_s = delay_s
-        self.error = error
-
-    def call(self, fn, timeout_s: float):  # noqa: ANN001, ANN201 (EngineCore.call's shape)
-        time.sleep(self.delay_s)  # a wedged thread answers late, whatever the caller's timeout
-        return fn()
-
-
-def test_health_check_fails_for_a_stopped_or_wedged_engine() -> None:
-    """Ray takes a replica out of routing when check_health raises (here without a cluster)."""
-    import asyncio
-    from types import SimpleNamespace
-
-    from cosystream.scale.ray_app import CosyStreamReplica
-    from cosystream.server.errors import ApiError
-    from cosystream.server.state import ServerState
-
-    def replica(core: _Core) -> SimpleNamespace:
-        engine = SimpleNamespace(core=core)
-        return SimpleNamespace(spec=SimpleNamespace(health_timeout_s=0.3), engine=engine,
-                               state=ServerState(engine, ServerSettings()))
-
-    asyncio.run(CosyStreamReplica.check_health(replica(_Core(0.0))))  # healthy: returns
-    with pytest.raises(asyncio.TimeoutError):  # the engine thread does not get to the no-op in time
-        asyncio.run(CosyStreamReplica.check_health(replica(_Core(1.0))))
-    with pytest.raises(ApiError, match="engine stopped"):  # the engine loop ended
-        asyncio.run(CosyStreamReplica.check_health(replica(_Core(0.0, error=RuntimeError("CUDA error")))))
-
-
 def test_a_local_cluster_gives_each_gpu_replica_its_share_of_the_cpus(monkeypatch) -> None:
     """Ray sets a replica's OpenMP threads to the CPUs it reserved (1 unless told), where one server process
     has them all: on a GPU machine each replica reserves its GPU's share of the CPUs, less one for Ray."""
