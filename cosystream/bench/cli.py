@@ -93,9 +93,10 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--procs", type=int, default=1,
                    help="client processes a level's streams (or arrivals) are split over, so the client's own "
                         "CPU is not part of what it measures at high concurrency (warm-up: in this process)")
-    p.add_argument("--http-client", choices=HTTP_CLIENTS, default="httpx",
-                   help="the HTTP targets' client: httpx, or HTTP/1.1 on bare asyncio streams ('raw': less of the "
-                        "load generator's own CPU in what it measures at high concurrency)")
+    p.add_argument("--http-client", choices=HTTP_CLIENTS, default="raw",
+                   help="the HTTP targets' client: HTTP/1.1 on bare asyncio streams ('raw', the default: less of the "
+                        "load generator's own CPU in what it measures at high concurrency, far less with uploads), "
+                        "or httpx")
     p.add_argument("--tag", action="append", default=[], metavar="KEY=VALUE",
                    help="a fact about the run kept in the JSON's meta.tags, e.g. commit=abc1234 or gpu=H100; "
                         "repeatable")

@@ -333,7 +333,8 @@ class RawHttpClient:
     c=16 first audio p90 6.0-7.7 ms against 8.1-8.8 with httpx, p95 6.2-8.7 against 11.7-30.4, and the client
     keeps up with 1.2-1.8x the audio per second. Same records and connection reuse as HttpClient. Against the GPU
     server (H100, docs/benchmarks.md, twenty-second session) it took 1-2 ms off c=1's first audio and left c=16's
-    p90 where httpx had it (145 and 150 ms against 151 and 147), so httpx stays the default.
+    p90 where httpx had it (145 and 150 ms against 151 and 147). With a prompt recording uploaded in every request
+    it hands the server the whole body far sooner than httpx (docs/benchmarks.md, "Knobs"): so it is the default.
     """
 
     def __init__(self, url: str, target: str, spec: RequestSpec, timeout_s: float, origin_s: float) -> None:
@@ -447,7 +448,7 @@ async def fetch_server_times(url: str, records: list[RequestRecord], timeout_s: 
 
 
 def make_client(url: str, target: str, spec: RequestSpec, timeout_s: float, origin_s: float,
-                http_client: str = "httpx") -> HttpClient | RawHttpClient | WsClient:
+                http_client: str = "raw") -> HttpClient | RawHttpClient | WsClient:
     """The client of a target: WebSocket sessions for "ws", else HTTP through httpx or `RawHttpClient`."""
     if target == "ws":
         return WsClient(url, spec, timeout_s, origin_s)

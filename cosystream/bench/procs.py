@@ -39,7 +39,7 @@ class ClientJob:
     origin_s: float
     plan: LevelPlan
     seed: int
-    http_client: str = "httpx"
+    http_client: str = "raw"
 
 
 def split_plan(plan: LevelPlan, procs: int) -> list[LevelPlan]:
