@@ -101,7 +101,8 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
     async def announce(name: str) -> None:
         return None
 
-    app = _ReplicaHeaders(Forwarder(engine, cluster, announce), "hop") if not args.direct else _Direct(engine)
+    forwarder = Forwarder(engine, cluster, announce, spec.settings.max_upload_bytes)
+    app = _Direct(engine) if args.direct else _ReplicaHeaders(forwarder, "hop")
     body = json.dumps({"text": "Hi there.", "response_format": "pcm", "force_tokens": sum(CHUNK_TOKENS)}).encode()
     try:
         await level(app, body, 20, 1)  # warm: connections, the app's first requests

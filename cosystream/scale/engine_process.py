@@ -416,12 +416,16 @@ VoiceAnnounce = Callable[[str], Awaitable[None]]
 class Forwarder:
     """The replica's ASGI app: every HTTP request and WebSocket goes to the engine process, with what the
     replica knows of it (INTERNAL_HEADERS); `cluster(route, scope)` answers the application-wide routes the child
-    hands back, `announce(name)` tells every replica of a voice a request changed before its response starts."""
+    hands back, `announce(name)` tells every replica of a voice a request changed before its response starts.
+    A request body goes to the engine process whole, so the replica holds it to `max_body_bytes` (the server's
+    upload limit) itself and answers 413 past it, as the server would, before it has read more."""
 
-    def __init__(self, engine: EngineProcess, cluster: ClusterAnswer, announce: VoiceAnnounce) -> None:
+    def __init__(self, engine: EngineProcess, cluster: ClusterAnswer, announce: VoiceAnnounce,
+                 max_body_bytes: int) -> None:
         self.engine = engine
         self.cluster = cluster
         self.announce = announce
+        self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -437,7 +441,13 @@ class Forwarder:
             return await self._websocket(scope, receive, send)
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = await _read_body(receive)
+        try:
+            body = await _read_body(scope, receive, self.max_body_bytes)
+        except BodyTooLarge:
+            from cosystream.server.errors import ApiError
+
+            error = ApiError(413, "payload_too_large", f"body: larger than the limit of {self.max_body_bytes} bytes")
+            return await error.response()(scope, receive, send)
         if body is None:
             return  # the client left before it sent the body
         query = scope.get("query_string", b"")
@@ -528,13 +538,26 @@ async def _lifespan(receive: Receive, send: Send) -> None:
             return
 
 
-async def _read_body(receive: Receive) -> bytes | None:
-    parts = []
+class BodyTooLarge(Exception):
+    pass
+
+
+async def _read_body(scope: Scope, receive: Receive, max_bytes: int) -> bytes | None:
+    """The whole request body, None when the client left first; BodyTooLarge past `max_bytes`, by its
+    Content-Length before reading or while reading (a chunked upload has none)."""
+    length = dict(scope["headers"]).get(b"content-length")
+    if length is not None and length.isdigit() and int(length) > max_bytes:
+        raise BodyTooLarge
+    parts, size = [], 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             return None
-        parts.append(message.get("body", b""))
+        part = message.get("body", b"")
+        size += len(part)
+        if size > max_bytes:
+            raise BodyTooLarge
+        parts.append(part)
         if not message.get("more_body", False):
             return b"".join(parts)
 

@@ -301,7 +301,8 @@ class CosyStreamReplica:
         # loaded, warmed up and listening before the constructor returns: Ray routes to a replica once it is built
         self.engine = await EngineProcess.start(spec, self.replica_id, self.device,
                                                 ray.get_runtime_context().gcs_address)
-        self._forwarder = Forwarder(self.engine, self._cluster_answer, self._announce_voice_change)
+        self._forwarder = Forwarder(self.engine, self._cluster_answer, self._announce_voice_change,
+                                    spec.settings.max_upload_bytes)
         log.info("event=replica_ready replica=%s pid=%d engine_pid=%d device=%s", self.replica_id, os.getpid(),
                  self.engine.pid, self.device)
 

@@ -4,6 +4,7 @@ replica's ASGI side (its headers layer and the forwarder) in front of a real chi
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -36,6 +37,7 @@ from cosystream.server.state import ServerSettings  # noqa: E402
 
 SAMPLES_PER_TOKEN = 960
 REPLICA_ID = "r1"
+MAX_BODY_BYTES = 1 << 20  # the replica's own limit on a body it holds for the engine process
 
 
 def _spec(model_dir: Path, voices_db: Path) -> ReplicaSpec:
@@ -50,7 +52,7 @@ class _Replica:
     def __init__(self, engine: EngineProcess) -> None:
         self.announced: list[str] = []
         self.cluster_routes: list[str] = []
-        self.app = _ReplicaHeaders(Forwarder(engine, self._cluster, self._announce), REPLICA_ID)
+        self.app = _ReplicaHeaders(Forwarder(engine, self._cluster, self._announce, MAX_BODY_BYTES), REPLICA_ID)
 
     async def _cluster(self, route: str, scope: dict) -> httpx.Response:
         from fastapi.responses import JSONResponse
@@ -112,6 +114,44 @@ def test_requests_reach_the_engine_process_with_what_the_replica_knows(model_dir
             await engine.close()
             engine.stop()
         assert engine.exit_code() == 0  # it ended when its stdin closed, without being killed
+
+    asyncio.run(run())
+
+
+def test_a_body_past_the_upload_limit_is_refused_by_the_replica_before_it_holds_more(model_dir, tmp_path) -> None:
+    """The replica holds a body before the engine process sees it: an endless upload (or one whose
+    Content-Length says too much) gets 413 once past the limit, without the replica reading on."""
+    async def endless_upload(replica: _Replica, headers: list[tuple[bytes, bytes]]) -> tuple[int, dict, int]:
+        sent: list[dict] = []
+        received = 0
+
+        async def receive() -> dict:
+            nonlocal received
+            received += 1
+            return {"type": "http.request", "body": b"x" * 65536, "more_body": True}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/tts", "query_string": b"", "state": {},
+                 "headers": [(b"content-type", b"multipart/form-data; boundary=b"), *headers],
+                 "client": ("127.0.0.1", 1)}
+        await asyncio.wait_for(replica.app(scope, receive, send), 30)
+        body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+        return sent[0]["status"], json.loads(body), received
+
+    async def run() -> None:
+        engine = await EngineProcess.start(_spec(model_dir, tmp_path / "voices.db"), REPLICA_ID, "cpu", None)
+        replica = _Replica(engine)
+        try:
+            status, body, received = await endless_upload(replica, [])
+            assert status == 413 and body["error"]["code"] == "payload_too_large", body
+            assert received * 65536 <= MAX_BODY_BYTES + 65536  # it stopped reading once past the limit
+            status, body, received = await endless_upload(replica, [(b"content-length", b"%d" % (2 * MAX_BODY_BYTES))])
+            assert status == 413 and received == 0  # refused on its length, nothing read
+        finally:
+            await engine.close()
+            engine.stop()
 
     asyncio.run(run())
 
