@@ -61,7 +61,8 @@ HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"te
                         b"proxy-connection", b"content-length"})  # of a request (the client sets its own)
 RESPONSE_HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding"})
 PRELOADED_VOICES = 256  # a starting engine loads the prompts of the most recently changed voices
-READY_TIMEOUT_S = 1800.0  # loading and warming up a model (CUDA graph capture) on a cold machine
+READY_TIMEOUT_S = 1800.0
+MAX_START_ERROR_BYTES = 4096  # loading and warming up a model (CUDA graph capture) on a cold machine
 STOP_TIMEOUT_S = 10.0
 
 
@@ -305,7 +306,11 @@ def child_main() -> None:
     args: ChildArgs = pickle.load(sys.stdin.buffer)
     _exit_with_parent()
     configure_logging(args.spec.log_level)
-    engine = build_engine(args)
+    try:
+        engine = build_engine(args)
+    except BaseException as exc:  # the replica's error says why, not only that the process ended
+        os.write(args.ready_fd, f"error {type(exc).__name__}: {exc}".encode()[:MAX_START_ERROR_BYTES])
+        raise
     app = build_child_app(engine, args)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.bind(args.socket_path)
@@ -355,13 +360,15 @@ class EngineProcess:
         process.stdin.flush()  # kept open: the child ends when it closes
         loop = asyncio.get_running_loop()
         try:
-            said = await asyncio.wait_for(loop.run_in_executor(None, os.read, ready_r, 16), READY_TIMEOUT_S)
+            said = await asyncio.wait_for(loop.run_in_executor(None, os.read, ready_r, MAX_START_ERROR_BYTES),
+                                          READY_TIMEOUT_S)
         finally:
             os.close(ready_r)
         if said != b"ready":
             process.kill()
-            raise EngineProcessDied(f"the engine process (pid {process.pid}) ended before it was ready, exit code "
-                                    f"{process.wait()}; its log is in the replica's")
+            why = said.decode(errors="replace").removeprefix("error ") or "no reason given (see the replica's log)"
+            raise EngineProcessDied(f"the engine process (pid {process.pid}) could not start, exit code "
+                                    f"{process.wait()}: {why}")
         return cls(process, socket_path)
 
     @property

@@ -177,6 +177,12 @@ def test_a_dead_engine_process_fails_health_and_requests_clearly(model_dir, tmp_
     asyncio.run(run())
 
 
+def test_an_engine_process_that_cannot_start_says_why(tmp_path) -> None:
+    spec = _spec(tmp_path / "no_model_here", tmp_path / "voices.db")
+    with pytest.raises(EngineProcessDied, match="could not start.*no_model_here"):
+        asyncio.run(EngineProcess.start(spec, REPLICA_ID, "cpu", None))
+
+
 class _Core:
     """An engine core whose thread takes `delay_s` to reach a message (0: a healthy loop)."""
 
