@@ -156,58 +156,74 @@ def _float(text: str | None) -> float | None:
         return None
 
 
+INTERNAL_ROUTES = ("report", "health", "metrics", "finished", "voice_changed")
+
+
 def build_child_app(engine: Any, args: ChildArgs) -> ASGIApp:
     """The server app of one replica's engine, with the routes the replica asks through (INTERNAL_PREFIX) and
     the application-wide routes it answers itself (CLUSTER_HEADER)."""
-    from fastapi import FastAPI
+    from cosystream.server.app import build_app
+
+    internal = tuple(f"{INTERNAL_PREFIX}/{name}" for name in INTERNAL_ROUTES)
+    settings = dataclasses.replace(args.spec.settings, warmup=False,  # warmed up before the socket answers
+                                   auth_exempt_paths=args.spec.settings.auth_exempt_paths + internal)
+    app = build_app(_VoiceNotingEngine(engine), settings)
+    _add_internal_routes(app, engine, args.spec.health_timeout_s)
+    _add_cluster_routes(app)
+    return FromReplica(app)
+
+
+def _add_internal_routes(app: Any, engine: Any, health_timeout_s: float) -> None:
+    """The replica's questions: its load report, health, this engine's metrics, a finished request's record, a
+    voice to drop and reload."""
     from fastapi.responses import JSONResponse, Response
 
     from cosystream.scale.load import held_voice_names, report_from_server, upload_key
-    from cosystream.server.app import build_app
     from cosystream.server.metrics import CONTENT_TYPE
     from cosystream.server.openai_speech import OPENAI_VOICES
 
-    internal = tuple(f"{INTERNAL_PREFIX}/{name}" for name in ("report", "health", "metrics", "finished",
-                                                              "voice_changed"))
-    settings = dataclasses.replace(args.spec.settings, warmup=False,  # warmed up before the socket answers
-                                   auth_exempt_paths=args.spec.settings.auth_exempt_paths + internal)
-    app: FastAPI = build_app(_VoiceNotingEngine(engine), settings)
     state = app.state.server
-    spec = args.spec
 
-    def report() -> dict[str, Any]:
+    async def report() -> JSONResponse:
         settings = state.settings
         voices = held_voice_names(engine.cached_voices(), settings.voice_aliases, settings.default_voice,
                                   sorted(OPENAI_VOICES))
         cached_uploads = getattr(engine, "cached_uploads", list)
-        return report_from_server(state, voices, [upload_key(d) for d in cached_uploads()]).as_dict()
+        return JSONResponse(report_from_server(state, voices, [upload_key(d) for d in cached_uploads()]).as_dict())
 
-    async def internal_report() -> JSONResponse:
-        return JSONResponse(report())
-
-    async def internal_health() -> JSONResponse:
+    async def health() -> JSONResponse:
         state.check_alive()
         loop = asyncio.get_running_loop()
         await asyncio.wait_for(loop.run_in_executor(
-            None, lambda: engine.core.call(_noop, timeout_s=spec.health_timeout_s)), spec.health_timeout_s)
+            None, lambda: engine.core.call(_noop, timeout_s=health_timeout_s)), health_timeout_s)
         return JSONResponse({"pid": os.getpid()})
 
-    async def internal_metrics() -> Response:
+    async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
-    async def internal_finished(request_id: str) -> JSONResponse:
+    async def finished(request_id: str) -> JSONResponse:
         record = state.finished.get(request_id)
         return JSONResponse(None if record is None else record.model_dump(mode="json"))
 
-    async def internal_voice_changed(name: str) -> JSONResponse:
+    async def voice_changed(name: str) -> JSONResponse:
         await engine.drop_cached_voice(name)
         await asyncio.get_running_loop().run_in_executor(engine.pool, _load_voice, engine, name)
         return JSONResponse({"pid": os.getpid()})
 
-    for path, handler, methods in ((internal[0], internal_report, ["GET"]), (internal[1], internal_health, ["GET"]),
-                                   (internal[2], internal_metrics, ["GET"]), (internal[3], internal_finished, ["GET"]),
-                                   (internal[4], internal_voice_changed, ["POST"])):
-        app.add_api_route(path, handler, methods=methods, include_in_schema=False)
+    handlers = {"report": report, "health": health, "metrics": metrics, "finished": finished,
+                "voice_changed": voice_changed}
+    for name in INTERNAL_ROUTES:
+        app.add_api_route(f"{INTERNAL_PREFIX}/{name}", handlers[name],
+                          methods=["POST" if name == "voice_changed" else "GET"], include_in_schema=False)
+
+
+def _add_cluster_routes(app: Any) -> None:
+    """The application-wide routes, answered by the replica (CLUSTER_HEADER) once this app let them through:
+    past its API key check, and for /ready once this replica serves. They come before the app's own routes of the
+    same paths."""
+    from fastapi.responses import Response
+
+    state = app.state.server
 
     def delegate(route: str) -> Response:
         return Response(status_code=200, headers={CLUSTER_HEADER.decode(): route})
@@ -216,7 +232,7 @@ def build_child_app(engine: Any, args: ChildArgs) -> ASGIApp:
         return delegate("metrics")
 
     async def cluster_ready() -> Response:
-        state.check_ready()  # this replica serves: the application does, if Ray agrees
+        state.check_ready()
         return delegate("ready")
 
     async def cluster_finished(request_id: str) -> Response:
@@ -238,8 +254,6 @@ def build_child_app(engine: Any, args: ChildArgs) -> ASGIApp:
     routes = app.router.routes
     routes[:] = routes[num_routes:] + routes[:num_routes]  # matched first, so they shadow the app's own
     app.openapi_schema = None
-    app.state.report = report
-    return FromReplica(app)
 
 
 def _noop() -> None:
