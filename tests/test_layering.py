@@ -22,6 +22,8 @@ FORBIDDEN = {
     "kernels": {"checkpoint", "frontend", "models", "engine", "server", "bench", "cli"},
     "server": {"models", "frontend", "checkpoint", "bench"},
     "bench": {"engine", "models", "frontend", "checkpoint"},
+    # Ray Serve around the server: each replica's engine process builds the engine and the server app
+    "scale": {"models", "frontend", "checkpoint", "kernels", "bench", "cli"},
 }
 
 
