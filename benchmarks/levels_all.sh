@@ -67,11 +67,8 @@ http)
   BENCH="python3 -m cosystream.cli bench --url http://127.0.0.1:$PORT --target tts --workload /tmp/wl/workload.json \
     --warmup-requests 3 --tag commit=$C"
   for run in 1 2; do
-    for client in httpx raw; do
-      stamp "c=1,16 over HTTP, $client, run $run"
-      timeout 100 $BENCH --http-client "$client" --concurrency 1,16 --requests-per-level 80 --tag "client=$client" \
-        --out "$OUT/http_${client}_r$run.json" 2>&1 | rows
-    done
+    stamp "c=1,16 over HTTP, run $run"
+    timeout 100 $BENCH --concurrency 1,16 --requests-per-level 80 --out "$OUT/http_r$run.json" 2>&1 | rows
   done
   stamp "first hop 15 over HTTP"
   timeout 60 $BENCH --first-hop 15 --concurrency 1 --requests-per-level 32 --out "$OUT/http_hop15.json" 2>&1 | rows

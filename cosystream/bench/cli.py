@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 from cosystream.bench.clients import (
-    HTTP_CLIENTS,
     TARGETS,
     RequestSpec,
     endpoint_url,
@@ -93,10 +92,6 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--procs", type=int, default=1,
                    help="client processes a level's streams (or arrivals) are split over, so the client's own "
                         "CPU is not part of what it measures at high concurrency (warm-up: in this process)")
-    p.add_argument("--http-client", choices=HTTP_CLIENTS, default="raw",
-                   help="the HTTP targets' client: HTTP/1.1 on bare asyncio streams ('raw', the default: less of the "
-                        "load generator's own CPU in what it measures at high concurrency, far less with uploads), "
-                        "or httpx")
     p.add_argument("--tag", action="append", default=[], metavar="KEY=VALUE",
                    help="a fact about the run kept in the JSON's meta.tags, e.g. commit=abc1234 or gpu=H100; "
                         "repeatable")
@@ -238,9 +233,9 @@ async def _run(args: argparse.Namespace, spec: RequestSpec, upload: VoiceUpload 
         if upload is not None:
             await _register(args.url, upload, args.timeout)
         origin_s = time.perf_counter()
-        client = make_client(args.url, args.target, spec, args.timeout, origin_s, args.http_client)
+        client = make_client(args.url, args.target, spec, args.timeout, origin_s)
         def in_processes(plan: LevelPlan, seed: int) -> Any:
-            job = ClientJob(args.url, args.target, spec, args.timeout, origin_s, plan, seed, args.http_client)
+            job = ClientJob(args.url, args.target, spec, args.timeout, origin_s, plan, seed)
             return run_level_in_processes(job, args.procs, stop)
 
         async def server_times(records: list[RequestRecord]) -> None:
@@ -312,7 +307,6 @@ def _meta(args: argparse.Namespace, spec: RequestSpec, plans: list[LevelPlan], s
         "client_loop": "uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
         "request": asdict(spec), "levels": [asdict(p) for p in plans], "warmup_requests": args.warmup_requests,
         "timeout_s": args.timeout, "seed": args.seed, "client_procs": args.procs,
-        "http_client": args.http_client if args.target != "ws" else None,
     }
 
 

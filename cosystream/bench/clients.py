@@ -30,7 +30,6 @@ from cosystream.errors import error_code
 from cosystream.outputs import SAMPLE_RATE
 
 TARGETS = ("tts", "ws", "openai")
-HTTP_CLIENTS = ("httpx", "raw")  # the HTTP targets' client: httpx, or HTTP/1.1 on bare asyncio streams
 PATHS = {"tts": "/v1/tts", "ws": "/v1/tts/stream", "openai": "/v1/audio/speech"}
 REFUSAL_STATUSES = (503, 429)  # admission control: overloaded / rate limited
 SAMPLES_PER_TOKEN = 960  # 24 kHz samples per speech token (25 Hz)
@@ -198,74 +197,6 @@ class PromptBytes:
         return self.audio[:-4] + tag
 
 
-class HttpClient:
-    """POSTs to `/v1/tts` or `/v1/audio/speech` and reads the chunked PCM body.
-
-    Each request in flight has a connection of its own, kept alive for a later request, as independent
-    users would. PERF: one httpx client per connection, not one pool for all: a shared pool walks every
-    connection on each request event, and at 16 streams that made the load generator, not the server, the
-    slowest part of a closed-loop wave (its requests went out one after another over tens of ms).
-    """
-
-    def __init__(self, url: str, target: str, spec: RequestSpec, timeout_s: float, origin_s: float) -> None:
-        self.url, self.target, self.spec = endpoint_url(url, target), target, spec
-        self.timeout_s, self.origin_s = timeout_s, origin_s
-        self._idle: list[httpx.AsyncClient] = []  # connections no request uses now
-        self._all: list[httpx.AsyncClient] = []
-        # PERF: one TLS context for every connection (httpx loads the CA bundle per client otherwise: ~13 ms
-        # of the loop's time for each new user of an open-loop burst)
-        self._ssl = httpx.create_ssl_context()
-        self._prompt = PromptBytes(spec)
-
-    def _connection(self) -> httpx.AsyncClient:
-        if self._idle:
-            return self._idle.pop()
-        # no proxies from the environment (loopback); one keep-alive connection
-        client = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s), trust_env=False, verify=self._ssl,
-                                   limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))
-        self._all.append(client)
-        return client
-
-    async def send(self, level: str, index: int) -> RequestRecord:
-        client = self._connection()
-        try:
-            return await self._send(client, level, index)
-        finally:
-            self._idle.append(client)
-
-    async def _send(self, client: httpx.AsyncClient, level: str, index: int) -> RequestRecord:
-        timeline = Timeline(level, index, self.origin_s, self.spec.sample_rate, self.spec.expected_audio_s)
-        body = build_body(self.target, self.spec, index)
-        prompt = self._prompt.next()
-        if prompt is None:
-            payload: dict[str, Any] = {"json": body}
-        else:  # the prompt recording goes with every request
-            payload = {"data": form_fields(body), "files": {"prompt_wav": ("prompt.wav", prompt, "audio/wav")}}
-
-        async def stream() -> None:
-            async with client.stream("POST", self.url, **payload) as response:
-                timeline.record.status = response.status_code
-                if response.status_code != 200:
-                    text = (await response.aread()).decode(errors="replace")
-                    if response.status_code in REFUSAL_STATUSES and error_code(text) != "engine_dead":
-                        _refuse(timeline, response.status_code, response.headers)
-                    else:
-                        timeline.fail(f"HTTP {response.status_code}: {text[:MAX_ERROR_BODY]}", response.status_code)
-                else:
-                    _keep_request_id(timeline, response.headers.get("x-request-id"))
-                    pcm = PcmCounter()
-                    async for data in response.aiter_bytes():
-                        timeline.audio(pcm.add(data))
-
-        return await run_timed(stream, timeline, self.timeout_s)
-
-    async def aclose(self) -> None:
-        for client in self._all:
-            await client.aclose()
-        self._all.clear()
-        self._idle.clear()
-
-
 def multipart_body(fields: dict[str, str], file_field: str, filename: str, data: bytes, content_type: str
                    ) -> tuple[bytes, str]:
     """(multipart/form-data body, its Content-Type header) of text fields and one file."""
@@ -324,17 +255,15 @@ class _Http1:
         self.writer.close()
 
 
-class RawHttpClient:
-    """HttpClient's requests (`--http-client raw`) over HTTP/1.1 written here on asyncio streams, no httpx.
+class HttpClient:
+    """POSTs to `/v1/tts` or `/v1/audio/speech` and reads the chunked PCM body, over HTTP/1.1 written here on
+    asyncio streams. Each request in flight has a connection of its own, kept alive for a later request, as
+    independent users would.
 
-    PERF: the load generator's own CPU is part of what it measures at high concurrency (a closed-loop wave of
-    16 requests leaves one Python process one after another). Against the real app around a fake engine that
-    answers each wave of 16 at once (benchmarks/server_overhead.py, a 2-core workstation; docs/benchmarks.md):
-    c=16 first audio p90 6.0-7.7 ms against 8.1-8.8 with httpx, p95 6.2-8.7 against 11.7-30.4, and the client
-    keeps up with 1.2-1.8x the audio per second. Same records and connection reuse as HttpClient. Against the GPU
-    server (H100, docs/benchmarks.md, twenty-second session) it took 1-2 ms off c=1's first audio and left c=16's
-    p90 where httpx had it (145 and 150 ms against 151 and 147). With a prompt recording uploaded in every request
-    it hands the server the whole body far sooner than httpx (docs/benchmarks.md, "Knobs"): so it is the default.
+    PERF: the load generator's own CPU is part of what it measures at high concurrency (a closed-loop wave of 16
+    requests leaves one Python process one after another), and most of all with a recording uploaded in every
+    request: a general HTTP client's multipart upload left the server the whole body tens of ms after its
+    headers (docs/benchmarks.md, "Registered voice and zero-shot").
     """
 
     def __init__(self, url: str, target: str, spec: RequestSpec, timeout_s: float, origin_s: float) -> None:
@@ -447,15 +376,12 @@ async def fetch_server_times(url: str, records: list[RequestRecord], timeout_s: 
     return filled
 
 
-def make_client(url: str, target: str, spec: RequestSpec, timeout_s: float, origin_s: float,
-                http_client: str = "raw") -> HttpClient | RawHttpClient | WsClient:
-    """The client of a target: WebSocket sessions for "ws", else HTTP through httpx or `RawHttpClient`."""
+def make_client(url: str, target: str, spec: RequestSpec, timeout_s: float, origin_s: float
+                ) -> HttpClient | WsClient:
+    """The client of a target: WebSocket sessions for "ws", else HTTP (`HttpClient`)."""
     if target == "ws":
         return WsClient(url, spec, timeout_s, origin_s)
-    if http_client not in HTTP_CLIENTS:
-        raise ValueError(f"--http-client: one of {HTTP_CLIENTS}, got {http_client!r}")
-    kind = RawHttpClient if http_client == "raw" else HttpClient
-    return kind(url, target, spec, timeout_s, origin_s)
+    return HttpClient(url, target, spec, timeout_s, origin_s)
 
 
 def _handshake_status(exc: Exception) -> int | None:

@@ -39,7 +39,6 @@ class ClientJob:
     origin_s: float
     plan: LevelPlan
     seed: int
-    http_client: str = "raw"
 
 
 def split_plan(plan: LevelPlan, procs: int) -> list[LevelPlan]:
@@ -151,7 +150,7 @@ async def _run_share(job: ClientJob, barrier: Any, conn: Connection) -> tuple[li
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_reader(conn.fileno(), stop.set)  # the parent's "stop" (or its end of file) ends the share
-    client = make_client(job.url, job.target, job.spec, job.timeout_s, job.origin_s, job.http_client)
+    client = make_client(job.url, job.target, job.spec, job.timeout_s, job.origin_s)
     try:
         await loop.run_in_executor(None, barrier.wait, START_TIMEOUT_S)
         return await run_level(client.send, job.plan, stop, job.seed)

@@ -15,7 +15,6 @@ from cosystream.bench.cli import add_bench_parser
 from cosystream.bench.clients import (
     HttpClient,
     PcmCounter,
-    RawHttpClient,
     RequestSpec,
     build_body,
     endpoint_url,
@@ -46,16 +45,13 @@ def write_workload(tmp_path: Path, texts: list[str]) -> Path:
 # ---- end to end through the CLI -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("http_client", ["httpx", "raw"])
-def test_tts_target_counts_underruns_and_refusals(fake_server: FakeServer, tmp_path: Path, http_client: str) -> None:
+def test_tts_target_counts_underruns_and_refusals(fake_server: FakeServer, tmp_path: Path) -> None:
     workload = write_workload(tmp_path, ["fast one.", "slow one.", "busy one."])
     out, plot = tmp_path / "results.json", tmp_path / "results.png"
     status = run_cli("--url", fake_server.url, "--workload", str(workload), "--concurrency", "1,3",
-                     "--requests-per-level", "6", "--warmup-requests", "1", "--out", str(out), "--plot", str(plot),
-                     "--http-client", http_client)
+                     "--requests-per-level", "6", "--warmup-requests", "1", "--out", str(out), "--plot", str(plot))
     assert status == 0
     results = json.loads(out.read_text())
-    assert results["meta"]["http_client"] == http_client
     assert results["schema"] == "cosystream-bench/1" and results["meta"]["target"] == "tts"
     for level in results["levels"]:  # requests 0..5 cycle fast, slow, busy
         assert (level["num_requests"], level["num_ok"], level["num_refused"], level["num_errors"]) == (6, 4, 2, 0)
@@ -79,13 +75,11 @@ def test_tts_target_counts_underruns_and_refusals(fake_server: FakeServer, tmp_p
     assert body["force_tokens"] == 25 and "seed" not in body  # no --seed: the server's own
 
 
-@pytest.mark.parametrize("http_client", ["httpx", "raw"])
-def test_openai_target_errors_and_wav_header(fake_server: FakeServer, tmp_path: Path, http_client: str) -> None:
+def test_openai_target_errors_and_wav_header(fake_server: FakeServer, tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     status = run_cli("--url", fake_server.url, "--target", "openai", "--voice", "alloy", "--text", "fast.",
                      "--text", "broken.", "--text", "wav fast.", "--requests-per-level", "3",
-                     "--warmup-requests", "0", "--out", str(out), "--tag", "commit=abc1234", "--tag", "gpu = H100",
-                     "--http-client", http_client)
+                     "--warmup-requests", "0", "--out", str(out), "--tag", "commit=abc1234", "--tag", "gpu = H100")
     assert status == 0
     results = json.loads(out.read_text())
     assert results["meta"]["tags"] == {"commit": "abc1234", "gpu": "H100"}
@@ -122,9 +116,9 @@ def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--tag: expected KEY=VALUE, got 'no-equals-sign'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("kind", [HttpClient, RawHttpClient])
-async def test_request_timeout_keeps_partial_audio(fake_server: FakeServer, kind: type) -> None:
-    client = kind(fake_server.url, "tts", RequestSpec(texts=("hang.",)), timeout_s=0.3, origin_s=time.perf_counter())
+async def test_request_timeout_keeps_partial_audio(fake_server: FakeServer) -> None:
+    client = HttpClient(fake_server.url, "tts", RequestSpec(texts=("hang.",)), timeout_s=0.3,
+                        origin_s=time.perf_counter())
     try:
         t0 = time.perf_counter()
         rec = await client.send("c=1", 0)
@@ -134,10 +128,9 @@ async def test_request_timeout_keeps_partial_audio(fake_server: FakeServer, kind
     assert rec.error == "timeout after 0.3 s" and rec.first_audio_s is not None and rec.audio_s == 0.1
 
 
-@pytest.mark.parametrize("kind", [HttpClient, RawHttpClient])
-async def test_each_request_in_flight_has_its_own_kept_alive_connection(fake_server: FakeServer, kind: type) -> None:
-    client = kind(fake_server.url, "tts", RequestSpec(texts=("fast connections.",)), timeout_s=10.0,
-                  origin_s=time.perf_counter())
+async def test_each_request_in_flight_has_its_own_kept_alive_connection(fake_server: FakeServer) -> None:
+    client = HttpClient(fake_server.url, "tts", RequestSpec(texts=("fast connections.",)), timeout_s=10.0,
+                        origin_s=time.perf_counter())
 
     seen_before = len(fake_server.requests)  # the fake server is shared by the session's tests
 
@@ -262,9 +255,7 @@ def test_default_plans_are_bounded() -> None:
         LevelPlan("concurrency", 1.5, 4)
 
 
-@pytest.mark.parametrize("http_client", ["httpx", "raw"])
-def test_a_prompt_recording_goes_with_every_tts_request(fake_server: FakeServer, tmp_path: Path,
-                                                        http_client: str) -> None:
+def test_a_prompt_recording_goes_with_every_tts_request(fake_server: FakeServer, tmp_path: Path) -> None:
     """--prompt-wav: zero-shot without a registered voice. Every /v1/tts request is multipart with the
     recording and its transcript; no voice is named or registered."""
     wav = tmp_path / "prompt.wav"
@@ -274,7 +265,7 @@ def test_a_prompt_recording_goes_with_every_tts_request(fake_server: FakeServer,
     seen_before = len(fake_server.requests)
     status = run_cli("--url", fake_server.url, "--workload", str(workload), "--prompt-wav", str(wav),
                      "--prompt-text", "hello there.", "--requests-per-level", "2", "--warmup-requests", "0",
-                     "--out", str(out), "--http-client", http_client)
+                     "--out", str(out))
     assert status == 0
     assert json.loads(out.read_text())["levels"][0]["num_ok"] == 2
     seen = fake_server.requests[seen_before:]
@@ -286,9 +277,8 @@ def test_a_prompt_recording_goes_with_every_tts_request(fake_server: FakeServer,
     assert not [r for r in seen if r["path"] == "/v1/voices"]
 
 
-@pytest.mark.parametrize("http_client", ["httpx", "raw"])
 def test_distinct_prompts_upload_another_recording_of_the_same_length_each_time(
-        fake_server: FakeServer, tmp_path: Path, http_client: str) -> None:
+        fake_server: FakeServer, tmp_path: Path) -> None:
     """--distinct-prompts: a content-keyed cache on the server never hits (a caller's voice cloned per call);
     only the recording's last 4 bytes differ, so its length and voice stay the workload's."""
     wav = tmp_path / "prompt.wav"
@@ -297,7 +287,7 @@ def test_distinct_prompts_upload_another_recording_of_the_same_length_each_time(
     seen_before = len(fake_server.requests)
     status = run_cli("--url", fake_server.url, "--workload", str(workload), "--prompt-wav", str(wav),
                      "--distinct-prompts", "--requests-per-level", "3", "--warmup-requests", "1",
-                     "--out", str(tmp_path / "results.json"), "--http-client", http_client)
+                     "--out", str(tmp_path / "results.json"))
     assert status == 0
     sent = [r for r in fake_server.requests[seen_before:] if r["path"] == "/v1/tts"]
     head = wav.read_bytes()[:-4]
@@ -352,14 +342,14 @@ def test_a_prompt_upload_validates_against_the_server_protocol() -> None:
     assert (start.voice, start.prompt_wav, start.prompt_text) == (None, True, "hello there.")
 
 
-def test_the_raw_client_refuses_a_url_it_cannot_speak_to() -> None:
+def test_the_http_client_refuses_a_url_it_cannot_speak_to() -> None:
     spec = RequestSpec(texts=("x.",))
     with pytest.raises(ValueError, match="--url: expected http"):
-        RawHttpClient("ftp://127.0.0.1:21", "tts", spec, 1.0, 0.0)
+        HttpClient("ftp://127.0.0.1:21", "tts", spec, 1.0, 0.0)
 
 
-async def test_the_raw_client_records_a_dead_server_as_an_error(unused_tcp_port: int) -> None:
-    client = RawHttpClient(f"http://127.0.0.1:{unused_tcp_port}", "tts", RequestSpec(texts=("x.",)), 2.0,
+async def test_the_http_client_records_a_dead_server_as_an_error(unused_tcp_port: int) -> None:
+    client = HttpClient(f"http://127.0.0.1:{unused_tcp_port}", "tts", RequestSpec(texts=("x.",)), 2.0,
                            time.perf_counter())
     rec = await client.send("c=1", 0)
     assert not rec.ok and (rec.error or "").startswith("ConnectionRefusedError")

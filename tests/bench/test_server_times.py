@@ -22,21 +22,21 @@ TIMES = StageTimes(queue_s=0.001, frontend_s=0.002, llm_prefill_s=0.003, first_t
                    first_chunk_vocoder_s=0.003, first_audio_s=0.04, total_s=0.5, num_tokens=2, audio_s=0.08)
 
 
-def _bench(url: str, tmp_path: Path, target: str, http_client: str, capsys) -> tuple[list[dict], str]:
+def _bench(url: str, tmp_path: Path, target: str, capsys) -> tuple[list[dict], str]:
     out = tmp_path / "run.json"
     code = run_cli("--url", url, "--target", target, "--voice", "alice", "--text", "Hello there.",
                    "--concurrency", "2", "--requests-per-level", "4", "--warmup-requests", "1",
-                   "--http-client", http_client, "--out", str(out))
+                   "--out", str(out))
     assert code == 0
     records = [r for r in json.loads(out.read_text())["requests"] if r["level"] == "c=2"]
     assert len(records) == 4 and all(r["error"] is None for r in records)
     return records, capsys.readouterr().out
 
 
-@pytest.mark.parametrize(("target", "http_client"), [("tts", "httpx"), ("tts", "raw"), ("openai", "httpx")])
-def test_every_request_gets_the_server_s_stage_times(tmp_path: Path, capsys, target: str, http_client: str) -> None:
+@pytest.mark.parametrize("target", ["tts", "openai"])
+def test_every_request_gets_the_server_s_stage_times(tmp_path: Path, capsys, target: str) -> None:
     with fake_server(ServerSettings(), FakeEngine(times=TIMES)) as server:
-        records, printed = _bench(server.base_url, tmp_path, target, http_client, capsys)
+        records, printed = _bench(server.base_url, tmp_path, target, capsys)
     for record in records:
         got = record["server"]
         assert got["request_id"].startswith("req_") and got["outcome"] == "ok"
@@ -50,7 +50,7 @@ def test_every_request_gets_the_server_s_stage_times(tmp_path: Path, capsys, tar
 
 def test_requests_the_server_no_longer_keeps_stay_without_times(tmp_path: Path, capsys) -> None:
     with fake_server(ServerSettings(requests_kept=1), FakeEngine(times=TIMES)) as server:
-        records, _ = _bench(server.base_url, tmp_path, "tts", "httpx", capsys)
+        records, _ = _bench(server.base_url, tmp_path, "tts", capsys)
     kept = [r for r in records if "first_audio_s" in r["server"]]
     assert len(kept) == 1 and kept[0]["server"]["first_audio_s"] == TIMES.first_audio_s  # the one it still holds
     dropped = [r for r in records if r not in kept]
@@ -59,7 +59,7 @@ def test_requests_the_server_no_longer_keeps_stay_without_times(tmp_path: Path, 
 
 def test_the_websocket_done_event_s_stage_times_make_the_breakdown(tmp_path: Path, capsys) -> None:
     with fake_server(ServerSettings(), FakeEngine(times=TIMES)) as server:
-        records, printed = _bench(server.base_url, tmp_path, "ws", "httpx", capsys)
+        records, printed = _bench(server.base_url, tmp_path, "ws", capsys)
     assert all(r["server"]["first_chunk_flow_s"] == TIMES.first_chunk_flow_s for r in records)
     row = next(line for line in printed.splitlines() if line.startswith("| c=2, all |"))
     assert row.split("|")[7].strip() == "15"
