@@ -16,13 +16,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from cosystream.testing.audio import tone_wav
+from cosystream.testing.ray_extra import import_ray_or_skip
 
-try:
-    import ray  # noqa: F401 (the replica's module needs it)
-except ImportError:  # the optional extra: CI installs it and must not skip
-    if os.environ.get("CI", "").lower() == "true":
-        raise
-    pytest.skip("ray[serve] is not installed (pip install cosystream[ray])", allow_module_level=True)
+import_ray_or_skip()  # the replica's module needs it
 
 from cosystream.scale.engine_process import (  # noqa: E402
     INTERNAL_PREFIX,

@@ -27,15 +27,10 @@ from websockets.sync.client import connect
 
 from cosystream.engine.voices import VoiceStore
 from cosystream.testing.audio import tone_wav
+from cosystream.testing.ray_extra import import_ray_or_skip
 from cosystream.testing.refusal import REFUSE_DIR_ENV, refusal_marker
 
-try:
-    import ray
-    from ray import serve
-except ImportError:  # the optional extra: CI installs it and must not skip
-    if os.environ.get("CI", "").lower() == "true":
-        raise
-    pytest.skip("ray[serve] is not installed (pip install cosystream[ray])", allow_module_level=True)
+ray, serve = import_ray_or_skip()
 
 from cosystream.scale.proxy import LOST_CODE  # noqa: E402
 from cosystream.scale.ray_app import (  # noqa: E402
