@@ -287,11 +287,40 @@ class HttpClient:
             return json.dumps(body).encode(), "application/json"
         return multipart_body(form_fields(body), "prompt_wav", "prompt.wav", prompt, "audio/wav")
 
-    async def _connection(self) -> _Http1:
-        if self._idle:
-            return self._idle.pop()
+    async def _connection(self) -> tuple[_Http1, bool]:
+        """An idle kept-alive connection (True: reused), else a new one; idle ones the server has closed meanwhile
+        are dropped."""
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.reader.at_eof():
+                return conn, True
+            conn.close()
+        return await self._new_connection(), False
+
+    async def _new_connection(self) -> _Http1:
         reader, writer = await asyncio.open_connection(self.host, self.port, ssl=self.tls)
         return _Http1(reader, writer)
+
+    async def _request(self, head: bytes, body: bytes) -> tuple[_Http1, int, dict[str, str]]:
+        """Send on a connection; a kept-alive one that the server closed before answering (its idle timeout
+        racing this request: no byte of a response came back, so the server did not take the request) is
+        replaced by a new connection once, as HTTP clients do."""
+        conn, reused = await self._connection()
+        try:
+            return conn, *await conn.request(head, body)
+        except (asyncio.IncompleteReadError, ConnectionResetError, BrokenPipeError) as exc:
+            conn.close()
+            if not reused or (isinstance(exc, asyncio.IncompleteReadError) and exc.partial):
+                raise
+        except BaseException:
+            conn.close()
+            raise
+        conn = await self._new_connection()
+        try:
+            return conn, *await conn.request(head, body)
+        except BaseException:
+            conn.close()
+            raise
 
     async def send(self, level: str, index: int) -> RequestRecord:
         timeline = Timeline(level, index, self.origin_s, self.spec.sample_rate, self.spec.expected_audio_s)
@@ -300,10 +329,9 @@ class HttpClient:
                 f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
 
         async def stream() -> None:
-            conn = await self._connection()
+            conn, status, headers = await self._request(head, body)
             reusable = False
             try:
-                status, headers = await conn.request(head, body)
                 timeline.record.status = status
                 if status != 200:
                     text = b"".join([data async for data in conn.body(headers)]).decode(errors="replace")

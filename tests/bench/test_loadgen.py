@@ -151,6 +151,50 @@ async def test_each_request_in_flight_has_its_own_kept_alive_connection(fake_ser
     assert not client._idle and not getattr(client, "_all", [])  # aclose closed every connection
 
 
+async def _closing_keep_alive_server(heads: list[bytes]) -> asyncio.Server:
+    """Answers each connection's first request (kept alive) and drops the connection when a second one comes,
+    without a byte of response: a server whose idle timeout closed the connection just as the client reused it."""
+    pcm = b"\x00\x00" * 2400
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        answered = False
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                heads.append(head)
+                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length"))
+                await reader.readexactly(length)
+                if answered:
+                    return
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: audio/pcm\r\nTransfer-Encoding: chunked\r\n\r\n"
+                             + f"{len(pcm):x}\r\n".encode() + pcm + b"\r\n0\r\n\r\n")
+                await writer.drain()
+                answered = True
+        except asyncio.IncompleteReadError:
+            pass
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(serve, "127.0.0.1", 0)
+
+
+async def test_a_kept_alive_connection_the_server_dropped_is_replaced_once() -> None:
+    heads: list[bytes] = []
+    server = await _closing_keep_alive_server(heads)
+    port = server.sockets[0].getsockname()[1]
+    client = HttpClient(f"http://127.0.0.1:{port}", "tts", RequestSpec(texts=("again.",)), timeout_s=5.0,
+                        origin_s=time.perf_counter())
+    try:
+        records = [await client.send("c=1", i) for i in range(3)]
+    finally:
+        await client.aclose()
+        server.close()
+        await server.wait_closed()
+    assert [(r.ok, r.error, r.audio_s) for r in records] == [(True, None, 0.1)] * 3
+    assert len(heads) == 5  # the second and third requests went out twice: on the dropped connection, then anew
+
+
 # ---- request building -----------------------------------------------------------------------------------
 
 
