@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cosystream.engine import faults, runners
+from cosystream.engine import runners
 from cosystream.engine.chunking import ChunkPlan
 from cosystream.engine.request import RequestState, Segment
 from cosystream.engine.scheduler import Scheduler
@@ -141,14 +141,11 @@ def run_jobs(t2w: runners.Token2WavRunner, jobs: list[ChunkJob], device: torch.d
     Euler steps; then the whole result is None (nothing voiced: the jobs go on in a later batch)."""
     t2w.watch.start()
     opening = [job for job in jobs if job.open_args is not None]
-    prompts = _prompts_together(t2w, opening, device)
-    t2w.watch.lap("prompts")
-    for job, prompt in zip(opening, prompts, strict=True):
-        try:
-            job.state = t2w.start(**job.open_args, **({} if prompt is None else {"prompt": prompt}))
-        except Exception as e:  # e.g. out of memory building the voice's prompt state
-            faults.release_device_memory(e, device)
-            job.error = e
+    for job, state in zip(opening, t2w.open_streams([job.open_args for job in opening]), strict=True):
+        if isinstance(state, Exception):  # e.g. out of memory building the voice's prompt state
+            job.error = state
+        else:
+            job.state = state
     t2w.watch.lap("open")
     if phases is not None:
         jobs.extend(_riders(t2w, phases, i))
@@ -163,21 +160,6 @@ def run_jobs(t2w: runners.Token2WavRunner, jobs: list[ChunkJob], device: torch.d
         t2w.opened()
     by_job = {id(job): result for job, result in zip(runnable, results, strict=True)}
     return [by_job.get(id(job)) for job in jobs]
-
-
-def _prompts_together(t2w: runners.Token2WavRunner, opening: list[ChunkJob], device: torch.device) -> list:
-    """The encoded prompts of the streams a phase opens, built in one go where the runner can
-    (`prompt_caches`: new voices' flow passes batched); None each where it cannot, or where the batched
-    build failed (each stream then builds its own in `start`, and fails alone)."""
-    build = getattr(t2w, "prompt_caches", None)
-    if build is None or len(opening) < 2:
-        return [None] * len(opening)
-    try:
-        return build([(job.open_args["inputs"], job.open_args["voice_key"], job.open_args["stored"])
-                      for job in opening])
-    except Exception as e:  # e.g. out of memory for the whole group
-        faults.release_device_memory(e, device)
-        return [None] * len(opening)
 
 
 def stop_test(worker: ChunkWorker | None, jobs: Sequence[ChunkJob]) -> Callable[[], bool] | None:

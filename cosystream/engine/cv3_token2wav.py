@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from cosystream.config import ChunkSchedule
 from cosystream.cuda_graphs import BATCH_BUCKETS, bucket, capture_stream
+from cosystream.engine import runners
 from cosystream.engine.chunking import ChunkPlan, ChunkPlanner
 from cosystream.engine.graphs import GraphCache
 from cosystream.engine.stopwatch import Stopwatch
@@ -121,6 +122,10 @@ class CV3Token2WavRunner:
             with torch.inference_mode():
                 pooled = PooledFlowStream(self.pool, prompt_token, prompt_feat, embedding, blocks)
         return CV3Token2WavState(stream=stream, key=key, speed=speed, pooled=pooled)
+
+    def open_streams(self, items: Sequence[dict[str, Any]]) -> list[CV3Token2WavState | Exception]:
+        """Each stream opens on its own (`start`); one that cannot gets its exception."""
+        return runners.open_one_by_one(self, items, self.device)
 
     def _fits(self, prompt_frames: int) -> bool:
         """Whether a slot holds the prompt and at least one chunk after it."""

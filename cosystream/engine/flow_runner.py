@@ -15,12 +15,13 @@ slot when its first chunk fits; its chunks past the slot recompute every frame a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
+from cosystream import cuda_graphs
 from cosystream.cuda_graphs import bucket
 from cosystream.engine import flow_fast
 from cosystream.engine.flow_passes import LEN_BUCKET, WholePasses
@@ -29,11 +30,23 @@ from cosystream.engine.stopwatch import Stopwatch
 from cosystream.kernels import flow as flow_kernels
 from cosystream.kernels import reference as reference_kernels
 from cosystream.kernels import triton_usable
+from cosystream.models.cfm import VelocityFn
 from cosystream.models.estimator import PooledKV, StepTimes
 from cosystream.models.flow import LOOKAHEAD_CONTEXT, UP_CONTEXT, UPSAMPLE, EncoderState, Flow
-from cosystream.models.flow_stream import EncoderProgress, FlowStream, PromptCache
+from cosystream.models.flow_stream import EncoderProgress, FlowStream, PromptCache, Window
 
 _ENCODER_ROWS = (1, 2, 4, 8, 16, 32)  # streams per batched encoder step (graph buckets)
+
+
+@dataclass
+class PromptPassEvents:
+    """A new voice's prompt pass on the prompt lane (`FlowRunner.open_new_voices`), as CUDA events: its encoder
+    step done, each Euler step done (the step's keys and conv tails in the slot and in the voice's cache), and
+    the whole pass done."""
+
+    encoded: torch.cuda.Event
+    steps: list[torch.cuda.Event]
+    done: torch.cuda.Event
 
 
 @dataclass
@@ -45,6 +58,21 @@ class PooledStream(EncoderProgress):
     encoder: EncoderState
     is_finished: bool = False
     closed: bool = False  # its slot was given back
+    building: PromptPassEvents | None = None  # its prompt pass, still running on the prompt lane when not None
+
+
+class PromptLane:
+    """The CUDA stream new voices' prompt passes run on, beside the token-to-wave worker's, so that a first
+    chunk follows its prompt pass step by step instead of waiting for all of it (`FlowRunner.advance`). Its
+    graphs are its own, captured on a stream of its own: graphs that replay at the same time must not share
+    cuBLAS workspaces or a memory pool (engine/graphs.py)."""
+
+    def __init__(self, runner: FlowRunner, use_graphs: bool) -> None:
+        device = runner.device
+        self.stream = torch.cuda.Stream(device)
+        captures = cuda_graphs.capture_stream(device)
+        self.encoder_graphs = GraphCache(runner._encode_core, device, use_graphs, stream=captures)
+        self.step_graphs = GraphCache(runner._ode_step, device, use_graphs, stream=captures)
 
 
 class FlowRunner(WholePasses):
@@ -83,6 +111,10 @@ class FlowRunner(WholePasses):
         self.t_steps = torch.tensor(self.cfm.t_steps, device=self.device, dtype=torch.float32)
         self.dt_steps = torch.tensor(self.cfm.dt_steps, device=self.device, dtype=torch.float32)
         self.recompute_graphs = GraphCache(self._recompute_core, self.device, use_graphs, stream=capture_stream)
+        # a first chunk whose stream's prompt pass still runs: its ODE one graph per Euler step, each waiting for
+        # that step of the pass
+        self.step_graphs = GraphCache(self._ode_step, self.device, use_graphs, stream=capture_stream)
+        self.lane = PromptLane(self, use_graphs) if self.device.type == "cuda" else None
         self._step = maybe_compile(self._estimator_step, compile)
         self.watch = watch or Stopwatch(self.device)
         self.attention_ops = flow_kernels if fused_kernels and triton_usable(self.device) else reference_kernels
@@ -93,6 +125,7 @@ class FlowRunner(WholePasses):
         # Each Euler step's time terms made once (Estimator.step_times) where graphs replay them as constants
         # (CUDA): there they save ~15 launches a step. On the CPU every path embeds t row by row, so that the
         # pooled, eager and final passes keep computing the same float sums (a one-row GEMM sums differently).
+        self._step_markers = [torch.empty(k, device=self.device, dtype=torch.int8) for k in range(steps)]
         self.step_index = torch.arange(steps, device=self.device)  # a final pass's Euler step, as a graph input
         self.step_times: list[StepTimes] | None = None  # each Euler step's, when constant
         self.final_times: tuple[torch.Tensor, torch.Tensor] | None = None  # (t_emb [S, 4C], ResNet terms [S, 14C])
@@ -131,6 +164,8 @@ class FlowRunner(WholePasses):
         slot = self.free.pop(0)
         rows = slice(2 * slot, 2 * slot + 2)
         n = prompt.kv.shape[-2]
+        if prompt.written is not None:  # a voice's cache its prompt pass still writes on the prompt lane
+            torch.cuda.current_stream(self.device).wait_event(prompt.written)
         try:
             self.kv[:, :, :, rows, :n] = prompt.kv
             self.conv[:, rows] = prompt.conv
@@ -144,13 +179,28 @@ class FlowRunner(WholePasses):
     @torch.inference_mode()
     def build_prompt_caches(self, stream: FlowStream,
                             prompts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> list[PromptCache]:
-        """FlowStream.build_prompt_cache for voices whose prompt caches have one length, through the pool: their
-        frames advance in free slots as one chunk (one graphed ODE for all), then leave them as
-        PromptCaches. prompts: (tokens [1, P], mel [1, 2P, 80], xvector [1, 192]) each; their token counts
-        may differ as long as their caches end at one chunk boundary (`FlowStream.prompt_cache_tokens`: the
-        tokens past it only give look-ahead). PERF: the eager pass launches each op of ten estimator steps
-        from Python: ≈ 0.5 s per 6 s prompt on the H100, on the first chunk's path of every request in a
-        voice not in memory."""
+        """New voices' PromptCaches, their streams closed at once (`open_new_voices`, for voices registered
+        ahead of any request): the caller may use them as soon as this returns."""
+        opened = self.open_new_voices(stream, prompts)
+        for pooled, _ in opened:
+            self.close(pooled)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return [cache for _, cache in opened]
+
+    @torch.inference_mode()
+    def open_new_voices(self, stream: FlowStream, prompts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+                        ) -> list[tuple[PooledStream, PromptCache]]:
+        """Open a stream for each new voice, with the flow run over its prompt's frames in its own slot (one
+        batched pass for all), and the voice's PromptCache for later streams. prompts: (tokens [1, P], mel
+        [1, 2P, 80], xvector [1, 192]) each; their token counts may differ as long as their caches end at one
+        chunk boundary (`FlowStream.prompt_cache_tokens`: the tokens past it only give look-ahead).
+
+        On CUDA the pass runs on the prompt lane and this returns once it is queued: each stream's first chunk
+        waits for it step by step (`advance`), a stream opened from the cache waits for all of it (`open`).
+        PERF: the pass is one ODE over the prompt's frames (≈ 33 ms for a 6 s prompt alone on the H200), on the
+        first chunk's path of every request in a voice not in memory; waited for whole, it held the first chunk
+        back by that much."""
         empties = [stream.empty_prompt(*prompt) for prompt in prompts]
         boundaries = {stream.prompt_cache_tokens(empty.prompt_tokens.shape[0]) for empty in empties}
         if len(boundaries) != 1 or len(empties) > len(self.free):
@@ -161,16 +211,77 @@ class FlowRunner(WholePasses):
         try:
             for empty in empties:
                 pooled.append(self.open(empty))
+            caches = [self._cache_buffers(empty, boundary) for empty in empties]
             if boundary > 0:
                 ahead = boundary + stream.lookahead
-                self.advance(pooled, [(e.prompt_tokens[:boundary], e.prompt_tokens[boundary:ahead]) for e in empties])
-            return [PromptCache(e.prompt_tokens, e.prompt_mel, e.spks, p.encoder.trimmed(),
-                                self.kv[:, :, :, 2 * p.slot:2 * p.slot + 2, :p.num_frames].clone(),
-                                self.conv[:, 2 * p.slot:2 * p.slot + 2].clone())
-                    for e, p in zip(empties, pooled, strict=True)]
-        finally:
+                windows = [(e.prompt_tokens[:boundary], e.prompt_tokens[boundary:ahead]) for e in empties]
+                if self.lane is None:
+                    self.advance(pooled, windows)
+                    self._copy_into_caches(pooled, caches, range(self.cfm.num_steps))
+                else:
+                    self._prompt_pass_on_lane(pooled, windows, caches)
+            else:
+                self._copy_into_caches(pooled, caches, range(self.cfm.num_steps))
+        except BaseException:
             for p in pooled:
                 self.close(p)
+            raise
+        for p, cache in zip(pooled, caches, strict=True):
+            p.prompt = cache  # the voice's, as for a stream opened from it (the same tokens, mel and speaker)
+        return list(zip(pooled, caches, strict=True))
+
+    def _cache_buffers(self, empty: PromptCache, boundary: int) -> PromptCache:
+        """The voice's PromptCache to be filled for a prompt pass up to token `boundary` (on the worker's
+        stream: the lane writes it, later streams read it there)."""
+        frames = UPSAMPLE * boundary
+        kv = self.kv.new_empty(*self.kv.shape[:3], 2, frames, self.kv.shape[-1])
+        conv = self.conv.new_empty(self.conv.shape[0], 2, *self.conv.shape[2:])
+        return PromptCache(empty.prompt_tokens, empty.prompt_mel, empty.spks, empty.encoder, kv, conv)
+
+    def _copy_into_caches(self, pooled: Sequence[PooledStream], caches: Sequence[PromptCache],
+                          steps: Iterable[int]) -> None:
+        """The streams' keys and conv tails of these Euler steps into their voices' caches (and, first time,
+        their encoder states)."""
+        for k in steps:
+            for p, cache in zip(pooled, caches, strict=True):
+                rows = slice(2 * p.slot, 2 * p.slot + 2)
+                cache.kv[k].copy_(self.kv[k, :, :, rows, :cache.kv.shape[-2]])
+                cache.conv[k].copy_(self.conv[k, rows])
+        for p, cache in zip(pooled, caches, strict=True):
+            if cache.encoder.num_tokens != p.encoder.num_tokens:
+                cache.encoder = p.encoder.trimmed()
+
+    def _prompt_pass_on_lane(self, pooled: Sequence[PooledStream], windows: Sequence[Window],
+                             caches: Sequence[PromptCache]) -> None:
+        """The prompt pass of `advance`, queued on the prompt lane step by step with an event after each
+        (`PromptPassEvents`); each step's keys and conv tails are copied into the caches before its event, so
+        a first chunk that overwrites the slot's conv tails of that step comes after the copy."""
+        assert self.lane is not None
+        lane, worker = self.lane, torch.cuda.current_stream(self.device)
+        events = PromptPassEvents(torch.cuda.Event(), [torch.cuda.Event() for _ in range(self.cfm.num_steps)],
+                                  torch.cuda.Event())
+        lane.stream.wait_stream(worker)  # the slots' openings, and whatever last used these slots
+        for cache in caches:  # written on the lane, freed (evicted) by the worker's side: keep the lane's use
+            for t in (cache.kv, cache.conv):
+                t.record_stream(lane.stream)
+        with torch.cuda.stream(lane.stream):
+            inputs = self._ode_inputs(pooled, windows, lane.encoder_graphs, on_lane=True)
+            for p in pooled:  # the encoder's new tails: made here, read by the first chunk's encoder there
+                p.encoder.lookahead_tail.record_stream(worker)
+                p.encoder.up_tail.record_stream(worker)
+            for p, cache in zip(pooled, caches, strict=True):
+                cache.encoder = p.encoder.trimmed()
+                for t in (cache.encoder.kv_tokens, cache.encoder.kv_frames, cache.encoder.lookahead_tail,
+                          cache.encoder.up_tail):
+                    t.record_stream(worker)  # made here, read there by streams that open from the cache
+            events.encoded.record()
+            for k, _ in enumerate(self._ode_steps(inputs, lane.step_graphs)):
+                self._copy_into_caches(pooled, caches, [k])
+                events.steps[k].record()
+            events.done.record()
+        for p, cache in zip(pooled, caches, strict=True):
+            p.building = events
+            cache.written = events.done
 
     def _encoder_in_slot(self, slot: int, prompt: PromptCache) -> EncoderState:
         """The encoder state of a stream opened in `slot`: views of the slot's pool row, holding the voice's
@@ -187,24 +298,48 @@ class FlowRunner(WholePasses):
         if stream.closed:
             return
         stream.closed = True
+        if stream.building is not None:  # its prompt pass may still write the slot: nothing reuses it before
+            torch.cuda.current_stream(self.device).wait_event(stream.building.done)
+            stream.building = None
         self.free.append(stream.slot)
         self.free.sort()
 
     # ------------------------------------------------------------------ chunks
     @torch.inference_mode()
-    def advance(self, streams: Sequence[PooledStream], windows: Sequence[tuple[torch.Tensor, torch.Tensor | None]]
-                ) -> list[torch.Tensor]:
+    def advance(self, streams: Sequence[PooledStream], windows: Sequence[Window]) -> list[torch.Tensor]:
         """Encode each stream's new tokens, then integrate every stream's new frames in one graph.
 
         windows[i] = (new position ids [n], look-ahead ids [3] or None); all n must be equal.
-        Returns each stream's new frames [80, 2n] (float32), prompt frames included.
+        Returns each stream's new frames [80, 2n] (float32), prompt frames included. A stream whose prompt
+        pass still runs on the prompt lane (its first chunk) is waited for step by step: the encoder after the
+        pass's encoder step, each Euler step after the pass's same step (one graph per step).
         """
+        passes = [s.building for s in streams if s.building is not None]
+        for s in streams:
+            s.building = None  # what this stream queues from now on comes after the waits below
+        worker = torch.cuda.current_stream(self.device) if passes else None
+        for events in passes:
+            worker.wait_event(events.encoded)
+        inputs = self._ode_inputs(streams, windows, self.encoder_graphs)
+        if passes:
+            x = list(self._ode_steps(inputs, self.step_graphs, waits=passes))[-1]
+        else:
+            (x,) = self.graphs.run(inputs.key, inputs.tensors)
+        out = [x[i].clone() for i in range(len(streams))]
+        self.watch.lap("ode", tag=f"ode_{len(streams)}x{inputs.num_new}")
+        return out
+
+    def _ode_inputs(self, streams: Sequence[PooledStream], windows: Sequence[Window], encoder_graphs: GraphCache,
+                    on_lane: bool = False) -> _OdeInputs:
+        """The streams' new tokens encoded (with `encoder_graphs`) and the ODE's padded inputs. on_lane: for the
+        prompt lane's step graphs (no stage laps: the worker's stopwatch times the worker's stream)."""
         starts = [s.num_frames for s in streams]
         num_new = UPSAMPLE * windows[0][0].shape[0]
         b, padded = len(streams), bucket(len(streams))
         mu = torch.zeros(padded, self.cfm.num_bins, num_new, device=self.device, dtype=self.dtype)
-        self._encode_all(streams, windows, mu)
-        self.watch.lap("encoder")
+        self._encode_all(streams, windows, mu, encoder_graphs)
+        if not on_lane:
+            self.watch.lap("encoder")
         attn_len = self.attn_len_for(max(starts) + num_new)
         z = torch.zeros(padded, self.cfm.num_bins, num_new, device=self.device)
         z[:b] = torch.cat([self.cfm.noise(f0, num_new) for f0 in starts]).to(self.device)
@@ -218,17 +353,31 @@ class FlowRunner(WholePasses):
         start_t = torch.zeros(padded, device=self.device, dtype=torch.long)
         start_t[:b] = torch.tensor(starts, device=self.device)
         marker = torch.empty(attn_len, device=self.device, dtype=torch.int8)
-        # Capturing runs the step once outside the graph, which would advance these streams' conv tails
-        # and then replay over them: capture a new shape on the scratch slot first.
-        self.capture(padded, num_new, attn_len)
-        self.watch.lap("ode_setup")
-        (x,) = self.graphs.run((padded, num_new, attn_len), [z, mu, spks, cond, slots, start_t, marker])
-        out = [x[i].clone() for i in range(b)]
-        self.watch.lap("ode", tag=f"ode_{b}x{num_new}")
-        return out
+        if not on_lane:
+            # Capturing runs the step once outside the graph, which would advance these streams' conv tails
+            # and then replay over them: capture a new shape on the scratch slot first.
+            self.capture(padded, num_new, attn_len)
+            self.watch.lap("ode_setup")
+        return _OdeInputs((padded, num_new, attn_len), num_new, [z, mu, spks, cond, slots, start_t, marker])
 
-    def _encode_all(self, streams: Sequence[PooledStream], windows: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
-                    mu: torch.Tensor) -> None:
+    def _ode_steps(self, inputs: _OdeInputs, graphs: GraphCache,
+                   waits: Sequence[PromptPassEvents] = ()) -> Iterator[torch.Tensor]:
+        """The ODE of `_ode` one Euler step (one replay of `graphs`) at a time, each after the same step of
+        every pass in `waits`; yields the state after each step ([B, 80, C] float32, the graph's buffer)."""
+        z, mu, spks, cond, slots, start_t, marker = inputs.tensors
+        mu_in, spks_in, cond_in = self.cfm.cfg_inputs(mu, spks, cond)
+        x, rows = z, self.cfm.cfg_rows(z)
+        stream = torch.cuda.current_stream(self.device) if waits else None
+        for k in range(self.cfm.num_steps):
+            for events in waits:
+                stream.wait_event(events.steps[k])
+            self._capture_step(graphs, inputs.key, k)
+            x, rows = graphs.run((*inputs.key, k), [x, rows, mu_in, spks_in, cond_in, slots, start_t, marker,
+                                                   self._step_markers[k]])
+            yield x
+
+    def _encode_all(self, streams: Sequence[PooledStream], windows: Sequence[Window], mu: torch.Tensor,
+                    graphs: GraphCache) -> None:
         """mu[i] [80, 2n] for each stream's n new tokens; updates the streams' encoder states. Streams at the
         same token with the same window shape share one batched step."""
         groups: dict[tuple[int, int, bool], list[int]] = {}
@@ -241,14 +390,14 @@ class FlowRunner(WholePasses):
                 continue
             for part in range(0, len(members), _ENCODER_ROWS[-1]):
                 chunk = members[part:part + _ENCODER_ROWS[-1]]
-                out = self._encode_batch([streams[i] for i in chunk], [windows[i] for i in chunk])
+                out = self._encode_batch([streams[i] for i in chunk], [windows[i] for i in chunk], graphs)
                 for j, i in enumerate(chunk):
                     mu[i] = out[j]
 
     def _pooled_encoder(self, stream: PooledStream) -> bool:
         return stream.encoder.kv_tokens.data_ptr() == self.enc_tokens[stream.slot].data_ptr()
 
-    def _encode_batch(self, streams: Sequence[PooledStream], windows: Sequence[tuple[torch.Tensor, torch.Tensor | None]]
+    def _encode_batch(self, streams: Sequence[PooledStream], windows: Sequence[Window], graphs: GraphCache
                       ) -> torch.Tensor:
         """One encoder step for streams that are all at the same token: mu [B, 80, 2n].
 
@@ -267,8 +416,8 @@ class FlowRunner(WholePasses):
         la_tail[:b] = torch.stack([s.encoder.lookahead_tail for s in streams])
         up_tail[:b] = torch.stack([s.encoder.up_tail for s in streams])
         slots[:b] = torch.tensor([s.slot for s in streams], device=self.device)
-        self.capture_encoder(b, start, n, has_context)
-        mu, la_out, up_out = self.encoder_graphs.run(key, inputs)
+        self.capture_encoder(b, start, n, has_context, graphs)
+        mu, la_out, up_out = graphs.run(key, inputs)
         for i, s in enumerate(streams):
             s.encoder.lookahead_tail, s.encoder.up_tail = la_out[i].clone(), up_out[i].clone()
             s.encoder.num_tokens = start + n
@@ -287,14 +436,16 @@ class FlowRunner(WholePasses):
             torch.empty(start, device=dev, dtype=torch.int8),
             torch.empty(int(has_context), device=dev, dtype=torch.int8)]
 
-    def capture_encoder(self, batch: int, start: int, n: int, has_context: bool) -> None:
-        """Capture a batched encoder step ahead of traffic (warm-up). Capturing runs the step outside the
-        graph too, so it works on the scratch slot only."""
+    def capture_encoder(self, batch: int, start: int, n: int, has_context: bool, graphs: GraphCache | None = None
+                        ) -> None:
+        """Capture a batched encoder step ahead of traffic (warm-up), in `graphs` (the worker's by default).
+        Capturing runs the step outside the graph too, so it works on the scratch slot only."""
+        graphs = self.encoder_graphs if graphs is None else graphs
         batch = min(batch, _ENCODER_ROWS[-1])  # larger groups run in parts of this size
         key = (bucket(batch, _ENCODER_ROWS), start, n, has_context)
-        if not self.encoder_graphs.enabled or key in self.encoder_graphs.graphs or start + n > self.enc_tokens.shape[3]:
+        if not graphs.enabled or key in graphs.graphs or start + n > self.enc_tokens.shape[3]:
             return
-        self.encoder_graphs.run(*self._encoder_inputs(batch, start, n, has_context))
+        graphs.run(*self._encoder_inputs(batch, start, n, has_context))
 
     def _encode_core(self, ids, ctx, la_tail, up_tail, slots, marker, flag):
         start = marker.shape[0]
@@ -328,11 +479,25 @@ class FlowRunner(WholePasses):
     def _ode(self, z, mu, spks, cond, slots, starts, marker) -> tuple[torch.Tensor]:
         """The 10-step CFG Euler ODE for a padded batch (graph body: static shapes, no host syncs).
         Each new frame sees its own chunk and everything before it, up to the batch's last new frame."""
-        num_new = z.shape[-1]
+        return (self.cfm.solve(z, mu, spks, cond, self._velocity(z.shape[-1], slots, starts, marker.shape[0]),
+                               fused=self.solver_ops),)
+
+    def _ode_step(self, x, rows, mu_in, spks_in, cond_in, slots, starts, marker, step
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Euler step `step.shape[0]` of `_ode` (a graph of its own per step): the state x and the estimator's
+        input rows made for this step (ignored at step 0: made from x) -> the next state and rows."""
+        k = step.shape[0]
+        velocity = self._velocity(x.shape[-1], slots, starts, marker.shape[0])
+        x, rows = self.cfm.step(k, x, rows if k and self.solver_ops is not None else None, mu_in, spks_in, cond_in,
+                                velocity, self.solver_ops)
+        return x, self.cfm.cfg_rows(x) if rows is None else rows
+
+    def _velocity(self, num_new: int, slots: torch.Tensor, starts: torch.Tensor, attn_len: int) -> VelocityFn:
+        """The estimator's velocity at Euler step k for pooled streams: their new frames' keys go into their
+        slots at their starts, their conv tails are read and written there."""
         rows = torch.stack([2 * slots, 2 * slots + 1], dim=1).flatten()  # [2B]: (cond, uncond) per stream
-        write_pos = (starts.unsqueeze(1) + torch.arange(num_new, device=z.device)).repeat_interleave(2, dim=0)
+        write_pos = (starts.unsqueeze(1) + torch.arange(num_new, device=slots.device)).repeat_interleave(2, dim=0)
         limits = (starts + num_new).repeat_interleave(2, dim=0)
-        attn_len = marker.shape[0]
 
         def velocity(k: int, x, mu_in, spks_in, cond_in, t):
             conv = self.conv[k][rows]
@@ -343,7 +508,47 @@ class FlowRunner(WholePasses):
             self.conv[k][rows] = conv
             return v
 
-        return (self.cfm.solve(z, mu, spks, cond, velocity, fused=self.solver_ops),)
+        return velocity
+
+    def _capture_step(self, graphs: GraphCache, key: tuple[int, int, int], k: int) -> None:
+        """Capture Euler step k of an ODE shape ahead of its use, on the scratch slot (as `capture`)."""
+        if (*key, k) in graphs.graphs or not graphs.enabled:
+            return
+        batch, num_new, attn_len = key
+        bins, dev = self.cfm.num_bins, self.device
+        x = torch.zeros(batch, bins, num_new, device=dev)
+        rows = torch.zeros(2 * batch, bins, num_new, device=dev, dtype=self.dtype)
+        cfg = torch.zeros(2 * batch, bins, num_new, device=dev, dtype=self.dtype)
+        slots = torch.full((batch,), self.scratch, device=dev, dtype=torch.long)
+        starts = torch.zeros(batch, device=dev, dtype=torch.long)
+        marker = torch.empty(attn_len, device=dev, dtype=torch.int8)
+        spks = torch.zeros(2 * batch, bins, device=dev, dtype=self.dtype)
+        graphs.run((*key, k), [x, rows, cfg, spks, cfg.clone(), slots, starts, marker, self._step_markers[k]])
+
+    def capture_steps(self, batch: int, num_new: int, attn_len: int) -> None:
+        """Capture every Euler step of a first chunk's ODE shape, for first chunks that follow their prompt
+        passes step by step (warm-up)."""
+        for k in range(self.cfm.num_steps):
+            self._capture_step(self.step_graphs, (batch, num_new, attn_len), k)
+
+    def capture_prompt_pass(self, batch: int, boundary: int) -> None:
+        """Capture the prompt pass of `batch` new voices whose caches end at token `boundary`: its encoder
+        step and each Euler step, in the prompt lane's graphs (warm-up; the worker's own without a lane)."""
+        frames = UPSAMPLE * boundary
+        if self.lane is None:
+            self.capture(batch, frames, self.attn_len_for(frames))
+            self.capture_encoder(batch, 0, boundary, True)
+            return
+        self.capture_encoder(batch, 0, boundary, True, self.lane.encoder_graphs)
+        for k in range(self.cfm.num_steps):
+            self._capture_step(self.lane.step_graphs, (batch, frames, self.attn_len_for(frames)), k)
+
+
+@dataclass
+class _OdeInputs:
+    key: tuple[int, int, int]  # (padded batch, new frames, attended length): the ODE graph's
+    num_new: int
+    tensors: list[torch.Tensor]  # z, mu, spks, cond, slots, starts, marker (`_ode`'s arguments)
 
 
 def _prompt_cond(prompt: PromptCache, start: int, num_new: int) -> torch.Tensor:

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from cosystream.engine import faults
 from cosystream.engine.chunking import ChunkPlan
 
 # (pcm float32 at 24 kHz, flow seconds, vocoder seconds) of one chunk
@@ -105,6 +106,11 @@ class Token2WavRunner(Protocol):
     def start(self, inputs: Any, voice_key: str | None, key: Any = None, speed: float = 1.0,
               max_target_tokens: int = 256, seed: int = 0, stored: dict | None = None) -> Any: ...
 
+    def open_streams(self, items: Sequence[dict[str, Any]]) -> list[Any]:
+        """The streams a batch opens, each item `start`'s keyword arguments: each stream's state, or the
+        exception that kept it from opening (the others open)."""
+        ...
+
     def run(self, jobs: Sequence[tuple[Any, list[int], ChunkPlan]],
             should_stop: Callable[[], bool] | None = None) -> list[ChunkAudio] | None: ...
 
@@ -127,3 +133,15 @@ class Token2WavRunner(Protocol):
     def forget_voice(self, voice_key: str) -> None: ...
 
     def slot_gauges(self) -> dict[str, float]: ...
+
+
+def open_one_by_one(runner: Token2WavRunner, items: Sequence[dict[str, Any]], device: torch.device) -> list[Any]:
+    """`open_streams` for a runner whose streams open each on its own (`start`)."""
+    out: list[Any] = []
+    for item in items:
+        try:
+            out.append(runner.start(**item))
+        except Exception as e:  # e.g. out of memory building the voice's prompt state: this stream alone fails
+            faults.release_device_memory(e, device)
+            out.append(e)
+    return out

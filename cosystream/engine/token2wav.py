@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from cosystream.config import EngineConfig
 from cosystream.cuda_graphs import BATCH_BUCKETS, bucket, capture_stream
-from cosystream.engine import vocoder_fast
+from cosystream.engine import faults, vocoder_fast
 from cosystream.engine.chunking import ChunkPlan
 from cosystream.engine.flow_passes import FinalPass
 from cosystream.engine.flow_runner import FlowRunner, PooledStream
@@ -101,35 +101,86 @@ class Token2WavRunner:
                                     self.device, config.cuda_graphs, stream=graph_stream)
 
     # ------------------------------------------------------------------ per-voice and per-request state
+    def open_streams(self, items: Sequence[dict[str, Any]]) -> list[Token2WavState | Exception]:
+        """The streams a batch opens together, each item `start`'s keyword arguments. Voices at hand open from
+        their encoded prompts. New voices that fit a slot open in free slots with the flow run over their
+        prompts right there, those whose caches end at one chunk boundary in one batched prompt pass
+        (FlowRunner.open_new_voices; on CUDA it runs beside the worker and each first chunk follows it step by
+        step), and their caches are kept for the streams after them; a voice new twice in the batch is built
+        once. The rest open one by one (`start`). A stream that cannot open gets its exception instead."""
+        out: list[Token2WavState | Exception | None] = [None] * len(items)
+        builds: dict[Any, list[int]] = {}  # voice (its key, or the item's index without one) -> its items
+        for i, item in enumerate(items):
+            voice_key = item.get("voice_key")
+            if voice_key is not None and voice_key in builds:
+                builds[voice_key].append(i)
+            elif self._at_hand(voice_key, item.get("stored")) or not self._builds_in_a_slot(item["inputs"]):
+                out[i] = self._start_or_error(item)
+            else:
+                builds[voice_key if voice_key is not None else ("item", i)] = [i]
+        for members in self._by_cache_boundary(items, builds):
+            try:
+                opened = self.pool.open_new_voices(self.stream, [self._prompt_args(items[m[0]]["inputs"])
+                                                                 for m in members])
+            except Exception:  # e.g. out of memory for the whole group: each opens (or fails) alone
+                for m in members:
+                    for i in m:
+                        out[i] = self._start_or_error(items[i])
+                continue
+            self._count_builds(len(members))
+            for m, (pooled, cache) in zip(members, opened, strict=True):
+                out[m[0]] = self._state(pooled, items[m[0]])
+                self._register(cache, items[m[0]].get("voice_key"), fresh=True)
+                for i in m[1:]:
+                    out[i] = self._start_or_error(items[i], cache)
+        return [state for state in out if state is not None]
+
+    def _at_hand(self, voice_key: str | None, stored: dict[str, torch.Tensor] | None) -> bool:
+        return (voice_key is not None and voice_key in self.voice_caches) or self._stored_matches(stored)
+
+    def _builds_in_a_slot(self, inputs: Any) -> bool:
+        """Would a new voice's prompt pass run in a slot (a pool, a free slot, a prompt that fits one)?"""
+        tokens = int(inputs.flow_prompt_speech_tokens.shape[0])
+        return self.pool is not None and bool(self.pool.free) and UPSAMPLE * tokens <= self.pool.max_frames
+
+    def _by_cache_boundary(self, items: Sequence[dict[str, Any]], builds: dict[Any, list[int]]
+                           ) -> list[list[list[int]]]:
+        """New voices (each its items) in groups that one pool call can build: caches ending at one chunk
+        boundary, at most the free slots (a voice's later items open from its cache, in slots of their own)."""
+        groups: dict[int, list[list[int]]] = {}
+        for members in builds.values():
+            tokens = int(items[members[0]]["inputs"].flow_prompt_speech_tokens.shape[0])
+            groups.setdefault(self.stream.prompt_cache_tokens(tokens), []).append(members)
+        free = len(self.pool.free) if self.pool is not None else 0
+        calls = []
+        for voices in groups.values():
+            for i in range(0, len(voices), max(free, 1)):
+                calls.append(voices[i:i + max(free, 1)])
+        return calls
+
+    def _count_builds(self, voices: int) -> None:
+        self.prompt_build_calls += 1
+        self.prompts_built += voices
+        self.largest_prompt_build = max(self.largest_prompt_build, voices)
+
+    def _start_or_error(self, item: dict[str, Any], prompt: PromptCache | None = None) -> Token2WavState | Exception:
+        try:
+            return self.start(**item, **({} if prompt is None else {"prompt": prompt}))
+        except Exception as e:  # e.g. out of memory building the voice's prompt state: this stream alone fails
+            faults.release_device_memory(e, self.device)
+            return e
+
     def prompt_cache(self, inputs: Any, voice_key: str | None, stored: dict[str, torch.Tensor] | None = None
                      ) -> PromptCache:
         """A voice's encoded prompt: from memory, else from its stored record, else computed (once)."""
-        return self.prompt_caches([(inputs, voice_key, stored)])[0]
-
-    def prompt_caches(self, items: Sequence[tuple[Any, str | None, dict[str, torch.Tensor] | None]]
-                      ) -> list[PromptCache]:
-        """`prompt_cache` for several streams opening together: (inputs, voice_key, stored) each. The voices
-        not at hand are built together, those whose caches end at one chunk boundary in one pool call (one
-        graphed ODE for all, as many as there are free slots), so a burst of new recordings costs about one
-        build instead of one each. A voice that appears twice is built once."""
-        caches: list[PromptCache | None] = [None] * len(items)
-        todo: dict[Any, list[int]] = {}  # voice (its key, or the item's index without one) -> its items
-        for i, (_, voice_key, stored) in enumerate(items):
-            if voice_key is not None and voice_key in todo:
-                todo[voice_key].append(i)
-                continue
-            caches[i] = self._in_memory(voice_key)
-            if caches[i] is None:
-                caches[i] = self._from_store(stored)
-                self._register(caches[i], voice_key, fresh=False)
-            if caches[i] is None:
-                todo[voice_key if voice_key is not None else ("item", i)] = [i]
-        built = self._build_prompt_caches([items[members[0]][0] for members in todo.values()])
-        for members, cache in zip(todo.values(), built, strict=True):
-            for i in members:
-                caches[i] = cache
-            self._register(cache, items[members[0]][1], fresh=True)
-        return [cache for cache in caches if cache is not None]
+        cache = self._in_memory(voice_key)
+        if cache is None:
+            cache = self._from_store(stored)
+            self._register(cache, voice_key, fresh=False)
+        if cache is None:
+            cache = self._build_prompt_cache(inputs)
+            self._register(cache, voice_key, fresh=True)
+        return cache
 
     def _register(self, cache: PromptCache | None, voice_key: str | None, fresh: bool) -> None:
         """Keep a voice's cache in memory (most recent last); a freshly built one is also handed to
@@ -137,36 +188,13 @@ class Token2WavRunner:
         if voice_key is None or cache is None:
             return
         if fresh and self.on_new_voice_cache is not None:
+            if cache.written is not None:  # its prompt pass still writes it on the prompt lane
+                cache.written.synchronize()
             tensors = {k: v.to("cpu") for k, v in cache.to_tensors().items()}
             self.on_new_voice_cache(voice_key, {**tensors, **self._fingerprint_tensor()})
         self.voice_caches[voice_key] = cache
         self.voice_caches.move_to_end(voice_key)
         self._evict_voice_caches()
-
-    def _build_prompt_caches(self, inputs: Sequence[Any]) -> list[PromptCache]:
-        """New voices' prompts through the flow: those that fit a slot grouped by where their caches end, each
-        group in free pool slots in one call; the rest one at a time (`_build_prompt_cache`)."""
-        caches: list[PromptCache | None] = [None] * len(inputs)
-        groups: dict[int, list[int]] = {}
-        for i, item in enumerate(inputs):
-            tokens = int(item.flow_prompt_speech_tokens.shape[0])
-            if self.pool is not None and UPSAMPLE * tokens <= self.pool.max_frames:
-                groups.setdefault(self.stream.prompt_cache_tokens(tokens), []).append(i)
-        for members in groups.values():
-            while members and self.pool is not None and len(self.pool.free) > 0:
-                part, members = members[:len(self.pool.free)], members[len(self.pool.free):]
-                if len(part) == 1:
-                    break  # one voice: the single build below (the same pool call)
-                built = self.pool.build_prompt_caches(self.stream, [self._prompt_args(inputs[i]) for i in part])
-                self.prompt_build_calls += 1
-                self.prompts_built += len(part)
-                self.largest_prompt_build = max(self.largest_prompt_build, len(part))
-                for i, cache in zip(part, built, strict=True):
-                    caches[i] = cache
-        for i, item in enumerate(inputs):
-            if caches[i] is None:
-                caches[i] = self._build_prompt_cache(item)
-        return [cache for cache in caches if cache is not None]
 
     def _in_memory(self, voice_key: str | None) -> PromptCache | None:
         """The voice's encoded prompt if memory holds it (marked as just used), else None."""
@@ -202,9 +230,7 @@ class Token2WavRunner:
         if self.pool is not None and frames > self.pool.max_frames:
             # longer than a slot: its streams recompute every chunk (FlowRunner.recompute), no keys to keep
             return self.stream.empty_prompt(*args)
-        self.prompt_build_calls += 1
-        self.prompts_built += 1
-        self.largest_prompt_build = max(self.largest_prompt_build, 1)
+        self._count_builds(1)
         if self.pool is not None and self.pool.free:
             return self.pool.build_prompt_caches(self.stream, [args])[0]
         return self.stream.build_prompt_cache(*args)
@@ -240,14 +266,18 @@ class Token2WavRunner:
         length go there), else on the eager path with caches for `max_target_tokens` to begin with (what
         the stream needs from its start, core._start_tokens; they grow). `prompt`: the voice's encoded
         prompt when the caller has it (`prompt_caches`), else found or built here."""
-        offset = (seed * 2654435761) % _NOISE_SAMPLES
         if prompt is None:
             prompt = self.prompt_cache(inputs, voice_key, stored)
         if self.pool is not None and self.pool.free:
             flow_state = self.pool.open(prompt if self.pool.holds(prompt) else self.stream.without_cache(prompt))
         else:
             flow_state = self.stream.start(prompt, max_target_tokens)
-        return Token2WavState(flow_state, key=key, speed=speed, noise_offset=offset)
+        return Token2WavState(flow_state, key=key, speed=speed, noise_offset=_noise_offset(seed))
+
+    @staticmethod
+    def _state(flow_state: PooledStream, item: dict[str, Any]) -> Token2WavState:
+        return Token2WavState(flow_state, key=item.get("key"), speed=item.get("speed", 1.0),
+                              noise_offset=_noise_offset(item.get("seed", 0)))
 
     def opened(self) -> None:
         """A batch that only opened streams: wait for its copies (this thread's stream only) so the stage
@@ -618,8 +648,8 @@ class Token2WavRunner:
         # in the batches a phase of them fills
         prompt_batches = [b for b in batches if b <= bucket(PROMPT_PHASE_STREAMS)] if boundary > 0 else []
         for b in prompt_batches:
-            self.pool.capture(b, UPSAMPLE * boundary, self.pool.attn_len_for(UPSAMPLE * boundary))
-            self.pool.capture_encoder(b, 0, boundary, True)
+            self.pool.capture_prompt_pass(b, boundary)
+            self.pool.capture_steps(b, *shapes[0])  # their first chunks, which follow the passes step by step
         # official final passes wait without a slot: up to REPLAY_ROWS of them share a replay, however few slots
         unbounded = [b for b in BATCH_BUCKETS if b <= REPLAY_ROWS]
         for b in batches:
@@ -634,9 +664,10 @@ class Token2WavRunner:
                 if b <= REPLAY_ROWS:  # larger vocoder batches are split (_vocode)
                     self._capture_hift(b, frames, has_cache)
         pool = self.pool
+        lane = [pool.lane.encoder_graphs, pool.lane.step_graphs] if pool.lane is not None else []
         return sum(len(cache.graphs) for cache in (pool.graphs, pool.final_encoder_graphs, pool.final_step_graphs,
-                                                    pool.encoder_graphs, pool.recompute_graphs, self.hift_first,
-                                                    self.hift_next))
+                                                    pool.encoder_graphs, pool.recompute_graphs, pool.step_graphs,
+                                                    *lane, self.hift_first, self.hift_next))
 
     def _capture_hift(self, batch: int, frames: int, has_cache: bool) -> None:
         mel = torch.zeros(batch, self.hift.conv_pre.weight.shape[1], frames, device=self.device,
@@ -647,6 +678,11 @@ class Token2WavRunner:
             self.hift_next.run((batch, frames), [mel, torch.zeros(batch, 1, self.overlap, device=self.device), noise])
         else:
             self.hift_first.run((batch, frames), [mel, noise])
+
+
+def _noise_offset(seed: int) -> int:
+    """Where a stream's vocoder noise starts in the table (its seed's)."""
+    return (seed * 2654435761) % _NOISE_SAMPLES
 
 
 def _pool_slots(flow: Any, config: EngineConfig, share: float = 0.7) -> int:

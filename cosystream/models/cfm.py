@@ -98,17 +98,23 @@ class CausalConditionalCFM(nn.Module):
         final projection, the CFG mix, the update and the next rows are one op.
         """
         mu_in, spks_in, cond_in = self.cfg_inputs(mu, spks, cond)
-        x = z.float()
-        rows = None
-        proj = self.estimator.final_proj
-        for k, (t, dt) in enumerate(zip(self.t_steps, self.dt_steps, strict=True)):
-            t_in = torch.full((2 * x.shape[0],), t, device=x.device, dtype=torch.float32)
-            out = velocity(k, self.cfg_rows(x) if rows is None else rows, mu_in, spks_in, cond_in, t_in)
-            if fused is None:
-                x = self.euler_step(x, out, dt)
-            else:
-                x, rows = fused.project_cfg_euler(out, proj.weight, proj.bias, x.contiguous(), dt, self.cfg_rate)
+        x, rows = z.float(), None
+        for k in range(self.num_steps):
+            x, rows = self.step(k, x, rows, mu_in, spks_in, cond_in, velocity, fused)
         return x
+
+    def step(self, k: int, x: torch.Tensor, rows: torch.Tensor | None, mu_in: torch.Tensor, spks_in: torch.Tensor,
+             cond_in: torch.Tensor, velocity: VelocityFn, fused: ModuleType | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Euler step k of `solve`: x [B, 80, C] float32 and, with `fused`, the estimator's input rows it made
+        for this step (None: made here from x) -> (x after the step, the next step's rows or None). The CFG
+        inputs are `cfg_inputs`'s."""
+        t_in = torch.full((2 * x.shape[0],), self.t_steps[k], device=x.device, dtype=torch.float32)
+        out = velocity(k, self.cfg_rows(x) if rows is None else rows, mu_in, spks_in, cond_in, t_in)
+        if fused is None:
+            return self.euler_step(x, out, self.dt_steps[k]), None
+        proj = self.estimator.final_proj
+        return fused.project_cfg_euler(out, proj.weight, proj.bias, x.contiguous(), self.dt_steps[k], self.cfg_rate)
 
     def cfg_inputs(self, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -62,6 +62,9 @@ class PromptCache:
     encoder: EncoderState
     kv: torch.Tensor
     conv: torch.Tensor
+    # CUDA: recorded once the tensors above are written, when a stream other than their reader's writes them
+    # (the prompt lane, engine/flow_runner.py); None: ready
+    written: torch.cuda.Event | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -20,21 +20,15 @@ CPU = torch.device("cpu")
 class _Runner:
     """Records what run_jobs asks of a token-to-wave runner."""
 
-    def __init__(self, fail_batched: bool = False) -> None:
+    def __init__(self, refuse: str | None = None) -> None:
         self.watch = Stopwatch(CPU)
-        self.batched: list[list[str]] = []
-        self.started: list[tuple[str, Any]] = []
-        self.fail_batched = fail_batched
+        self.calls: list[list[str]] = []
+        self.refuse = refuse
 
-    def prompt_caches(self, items: list[tuple[Any, str | None, Any]]) -> list[str]:
-        if self.fail_batched:
-            raise RuntimeError("out of memory for the group")
-        self.batched.append([key for _, key, _ in items])
-        return [f"cache:{key}" for _, key, _ in items]
-
-    def start(self, inputs: Any, voice_key: str | None, prompt: Any = None, **kwargs: Any) -> str:
-        self.started.append((voice_key, prompt))
-        return f"state:{voice_key}"
+    def open_streams(self, items: list[dict[str, Any]]) -> list[Any]:
+        self.calls.append([item["voice_key"] for item in items])
+        return [RuntimeError("out of memory") if item["voice_key"] == self.refuse else f"state:{item['voice_key']}"
+                for item in items]
 
     def opened(self) -> None:
         pass
@@ -51,26 +45,20 @@ def _opening(key: str) -> ChunkJob:
     return ChunkJob(req=None, seg=None, plan=None, open_args=dict(inputs=key, voice_key=key, stored=None))
 
 
-def test_streams_opening_together_get_their_prompts_in_one_call():
+def test_streams_opening_together_open_in_one_call():
     runner = _Runner()
     jobs = [_opening("a"), _opening("b"), _opening("c")]
     assert run_jobs(runner, jobs, CPU) == [None, None, None]  # opened, nothing voiced
-    assert runner.batched == [["a", "b", "c"]]
-    assert runner.started == [("a", "cache:a"), ("b", "cache:b"), ("c", "cache:c")]
+    assert runner.calls == [["a", "b", "c"]]
     assert [job.state for job in jobs] == ["state:a", "state:b", "state:c"] and all(j.error is None for j in jobs)
 
 
-def test_a_failed_group_build_leaves_each_stream_to_build_its_own():
-    runner = _Runner(fail_batched=True)
-    jobs = [_opening("a"), _opening("b")]
+def test_a_stream_that_cannot_open_fails_alone():
+    runner = _Runner(refuse="b")
+    jobs = [_opening("a"), _opening("b"), _opening("c")]
     run_jobs(runner, jobs, CPU)
-    assert runner.started == [("a", None), ("b", None)] and all(j.error is None for j in jobs)
-
-
-def test_one_stream_opening_alone_builds_in_start():
-    runner = _Runner()
-    run_jobs(runner, [_opening("a")], CPU)
-    assert runner.batched == [] and runner.started == [("a", None)]
+    assert [job.state for job in jobs] == ["state:a", None, "state:c"]
+    assert [type(job.error) for job in jobs] == [type(None), RuntimeError, type(None)]
 
 
 def test_riders_are_taken_from_the_chunks_after_a_phase_of_prompt_passes():

@@ -389,3 +389,69 @@ def test_prompts_of_other_lengths_whose_caches_end_at_one_boundary_are_built_tog
         assert g.prompt_tokens.shape[0] == n and g.num_tokens == w.num_tokens > 0
         for name, value in w.to_tensors().items():
             torch.testing.assert_close(g.to_tensors()[name], value, atol=1e-4, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_streams_opened_with_their_prompt_pass_in_their_slot_voice_as_from_the_voice_cache(checkpoint, load_fixture,
+                                                                                        fused):
+    """New voices' streams open with the flow run over their prompts right in their own slots (no cache built
+    elsewhere and copied in): their chunks equal those of streams opened from the voices' eagerly built caches,
+    and the caches they leave behind equal those too."""
+    f = load_fixture("stream")
+    flow = load_flow(checkpoint)
+    stream = FlowStream(flow, final_attention="chunk")
+    voices = [(f["prompt_token"], f["prompt_feat"], f["embedding"]), _other_voice(f)]
+    want = [stream.build_prompt_cache(*voice) for voice in voices]
+    runner = FlowRunner(flow, num_slots=3, max_frames=512, use_graphs=False)
+    token_sets = [f["token"][0][:100], (f["token"][0][:100] * 5 + 11) % 6561]
+    runner.use_fused_ops(reference if fused else None)
+    try:
+        opened = runner.open_new_voices(stream, voices)
+        assert sorted(runner.free) == [2]
+        alone = [stream.start(w, 100) for w in want]
+        planner = ChunkPlanner(ChunkSchedule(), f["prompt_token"].shape[1])
+        for _ in range(2):
+            plan = planner.next_plan(100, done=True)
+            ids = [t[:plan.token_end].unsqueeze(0) for t in token_sets]
+            pooled = [p for p, _ in opened]
+            windows = [stream._window(p, i, finalize=False) for p, i in zip(pooled, ids, strict=True)]
+            starts = [p.num_frames for p in pooled]
+            got = runner.advance(pooled, windows)
+            for b in range(2):
+                mel = stream._target_frames(pooled[b], got[b][None], starts[b])
+                torch.testing.assert_close(mel, stream.feed(alone[b], ids[b]), atol=1e-4, rtol=0)
+    finally:
+        runner.use_fused_ops(None)
+    for (pooled, cache), w in zip(opened, want, strict=True):
+        for name, value in w.to_tensors().items():
+            torch.testing.assert_close(cache.to_tensors()[name], value, atol=1e-4, rtol=0, msg=name)
+        runner.close(pooled)
+    assert sorted(runner.free) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_ode_step_by_step_equals_the_ode_in_one_call(checkpoint, load_fixture, fused):
+    """A first chunk that follows its stream's prompt pass runs the ODE one Euler step (one graph) at a time:
+    the same numbers as the ODE in one call."""
+    f = load_fixture("stream")
+    flow = load_flow(checkpoint)
+    stream = FlowStream(flow, final_attention="chunk")
+    prompt = stream.build_prompt_cache(f["prompt_token"], f["prompt_feat"], f["embedding"])
+    runner = FlowRunner(flow, num_slots=2, max_frames=512, use_graphs=False)
+    ids = f["token"][0][:100].unsqueeze(0)
+    plan = ChunkPlanner(ChunkSchedule(), f["prompt_token"].shape[1]).next_plan(100, done=True)
+    results = []
+    runner.use_fused_ops(reference if fused else None)
+    try:
+        for by_step in (False, True):
+            pooled = runner.open(prompt)
+            window = stream._window(pooled, ids[:, :plan.token_end], finalize=False)
+            inputs = runner._ode_inputs([pooled], [window], runner.encoder_graphs)
+            if by_step:
+                results.append(list(runner._ode_steps(inputs, runner.step_graphs))[-1][0].clone())
+            else:
+                results.append(runner.graphs.run(inputs.key, inputs.tensors)[0][0].clone())
+            runner.close(pooled)
+    finally:
+        runner.use_fused_ops(None)
+    assert torch.equal(results[0], results[1])

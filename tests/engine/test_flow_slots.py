@@ -25,14 +25,14 @@ def test_streams_beyond_the_pool_wait_for_a_slot(model_dir, fixture_dir, tmp_pat
         t2w = eng.async_engine.core.t2w
         t2w.pool = FlowRunner(t2w.flow, num_slots=1, max_frames=512, use_graphs=False)
         opened = []  # the kind of flow state each new stream got
-        real_start = t2w.start
+        real_open = t2w.open_streams
 
-        def start(*args, **kwargs):
-            state = real_start(*args, **kwargs)
-            opened.append(type(state.flow).__name__)
-            return state
+        def open_streams(items):
+            states = real_open(items)
+            opened.extend(type(state.flow).__name__ for state in states)
+            return states
 
-        monkeypatch.setattr(t2w, "start", start)
+        monkeypatch.setattr(t2w, "open_streams", open_streams)
         params = [SynthesisParams(text="a line to say.", voice="v", force_tokens=30,
                                   sampling=SamplingParams(greedy=True, seed=i)) for i in range(3)]
         results = synthesize_together(eng, params)

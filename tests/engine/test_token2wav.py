@@ -200,3 +200,58 @@ def test_vocoder_calls_of_one_length_run_at_most_replay_rows_streams_at_once(mod
     # a batch's size moves float sums by ~1e-4; another row's audio differs by ~0.1
     torch.testing.assert_close(wavs[-1], alone, atol=1e-3, rtol=0)
     assert not torch.allclose(wavs[-2], alone, atol=1e-2)
+
+
+def _voice_items(f) -> list[dict]:
+    other = ModelInputs(mode="vc", text_ids=torch.zeros(0, dtype=torch.int32), xvector=f["embedding"][0].roll(5),
+                        flow_prompt_speech_tokens=(f["prompt_token"][0] * 7 + 3) % 6561,
+                        prompt_mel=f["prompt_feat"][0].flip(0), source_speech_tokens=f["token"][0])
+    return [dict(inputs=_inputs(f), voice_key="a", key=0), dict(inputs=other, voice_key="b", key=1),
+            dict(inputs=_inputs(f), voice_key="a", key=2)]
+
+
+def test_new_voices_opening_together_run_one_prompt_pass_in_their_slots(models, load_fixture):
+    """Streams of new voices opening in one batch: one pool call runs the prompt passes of both voices in the
+    streams' own slots; the voice asked twice is built once, its second stream opens from the cache the first
+    left; the caches are kept for later streams. Each stream's first chunk is what a stream opened from a
+    voice cache built on its own gives."""
+    from cosystream.engine.flow_runner import FlowRunner, PooledStream
+
+    f = load_fixture("stream")
+    runner = Token2WavRunner(*models, EngineConfig())
+    runner.pool = FlowRunner(runner.flow, num_slots=4, max_frames=512, use_graphs=False)
+    items = _voice_items(f)
+    states = runner.open_streams(items)
+    assert all(isinstance(s.flow, PooledStream) for s in states) and len(runner.pool.free) == 1
+    assert (runner.prompt_build_calls, runner.prompts_built) == (1, 2)
+    assert runner.has_prompt("a") and runner.has_prompt("b")
+    assert states[2].flow.prompt is runner.voice_caches["a"]  # the second stream of "a" opened from its cache
+    tokens = f["token"][0].tolist()[:100]
+    plan = ChunkPlanner(ChunkSchedule(), f["prompt_token"].shape[1]).next_plan(len(tokens), done=True)
+    mels = runner._flow([(s, tokens, plan) for s in states])
+    alone = Token2WavRunner(*models, EngineConfig())
+    alone.pool = FlowRunner(alone.flow, num_slots=1, max_frames=512, use_graphs=False)
+    for item, mel in zip(items, mels, strict=True):
+        state = alone.start(item["inputs"], None)
+        torch.testing.assert_close(mel, alone._flow([(state, tokens, plan)])[0], atol=ATOL, rtol=0)
+        alone.release(state)
+
+
+def test_a_failed_prompt_pass_call_leaves_each_stream_to_open_alone(models, load_fixture, monkeypatch):
+    from cosystream.engine.flow_runner import FlowRunner
+
+    f = load_fixture("stream")
+    runner = Token2WavRunner(*models, EngineConfig())
+    runner.pool = FlowRunner(runner.flow, num_slots=4, max_frames=512, use_graphs=False)
+
+    alone = runner.pool.open_new_voices
+
+    def out_of_memory_for_a_group(stream, prompts):
+        if len(prompts) > 1:
+            raise RuntimeError("out of memory for the group")
+        return alone(stream, prompts)
+
+    monkeypatch.setattr(runner.pool, "open_new_voices", out_of_memory_for_a_group)
+    states = runner.open_streams(_voice_items(f)[:2])
+    assert not any(isinstance(s, Exception) for s in states) and len(runner.pool.free) == 2
+    assert (runner.prompt_build_calls, runner.prompts_built) == (2, 2)  # one build each, in `start`

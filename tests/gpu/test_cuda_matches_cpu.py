@@ -157,7 +157,8 @@ def test_voice_prompts_built_in_the_graphed_pool_match_the_eager_build(checkpoin
     assert runner.attention_ops is not reference
     on_gpu = [tuple(t.cuda() for t in voice) for voice in voices]
     got = runner.build_prompt_caches(gpu_stream, on_gpu)
-    assert sorted(runner.free) == [0, 1, 2] and len(runner.graphs.graphs) == 1  # the ODE ran as one graph
+    assert sorted(runner.free) == [0, 1, 2] and not runner.graphs.graphs  # the ODE ran on the prompt lane ...
+    assert len(runner.lane.step_graphs.graphs) == runner.cfm.num_steps  # ... as one graph per Euler step
     for voice, gpu_voice, cache in zip(voices, on_gpu, got, strict=True):
         eager, cpu = gpu_stream.build_prompt_cache(*gpu_voice), cpu_stream.build_prompt_cache(*voice)
         assert cache.num_tokens == eager.num_tokens > 0
@@ -171,6 +172,38 @@ def test_voice_prompts_built_in_the_graphed_pool_match_the_eager_build(checkpoin
         # the CPU build: float32 without tf32
         torch.testing.assert_close(cache.kv.cpu(), cpu.kv, atol=5e-3, rtol=1e-3, msg="kv")
         torch.testing.assert_close(cache.conv.cpu(), cpu.conv, atol=2e-2, rtol=1e-2, msg="conv")
+
+
+def test_first_chunks_that_follow_their_prompt_pass_step_by_step_equal_those_opened_from_the_caches(
+        checkpoint, load_fixture):
+    """New voices' streams open with their prompt pass queued on the prompt lane (held back there behind ~0.1 s
+    of GPU sleep, so it is surely still running when the first chunks are queued): the first chunks, each Euler
+    step waiting for the pass's same step, give what streams opened from the finished caches give."""
+    f = load_fixture("stream")
+    voices = [(f["prompt_token"], f["prompt_feat"], f["embedding"]),
+              ((f["prompt_token"] * 7 + 3) % 6561, f["prompt_feat"].flip(1), f["embedding"].roll(5, dims=1))]
+    flow = load_flow(checkpoint, "cuda")
+    stream = FlowStream(flow, final_attention="chunk")
+    runner = FlowRunner(flow, num_slots=4, max_frames=512, use_graphs=True)
+    on_gpu = [tuple(t.cuda() for t in voice) for voice in voices]
+    token_sets = [f["token"][0][:100].cuda(), ((f["token"][0][:100] * 5 + 11) % 6561).cuda()]
+    plan = ChunkPlanner(ChunkSchedule(), f["prompt_token"].shape[1]).next_plan(100, done=True)
+
+    def first_chunks(pooled) -> list[torch.Tensor]:
+        ids = [t[:plan.token_end].unsqueeze(0) for t in token_sets]
+        windows = [stream._window(p, i, finalize=False) for p, i in zip(pooled, ids, strict=True)]
+        return [mel.clone() for mel in runner.advance(pooled, windows)]
+
+    with torch.cuda.stream(runner.lane.stream):
+        torch.cuda._sleep(200_000_000)
+    opened = runner.open_new_voices(stream, on_gpu)
+    assert all(p.building is not None for p, _ in opened) and not opened[0][1].written.query()
+    following = first_chunks([p for p, _ in opened])
+    from_caches = first_chunks([runner.open(cache) for _, cache in opened])
+    torch.cuda.synchronize()
+    assert len(runner.step_graphs.graphs) == runner.cfm.num_steps  # the first chunks' ODE one step at a time
+    for got, want in zip(following, from_caches, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
 def _cpu_and_graphed_runners(checkpoint, f, cfm_noise, num_slots: int, max_frames: int) -> tuple[dict, dict]:
