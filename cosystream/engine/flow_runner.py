@@ -321,7 +321,10 @@ class FlowRunner(WholePasses):
         for events in passes:
             worker.wait_event(events.encoded)
         inputs = self._ode_inputs(streams, windows, self.encoder_graphs)
-        if passes:
+        by_step = bool(passes) and self._steps_captured(inputs.key)
+        for events in passes if not by_step else ():
+            worker.wait_event(events.done)
+        if by_step:
             x = list(self._ode_steps(inputs, self.step_graphs, waits=passes))[-1]
         else:
             (x,) = self.graphs.run(inputs.key, inputs.tensors)
@@ -359,6 +362,13 @@ class FlowRunner(WholePasses):
             self.capture(padded, num_new, attn_len)
             self.watch.lap("ode_setup")
         return _OdeInputs((padded, num_new, attn_len), num_new, [z, mu, spks, cond, slots, start_t, marker])
+
+    def _steps_captured(self, key: tuple[int, int, int]) -> bool:
+        """Are this ODE shape's step graphs at hand? A first chunk whose shape warm-up did not capture step by
+        step (e.g. later chunks riding with it attend further) waits for its prompt passes whole instead: ten
+        captures in traffic would hold the worker for about a second."""
+        graphs = self.step_graphs
+        return not graphs.enabled or all((*key, k) in graphs.graphs for k in range(self.cfm.num_steps))
 
     def _ode_steps(self, inputs: _OdeInputs, graphs: GraphCache,
                    waits: Sequence[PromptPassEvents] = ()) -> Iterator[torch.Tensor]:

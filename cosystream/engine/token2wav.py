@@ -647,9 +647,13 @@ class Token2WavRunner:
         # new voices' prompt passes (prompt_caches): the encoder from token 0 and the ODE over the cached frames,
         # in the batches a phase of them fills
         prompt_batches = [b for b in batches if b <= bucket(PROMPT_PHASE_STREAMS)] if boundary > 0 else []
+        # their first chunks, which follow the passes step by step, alone or with later chunks of the first
+        # chunk's length riding along (those attend further)
+        first_chunks = {shape for shape in shapes if shape[0] == shapes[0][0]} if shapes else set()
         for b in prompt_batches:
             self.pool.capture_prompt_pass(b, boundary)
-            self.pool.capture_steps(b, *shapes[0])  # their first chunks, which follow the passes step by step
+            for num_new, attn_len in first_chunks:
+                self.pool.capture_steps(b, num_new, attn_len)
         # official final passes wait without a slot: up to REPLAY_ROWS of them share a replay, however few slots
         unbounded = [b for b in BATCH_BUCKETS if b <= REPLAY_ROWS]
         for b in batches:

@@ -178,7 +178,8 @@ def test_first_chunks_that_follow_their_prompt_pass_step_by_step_equal_those_ope
         checkpoint, load_fixture):
     """New voices' streams open with their prompt pass queued on the prompt lane (held back there behind ~0.1 s
     of GPU sleep, so it is surely still running when the first chunks are queued): the first chunks, each Euler
-    step waiting for the pass's same step, give what streams opened from the finished caches give."""
+    step waiting for the pass's same step (the step graphs captured), or waiting for the whole pass (a shape
+    without them), give what streams opened from the finished caches give."""
     f = load_fixture("stream")
     voices = [(f["prompt_token"], f["prompt_feat"], f["embedding"]),
               ((f["prompt_token"] * 7 + 3) % 6561, f["prompt_feat"].flip(1), f["embedding"].roll(5, dims=1))]
@@ -194,16 +195,29 @@ def test_first_chunks_that_follow_their_prompt_pass_step_by_step_equal_those_ope
         windows = [stream._window(p, i, finalize=False) for p, i in zip(pooled, ids, strict=True)]
         return [mel.clone() for mel in runner.advance(pooled, windows)]
 
-    with torch.cuda.stream(runner.lane.stream):
-        torch.cuda._sleep(200_000_000)
-    opened = runner.open_new_voices(stream, on_gpu)
-    assert all(p.building is not None for p, _ in opened) and not opened[0][1].written.query()
-    following = first_chunks([p for p, _ in opened])
-    from_caches = first_chunks([runner.open(cache) for _, cache in opened])
-    torch.cuda.synchronize()
-    assert len(runner.step_graphs.graphs) == runner.cfm.num_steps  # the first chunks' ODE one step at a time
-    for got, want in zip(following, from_caches, strict=True):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    def following_their_passes() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        with torch.cuda.stream(runner.lane.stream):
+            torch.cuda._sleep(200_000_000)
+        opened = runner.open_new_voices(stream, on_gpu)
+        assert all(p.building is not None for p, _ in opened) and not opened[0][1].written.query()
+        new_streams = [p for p, _ in opened]
+        following = first_chunks(new_streams)
+        cache_streams = [runner.open(cache) for _, cache in opened]
+        from_caches = first_chunks(cache_streams)
+        torch.cuda.synchronize()
+        for p in new_streams + cache_streams:
+            runner.close(p)
+        return following, from_caches
+
+    for by_step in (False, True):
+        if by_step:  # the first chunk's shape: the prompt's cached frames to the chunk's end
+            num_prompt = f["prompt_token"].shape[1]
+            end = 2 * (num_prompt + plan.token_end - stream.lookahead)
+            runner.capture_steps(2, end - 2 * stream.prompt_cache_tokens(num_prompt), runner.attn_len_for(end))
+        following, from_caches = following_their_passes()
+        assert len(runner.step_graphs.graphs) == (runner.cfm.num_steps if by_step else 0)
+        for got, want in zip(following, from_caches, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
 def _cpu_and_graphed_runners(checkpoint, f, cfm_noise, num_slots: int, max_frames: int) -> tuple[dict, dict]:
