@@ -84,6 +84,8 @@ class ChunksDone:
     last: bool  # the batch's last phase (the worker is free)
     returned: list[ChunkJob] = field(default_factory=list)  # planned jobs of unstarted phases (preempted)
     kind: str = "chunks"  # phase_kind of the phase
+    # (voices, seconds) of the prompt passes done since the last message (runners.finished_prompt_passes)
+    prompt_passes: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -219,7 +221,7 @@ class ChunkWorker:
                 returned = [job for phase in ([jobs] if paused else []) + rest for job in phase] if stop else []
                 done, results = ([], []) if paused else (jobs, results)
                 self.core.inbox.put(ChunksDone(done, results, error, now, now - t0, not rest or stop, returned,
-                                               kind))
+                                               kind, self.core.t2w.finished_prompt_passes()))
                 if stop:
                     break
                 i += 1

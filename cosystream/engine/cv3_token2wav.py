@@ -123,6 +123,10 @@ class CV3Token2WavRunner:
                 pooled = PooledFlowStream(self.pool, prompt_token, prompt_feat, embedding, blocks)
         return CV3Token2WavState(stream=stream, key=key, speed=speed, pooled=pooled)
 
+    def finished_prompt_passes(self) -> list[tuple[int, float]]:
+        """None: a new voice's prompt blocks are encoded as its stream opens (`start`), in the open phase."""
+        return []
+
     def open_streams(self, items: Sequence[dict[str, Any]]) -> list[CV3Token2WavState | Exception]:
         """Each stream opens on its own (`start`); one that cannot gets its exception."""
         return runners.open_one_by_one(self, items, self.device)

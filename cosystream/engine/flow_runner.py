@@ -15,6 +15,7 @@ slot when its first chunk fits; its chunks past the slot recompute every frame a
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -44,6 +45,7 @@ class PromptPassEvents:
     step done, each Euler step done (the step's keys and conv tails in the slot and in the voice's cache), and
     the whole pass done."""
 
+    started: torch.cuda.Event
     encoded: torch.cuda.Event
     steps: list[torch.cuda.Event]
     done: torch.cuda.Event
@@ -115,6 +117,8 @@ class FlowRunner(WholePasses):
         # that step of the pass
         self.step_graphs = GraphCache(self._ode_step, self.device, use_graphs, stream=capture_stream)
         self.lane = PromptLane(self, use_graphs) if self.device.type == "cuda" else None
+        # prompt passes not yet reported (`finished_passes`): (voices, seconds, or the lane's events)
+        self._passes: list[tuple[int, float | PromptPassEvents]] = []
         self._step = maybe_compile(self._estimator_step, compile)
         self.watch = watch or Stopwatch(self.device)
         self.attention_ops = flow_kernels if fused_kernels and triton_usable(self.device) else reference_kernels
@@ -216,8 +220,10 @@ class FlowRunner(WholePasses):
                 ahead = boundary + stream.lookahead
                 windows = [(e.prompt_tokens[:boundary], e.prompt_tokens[boundary:ahead]) for e in empties]
                 if self.lane is None:
+                    t0 = time.perf_counter()
                     self.advance(pooled, windows)
                     self._copy_into_caches(pooled, caches, range(self.cfm.num_steps))
+                    self._passes.append((len(pooled), time.perf_counter() - t0))
                 else:
                     self._prompt_pass_on_lane(pooled, windows, caches)
             else:
@@ -229,6 +235,20 @@ class FlowRunner(WholePasses):
         for p, cache in zip(pooled, caches, strict=True):
             p.prompt = cache  # the voice's, as for a stream opened from it (the same tokens, mel and speaker)
         return list(zip(pooled, caches, strict=True))
+
+    def finished_passes(self) -> list[tuple[int, float]]:
+        """(voices, seconds) of each prompt pass done since the last call, for the cost model: on the lane, its
+        GPU time from start to end (a pass still running waits for a later call)."""
+        done, pending = [], []
+        for voices, took in self._passes:
+            if isinstance(took, PromptPassEvents):
+                if not took.done.query():
+                    pending.append((voices, took))
+                    continue
+                took = took.started.elapsed_time(took.done) / 1e3
+            done.append((voices, took))
+        self._passes = pending
+        return done
 
     def _cache_buffers(self, empty: PromptCache, boundary: int) -> PromptCache:
         """The voice's PromptCache to be filled for a prompt pass up to token `boundary` (on the worker's
@@ -258,13 +278,16 @@ class FlowRunner(WholePasses):
         a first chunk that overwrites the slot's conv tails of that step comes after the copy."""
         assert self.lane is not None
         lane, worker = self.lane, torch.cuda.current_stream(self.device)
-        events = PromptPassEvents(torch.cuda.Event(), [torch.cuda.Event() for _ in range(self.cfm.num_steps)],
-                                  torch.cuda.Event())
+        events = PromptPassEvents(torch.cuda.Event(enable_timing=True), torch.cuda.Event(),
+                                  [torch.cuda.Event() for _ in range(self.cfm.num_steps)],
+                                  torch.cuda.Event(enable_timing=True))
         lane.stream.wait_stream(worker)  # the slots' openings, and whatever last used these slots
+        self._passes.append((len(pooled), events))
         for cache in caches:  # written on the lane, freed (evicted) by the worker's side: keep the lane's use
             for t in (cache.kv, cache.conv):
                 t.record_stream(lane.stream)
         with torch.cuda.stream(lane.stream):
+            events.started.record()
             inputs = self._ode_inputs(pooled, windows, lane.encoder_graphs, on_lane=True)
             for p in pooled:  # the encoder's new tails: made here, read by the first chunk's encoder there
                 p.encoder.lookahead_tail.record_stream(worker)

@@ -111,6 +111,10 @@ class Token2WavRunner(Protocol):
         exception that kept it from opening (the others open)."""
         ...
 
+    def finished_prompt_passes(self) -> list[tuple[int, float]]:
+        """(voices, seconds) of each batched flow pass over new voices' prompts done since the last call."""
+        ...
+
     def run(self, jobs: Sequence[tuple[Any, list[int], ChunkPlan]],
             should_stop: Callable[[], bool] | None = None) -> list[ChunkAudio] | None: ...
 

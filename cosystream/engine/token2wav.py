@@ -158,6 +158,10 @@ class Token2WavRunner:
                 calls.append(voices[i:i + max(free, 1)])
         return calls
 
+    def finished_prompt_passes(self) -> list[tuple[int, float]]:
+        """(voices, seconds) of each prompt pass of new voices done since the last call (the cost model's)."""
+        return [] if self.pool is None else self.pool.finished_passes()
+
     def _count_builds(self, voices: int) -> None:
         self.prompt_build_calls += 1
         self.prompts_built += voices

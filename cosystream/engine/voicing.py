@@ -216,7 +216,8 @@ class Voicing:
                 except Exception as e:
                     error = e
                 end = time.perf_counter()
-                self._chunks_done(ChunksDone(part, results, error, end, end - t0, True, kind=kind))
+                self._chunks_done(ChunksDone(part, results, error, end, end - t0, True, kind=kind,
+                                             prompt_passes=self.t2w.finished_prompt_passes()))
 
     def _predict_s(self, phase: list[ChunkJob]) -> float:
         """The cost model's seconds for one phase (phase_kind) of a batch; a phase that only opens streams costs
@@ -353,6 +354,9 @@ class Voicing:
         batch); handed-back open-only jobs are dropped (their streams open later)."""
         jobs, now = msg.jobs, msg.now
         self.t2w_busy_s += msg.busy_s
+        # new voices' prompt passes, however long after their phase they end (on CUDA they run beside the worker)
+        for voices, seconds in msg.prompt_passes:
+            self.scheduler.prompt_costs.observe_passes(voices, seconds)
         if msg.error is None:
             self._account_phase(msg)
         self._returned.extend(job for job in msg.returned if job.plan is not None)
@@ -410,10 +414,7 @@ class Voicing:
         """Feed the cost model; phases of official final passes (a paused one comes back with no jobs) are
         also engine stats."""
         voiced = sum(1 for job in msg.jobs if job.plan is not None)
-        if msg.kind == "open":  # the prompt passes of new voices (at hand, a stream opens for next to nothing)
-            passes = sum(job.builds_prompt for job in msg.jobs)
-            if passes:
-                self.scheduler.prompt_costs.observe_passes(passes, msg.busy_s)
+        if msg.kind == "open":  # streams opened ahead: their passes are counted as they end (_chunks_done)
             return
         self.scheduler.cost.observe_phase(msg.kind, voiced, msg.busy_s)
         if msg.kind == "final":

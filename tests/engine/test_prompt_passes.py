@@ -84,9 +84,9 @@ def test_new_recordings_arriving_together_get_one_batched_prompt_pass(model_dir,
         # three new voices, one flow call over their prompts (the trimmed one has fewer tokens, one boundary)
         assert stats["flow_prompts_built"] == count
         assert stats["flow_prompt_build_calls"] == 1 and stats["flow_prompt_build_largest"] == count
-        if overlap:  # the worker ran them ahead of the first chunks, a phase of their own: admission knows
-            # what such passes cost now (inline, they run in the first chunks' phase)
-            assert core.scheduler.prompt_costs.passes_s(count) > 0.0
+        # admission knows what such a pass costs now, whether the worker ran it ahead of the first chunks (a
+        # phase of its own) or the first chunks' phase did (inline)
+        assert core.scheduler.prompt_costs.passes_s(count) > 0.0
         assert sorted(t2w.pool.free) == list(range(count + 1))
         assert len({bytes(np.asarray(r.pcm[:4800]).tobytes()) for r in results}) == count  # three voices
     finally:
