@@ -269,7 +269,7 @@ class Token2WavRunner:
         """A new stream's state: in a free pool slot (its chunks past the slot recompute, so any prompt and
         length go there), else on the eager path with caches for `max_target_tokens` to begin with (what
         the stream needs from its start, core._start_tokens; they grow). `prompt`: the voice's encoded
-        prompt when the caller has it (`prompt_caches`), else found or built here."""
+        prompt when the caller has it (`open_streams`), else found or built here."""
         if prompt is None:
             prompt = self.prompt_cache(inputs, voice_key, stored)
         if self.pool is not None and self.pool.free:
@@ -648,7 +648,7 @@ class Token2WavRunner:
             frame, cached = end, True
         batches = [b for b in BATCH_BUCKETS if b <= bucket(len(self.pool.free))]
         boundary = self.stream.prompt_cache_tokens(prompt_tokens)
-        # new voices' prompt passes (prompt_caches): the encoder from token 0 and the ODE over the cached frames,
+        # new voices' prompt passes (open_streams): the encoder from token 0 and the ODE over the cached frames,
         # in the batches a phase of them fills
         prompt_batches = [b for b in batches if b <= bucket(PROMPT_PHASE_STREAMS)] if boundary > 0 else []
         # their first chunks, which follow the passes step by step, alone or with later chunks of the first
