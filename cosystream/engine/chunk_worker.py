@@ -132,8 +132,8 @@ def _riders(t2w: runners.Token2WavRunner, phases: list[list[ChunkJob]], i: int) 
     return riders
 
 
-def run_jobs(t2w: runners.Token2WavRunner, jobs: list[ChunkJob], device: torch.device,
-             phases: list[list[ChunkJob]] | None = None, i: int = 0,
+def run_jobs(t2w: runners.Token2WavRunner, jobs: list[ChunkJob], phases: list[list[ChunkJob]] | None = None,
+             i: int = 0,
              should_stop: Callable[[], bool] | None = None) -> list[runners.ChunkAudio | None] | None:
     """Open the streams that start with this batch, then voice every job whose stream is open. With the
     batch's `phases` (`jobs` being phase i), riders of phase i + 1 are appended to `jobs` before anything
@@ -229,11 +229,11 @@ class ChunkWorker:
 
     def _compute(self, phases: list[list[ChunkJob]], i: int) -> list | None:
         """Phase i's results, or None: a phase of official final passes paused between two Euler steps."""
-        device, t2w = self.core.lm_runner.device, self.core.t2w
+        t2w = self.core.t2w
         should_stop = stop_test(self, phases[i])
         if self.stream is None:
-            return run_jobs(t2w, phases[i], device, phases, i, should_stop)
+            return run_jobs(t2w, phases[i], phases, i, should_stop)
         # the batch may read what the engine thread wrote on its stream (prompt caches of new voices)
         self.stream.wait_stream(self.core.gpu_stream)
         with torch.cuda.stream(self.stream):
-            return run_jobs(t2w, phases[i], device, phases, i, should_stop)
+            return run_jobs(t2w, phases[i], phases, i, should_stop)

@@ -198,7 +198,6 @@ class NewVoices:
             p.building = events
             cache.written = events.done
 
-
     def capture_prompt_pass(self, batch: int, boundary: int) -> None:
         """Capture the prompt pass of `batch` new voices whose caches end at token `boundary`: its encoder
         step and each Euler step, in the prompt lane's graphs (warm-up; the worker's own without a lane)."""

@@ -212,7 +212,7 @@ class Voicing:
                 kind, t0 = phase_kind(part), time.perf_counter()
                 results, error = None, None
                 try:
-                    results = run_jobs(self.t2w, part, self.lm_runner.device, phases, i)
+                    results = run_jobs(self.t2w, part, phases, i)
                 except Exception as e:
                     error = e
                 end = time.perf_counter()

@@ -48,7 +48,7 @@ def _opening(key: str) -> ChunkJob:
 def test_streams_opening_together_open_in_one_call():
     runner = _Runner()
     jobs = [_opening("a"), _opening("b"), _opening("c")]
-    assert run_jobs(runner, jobs, CPU) == [None, None, None]  # opened, nothing voiced
+    assert run_jobs(runner, jobs) == [None, None, None]  # opened, nothing voiced
     assert runner.calls == [["a", "b", "c"]]
     assert [job.state for job in jobs] == ["state:a", "state:b", "state:c"] and all(j.error is None for j in jobs)
 
@@ -56,7 +56,7 @@ def test_streams_opening_together_open_in_one_call():
 def test_a_stream_that_cannot_open_fails_alone():
     runner = _Runner(refuse="b")
     jobs = [_opening("a"), _opening("b"), _opening("c")]
-    run_jobs(runner, jobs, CPU)
+    run_jobs(runner, jobs)
     assert [job.state for job in jobs] == ["state:a", None, "state:c"]
     assert [type(job.error) for job in jobs] == [type(None), RuntimeError, type(None)]
 
