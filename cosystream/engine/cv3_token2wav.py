@@ -129,7 +129,7 @@ class CV3Token2WavRunner:
 
     def open_streams(self, items: Sequence[dict[str, Any]]) -> list[CV3Token2WavState | Exception]:
         """Each stream opens on its own (`start`); one that cannot gets its exception."""
-        return runners.open_one_by_one(self, items, self.device)
+        return [runners.start_or_error(self, item, self.device) for item in items]
 
     def _fits(self, prompt_frames: int) -> bool:
         """Whether a slot holds the prompt and at least one chunk after it."""

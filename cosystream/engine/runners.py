@@ -139,13 +139,11 @@ class Token2WavRunner(Protocol):
     def slot_gauges(self) -> dict[str, float]: ...
 
 
-def open_one_by_one(runner: Token2WavRunner, items: Sequence[dict[str, Any]], device: torch.device) -> list[Any]:
-    """`open_streams` for a runner whose streams open each on its own (`start`)."""
-    out: list[Any] = []
-    for item in items:
-        try:
-            out.append(runner.start(**item))
-        except Exception as e:  # e.g. out of memory building the voice's prompt state: this stream alone fails
-            faults.release_device_memory(e, device)
-            out.append(e)
-    return out
+def start_or_error(runner: Token2WavRunner, item: dict[str, Any], device: torch.device, **extra: Any) -> Any:
+    """The stream `runner.start(**item, **extra)` opens, or the exception that kept it from opening (its device
+    memory released): one stream that cannot open fails alone."""
+    try:
+        return runner.start(**item, **extra)
+    except Exception as e:  # e.g. out of memory building the voice's prompt state
+        faults.release_device_memory(e, device)
+        return e

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from cosystream.config import EngineConfig
 from cosystream.cuda_graphs import BATCH_BUCKETS, bucket, capture_stream
-from cosystream.engine import faults, vocoder_fast
+from cosystream.engine import runners, vocoder_fast
 from cosystream.engine.chunking import ChunkPlan
 from cosystream.engine.flow_passes import FinalPass
 from cosystream.engine.flow_runner import FlowRunner, PooledStream
@@ -168,11 +168,7 @@ class Token2WavRunner:
         self.largest_prompt_build = max(self.largest_prompt_build, voices)
 
     def _start_or_error(self, item: dict[str, Any], prompt: PromptCache | None = None) -> Token2WavState | Exception:
-        try:
-            return self.start(**item, **({} if prompt is None else {"prompt": prompt}))
-        except Exception as e:  # e.g. out of memory building the voice's prompt state: this stream alone fails
-            faults.release_device_memory(e, self.device)
-            return e
+        return runners.start_or_error(self, item, self.device, **({} if prompt is None else {"prompt": prompt}))
 
     def prompt_cache(self, inputs: Any, voice_key: str | None, stored: dict[str, torch.Tensor] | None = None
                      ) -> PromptCache:
