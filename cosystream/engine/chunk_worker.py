@@ -207,10 +207,11 @@ class ChunkWorker:
             while i < len(phases):
                 jobs = phases[i]
                 kind = self.running = phase_kind(jobs)
-                results, error = None, None
+                results, error, passes = None, None, []
                 t0 = time.perf_counter()
                 try:
                     results = self._compute(phases, i)  # riders of phase i + 1 join `jobs` in place
+                    passes = self.core.t2w.finished_prompt_passes()
                 except BaseException as e:  # reported with the phase; the engine thread decides
                     error = e
                 now = time.perf_counter()
@@ -221,7 +222,7 @@ class ChunkWorker:
                 returned = [job for phase in ([jobs] if paused else []) + rest for job in phase] if stop else []
                 done, results = ([], []) if paused else (jobs, results)
                 self.core.inbox.put(ChunksDone(done, results, error, now, now - t0, not rest or stop, returned,
-                                               kind, self.core.t2w.finished_prompt_passes()))
+                                               kind, passes))
                 if stop:
                     break
                 i += 1

@@ -210,14 +210,15 @@ class Voicing:
             for start in range(0, len(phase), self.max_chunk_batch):
                 part = phase[start:start + self.max_chunk_batch]
                 kind, t0 = phase_kind(part), time.perf_counter()
-                results, error = None, None
+                results, error, passes = None, None, []
                 try:
                     results = run_jobs(self.t2w, part, phases, i)
+                    passes = self.t2w.finished_prompt_passes()
                 except Exception as e:
                     error = e
                 end = time.perf_counter()
                 self._chunks_done(ChunksDone(part, results, error, end, end - t0, True, kind=kind,
-                                             prompt_passes=self.t2w.finished_prompt_passes()))
+                                             prompt_passes=passes))
 
     def _predict_s(self, phase: list[ChunkJob]) -> float:
         """The cost model's seconds for one phase (phase_kind) of a batch; a phase that only opens streams costs
