@@ -455,3 +455,28 @@ def test_the_ode_step_by_step_equals_the_ode_in_one_call(checkpoint, load_fixtur
     finally:
         runner.use_fused_ops(None)
     assert torch.equal(results[0], results[1])
+
+
+def test_finished_prompt_passes_are_reported_once_each_when_done(checkpoint):
+    """The cost model hears of each prompt pass once it has ended: a pass still running on the prompt lane waits
+    for a later call; a finished one reports its GPU time (its events' elapsed time)."""
+    from cosystream.engine.prompt_lane import PromptPassEvents
+
+    class Event:
+        def __init__(self, done: bool) -> None:
+            self.done = done
+
+        def query(self) -> bool:
+            return self.done
+
+        def elapsed_time(self, end: Event) -> float:
+            return 25.0  # ms, as torch.cuda.Event reports it
+
+    runner = FlowRunner(load_flow(checkpoint), num_slots=1, max_frames=128, use_graphs=False)
+    running = PromptPassEvents(Event(True), Event(True), [], Event(False))
+    ended = PromptPassEvents(Event(True), Event(True), [], Event(True))
+    runner._passes = [(3, running), (2, ended), (1, 0.04)]
+    assert runner.finished_passes() == [(2, 0.025), (1, 0.04)]
+    assert runner.finished_passes() == []
+    running.done.done = True
+    assert runner.finished_passes() == [(3, 0.025)] and runner._passes == []
