@@ -14,7 +14,7 @@ from cosystream.engine.flow_runner import FlowRunner
 from cosystream.engine.loader import load_flow
 from cosystream.kernels import reference
 from cosystream.models.flow import UPSAMPLE
-from cosystream.models.flow_stream import FlowStream
+from cosystream.models.flow_stream import FlowStream, PromptCache
 
 pytestmark = pytest.mark.parity
 
@@ -216,17 +216,27 @@ def _other_voice(f) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return ((f["prompt_token"] * 7 + 3) % 6561, f["prompt_feat"].flip(1), f["embedding"].roll(5, dims=1))
 
 
+def _two_voices(checkpoint, f) -> tuple[FlowStream, list[tuple], list[PromptCache], FlowRunner]:
+    """(the chunk-masked stream, the fixture voice and another, each one's eager PromptCache, a 3-slot CPU pool)."""
+    flow = load_flow(checkpoint)
+    stream = FlowStream(flow, final_attention="chunk")
+    voices = [(f["prompt_token"], f["prompt_feat"], f["embedding"]), _other_voice(f)]
+    return stream, voices, [stream.build_prompt_cache(*voice) for voice in voices], FlowRunner(
+        flow, num_slots=3, max_frames=512, use_graphs=False)
+
+
+def _assert_same_cache(got: PromptCache, want: PromptCache) -> None:
+    for name, value in want.to_tensors().items():
+        torch.testing.assert_close(got.to_tensors()[name], value, atol=1e-4, rtol=0, msg=name)
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_voice_prompts_built_together_in_the_pool_equal_the_per_request_build(checkpoint, load_fixture, fused):
     """Token2WavRunner builds new voices' prompt states in free pool slots, prompts of one length in one
     chunk (one graphed ODE on a GPU), instead of FlowStream's eager pass per voice: every cache each holds
     is the same as its own eager build, and the slots are free again."""
     f = load_fixture("stream")
-    flow = load_flow(checkpoint)
-    stream = FlowStream(flow, final_attention="chunk")
-    voices = [(f["prompt_token"], f["prompt_feat"], f["embedding"]), _other_voice(f)]
-    want = [stream.build_prompt_cache(*voice) for voice in voices]
-    runner = FlowRunner(flow, num_slots=3, max_frames=512, use_graphs=False)
+    stream, voices, want, runner = _two_voices(checkpoint, f)
     runner.use_fused_ops(reference if fused else None)
     try:
         got = runner.build_prompt_caches(stream, voices)
@@ -235,8 +245,7 @@ def test_voice_prompts_built_together_in_the_pool_equal_the_per_request_build(ch
     assert sorted(runner.free) == [0, 1, 2]
     for g, w in zip(got, want, strict=True):
         assert g.num_tokens == w.num_tokens > 0
-        for name, value in w.to_tensors().items():
-            torch.testing.assert_close(g.to_tensors()[name], value, atol=1e-4, rtol=0, msg=name)
+        _assert_same_cache(g, w)
     assert not torch.equal(got[0].kv, got[1].kv)
     # the prompt state built in the pool voices a stream as the one built per request does
     _compare_pooled_with_stream(runner, stream, got[0], f, None, max_chunks=2)
@@ -387,8 +396,7 @@ def test_prompts_of_other_lengths_whose_caches_end_at_one_boundary_are_built_tog
     assert sorted(runner.free) == [0, 1]
     for g, w, n in zip(got, want, lengths, strict=True):
         assert g.prompt_tokens.shape[0] == n and g.num_tokens == w.num_tokens > 0
-        for name, value in w.to_tensors().items():
-            torch.testing.assert_close(g.to_tensors()[name], value, atol=1e-4, rtol=0, msg=name)
+        _assert_same_cache(g, w)
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -398,11 +406,7 @@ def test_streams_opened_with_their_prompt_pass_in_their_slot_voice_as_from_the_v
     elsewhere and copied in): their chunks equal those of streams opened from the voices' eagerly built caches,
     and the caches they leave behind equal those too."""
     f = load_fixture("stream")
-    flow = load_flow(checkpoint)
-    stream = FlowStream(flow, final_attention="chunk")
-    voices = [(f["prompt_token"], f["prompt_feat"], f["embedding"]), _other_voice(f)]
-    want = [stream.build_prompt_cache(*voice) for voice in voices]
-    runner = FlowRunner(flow, num_slots=3, max_frames=512, use_graphs=False)
+    stream, voices, want, runner = _two_voices(checkpoint, f)
     token_sets = [f["token"][0][:100], (f["token"][0][:100] * 5 + 11) % 6561]
     runner.use_fused_ops(reference if fused else None)
     try:
@@ -423,8 +427,7 @@ def test_streams_opened_with_their_prompt_pass_in_their_slot_voice_as_from_the_v
     finally:
         runner.use_fused_ops(None)
     for (pooled, cache), w in zip(opened, want, strict=True):
-        for name, value in w.to_tensors().items():
-            torch.testing.assert_close(cache.to_tensors()[name], value, atol=1e-4, rtol=0, msg=name)
+        _assert_same_cache(cache, w)
         runner.close(pooled)
     assert sorted(runner.free) == [0, 1, 2]
 
