@@ -87,14 +87,13 @@ def onnx_analysis(tokenizer: SpeechTokenizer, speaker: SpeakerEncoder, mel_dims:
 class NewLengths:
     """Prompts cut shorter by one more 10 ms step at each call: every call meets input shapes not seen before."""
 
-    def __init__(self, flow_rate: int) -> None:
-        self.flow_rate = flow_rate
+    def __init__(self) -> None:
         self._steps = itertools.count(1)
 
     def __call__(self, prompts: Sequence[PromptAudio]) -> list[PromptAudio]:
         cut = next(self._steps)
-        return [PromptAudio(p.wav_16k[: p.wav_16k.numel() - cut * 160],
-                            p.wav_24k[: p.wav_24k.numel() - cut * self.flow_rate // 100]) for p in prompts]
+        return [PromptAudio(p.samples[: p.samples.numel() - cut * p.sample_rate // 100], p.sample_rate,
+                            p.flow_sample_rate) for p in prompts]
 
 
 def timed_ms(fn: Callable[[], Any], repeats: int) -> float:
@@ -205,7 +204,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               "model_dir": str(args.model_dir), "dtypes": {}}
     report["onnx_cpu_ms_per_prompt"] = timed_ms(lambda: onnx_analysis(onnx_tok, onnx_spk, mel_dims, prompts[0]),
                                                 args.repeats)
-    fresh = NewLengths(mel_dims.sampling_rate)
+    fresh = NewLengths()
     # (dtype, CAM++ CPU threads, shape folding, graph call threads, CAM++ path: "network" where the graph allows,
     # or "interpreter")
     variants = [(name, 0, True, 1, "network") for name in args.dtypes.split(",")]

@@ -10,10 +10,11 @@ the speech tokenizer's shape arithmetic is folded anew as for real traffic. Medi
 Part 1, one prompt alone, outside the engine (`Frontend` + `PromptBatcher.for_engine`, as the engine builds them on
 CUDA; on the CPU the torch analysis is forced, where the engine keeps onnxruntime):
 
-* `decode_resample`: WAV bytes -> the checked 16 kHz and flow-rate waveforms (CPU, `prepare_prompt_audio`);
-* `upload`, `whisper_log_mel`, `speech_tokenizer`, `fbank`, `campplus`, `prompt_mel`, `copies_back`: each stage
-  alone, the device synchronised after it, so each one's wall time; beside each device stage, `queued`: when its
-  call returned (the host's work: the launches, and any wait for the device inside); `stages_sum` adds them;
+* `decode`: WAV bytes -> the checked samples at their own rate (CPU, `prepare_prompt_audio`);
+* `upload`, `resample` (to 16 kHz and the flow rate, where the analysis does it), `whisper_log_mel`,
+  `speech_tokenizer`, `fbank`, `campplus`, `prompt_mel`, `copies_back`: each stage alone, the device synchronised
+  after it, so each one's wall time; beside each device stage, `queued`: when its call returned (the host's work:
+  the launches, and any wait for the device inside); `stages_sum` adds them;
 * `analyse`: `TorchPromptAnalyzer.analyse([prompt])`, the stages as the batcher's thread runs them (CAM++ and the
   mel beside the tokenizer);
 * `batcher`: `PromptBatcher.analyse(prompt)` from the calling thread: the hand-off to the analysis thread, its batch
@@ -31,7 +32,7 @@ CUDA; on the CPU the torch analysis is forced, where the engine keeps onnxruntim
 Part 2 (`--engine`): `AsyncEngine` on the model (`--dtype`, `--config` as for bench_engine.py), one request at a time
 (zero-shot, the workload's texts, `--force-tokens`, streamed to the end before the next), each with a new recording.
 The frontend stage, from submission to the request handed to the engine core, split at the engine's calls (each
-time from the previous mark): `admit`, `to_thread` (to `_build_request` on a frontend thread), `decode_resample`,
+time from the previous mark): `admit`, `to_thread` (to `_build_request` on a frontend thread), `decode`,
 `to_analysis` (the batcher's hand-off), `analyse` (`TorchPromptAnalyzer.analyse`), `from_analysis` (the result back
 to the frontend thread), `transcript` (its normalisation, ids and the voice prompt), `request` (the target text and
 the request), `to_loop` (back to the event loop and into the core); `engine_frontend` is the engine's own stage
@@ -118,9 +119,10 @@ class Clock:
 def one_prompt_stages(analyzer: TorchPromptAnalyzer, data: bytes, rate: int, clock: Clock) -> None:
     """Each stage of one prompt's analysis alone, as `TorchPromptAnalyzer.analyse` computes it."""
     device = analyzer.device
-    prompt = clock.stage("decode_resample", lambda: prepare_prompt_audio(data, rate))
-    wav_16k, wav_24k = clock.stage("upload", lambda: (prompt.wav_16k.to(device), prompt.wav_24k.to(device)))
+    prompt = clock.stage("decode", lambda: prepare_prompt_audio(data, rate))
+    samples = clock.stage("upload", lambda: prompt.samples.to(device))
     with analyzer._exact():
+        wav_16k, wav_24k = clock.stage("resample", lambda: prompt.at_rates(samples))
         feats = clock.stage("whisper_log_mel", lambda: whisper_log_mel(wav_16k))
         tokens = clock.stage("speech_tokenizer", lambda: analyzer.tokenizer.run([feats])[0])
         fbank = clock.stage("fbank", lambda: speaker_features(wav_16k).T)
@@ -174,7 +176,7 @@ def standalone(args: argparse.Namespace) -> dict[str, Any]:
             clock.stage("via_pool", lambda d=data: batcher.executor.submit(
                 batcher.make_voice_prompt, d, workload.PROMPT_TEXT).result())
         report: dict[str, Any] = clock.medians()
-        stages = ("decode_resample", "upload", "whisper_log_mel", "speech_tokenizer", "fbank", "campplus",
+        stages = ("decode", "upload", "resample", "whisper_log_mel", "speech_tokenizer", "fbank", "campplus",
                   "prompt_mel", "copies_back")
         report["stages_sum"] = round(sum(report[name] for name in stages), 3)
         report["host_syncs"] = host_syncs(analyzer, next(new), rate)
@@ -212,7 +214,7 @@ class Marks:
 ENGINE_STEPS = (  # (name, from mark, to mark)
     ("admit", "submit", "admit_end"),
     ("to_thread", "admit_end", "build_start"),
-    ("decode_resample", "build_start", "decode_end"),
+    ("decode", "build_start", "decode_end"),
     ("to_analysis", "decode_end", "analyse_start"),
     ("analyse", "analyse_start", "analyse_end"),
     ("from_analysis", "analyse_end", "batcher_end"),
@@ -286,7 +288,7 @@ def print_report(report: dict[str, Any]) -> None:
     print(f"tokenizer CUDA graphs: {one['tokenizer_graphs']} ({one['tokenizer_graphs_off'] or 'on'}); analysis "
           f"loaded in {one['analyzer_load_s']:.1f} s")
     print("one prompt alone, each stage synchronised (queued: when its call returned):")
-    for name in ("decode_resample", "upload", "whisper_log_mel", "speech_tokenizer", "fbank", "campplus",
+    for name in ("decode", "upload", "resample", "whisper_log_mel", "speech_tokenizer", "fbank", "campplus",
                  "prompt_mel", "copies_back"):
         queued = one.get(f"queued_{name}")
         print(f"  {name:18s} {one[name]:8.2f}" + (f"   (queued {queued:.2f})" if queued is not None else ""))

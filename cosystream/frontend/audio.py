@@ -11,7 +11,7 @@ import io
 import math
 import re
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -55,10 +55,27 @@ AudioInput = str | Path | bytes | tuple[np.ndarray | torch.Tensor, int]  # path,
 
 @dataclass(frozen=True)
 class PromptAudio:
-    """A checked prompt, mono float32 in [-1, 1] at the two rates the frontend needs."""
+    """A checked prompt, mono float32 in [-1, 1] at its own rate, and at the two rates the frontend needs.
 
-    wav_16k: torch.Tensor  # [N16]
-    wav_24k: torch.Tensor  # [N24]
+    The resampled waveforms are made on the CPU when first read; the engine's GPU analysis instead resamples
+    `samples` where it analyses them (`at_rates` on a device copy), sparing its frontend threads the work."""
+
+    samples: torch.Tensor  # [N] at sample_rate
+    sample_rate: int
+    flow_sample_rate: int = FLOW_SAMPLE_RATE
+
+    @cached_property
+    def wav_16k(self) -> torch.Tensor:  # [N16]
+        return self.at_rates()[0]
+
+    @cached_property
+    def wav_24k(self) -> torch.Tensor:  # [N24] at flow_sample_rate
+        return self.at_rates()[1]
+
+    def at_rates(self, samples: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(16 kHz, flow rate) waveforms of `samples` (by default this prompt's own), on their device."""
+        samples = self.samples if samples is None else samples
+        return to_16k(samples, self.sample_rate), resample(samples, self.sample_rate, self.flow_sample_rate)
 
 
 def load_audio(source: AudioInput, field: str = "prompt_wav",
@@ -137,9 +154,9 @@ def to_16k(data: torch.Tensor, sample_rate: int) -> torch.Tensor:
 
 def prepare_prompt_audio(source: AudioInput, flow_sample_rate: int = FLOW_SAMPLE_RATE,
                          field: str = "prompt_wav") -> PromptAudio:
-    """Load once, check, and resample to 16 kHz and the flow rate (the official code decodes three times)."""
+    """Load once and check (the official code decodes three times); resampled when its waveforms are read."""
     data, sample_rate = load_speech(source, field)
-    return PromptAudio(wav_16k=to_16k(data, sample_rate), wav_24k=resample(data, sample_rate, flow_sample_rate))
+    return PromptAudio(data, sample_rate, flow_sample_rate)
 
 
 # mel filterbanks

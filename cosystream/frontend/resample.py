@@ -41,6 +41,12 @@ def _sinc_kernel(orig: int, new: int) -> tuple[torch.Tensor, int]:
     return kernel, width
 
 
+@lru_cache(maxsize=16)
+def _kernel_on(orig: int, new: int, device: torch.device) -> torch.Tensor:
+    """The kernel on `device`, copied there once (a copy per call would make the host wait for the device)."""
+    return _sinc_kernel(orig, new)[0].to(device)
+
+
 def num_resampled(num_samples: int, orig_sr: int, new_sr: int) -> int:
     """Output length for `num_samples` input samples: ceil(num_samples * new / orig)."""
     orig, new = _reduced_rates(orig_sr, new_sr)
@@ -48,7 +54,7 @@ def num_resampled(num_samples: int, orig_sr: int, new_sr: int) -> int:
 
 
 def resample(wav: torch.Tensor, orig_sr: int, new_sr: int) -> torch.Tensor:
-    """Resample a float32 waveform [..., N] from `orig_sr` to `new_sr` Hz.
+    """Resample a float32 waveform [..., N] from `orig_sr` to `new_sr` Hz, on the waveform's device.
 
     Returns [..., ceil(N * new_sr / orig_sr)]; the input itself when the rates are equal.
     """
@@ -57,8 +63,8 @@ def resample(wav: torch.Tensor, orig_sr: int, new_sr: int) -> torch.Tensor:
     orig, new = _reduced_rates(orig_sr, new_sr)
     width = math.ceil(LOWPASS_FILTER_WIDTH * orig / (min(orig, new) * ROLLOFF))
     if new * (2 * width + orig) > MAX_KERNEL_TAPS:
-        return _resample_soxr(wav, orig_sr, new_sr)
-    kernel, width = _sinc_kernel(orig, new)
+        return _resample_soxr(wav.cpu(), orig_sr, new_sr).to(wav.device)
+    kernel = _kernel_on(orig, new, wav.device)
     shape = wav.shape
     flat = wav.reshape(-1, shape[-1]).to(torch.float32)
     padded = torch.nn.functional.pad(flat, (width, width + orig))

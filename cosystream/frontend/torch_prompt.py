@@ -416,8 +416,7 @@ class TorchPromptAnalyzer:
             return []
         on_cpu = self._cpu_xvectors([p.wav_16k for p in prompts]) if self._speaker_pool is not None else None
         with self._exact():
-            wavs_16k = [self._upload(p.wav_16k) for p in prompts]
-            wavs_24k = [self._upload(p.wav_24k) for p in prompts]
+            wavs_16k, wavs_24k = self._on_device(prompts)
             with self._beside(wavs_16k + wavs_24k):
                 xvectors = self._xvectors(wavs_16k) if on_cpu is None else None
                 mels = self._mels(wavs_24k)
@@ -429,6 +428,12 @@ class TorchPromptAnalyzer:
             # everything is queued on the device before the first copy back waits for it
             return [PromptAnalysis(t.to("cpu", torch.int32), m.cpu(), x.to("cpu", torch.float32))
                     for t, m, x in zip(tokens, mels, xvectors, strict=True)]
+
+    def _on_device(self, prompts: Sequence[PromptAudio]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each prompt's 16 kHz and flow-rate waveforms, resampled on the device from one upload of its samples:
+        on CUDA the frontend threads that decoded them do not resample on the CPU."""
+        waves = [p.at_rates(self._upload(p.samples)) for p in prompts]
+        return [w16 for w16, _ in waves], [w24 for _, w24 in waves]
 
     def _upload(self, wav: torch.Tensor) -> torch.Tensor:
         """A host waveform on the device, float32, without synchronising the host with the device on CUDA."""

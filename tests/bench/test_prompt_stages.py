@@ -10,7 +10,7 @@ import pytest
 import soundfile as sf
 from benchmark_scripts import import_benchmark
 
-STAGES = ("decode_resample", "upload", "whisper_log_mel", "speech_tokenizer", "fbank", "campplus", "prompt_mel",
+STAGES = ("decode", "upload", "resample", "whisper_log_mel", "speech_tokenizer", "fbank", "campplus", "prompt_mel",
           "copies_back")
 
 
@@ -44,7 +44,7 @@ def test_prompt_stages_reports_each_stage_and_the_engine_split(model_dir, tmp_pa
     engine = report["engine"]
     # a CPU engine analyses with onnxruntime on its frontend thread: no hand-offs to the analysis thread
     assert "onnx_analysis_transcript" in engine and "to_analysis" not in engine
-    steps = [engine[name] for name in ("admit", "to_thread", "decode_resample", "onnx_analysis_transcript",
+    steps = [engine[name] for name in ("admit", "to_thread", "decode", "onnx_analysis_transcript",
                                        "request", "to_loop")]
     assert all(step >= 0 for step in steps)
     assert engine["submit_to_core"] >= max(steps)

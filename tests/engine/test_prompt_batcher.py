@@ -54,7 +54,7 @@ class GatedAnalyzer:
 def _prompt(first: float, n: int = 1600) -> PromptAudio:
     wav = torch.zeros(n)
     wav[0] = first
-    return PromptAudio(wav_16k=wav, wav_24k=torch.zeros(n * 3 // 2))
+    return PromptAudio(wav, sample_rate=16000, flow_sample_rate=24000)
 
 
 def test_prompts_arriving_while_the_worker_is_busy_form_one_batch(frontend):

@@ -14,7 +14,7 @@ from cosystream.engine.sync_engine import Engine
 from cosystream.frontend.audio import prepare_prompt_audio
 from cosystream.frontend.speaker import SpeakerEncoder
 from cosystream.frontend.speech_tokenizer import SpeechTokenizer
-from cosystream.frontend.torch_prompt import TorchPromptAnalyzer
+from cosystream.frontend.torch_prompt import TorchPromptAnalyzer, ieee_float32
 from cosystream.params import SamplingParams, SynthesisParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -52,6 +52,16 @@ def test_cuda_analysis_matches_the_official_path(checkpoint, fixture_dir):
                                    rtol=XVECTOR_ATOL)
         alone = analyzer.analyse([prompt])[0]
         assert torch.equal(result.tokens, alone.tokens)
+
+
+@pytest.mark.parametrize("rate", [16000, 24000, 44100, 48000])
+def test_a_recording_resampled_on_the_device_matches_the_cpu(rate):
+    prompt = prepare_prompt_audio(_recordings(1, rate)[0], 24000)
+    with ieee_float32(True):
+        on_device = prompt.at_rates(prompt.samples.cuda())
+    for resampled, on_cpu in zip(on_device, (prompt.wav_16k, prompt.wav_24k), strict=True):
+        assert resampled.is_cuda
+        torch.testing.assert_close(resampled.cpu(), on_cpu, atol=1e-6, rtol=0)
 
 
 def test_engine_on_cuda_analyses_recordings_sent_together_in_batches(model_dir, tmp_path):
