@@ -25,9 +25,11 @@
 #   cv3_offline    CosyVoice3 0.5B offline (stream=False), 32 at once
 #   cv3_tests      CosyVoice3 GPU tests: compiled kernels vs reference, graphed pool vs eager, the fixtures
 #   cv3_http       CosyVoice3 0.5B over HTTP, one stream
-#   zeroshot       levels_all.sh zeroshot (registered voice and a new recording each request, c=1,16; ZS_RUNS)
+#   zeroshot       levels_all.sh zeroshot (registered voice and a new recording each request, c=1,16; ZS_RUNS;
+#                  ZS_TRACE=1: with the scheduler's decision trace)
 #   zeroshot@DIR   the same on the package in DIR (e.g. a prompt-batcher variant in .v3)
 #   zeroshot_http  a new recording in every /v1/tts request over HTTP (cosystream bench --distinct-prompts), c=1,16
+#   gpu_tests      the engine's GPU tests (CUDA against the CPU, the engine on CUDA)
 #   prompt_analysis  benchmarks/prompt_analysis.py on the released side-model architectures (/tmp/m05r), and
 #                  the prompt analysis GPU tests
 #   prompt_tests   the prompt analysis GPU tests alone (CAM++, the speech tokenizer's graphs, the analyzer)
@@ -112,9 +114,15 @@ part() {  # $1: part, $2: lane folder, $3: port
     fi
     kill -INT "$server"; wait "$server" ;;
   zeroshot)
-    OUT=$dir bash benchmarks/levels_all.sh zeroshot ;;
+    OUT=$dir COSYSTREAM_TRACE=${ZS_TRACE:+$dir/trace.jsonl} bash benchmarks/levels_all.sh zeroshot ;;
   zeroshot@*)  # the same on the package in a carried folder (a variant against this tree in one lease)
-    OUT=$dir PKG=$PWD/${1#zeroshot@} bash benchmarks/levels_all.sh zeroshot ;;
+    OUT=$dir PKG=$PWD/${1#zeroshot@} COSYSTREAM_TRACE=${ZS_TRACE:+$dir/trace.jsonl} \
+      bash benchmarks/levels_all.sh zeroshot ;;
+  gpu_tests)
+    stamp "engine GPU tests: CUDA against the CPU, the engine on CUDA"
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_matches_cpu.py \
+      tests/gpu/test_engine_cuda.py > "$dir/gpu_tests.log" 2>&1
+    tail -3 "$dir/gpu_tests.log" ;;
   zeroshot_http)
     stamp "zero-shot over HTTP: a new recording in every /v1/tts request (multipart), c=1,16"
     python3 -m cosystream.cli serve --model-dir /tmp/m05r --config flow_slots=28 --config flow_frames=832 \
