@@ -29,6 +29,7 @@
 #                  ZS_TRACE=1: with the scheduler's decision trace)
 #   zeroshot@DIR   the same on the package in DIR (e.g. a prompt-batcher variant in .v3)
 #   zeroshot_http  a new recording in every /v1/tts request over HTTP (cosystream bench --distinct-prompts), c=1,16
+#   open_profile   benchmarks/open_profile.py: the worker's opening of waves of 16 new voices
 #   gpu_tests      the engine's GPU tests (CUDA against the CPU, the engine on CUDA)
 #   prompt_analysis  benchmarks/prompt_analysis.py on the released side-model architectures (/tmp/m05r), and
 #                  the prompt analysis GPU tests
@@ -118,6 +119,11 @@ part() {  # $1: part, $2: lane folder, $3: port
   zeroshot@*)  # the same on the package in a carried folder (a variant against this tree in one lease)
     OUT=$dir PKG=$PWD/${1#zeroshot@} COSYSTREAM_TRACE=${ZS_TRACE:+$dir/trace.jsonl} \
       bash benchmarks/levels_all.sh zeroshot ;;
+  open_profile)
+    stamp "open_profile: the worker's opening of waves of 16 new voices (wall, host syncs, profile)"
+    timeout 300 python3 benchmarks/open_profile.py --model-dir /tmp/m05r --config flow_slots=28 \
+      --config flow_frames=832 --out "$dir/open_profile.json" > "$dir/open_profile.txt" 2>&1
+    head -60 "$dir/open_profile.txt" ;;
   gpu_tests)
     stamp "engine GPU tests: CUDA against the CPU, the engine on CUDA"
     timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_matches_cpu.py \

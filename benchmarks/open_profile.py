@@ -1,0 +1,161 @@
+"""Where the token-to-wave worker's time goes when a wave of new voices opens (issue 38).
+
+    python benchmarks/open_profile.py --model-dir /tmp/m05r [--streams 16] [--waves 3] [--force-tokens 60] \
+        [--config FIELD=VALUE ...] [--device cpu] [--out FILE.json]
+
+An in-process engine on CUDA serves `--waves` waves of `--streams` zero-shot requests at once, each with a new
+recording of the workload's voice (bench_engine.py's `--distinct-prompts`: the same length, other bytes). Every
+call of the worker's `open_streams` (the phase that opens streams ahead of their first chunks, new voices' prompt
+passes included) is measured on the worker thread: its wall time, where it made the host wait for the device
+(torch's sync debug mode, the call sites in cosystream), and a cProfile of the call (the largest call's top
+entries are printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import dataclasses
+import io
+import json
+import pstats
+import tempfile
+import threading
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import workload  # beside this file: python puts the script's folder first on sys.path
+from bench_engine import distinct_recordings
+
+from cosystream.config import config_overrides
+from cosystream.params import Mode, SamplingParams, SynthesisParams
+
+_SYNC_MESSAGE = "called a synchronizing"
+
+
+class OpenCalls:
+    """Wraps `open_streams`: per call, its items, wall seconds, host syncs (call sites) and a profile."""
+
+    def __init__(self, open_streams: Any) -> None:
+        self.open_streams = open_streams
+        self.calls: list[dict[str, Any]] = []
+        self._inside = threading.local()
+        self._show = warnings.showwarning
+        warnings.showwarning = self._on_warning
+
+    def __call__(self, items: Any) -> Any:
+        record: dict[str, Any] = {"items": len(items), "syncs": []}
+        self._inside.record = record
+        profile = cProfile.Profile()
+        t0 = time.perf_counter()
+        profile.enable()
+        try:
+            return self.open_streams(items)
+        finally:
+            profile.disable()
+            record["wall_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
+            self._inside.record = None
+            out = io.StringIO()
+            pstats.Stats(profile, stream=out).sort_stats("cumulative").print_stats(25)
+            record["profile"] = out.getvalue()
+            self.calls.append(record)
+
+    def _on_warning(self, message: Any, category: Any, filename: str, lineno: int, file: Any = None,
+                    line: Any = None) -> None:
+        record = getattr(self._inside, "record", None)
+        if _SYNC_MESSAGE not in str(message):
+            self._show(message, category, filename, lineno, file, line)
+            return
+        if record is None:  # another thread's (the LM's steps), or outside the call
+            return
+        frames = [f for f in traceback.extract_stack() if "/cosystream/" in f.filename]
+        record["syncs"].append(" <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames[-4:])))
+
+
+async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    from cosystream.engine.async_engine import AsyncEngine
+
+    config: dict[str, Any] = {"device": args.device, "dtype": args.dtype, "voices_db": str(tmp / "voices.db")}
+    config.update(config_overrides(args.config))
+    engine = AsyncEngine.from_pretrained(args.model_dir, **config)
+    t2w = engine.core.t2w
+    wav = tmp / "voice.wav"
+    workload.write_workload_wav(wav)
+    new = distinct_recordings(SynthesisParams(text=workload.TARGET_TEXT, mode=Mode.zero_shot,
+                                              prompt_audio=wav.read_bytes(), prompt_text=workload.PROMPT_TEXT,
+                                              force_tokens=args.force_tokens))
+
+    async def one(index: int) -> float:
+        params = dataclasses.replace(new(), sampling=SamplingParams(seed=index))
+        t0 = time.perf_counter()
+        first = None
+        async for _ in engine.synthesize(params):
+            first = first if first is not None else time.perf_counter() - t0
+        return first if first is not None else float("nan")
+
+    try:
+        await asyncio.to_thread(engine.warmup)
+        for i in range(2):  # the first new voices: kernels and allocations
+            await one(-1 - i)
+        calls = t2w.open_streams = OpenCalls(t2w.open_streams)
+        cuda = args.device == "cuda"
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+            warnings.simplefilter("always")
+        waves = []
+        for w in range(args.waves):
+            before = len(calls.calls)
+            firsts = await asyncio.gather(*(one(w * args.streams + i) for i in range(args.streams)))
+            waves.append({"first_audio_ms": sorted(round(f * 1e3, 1) for f in firsts),
+                          "open_calls": calls.calls[before:]})
+        if cuda:
+            torch.cuda.set_sync_debug_mode("default")
+    finally:
+        engine.close()
+    return {"streams": args.streams, "waves": waves}
+
+
+def print_report(report: dict[str, Any]) -> None:
+    largest = None
+    for w, wave in enumerate(report["waves"]):
+        print(f"wave {w}: first audio ms {wave['first_audio_ms']}")
+        for call in wave["open_calls"]:
+            sites: dict[str, int] = {}
+            for site in call["syncs"]:
+                sites[site] = sites.get(site, 0) + 1
+            print(f"  open_streams of {call['items']}: {call['wall_ms']:.1f} ms, {len(call['syncs'])} host syncs")
+            for site, n in sorted(sites.items(), key=lambda kv: -kv[1])[:8]:
+                print(f"    {n:4d} x {site}")
+            if largest is None or call["wall_ms"] > largest["wall_ms"]:
+                largest = call
+    if largest is not None:
+        print(f"the slowest call ({largest['items']} items, {largest['wall_ms']:.1f} ms), by cumulative time:")
+        print(largest["profile"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--device", default="cuda", help="cpu: a smoke run (no host syncs to count)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--streams", type=int, default=16)
+    p.add_argument("--waves", type=int, default=3)
+    p.add_argument("--force-tokens", type=int, default=60)
+    p.add_argument("--config", action="append", default=[], metavar="FIELD=VALUE")
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        report = asyncio.run(run(args, Path(tmp)))
+    print_report(report)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
