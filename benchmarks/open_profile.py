@@ -6,9 +6,9 @@
 An in-process engine on CUDA serves `--waves` waves of `--streams` zero-shot requests at once, each with a new
 recording of the workload's voice (bench_engine.py's `--distinct-prompts`: the same length, other bytes). Every
 call of the worker's `open_streams` (the phase that opens streams ahead of their first chunks, new voices' prompt
-passes included) is measured on the worker thread: its wall time, where it made the host wait for the device
-(torch's sync debug mode, the call sites in cosystream), and a cProfile of the call (the largest call's top
-entries are printed).
+passes included) and `run` (its chunk phases) is measured on the worker thread: its wall time, where it made the
+host wait for the device (torch's sync debug mode, the call sites in cosystream), and a cProfile of the call (the
+slowest opening's top entries are printed).
 """
 
 from __future__ import annotations
@@ -38,24 +38,29 @@ from cosystream.params import Mode, SamplingParams, SynthesisParams
 _SYNC_MESSAGE = "called a synchronizing"
 
 
-class OpenCalls:
-    """Wraps `open_streams`: per call, its items, wall seconds, host syncs (call sites) and a profile."""
+class Calls:
+    """Wraps methods of the worker (`wrap`): per call, its name, items, wall seconds, host syncs (call sites)
+    and a profile."""
 
-    def __init__(self, open_streams: Any) -> None:
-        self.open_streams = open_streams
+    def __init__(self) -> None:
         self.calls: list[dict[str, Any]] = []
         self._inside = threading.local()
         self._show = warnings.showwarning
         warnings.showwarning = self._on_warning
 
-    def __call__(self, items: Any) -> Any:
-        record: dict[str, Any] = {"items": len(items), "syncs": []}
+    def wrap(self, name: str, method: Any) -> Any:
+        def measured(items: Any, *args: Any, **kwargs: Any) -> Any:
+            return self._call(name, method, items, *args, **kwargs)
+        return measured
+
+    def _call(self, name: str, method: Any, items: Any, *args: Any, **kwargs: Any) -> Any:
+        record: dict[str, Any] = {"call": name, "items": len(items), "syncs": []}
         self._inside.record = record
         profile = cProfile.Profile()
         t0 = time.perf_counter()
         profile.enable()
         try:
-            return self.open_streams(items)
+            return method(items, *args, **kwargs)
         finally:
             profile.disable()
             record["wall_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
@@ -102,7 +107,9 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         await asyncio.to_thread(engine.warmup)
         for i in range(2):  # the first new voices: kernels and allocations
             await one(-1 - i)
-        calls = t2w.open_streams = OpenCalls(t2w.open_streams)
+        calls = Calls()
+        t2w.open_streams = calls.wrap("open_streams", t2w.open_streams)
+        t2w.run = calls.wrap("run", t2w.run)
         cuda = args.device == "cuda"
         if cuda:
             torch.cuda.set_sync_debug_mode("warn")
@@ -112,7 +119,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             before = len(calls.calls)
             firsts = await asyncio.gather(*(one(w * args.streams + i) for i in range(args.streams)))
             waves.append({"first_audio_ms": sorted(round(f * 1e3, 1) for f in firsts),
-                          "open_calls": calls.calls[before:]})
+                          "calls": calls.calls[before:]})
         if cuda:
             torch.cuda.set_sync_debug_mode("default")
     finally:
@@ -121,10 +128,19 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 
 
 def print_report(report: dict[str, Any]) -> None:
-    largest = None
+    largest: dict[str, Any] | None = None
     for w, wave in enumerate(report["waves"]):
         print(f"wave {w}: first audio ms {wave['first_audio_ms']}")
-        for call in wave["open_calls"]:
+        runs = [call for call in wave["calls"] if call["call"] == "run"]
+        run_syncs: dict[str, int] = {}
+        for call in runs:
+            for site in call["syncs"]:
+                run_syncs[site] = run_syncs.get(site, 0) + 1
+        print(f"  run (chunk phases): {len(runs)} calls, {sum(c['wall_ms'] for c in runs):.1f} ms, "
+              f"{sum(len(c['syncs']) for c in runs)} host syncs")
+        for site, n in sorted(run_syncs.items(), key=lambda kv: -kv[1])[:8]:
+            print(f"    {n:4d} x {site}")
+        for call in (call for call in wave["calls"] if call["call"] == "open_streams"):
             sites: dict[str, int] = {}
             for site in call["syncs"]:
                 sites[site] = sites.get(site, 0) + 1

@@ -40,6 +40,7 @@ from cosystream.models.cosyvoice3.flow import CV3Flow, PromptBlocks, encode_prom
 from cosystream.models.cosyvoice3.hift import CausalHiFT, HiftStream, VocoderWindow, window_audio
 from cosystream.models.cosyvoice3.pool import FlowSlotPool, PooledFlowStream, SlotChunk, finish_chunks, pack_chunks
 from cosystream.models.cosyvoice3.stream import ChunkCall, Token2WavStream
+from cosystream.transfers import ints_to_device, to_device
 
 
 @dataclass
@@ -109,9 +110,9 @@ class CV3Token2WavRunner:
         """
         del max_target_tokens, seed, stored
         dev = self.device
-        prompt_token = inputs.flow_prompt_speech_tokens.to(dev, torch.long).view(1, -1)
-        prompt_feat = inputs.prompt_mel.to(dev).view(1, -1, inputs.prompt_mel.shape[-1])
-        embedding = inputs.xvector.to(dev).view(1, -1)
+        prompt_token = to_device(inputs.flow_prompt_speech_tokens, dev, torch.long).view(1, -1)
+        prompt_feat = to_device(inputs.prompt_mel, dev).view(1, -1, inputs.prompt_mel.shape[-1])
+        embedding = to_device(inputs.xvector, dev).view(1, -1)
         blocks = self._prompt_blocks(voice_key, prompt_token, prompt_feat, embedding) if voice_key else None
         stream = Token2WavStream(self.flow, self.hift, prompt_token, prompt_feat, embedding,
                                  final_full_attention=self.final_attention == "full", prompt_blocks=blocks)
@@ -353,7 +354,7 @@ class CV3Token2WavRunner:
         u = self.hift.upsample_scale
         mel = torch.cat([F.pad(w.mel, (0, frames - w.mel.shape[2])) for w in padded])
         carry = torch.cat([w.carry for w in padded])
-        start = torch.tensor([w.start_frame * u for w in padded], device=self.device)
+        start = ints_to_device([w.start_frame * u for w in padded], self.device)
         _, f0_skip, out_start, finalize = windows[0].key
         key = (rows, frames, f0_skip, out_start, finalize)
         if finalize and not capture and key not in self.vocoder_graphs.graphs:
@@ -384,7 +385,7 @@ class CV3Token2WavRunner:
         flow_s = [0.0] * len(jobs)
         groups: dict[tuple[bool, int], list[tuple[int, SlotChunk]]] = {}
         for i, (state, tokens, plan) in enumerate(jobs):
-            ids = torch.tensor(tokens[:plan.token_end], dtype=torch.long, device=self.device).view(1, -1)
+            ids = ints_to_device(tokens[:plan.token_end], self.device).view(1, -1)
             call = ChunkCall(plan.token_end, plan.offset, plan.is_final)
             chunk = self._pool_chunk(state, ids, call)
             if chunk is None:

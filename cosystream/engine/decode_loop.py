@@ -22,6 +22,7 @@ import torch
 from cosystream.engine import faults, runners
 from cosystream.engine.bistream import BistreamState, Feed
 from cosystream.engine.request import LMStatus, RequestState, Segment
+from cosystream.transfers import ints_to_device
 
 if TYPE_CHECKING:
     from cosystream.engine.scheduler import Scheduler
@@ -280,7 +281,7 @@ class DecodeLoop:
         state = BistreamState(sos=sos, task_id=task_id, prompt_text=prompt_text, prompt_speech=prompt_speech,
                               fill_token=lm.fill, mix_ratio=lm.dims.mix_ratio, prefix=prefix)
         if seg.text_backlog:
-            state.add_text(lm.text_embedding(torch.tensor(seg.text_backlog, device=dev)))
+            state.add_text(lm.text_embedding(ints_to_device(seg.text_backlog, dev)))
         if seg.text_closed:
             state.end_text()
         return state
@@ -313,7 +314,7 @@ class DecodeLoop:
             seg.text_backlog.extend(text_ids)
             return
         dev = self.lm.text_embedding.weight.device
-        seg.bistream.add_text(self.lm.text_embedding(torch.tensor(text_ids, device=dev, dtype=torch.long)))
+        seg.bistream.add_text(self.lm.text_embedding(ints_to_device(text_ids, dev)))
         if seg.lm_status == LMStatus.waiting_text:
             self._bistream_advance(req, seg)
 

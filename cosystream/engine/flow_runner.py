@@ -35,6 +35,7 @@ from cosystream.models.cfm import VelocityFn
 from cosystream.models.estimator import PooledKV, StepTimes
 from cosystream.models.flow import LOOKAHEAD_CONTEXT, UP_CONTEXT, UPSAMPLE, EncoderState, Flow
 from cosystream.models.flow_stream import EncoderProgress, PromptCache, Window
+from cosystream.transfers import ints_to_device, to_device
 
 _ENCODER_ROWS = (1, 2, 4, 8, 16, 32)  # streams per batched encoder step (graph buckets)
 
@@ -223,9 +224,9 @@ class FlowRunner(WholePasses, NewVoices):
         spks = torch.zeros(padded, self.cfm.num_bins, device=self.device, dtype=self.dtype)
         spks[:b] = torch.stack([s.prompt.spks for s in streams])
         slots = torch.full((padded,), self.scratch, device=self.device, dtype=torch.long)
-        slots[:b] = torch.tensor([s.slot for s in streams], device=self.device)
+        slots[:b] = ints_to_device([s.slot for s in streams], self.device)
         start_t = torch.zeros(padded, device=self.device, dtype=torch.long)
-        start_t[:b] = torch.tensor(starts, device=self.device)
+        start_t[:b] = ints_to_device(starts, self.device)
         marker = torch.empty(attn_len, device=self.device, dtype=torch.int8)
         if not on_lane:
             # Capturing runs the step once outside the graph, which would advance these streams' conv tails
@@ -291,12 +292,12 @@ class FlowRunner(WholePasses, NewVoices):
         has_context = windows[0][1] is not None
         key, inputs = self._encoder_inputs(b, start, n, has_context)
         ids, ctx, la_tail, up_tail, slots = inputs[:5]
-        ids[:b] = torch.stack([w[0] for w in windows]).to(self.device)
+        ids[:b] = to_device(torch.stack([w[0] for w in windows]), self.device)
         if has_context:
-            ctx[:b] = torch.stack([w[1] for w in windows]).to(self.device)
+            ctx[:b] = to_device(torch.stack([w[1] for w in windows]), self.device)
         la_tail[:b] = torch.stack([s.encoder.lookahead_tail for s in streams])
         up_tail[:b] = torch.stack([s.encoder.up_tail for s in streams])
-        slots[:b] = torch.tensor([s.slot for s in streams], device=self.device)
+        slots[:b] = ints_to_device([s.slot for s in streams], self.device)
         self.capture_encoder(b, start, n, has_context, graphs)
         mu, la_out, up_out = graphs.run(key, inputs)
         for i, s in enumerate(streams):

@@ -21,6 +21,7 @@ from cosystream.kernels import prefetch, triton_usable
 from cosystream.kernels import reference as reference_ops
 from cosystream.models.qwen2 import KVCache, SpeechLM
 from cosystream.models.sampling import MAX_TOP_K, SamplingBatch, sample_tokens
+from cosystream.transfers import ints_to_device, to_device
 
 _BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512)
 _LEN_BUCKETS = (256, 512, 1024, 2048, 4096, 8192)
@@ -125,12 +126,12 @@ class LMRunner:
             raise ValueError(f"prompt of {start_pos + n} positions exceeds max_len {self.max_len}")
         if self.use_graphs and start_pos == 0:
             return self._prefill_graphed(slot, embeds)
-        slots = torch.tensor([slot], device=self.device)
-        x = embeds.to(self.device, self.dtype).unsqueeze(0)
+        slots = ints_to_device([slot], self.device)
+        x = to_device(embeds, self.device, self.dtype).unsqueeze(0)
         if start_pos == 0:
             h = self._fresh(x, slots)[:, -1]
         else:  # an extension (text streamed in after the prompt) attends over what the cache holds
-            start = torch.tensor([start_pos], device=self.device)
+            start = ints_to_device([start_pos], self.device)
             h = self._forward(x, start, self.cache, attn_len=start_pos + n, slots=slots)[:, -1]
         logp = self.lm.logp(h)
         token = self._sample(logp, self._rows(slot, slot + 1), self.eos)
@@ -180,7 +181,7 @@ class LMRunner:
         items = items + [items[-1]] * (rows - count)
         x = torch.zeros(rows, padded, items[0][1].shape[1], device=self.device, dtype=self.dtype)
         for r, (_, embeds) in enumerate(items):
-            x[r, :embeds.shape[0]] = embeds.to(self.device, self.dtype)
+            x[r, :embeds.shape[0]] = to_device(embeds, self.device, self.dtype)
         slots = [slot for slot, _ in items]
         # the rows that sample: each slot once (padding rows repeat the last prompt), -1 for the others
         sampling = [slot if slot not in slots[:r] else -1 for r, slot in enumerate(slots)]

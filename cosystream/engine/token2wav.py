@@ -34,6 +34,7 @@ from cosystream.kernels import vocoder as vocoder_kernels
 from cosystream.models.flow import UPSAMPLE
 from cosystream.models.flow_stream import FlowStream, FlowStreamState, PromptCache, cache_bytes_per_frame
 from cosystream.models.hift import MEL_CACHE_FRAMES, HiFTGenerator, crossfade, fade_window
+from cosystream.transfers import ints_to_device, to_device
 
 _FINGERPRINT = "model"  # which flow (dims and dtype) a stored prompt cache belongs to
 _NOISE_SEED = 20250101
@@ -220,8 +221,8 @@ class Token2WavRunner:
 
     def _prompt_args(self, inputs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(prompt tokens [1, P], prompt mel [1, 2P, 80], x-vector [1, 192]) on the device."""
-        return (inputs.flow_prompt_speech_tokens[None].to(self.device), inputs.prompt_mel[None].to(self.device),
-                inputs.xvector[None].to(self.device))
+        return (to_device(inputs.flow_prompt_speech_tokens[None], self.device),
+                to_device(inputs.prompt_mel[None], self.device), to_device(inputs.xvector[None], self.device))
 
     def _build_prompt_cache(self, inputs: Any) -> PromptCache:
         """A voice's prompt through the flow: in a free pool slot (graphed) when there is one, else eagerly."""
@@ -507,7 +508,7 @@ class Token2WavRunner:
             mels[i] = mel[:, self._emitted_from(st, plan):]
 
     def _tokens(self, tokens: list[int]) -> torch.Tensor:
-        return torch.tensor(tokens, dtype=torch.long, device=self.device).unsqueeze(0)
+        return ints_to_device(tokens, self.device).unsqueeze(0)
 
     def _vocode(self, items: list[tuple[Token2WavState, torch.Tensor, bool]]) -> list[torch.Tensor]:
         """Continuity-cached HiFT per job; calls with equal mel length run as one batch (REPLAY_ROWS at most)."""

@@ -46,6 +46,7 @@ from cosystream.frontend.campplus_graph import (
     read_campplus,
 )
 from cosystream.frontend.onnx_torch import TorchOnnxGraph
+from cosystream.transfers import to_device
 
 log = logging.getLogger(__name__)
 
@@ -364,10 +365,7 @@ class _Frames:
 
 def _send(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """A host tensor on the device (floats in `dtype`), without waiting for the device's queued work."""
-    t = t.to(dtype) if t.dtype.is_floating_point else t
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+    return to_device(t, device, dtype if t.dtype.is_floating_point else None)
 
 
 def _context_weights(lengths: torch.Tensor, frames: int, segments: int) -> torch.Tensor:

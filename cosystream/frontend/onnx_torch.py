@@ -37,6 +37,7 @@ from cosystream.frontend.shape_folding import (
     shape_determined,
     unchanged,
 )
+from cosystream.transfers import to_device
 
 
 class UnsupportedGraph(CheckpointError):
@@ -76,9 +77,7 @@ class _Context:
         """`t` on the device. A host tensor goes to a CUDA device through pinned memory without waiting: a plain
         copy from the host synchronises the host with the stream, which would stall the host's work (launching the
         graph's next operators) until the device had run everything queued before it."""
-        if not t.is_cpu or self.device.type != "cuda":
-            return t.to(self.device)
-        return t.pin_memory().to(self.device, non_blocking=True)
+        return to_device(t, self.device)
 
     def same_place(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Operands of one op on one device and, for floats, one dtype (the compute dtype wins over float32)."""

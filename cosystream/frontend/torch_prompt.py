@@ -55,6 +55,7 @@ from cosystream.frontend.campplus import CamPlusPlus, load_fast_campplus
 from cosystream.frontend.onnx_torch import TorchOnnxGraph, UnsupportedGraph, torch_dtype
 from cosystream.frontend.padded_graphs import PaddedGraphs, capture_shapes
 from cosystream.frontend.speaker import SpeakerEncoder
+from cosystream.transfers import to_device
 
 BATCH_MODES = ("padded", "same_length", "single")
 FAST_SPEAKER_MODE = "campplus_module"  # speaker_mode while the batched CAM++ network runs
@@ -437,10 +438,7 @@ class TorchPromptAnalyzer:
 
     def _upload(self, wav: torch.Tensor) -> torch.Tensor:
         """A host waveform on the device, float32, without synchronising the host with the device on CUDA."""
-        wav = wav.to(torch.float32)
-        if self.device.type == "cuda" and wav.is_cpu:
-            return wav.pin_memory().to(self.device, non_blocking=True)
-        return wav.to(self.device)
+        return to_device(wav, self.device, torch.float32)
 
     @contextlib.contextmanager
     def _beside(self, inputs: Sequence[torch.Tensor]) -> Iterator[None]:

@@ -9,6 +9,8 @@ import torch
 
 from cosystream.engine.sync_engine import Engine
 from cosystream.params import SamplingParams, SynthesisParams
+from cosystream.testing.host_syncs import recorded_host_syncs
+from cosystream.transfers import ints_to_device, to_device
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -44,3 +46,14 @@ def test_streams_opened_ahead_of_their_first_chunk_on_cuda_give_the_same_audio(m
         assert a.num_chunks == b.num_chunks >= 2
         np.testing.assert_allclose(b.pcm, a.pcm, atol=2e-3, rtol=0)
 
+
+
+def test_host_tensors_reach_the_device_without_a_host_sync():
+    host = torch.arange(1000, dtype=torch.float32)
+    torch.cuda.synchronize()
+    with recorded_host_syncs() as syncs:
+        torch.cuda._sleep(10_000_000)  # the stream is busy: a blocking copy would wait for it
+        floats = to_device(host, "cuda", torch.bfloat16)
+        ints = ints_to_device([5, 6, 7], "cuda")
+    assert syncs == []
+    assert torch.equal(floats.cpu(), host.to(torch.bfloat16)) and ints.cpu().tolist() == [5, 6, 7]

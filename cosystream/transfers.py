@@ -1,0 +1,30 @@
+"""Host tensors onto the device without making the host wait for the device.
+
+A plain host-to-device copy (`t.to("cuda")`, `torch.tensor(values, device="cuda")`) synchronises the host with
+the current CUDA stream: the calling thread waits for everything queued on that stream before it, and gives up
+the GIL meanwhile, which it then has to win back from the engine's other threads. `to_device` instead queues the
+copy from pinned memory on the current stream (torch's caching host allocator keeps the pinned block until the
+copy is done), so work queued after it on the same stream sees the data and the host goes on at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def to_device(t: torch.Tensor, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`t` (in `dtype`, converted on the host) on `device`; from the host to CUDA without a host sync."""
+    device = torch.device(device)
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype) if t.is_cpu else t.to(device, dtype)
+    if device.type == "cuda" and t.is_cpu:
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def ints_to_device(values: Sequence[int], device: torch.device | str, dtype: torch.dtype = torch.long
+                   ) -> torch.Tensor:
+    """`torch.tensor(values, dtype, device=device)` without a host sync on CUDA."""
+    return to_device(torch.tensor(values, dtype=dtype), device)
