@@ -184,11 +184,12 @@ class Token2WavRunner:
         return cache
 
     def _register(self, cache: PromptCache | None, voice_key: str | None, fresh: bool) -> None:
-        """Keep a voice's cache in memory (most recent last); a freshly built one is also handed to
-        `on_new_voice_cache`."""
+        """Keep a voice's cache in memory (most recent last); a freshly built one of a registered voice is also
+        handed to `on_new_voice_cache` (a request's own recording has no record to keep it in: its cache is not
+        waited for nor copied to the host)."""
         if voice_key is None or cache is None:
             return
-        if fresh and self.on_new_voice_cache is not None:
+        if fresh and self.on_new_voice_cache is not None and not is_upload_key(voice_key):
             if cache.written is not None:  # its prompt pass still writes it on the prompt lane
                 cache.written.synchronize()
             tensors = {k: v.to("cpu") for k, v in cache.to_tensors().items()}

@@ -181,6 +181,20 @@ def test_a_voice_prompt_is_at_hand_in_memory_or_in_a_record_of_this_model(models
     assert not runner.has_prompt("w", other)
 
 
+def test_only_registered_voices_caches_are_handed_over_to_be_kept(models, load_fixture):
+    """A request's own recording has no voice record: its fresh cache stays in memory and is not copied out."""
+    from cosystream.engine.upload_cache import UPLOAD_KEY_PREFIX
+
+    f = load_fixture("stream")
+    runner = Token2WavRunner(*models, EngineConfig())
+    handed: list[str] = []
+    runner.on_new_voice_cache = lambda key, tensors: handed.append(key)
+    runner.prompt_cache(_inputs(f), "voice\x00registered")
+    runner.prompt_cache(_inputs(f), UPLOAD_KEY_PREFIX + "recording")
+    assert handed == ["voice\x00registered"]
+    assert runner.has_prompt(UPLOAD_KEY_PREFIX + "recording")
+
+
 def test_vocoder_calls_of_one_length_run_at_most_replay_rows_streams_at_once(models, load_fixture, monkeypatch):
     """Official final passes wait without a flow slot, so dozens of their vocoder calls may share one mel
     length: they run REPLAY_ROWS at a time (the largest batch warm-up captures), each stream gets the audio
