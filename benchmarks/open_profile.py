@@ -7,19 +7,16 @@ An in-process engine on CUDA serves `--waves` waves of `--streams` zero-shot req
 recording of the workload's voice (bench_engine.py's `--distinct-prompts`: the same length, other bytes). Every
 call of the worker's `open_streams` (the phase that opens streams ahead of their first chunks, new voices' prompt
 passes included) and `run` (its chunk phases) is measured on the worker thread: its wall time, where it made the
-host wait for the device (torch's sync debug mode, the call sites in cosystream), and a cProfile of the call (the
-slowest opening's top entries are printed).
+host wait for the device (torch's sync debug mode, the call sites in cosystream), and, for the openings, the wall
+time of the steps inside them on the worker thread (slot openings, the prompt pass queued on the lane, ...).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import cProfile
 import dataclasses
-import io
 import json
-import pstats
 import tempfile
 import threading
 import time
@@ -39,8 +36,9 @@ _SYNC_MESSAGE = "called a synchronizing"
 
 
 class Calls:
-    """Wraps methods of the worker (`wrap`): per call, its name, items, wall seconds, host syncs (call sites)
-    and a profile."""
+    """Wraps methods of the worker (`wrap`): per call, its name, items, wall seconds, host syncs (call sites),
+    and the wall seconds of the parts inside it (`part`: methods it calls, timed on the worker thread only; a
+    cProfile would not do: since Python 3.12 it records every thread's calls)."""
 
     def __init__(self) -> None:
         self.calls: list[dict[str, Any]] = []
@@ -48,26 +46,35 @@ class Calls:
         self._show = warnings.showwarning
         warnings.showwarning = self._on_warning
 
+    def close(self) -> None:
+        warnings.showwarning = self._show
+
     def wrap(self, name: str, method: Any) -> Any:
         def measured(items: Any, *args: Any, **kwargs: Any) -> Any:
             return self._call(name, method, items, *args, **kwargs)
         return measured
 
+    def part(self, name: str, method: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            record = getattr(self._inside, "record", None)
+            t0 = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                if record is not None:
+                    parts = record["parts"]
+                    parts[name] = round(parts.get(name, 0.0) + (time.perf_counter() - t0) * 1e3, 3)
+        return timed
+
     def _call(self, name: str, method: Any, items: Any, *args: Any, **kwargs: Any) -> Any:
-        record: dict[str, Any] = {"call": name, "items": len(items), "syncs": []}
+        record: dict[str, Any] = {"call": name, "items": len(items), "syncs": [], "parts": {}}
         self._inside.record = record
-        profile = cProfile.Profile()
         t0 = time.perf_counter()
-        profile.enable()
         try:
             return method(items, *args, **kwargs)
         finally:
-            profile.disable()
             record["wall_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
             self._inside.record = None
-            out = io.StringIO()
-            pstats.Stats(profile, stream=out).sort_stats("cumulative").print_stats(25)
-            record["profile"] = out.getvalue()
             self.calls.append(record)
 
     def _on_warning(self, message: Any, category: Any, filename: str, lineno: int, file: Any = None,
@@ -80,6 +87,18 @@ class Calls:
             return
         frames = [f for f in traceback.extract_stack() if "/cosystream/" in f.filename]
         record["syncs"].append(" <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames[-4:])))
+
+
+def time_parts(calls: Calls, t2w: Any) -> None:
+    """The steps of opening streams, each timed inside the calls (instance attributes shadow the methods)."""
+    pool = t2w.pool
+    for owner, names in ((t2w, ("_prompt_args", "_by_cache_boundary", "_register", "_state", "_start_or_error",
+                                "opened")),
+                         (t2w.stream, ("empty_prompt",)),
+                         (pool, ("open", "_cache_buffers", "_prompt_pass_on_lane", "_ode_inputs", "_encode_all",
+                                 "_copy_into_caches", "open_new_voices") if pool is not None else ())):
+        for name in names:
+            setattr(owner, name, calls.part(name, getattr(owner, name)))
 
 
 async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
@@ -110,6 +129,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         calls = Calls()
         t2w.open_streams = calls.wrap("open_streams", t2w.open_streams)
         t2w.run = calls.wrap("run", t2w.run)
+        time_parts(calls, t2w)
         cuda = args.device == "cuda"
         if cuda:
             torch.cuda.set_sync_debug_mode("warn")
@@ -122,13 +142,13 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                           "calls": calls.calls[before:]})
         if cuda:
             torch.cuda.set_sync_debug_mode("default")
+        calls.close()
     finally:
         engine.close()
     return {"streams": args.streams, "waves": waves}
 
 
 def print_report(report: dict[str, Any]) -> None:
-    largest: dict[str, Any] | None = None
     for w, wave in enumerate(report["waves"]):
         print(f"wave {w}: first audio ms {wave['first_audio_ms']}")
         runs = [call for call in wave["calls"] if call["call"] == "run"]
@@ -147,11 +167,9 @@ def print_report(report: dict[str, Any]) -> None:
             print(f"  open_streams of {call['items']}: {call['wall_ms']:.1f} ms, {len(call['syncs'])} host syncs")
             for site, n in sorted(sites.items(), key=lambda kv: -kv[1])[:8]:
                 print(f"    {n:4d} x {site}")
-            if largest is None or call["wall_ms"] > largest["wall_ms"]:
-                largest = call
-    if largest is not None:
-        print(f"the slowest call ({largest['items']} items, {largest['wall_ms']:.1f} ms), by cumulative time:")
-        print(largest["profile"])
+            parts = sorted(call["parts"].items(), key=lambda kv: -kv[1])
+            print("    parts (ms, nested ones inside their callers'): "
+                  + ", ".join(f"{name} {ms:.1f}" for name, ms in parts))
 
 
 def main(argv: list[str] | None = None) -> int:
