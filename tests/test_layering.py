@@ -14,6 +14,7 @@ FORBIDDEN = {
     "outputs": {"checkpoint", "frontend", "models", "engine", "server", "bench", "cli"},
     "errors": {"checkpoint", "frontend", "models", "engine", "server", "bench", "cli"},
     "cuda_graphs": {"checkpoint", "frontend", "models", "engine", "server", "bench", "cli"},
+    "transfers": {"checkpoint", "frontend", "models", "engine", "server", "bench", "cli"},
     "checkpoint": {"frontend", "models", "engine", "server", "bench", "cli"},
     "frontend": {"models", "engine", "server", "bench", "cli"},
     # models hold the math as plain PyTorch: fused kernels are handed in by the engine, never imported

@@ -20,6 +20,7 @@ from torch import nn
 
 from cosystream.checkpoint.hparams import CausalHiftDims
 from cosystream.models.hift import Snake, istft, stft
+from cosystream.transfers import ints_to_device
 
 NOISE_SECONDS = 300  # PARITY: SineGen2 draws rand(1, 300·24000, 9) at construction
 
@@ -314,7 +315,7 @@ class HiftStream:
         window = self.window(mel, finalize)
         if window is None:
             return mel.new_zeros(1, 0).float()
-        start = torch.tensor([window.start_frame * self.hift.upsample_scale], device=window.mel.device)
+        start = ints_to_device([window.start_frame * self.hift.upsample_scale], window.mel.device)
         out, f0 = window_audio(self.hift, window.mel, window.carry, start, window.f0_skip, window.out_start,
                                window.finalize)
         self.commit(window, f0)

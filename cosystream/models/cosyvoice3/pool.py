@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from cosystream.models.cosyvoice3.dit import _LN_EPS, DiT, DiTCache
 from cosystream.models.cosyvoice3.flow import CV3Flow, PromptBlocks
+from cosystream.transfers import ints_to_device, to_device
 
 KEY_FRAMES_STEP = 192  # key-length buckets of the torch statements' pooled chunks (a multiple of 16: an aligned mask)
 
@@ -429,13 +430,13 @@ def pack_chunks(pool: FlowSlotPool, chunks: list[SlotChunk], frames: int
         mu[i, :, :c.valid] = c.mu[0]
         cond[i, :, :c.valid] = c.cond[0]
     spks = torch.cat([c.spks for c in chunks]).to(pool.dtype)
-    meta = torch.tensor([[c.slot, c.start, c.valid, c.keep] for c in chunks], dtype=torch.long).T.to(dev)
+    meta = to_device(torch.tensor([[c.slot, c.start, c.valid, c.keep] for c in chunks], dtype=torch.long).T, dev)
     return x0, mu, cond, spks, meta[0], meta[1], meta[2], meta[3]
 
 
 def finish_chunks(pool: FlowSlotPool, chunks: list[SlotChunk], x1: torch.Tensor) -> list[torch.Tensor]:
     """Advance the slots' committed lengths; each stream's new mel [1, 80, m] float32 from `first_new`."""
-    slots = torch.tensor([c.slot for c in chunks], device=pool.device)
+    slots = ints_to_device([c.slot for c in chunks], pool.device)
     pool.tail1[:, slots] = pool.tail1_out[:, slots]
     pool.tail2[:, slots] = pool.tail2_out[:, slots]
     out = []
