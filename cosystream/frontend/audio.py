@@ -66,11 +66,11 @@ class PromptAudio:
 
     @cached_property
     def wav_16k(self) -> torch.Tensor:  # [N16]
-        return self.at_rates()[0]
+        return to_16k(self.samples, self.sample_rate)
 
     @cached_property
     def wav_24k(self) -> torch.Tensor:  # [N24] at flow_sample_rate
-        return self.at_rates()[1]
+        return resample(self.samples, self.sample_rate, self.flow_sample_rate)
 
     def at_rates(self, samples: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(16 kHz, flow rate) waveforms of `samples` (by default this prompt's own), on their device."""

@@ -113,6 +113,17 @@ def test_8k_stereo_is_upsampled_and_mixed(write_audio, speech_like):
     assert prompt.wav_16k.dtype == torch.float32 and torch.isfinite(prompt.wav_16k).all()
 
 
+def test_a_prompt_keeps_its_own_rate_and_resamples_a_copy_as_it_resamples_itself(write_audio, speech_like):
+    """The engine's GPU analysis resamples a device copy of the samples (`at_rates`): the same waveforms as the
+    CPU path's `wav_16k` / `wav_24k`."""
+    path = write_audio("cd.wav", speech_like(1.5, 44100), 44100)
+    prompt = prepare_prompt_audio(path)
+    assert prompt.sample_rate == 44100 and prompt.samples.shape == (66150,)
+    wav_16k, wav_24k = prompt.at_rates(prompt.samples.clone())
+    assert torch.equal(wav_16k, prompt.wav_16k) and torch.equal(wav_24k, prompt.wav_24k)
+    assert prompt.wav_16k.shape == (24000,) and prompt.wav_24k.shape == (36000,)
+
+
 @pytest.mark.parametrize(("name", "kwargs"), [("p.flac", {}), ("p.ogg", {"subtype": "VORBIS"}),
                                               ("p.mp3", {"format": "MP3"}), ("p.wav", {"subtype": "PCM_24"})])
 def test_compressed_and_lossless_formats_load(write_audio, speech_like, name, kwargs):
