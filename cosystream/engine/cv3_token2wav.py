@@ -40,7 +40,7 @@ from cosystream.models.cosyvoice3.flow import CV3Flow, PromptBlocks, encode_prom
 from cosystream.models.cosyvoice3.hift import CausalHiFT, HiftStream, VocoderWindow, window_audio
 from cosystream.models.cosyvoice3.pool import FlowSlotPool, PooledFlowStream, SlotChunk, finish_chunks, pack_chunks
 from cosystream.models.cosyvoice3.stream import ChunkCall, Token2WavStream
-from cosystream.transfers import ints_to_device, to_device
+from cosystream.transfers import ints_to_device, to_device, to_host
 
 
 @dataclass
@@ -278,13 +278,14 @@ class CV3Token2WavRunner:
         wavs, vocoder_s = self.vocode_chunks([(state, mel, plan.is_final) for (state, _, plan), mel
                                               in zip(jobs, mels, strict=True)])
         results = []
-        for (state, _, plan), wav, f_s, v_s in zip(jobs, wavs, flow_s, vocoder_s, strict=True):
+        host = to_host([wav[0] for wav in wavs])
+        for (state, _, plan), wav, pcm, f_s, v_s in zip(jobs, wavs, host, flow_s, vocoder_s, strict=True):
             state.chunk_index += 1
             state.samples_done += wav.shape[1]
             if plan.is_final:
                 state.finished = True
                 self._leave_pool(state, keep_state=False)
-            results.append((wav[0].float().cpu().numpy(), f_s, v_s))
+            results.append((pcm, f_s, v_s))
         self._sync()  # the laps' events are read next (a batch may have voiced nothing to copy)
         self.watch.settle()
         return results

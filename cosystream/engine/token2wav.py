@@ -34,7 +34,7 @@ from cosystream.kernels import vocoder as vocoder_kernels
 from cosystream.models.flow import UPSAMPLE
 from cosystream.models.flow_stream import FlowStream, FlowStreamState, PromptCache, cache_bytes_per_frame
 from cosystream.models.hift import MEL_CACHE_FRAMES, HiFTGenerator, crossfade, fade_window
-from cosystream.transfers import ints_to_device, to_device
+from cosystream.transfers import ints_to_device, to_device, to_host
 
 _FINGERPRINT = "model"  # which flow (dims and dtype) a stored prompt cache belongs to
 _NOISE_SEED = 20250101
@@ -308,7 +308,7 @@ class Token2WavRunner:
         t1 = self._now()
         wavs = self._vocode([(st, mel, plan.is_final) for (st, _, plan), mel in zip(jobs, mels, strict=True)])
         self.watch.lap("vocoder")
-        host = [w.float().cpu().numpy() for w in wavs]
+        host = to_host(wavs)
         self.watch.lap("to_host")
         self.watch.settle()
         t2 = time.perf_counter()

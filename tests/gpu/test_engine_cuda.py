@@ -10,7 +10,7 @@ import torch
 from cosystream.engine.sync_engine import Engine
 from cosystream.params import SamplingParams, SynthesisParams
 from cosystream.testing.host_syncs import recorded_host_syncs
-from cosystream.transfers import ints_to_device, to_device
+from cosystream.transfers import ints_to_device, to_device, to_host
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -57,3 +57,12 @@ def test_host_tensors_reach_the_device_without_a_host_sync():
         ints = ints_to_device([5, 6, 7], "cuda")
     assert syncs == []
     assert torch.equal(floats.cpu(), host.to(torch.bfloat16)) and ints.cpu().tolist() == [5, 6, 7]
+
+
+def test_a_batch_of_results_reaches_the_host_with_one_wait():
+    tensors = [torch.randn(100 + i, device="cuda") for i in range(8)]
+    with recorded_host_syncs() as syncs:
+        arrays = to_host(tensors)
+    assert len(syncs) == 1
+    for array, tensor in zip(arrays, tensors, strict=True):
+        np.testing.assert_array_equal(array, tensor.cpu().numpy())
