@@ -11,6 +11,10 @@ only opens streams ahead, [] when the worker stays idle).
 A busy worker asked to stop (Scheduler.preempt) gives a line with `preempt` (the kind asked), `running` (the
 kind of phase then on the worker), `phases_left` (its unstarted phases), `slots_after_batch`, `free_slots`,
 `first_ready` and `first_no_slot` as above, and `due_finals` (the batch holds due final passes).
+
+Each phase the worker finishes gives a line with `done` (its kind: `open`, `first`, `chunks`, `final`, ...), `jobs`
+and `busy_ms` (the worker's wall time on it); `t` is when it ended, so a phase that holds the worker longer than
+its GPU work (say, the opening of new voices) shows between the decisions around it.
 """
 
 from __future__ import annotations
@@ -44,6 +48,9 @@ class DecisionTrace:
     def write_preempt(self, view: EngineView, decision: Preempt, running: str, phases_left: int) -> None:
         self.file.write(json.dumps(preempt_record(view, decision, running, phases_left), separators=(",", ":")) + "\n")
 
+    def write_done(self, kind: str, jobs: int, ended: float, busy_s: float) -> None:
+        self.file.write(json.dumps(done_record(kind, jobs, ended, busy_s), separators=(",", ":")) + "\n")
+
     def close(self) -> None:
         self.file.close()
 
@@ -72,6 +79,11 @@ def preempt_record(view: EngineView, decision: Preempt, running: str, phases_lef
             "slots_after_batch": view.slots_after_batch, "free_slots": view.free_flow_slots,
             "first_ready": len(first_ready), "first_no_slot": sum(not s.opened and s.needs_slot for s in first_ready),
             "due_finals": worker is not None and worker.due_finals}
+
+
+def done_record(kind: str, jobs: int, ended: float, busy_s: float) -> dict:
+    """The record of a phase the worker finished (`kind`: its phase_kind)."""
+    return {"t": round(ended, 6), "done": kind, "jobs": jobs, "busy_ms": round(busy_s * 1e3, 3)}
 
 
 def _first_ready(view: EngineView) -> list[StreamView]:

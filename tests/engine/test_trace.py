@@ -20,11 +20,18 @@ def test_the_trace_records_the_first_chunk_phase_of_a_request(model_dir, fixture
                                        sampling=SamplingParams(greedy=True, seed=0)))
     finally:
         eng.close()
-    records = [json.loads(line) for line in path.read_text().splitlines()]
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    records = [r for r in lines if "done" not in r]
     assert records and all({"t", "streams", "free_slots", "first_ready", "phases"} <= r.keys() for r in records)
-    assert [r["t"] for r in records] == sorted(r["t"] for r in records)
+    assert [r["t"] for r in lines] == sorted(r["t"] for r in lines)
     firsts = [r for r in records if any(kind == "first" for kind, _ in r["phases"])]
     assert len(firsts) == 1 and firsts[0]["first_ready"] == 1 and firsts[0]["streams"] == 1
+    # every phase decided ends in a line of its own, in the order decided, after its decision
+    done = [r for r in lines if "done" in r]
+    decided = [(kind, n) for r in records for kind, n in r["phases"] if kind != "opens"]
+    assert [(r["done"], r["jobs"]) for r in done] == decided
+    first_done = next(r for r in done if r["done"] == "first")
+    assert first_done["t"] > firsts[0]["t"] and first_done["busy_ms"] > 0
 
 
 def test_a_request_to_stop_the_busy_worker_is_one_line_with_what_asked_for_it(tmp_path):
