@@ -17,7 +17,9 @@ import torch
 
 
 def to_device(t: torch.Tensor, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """`t` (in `dtype`, converted on the host) on `device`; from the host to CUDA without a host sync."""
+    """`t` (in `dtype`, converted on the host) on `device`; from the host to CUDA without a host sync. A host
+    tensor is staged in a pinned copy of its own, so the caller may change it at once; one that is pinned already
+    is read as it is, later, by the device: leave it alone until the stream has passed the copy."""
     device = torch.device(device)
     if dtype is not None and t.dtype != dtype:
         t = t.to(dtype) if t.is_cpu else t.to(device, dtype)
