@@ -433,12 +433,8 @@ class TorchPromptAnalyzer:
     def _on_device(self, prompts: Sequence[PromptAudio]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Each prompt's 16 kHz and flow-rate waveforms, resampled on the device from one upload of its samples:
         on CUDA the frontend threads that decoded them do not resample on the CPU."""
-        waves = [p.at_rates(self._upload(p.samples)) for p in prompts]
+        waves = [p.at_rates(to_device(p.samples, self.device, torch.float32)) for p in prompts]
         return [w16 for w16, _ in waves], [w24 for _, w24 in waves]
-
-    def _upload(self, wav: torch.Tensor) -> torch.Tensor:
-        """A host waveform on the device, float32, without synchronising the host with the device on CUDA."""
-        return to_device(wav, self.device, torch.float32)
 
     @contextlib.contextmanager
     def _beside(self, inputs: Sequence[torch.Tensor]) -> Iterator[None]:
