@@ -14,7 +14,9 @@ kind of phase then on the worker), `phases_left` (its unstarted phases), `slots_
 
 Each phase the worker finishes gives a line with `done` (its kind: `open`, `first`, `chunks`, `final`, ...), `jobs`
 and `busy_ms` (the worker's wall time on it); `t` is when it ended, so a phase that holds the worker longer than
-its GPU work (say, the opening of new voices) shows between the decisions around it.
+its GPU work (say, the opening of new voices) shows between the decisions around it. `passes`, when there are any:
+[voices, ms] of each new voices' prompt pass that ended since the previous such line (its GPU time on the prompt
+lane: it runs beside the worker).
 """
 
 from __future__ import annotations
@@ -48,8 +50,10 @@ class DecisionTrace:
     def write_preempt(self, view: EngineView, decision: Preempt, running: str, phases_left: int) -> None:
         self.file.write(json.dumps(preempt_record(view, decision, running, phases_left), separators=(",", ":")) + "\n")
 
-    def write_done(self, kind: str, jobs: int, ended: float, busy_s: float) -> None:
-        self.file.write(json.dumps(done_record(kind, jobs, ended, busy_s), separators=(",", ":")) + "\n")
+    def write_done(self, kind: str, jobs: int, ended: float, busy_s: float,
+                   passes: list[tuple[int, float]] | None = None) -> None:
+        record = done_record(kind, jobs, ended, busy_s, passes)
+        self.file.write(json.dumps(record, separators=(",", ":")) + "\n")
 
     def close(self) -> None:
         self.file.close()
@@ -81,9 +85,14 @@ def preempt_record(view: EngineView, decision: Preempt, running: str, phases_lef
             "due_finals": worker is not None and worker.due_finals}
 
 
-def done_record(kind: str, jobs: int, ended: float, busy_s: float) -> dict:
-    """The record of a phase the worker finished (`kind`: its phase_kind)."""
-    return {"t": round(ended, 6), "done": kind, "jobs": jobs, "busy_ms": round(busy_s * 1e3, 3)}
+def done_record(kind: str, jobs: int, ended: float, busy_s: float,
+                passes: list[tuple[int, float]] | None = None) -> dict:
+    """The record of a phase the worker finished (`kind`: its phase_kind) and of the prompt passes that ended
+    meanwhile ((voices, seconds) each)."""
+    record: dict = {"t": round(ended, 6), "done": kind, "jobs": jobs, "busy_ms": round(busy_s * 1e3, 3)}
+    if passes:
+        record["passes"] = [[voices, round(seconds * 1e3, 3)] for voices, seconds in passes]
+    return record
 
 
 def _first_ready(view: EngineView) -> list[StreamView]:

@@ -356,7 +356,7 @@ class Voicing:
         jobs, now = msg.jobs, msg.now
         self.t2w_busy_s += msg.busy_s
         if self.trace is not None:
-            self.trace.write_done(msg.kind, len(jobs), now, msg.busy_s)
+            self.trace.write_done(msg.kind, len(jobs), now, msg.busy_s, msg.prompt_passes)
         # new voices' prompt passes, however long after their phase they end (on CUDA they run beside the worker)
         for voices, seconds in msg.prompt_passes:
             self.scheduler.prompt_costs.observe_passes(voices, seconds)

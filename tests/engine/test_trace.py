@@ -32,6 +32,7 @@ def test_the_trace_records_the_first_chunk_phase_of_a_request(model_dir, fixture
     assert [(r["done"], r["jobs"]) for r in done] == decided
     first_done = next(r for r in done if r["done"] == "first")
     assert first_done["t"] > firsts[0]["t"] and first_done["busy_ms"] > 0
+    assert all("passes" not in r for r in done)  # no flow pool on the CPU: no prompt pass beside the worker
 
 
 def test_a_request_to_stop_the_busy_worker_is_one_line_with_what_asked_for_it(tmp_path):
@@ -52,3 +53,17 @@ def test_a_request_to_stop_the_busy_worker_is_one_line_with_what_asked_for_it(tm
     record = json.loads(out.getvalue())
     assert record == {"t": 10.0, "preempt": "slot", "running": "final", "phases_left": 2, "slots_after_batch": 3,
                       "free_slots": 0, "first_ready": 3, "first_no_slot": 2, "due_finals": False}
+
+
+def test_a_done_line_carries_the_prompt_passes_that_ended_with_their_gpu_time(tmp_path):
+    import io
+
+    from cosystream.engine.trace import DecisionTrace
+
+    out = io.StringIO()
+    trace = DecisionTrace(out)
+    trace.write_done("open", 15, 12.5, 0.0351, [(15, 0.0623), (1, 0.0331)])
+    trace.write_done("first", 16, 12.6, 0.08)
+    with_passes, without = (json.loads(line) for line in out.getvalue().splitlines())
+    assert with_passes == {"t": 12.5, "done": "open", "jobs": 15, "busy_ms": 35.1, "passes": [[15, 62.3], [1, 33.1]]}
+    assert without == {"t": 12.6, "done": "first", "jobs": 16, "busy_ms": 80.0}
