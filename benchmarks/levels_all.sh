@@ -156,13 +156,13 @@ zeroshot_analysis|zeroshot)
     runs=" ${ZS_RUNS:-registered distinct no_open_ahead} "
     if [[ $runs == *" registered "* ]]; then
       stamp "registered voice, c=1,16"
-      timeout 300 $R --concurrency 1,16 --requests-per-level "${ZS_REQS:-64}" --out "$OUT/zs_registered.json" 2>&1 \
+      timeout 300 $R --concurrency "${ZS_LEVELS:-1,16}" --requests-per-level "${ZS_REQS:-64}" --out "$OUT/zs_registered.json" 2>&1 \
         | rows
       [ -f "$OUT/zs_registered.json" ] && python3 benchmarks/first_audio_path.py "$OUT/zs_registered.json"
     fi
     if [[ $runs == *" distinct "* ]]; then
       stamp "a new recording in every request, c=1,16"
-      timeout 300 $R --prompt-per-request --distinct-prompts --concurrency 1,16 --requests-per-level "${ZS_REQS:-64}" \
+      timeout 300 $R --prompt-per-request --distinct-prompts --concurrency "${ZS_LEVELS:-1,16}" --requests-per-level "${ZS_REQS:-64}" \
         --out "$OUT/zs_distinct.json" 2>&1 | rows
       # where the first audio waits, level by level (stage medians beside the worker's record)
       [ -f "$OUT/zs_distinct.json" ] && python3 benchmarks/first_audio_path.py "$OUT/zs_distinct.json"
