@@ -1,0 +1,106 @@
+"""A wave of new voices' prompt pass on the prompt lane, alone on the GPU, and where its time goes (issue 38).
+
+    python benchmarks/prompt_pass.py /tmp/m05 [--voices 1,4,15] [--prompt-tokens 150] [--slots 28] \
+        [--frames 832] [--repeats 10] [--out FILE.json]
+
+A new voice's stream needs the flow run over its prompt's frames before its first chunk: `open_new_voices` queues
+that pass for a wave of voices on the prompt lane (engine/prompt_lane.py), the encoder then one graph per Euler
+step, each step's keys and conv tails copied into the voices' caches. Under load at 16 streams the engine's trace
+shows a pass of 15 voices taking ~120 ms of GPU time. This times the same call with nothing else on the GPU, from
+the pass's own events (started, encoded, each step, done), with and without the copies into the caches, so the
+pass's own cost, its copies and what load adds can be told apart. Medians of `--repeats` passes, ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from cosystream.checkpoint import load_checkpoint
+from cosystream.cuda_graphs import capture_stream
+from cosystream.engine.flow_runner import FlowRunner
+from cosystream.engine.loader import load_flow
+from cosystream.models.flow import UPSAMPLE
+from cosystream.models.flow_stream import FlowStream
+
+
+def prompts(flow, voices: int, tokens: int, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+    gen = torch.Generator().manual_seed(voices)
+    vocab = flow.input_embedding.weight.shape[0]
+    return [(torch.randint(0, vocab, (1, tokens), generator=gen).to(device),
+             torch.randn(1, UPSAMPLE * tokens, 80, generator=gen).to(device),
+             torch.randn(1, 192, generator=gen).to(device)) for _ in range(voices)]
+
+
+def one_pass(runner: FlowRunner, stream: FlowStream, args: list) -> dict[str, float]:
+    """The pass's GPU time by part, from its events (the stream is closed again after it)."""
+    opened = runner.open_new_voices(stream, args)
+    pooled = [p for p, _ in opened]
+    events = pooled[0].building
+    if events is None:
+        raise RuntimeError("the pass did not run on the prompt lane (no CUDA?)")
+    torch.cuda.synchronize()
+    for p in pooled:
+        runner.close(p)
+    runner.finished_passes()  # (the runner keeps them for the cost model)
+    return {"pass": events.started.elapsed_time(events.done),
+            "encoder": events.started.elapsed_time(events.encoded),
+            "steps": events.encoded.elapsed_time(events.done)}
+
+
+def measure(runner: FlowRunner, stream: FlowStream, args: list, repeats: int) -> dict[str, float]:
+    one_pass(runner, stream, args)  # graphs of this shape captured
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        part = one_pass(runner, stream, args)
+        part["host"] = (time.perf_counter() - t0) * 1e3
+        samples.append(part)
+    return {k: round(statistics.median(s[k] for s in samples), 2) for k in samples[0]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model_dir")
+    ap.add_argument("--voices", default="1,4,15")
+    ap.add_argument("--prompt-tokens", type=int, default=150, help="the standard workload's 6 s prompt: 150")
+    ap.add_argument("--slots", type=int, default=28)
+    ap.add_argument("--frames", type=int, default=832)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    torch.set_grad_enabled(False)
+    device = torch.device("cuda")
+    flow = load_flow(load_checkpoint(args.model_dir), device, torch.bfloat16)
+    runner = FlowRunner(flow, args.slots, args.frames, capture_stream=capture_stream(device))
+    stream = FlowStream(flow)
+    copy = runner._copy_into_caches
+    rows = []
+    for voices in (int(v) for v in args.voices.split(",")):
+        wave = prompts(flow, voices, args.prompt_tokens, device)
+        with_copies = measure(runner, stream, wave, args.repeats)
+        runner._copy_into_caches = lambda *a, **k: None  # the same pass without filling the voices' caches
+        try:
+            without = measure(runner, stream, wave, args.repeats)
+        finally:
+            runner._copy_into_caches = copy
+        rows.append({"voices": voices, "with_copies": with_copies, "without_copies": without})
+    print(f"{torch.cuda.get_device_name()}: prompt of {args.prompt_tokens} tokens, medians of {args.repeats}, ms")
+    print("| voices | pass | encoder | Euler steps | host (queue + wait) | pass without the copies | its steps |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        w, wo = r["with_copies"], r["without_copies"]
+        print(f"| {r['voices']} | {w['pass']:.1f} | {w['encoder']:.1f} | {w['steps']:.1f} | {w['host']:.1f} "
+              f"| {wo['pass']:.1f} | {wo['steps']:.1f} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "prompt_tokens": args.prompt_tokens, "rows": rows},
+                      f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
