@@ -234,7 +234,7 @@ class ChunkWorker:
         should_stop = stop_test(self, phases[i])
         if self.stream is None:
             return run_jobs(t2w, phases[i], phases, i, should_stop)
-        if (after := self.core.worker_after) is not None:  # what the engine thread's calls and messages wrote
-            self.stream.wait_event(after)
+        # the batch may read what the engine thread wrote on its stream (prompt caches of new voices)
+        self.stream.wait_stream(self.core.gpu_stream)
         with torch.cuda.stream(self.stream):
             return run_jobs(t2w, phases[i], phases, i, should_stop)

@@ -124,11 +124,6 @@ class EngineCore(DecodeLoop, Voicing):
         # voices them, with the urgent chunks that preempted them
         self._returned: list[ChunkJob] = []
         self._step_ahead: _Step | None = None  # a launched decode step whose tokens are not read yet
-        # What the worker's next batch must come after: the latest call run here, or the sender's work for the
-        # CUDA tensors of the latest message holding any. An event, not the whole stream: waiting for the
-        # engine thread's stream made every phase wait for the LM steps queued when it began (an opening of
-        # 15 new voices took 80 ms on the worker, 35 of its own).
-        self.worker_after: torch.cuda.Event | None = None
 
     # ------------------------------------------------------------------ thread-safe API
     def start(self) -> None:
@@ -367,9 +362,7 @@ class EngineCore(DecodeLoop, Voicing):
             if self.gpu_stream is not None and _holds_cuda_tensors(msg):
                 # what the sender's thread queued on the default stream for these tensors comes first; only
                 # then, as the wait costs the engine thread ≈ 18 ms beside final passes on an H100
-                sender = torch.cuda.default_stream(self.gpu_stream.device)
-                self.gpu_stream.wait_stream(sender)
-                self._order_worker_after(sender)
+                self.gpu_stream.wait_stream(torch.cuda.default_stream(self.gpu_stream.device))
                 self._lap("wait_default_stream")
             self._handle(msg)
             self._lap(f"message_{_KINDS[type(msg)]}")
@@ -397,19 +390,13 @@ class EngineCore(DecodeLoop, Voicing):
         elif isinstance(msg, ChunksDone):
             self._chunks_done(msg)
 
-    def _call(self, msg: Call) -> None:
+    @staticmethod
+    def _call(msg: Call) -> None:
         try:
             msg.box["result"] = msg.fn(*msg.args)
         except Exception as e:  # reported to the caller, the engine goes on
             msg.box["error"] = e
-        if self.gpu_stream is not None:  # a call may write what later batches read (warm-up's graphs and pool)
-            self._order_worker_after(self.gpu_stream)
         msg.done.set()
-
-    def _order_worker_after(self, stream: torch.cuda.Stream) -> None:
-        event = torch.cuda.Event()
-        event.record(stream)
-        self.worker_after = event
 
 
 __all__ = ["EngineCore", "RowSampling"]
