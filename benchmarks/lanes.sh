@@ -30,6 +30,7 @@
 #   zeroshot@DIR   the same on the package in DIR (e.g. a prompt-batcher variant in .v3)
 #   zeroshot_http  a new recording in every /v1/tts request over HTTP (cosystream bench --distinct-prompts), c=1,16
 #   open_profile   benchmarks/open_profile.py: the worker's opening of waves of 16 new voices
+#   prompt_pass    benchmarks/prompt_pass.py: a wave of new voices' prompt pass alone on the GPU, by part
 #   gpu_tests      the engine's GPU tests (CUDA against the CPU, the engine on CUDA)
 #   prompt_analysis  benchmarks/prompt_analysis.py on the released side-model architectures (/tmp/m05r), and
 #                  the prompt analysis GPU tests
@@ -124,6 +125,11 @@ part() {  # $1: part, $2: lane folder, $3: port
     timeout 300 python3 benchmarks/open_profile.py --model-dir /tmp/m05r --config flow_slots=28 \
       --config flow_frames=832 --out "$dir/open_profile.json" > "$dir/open_profile.txt" 2>&1
     head -60 "$dir/open_profile.txt" ;;
+  prompt_pass)
+    stamp "prompt_pass: new voices' prompt passes alone on the GPU (encoder, Euler steps, copies into the caches)"
+    timeout 200 python3 benchmarks/prompt_pass.py /tmp/m05 --voices 1,4,15 --out "$dir/prompt_pass.json" \
+      > "$dir/prompt_pass.txt" 2>&1
+    tail -8 "$dir/prompt_pass.txt" ;;
   gpu_tests)
     stamp "engine GPU tests: CUDA against the CPU, the engine on CUDA"
     timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_matches_cpu.py \

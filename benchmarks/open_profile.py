@@ -6,9 +6,10 @@
 An in-process engine on CUDA serves `--waves` waves of `--streams` zero-shot requests at once, each with a new
 recording of the workload's voice (bench_engine.py's `--distinct-prompts`: the same length, other bytes). Every
 call of the worker's `open_streams` (the phase that opens streams ahead of their first chunks, new voices' prompt
-passes included) and `run` (its chunk phases) is measured on the worker thread: its wall time, where it made the
-host wait for the device (torch's sync debug mode, the call sites in cosystream), and, for the openings, the wall
-time of the steps inside them on the worker thread (slot openings, the prompt pass queued on the lane, ...).
+passes included), `opened` (the wait that ends such a phase: the worker's stream, then the stopwatch's events) and
+`run` (its chunk phases) is measured on the worker thread: its wall time, where it made the host wait for the
+device (torch's sync debug mode, the call sites in cosystream), and the wall time of the steps inside it on the
+worker thread (slot openings, the prompt pass queued on the lane, the stream's sync `_now`, `settle`, ...).
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ class Calls:
         warnings.showwarning = self._show
 
     def wrap(self, name: str, method: Any) -> Any:
-        def measured(items: Any, *args: Any, **kwargs: Any) -> Any:
-            return self._call(name, method, items, *args, **kwargs)
+        def measured(*args: Any, **kwargs: Any) -> Any:
+            return self._call(name, method, *args, **kwargs)
         return measured
 
     def part(self, name: str, method: Any) -> Any:
@@ -66,12 +67,13 @@ class Calls:
                     parts[name] = round(parts.get(name, 0.0) + (time.perf_counter() - t0) * 1e3, 3)
         return timed
 
-    def _call(self, name: str, method: Any, items: Any, *args: Any, **kwargs: Any) -> Any:
-        record: dict[str, Any] = {"call": name, "items": len(items), "syncs": [], "parts": {}}
+    def _call(self, name: str, method: Any, *args: Any, **kwargs: Any) -> Any:
+        items = len(args[0]) if args else 0
+        record: dict[str, Any] = {"call": name, "items": items, "syncs": [], "parts": {}}
         self._inside.record = record
         t0 = time.perf_counter()
         try:
-            return method(items, *args, **kwargs)
+            return method(*args, **kwargs)
         finally:
             record["wall_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
             self._inside.record = None
@@ -93,7 +95,8 @@ def time_parts(calls: Calls, t2w: Any) -> None:
     """The steps of opening streams, each timed inside the calls (instance attributes shadow the methods)."""
     pool = t2w.pool
     for owner, names in ((t2w, ("_prompt_args", "_by_cache_boundary", "_register", "_state", "_start_or_error",
-                                "opened")),
+                                "_now")),
+                         (t2w.watch, ("settle",)),
                          (t2w.stream, ("empty_prompt",)),
                          (pool, ("open", "_cache_buffers", "_prompt_pass_on_lane", "_ode_inputs", "_encode_all",
                                  "_copy_into_caches", "open_new_voices") if pool is not None else ())):
@@ -129,6 +132,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         calls = Calls()
         t2w.open_streams = calls.wrap("open_streams", t2w.open_streams)
         t2w.run = calls.wrap("run", t2w.run)
+        t2w.opened = calls.wrap("opened", t2w.opened)  # a phase that only opened streams waits for them here
         time_parts(calls, t2w)
         cuda = args.device == "cuda"
         if cuda:
@@ -160,11 +164,12 @@ def print_report(report: dict[str, Any]) -> None:
               f"{sum(len(c['syncs']) for c in runs)} host syncs")
         for site, n in sorted(run_syncs.items(), key=lambda kv: -kv[1])[:8]:
             print(f"    {n:4d} x {site}")
-        for call in (call for call in wave["calls"] if call["call"] == "open_streams"):
+        for call in (call for call in wave["calls"] if call["call"] in ("open_streams", "opened")):
             sites: dict[str, int] = {}
             for site in call["syncs"]:
                 sites[site] = sites.get(site, 0) + 1
-            print(f"  open_streams of {call['items']}: {call['wall_ms']:.1f} ms, {len(call['syncs'])} host syncs")
+            what = f"open_streams of {call['items']}" if call["call"] == "open_streams" else "opened (the wait after)"
+            print(f"  {what}: {call['wall_ms']:.1f} ms, {len(call['syncs'])} host syncs")
             for site, n in sorted(sites.items(), key=lambda kv: -kv[1])[:8]:
                 print(f"    {n:4d} x {site}")
             parts = sorted(call["parts"].items(), key=lambda kv: -kv[1])
