@@ -62,7 +62,8 @@ class Tuning:
     hold the GIL that long. Shorter: less waiting for the GIL, more switching. None: leave it."""
     gc_freeze: bool = True
     """gc.freeze() once the engine is built and after warm-up (process-wide; undone by close): a full
-    cyclic collection of the engine's and the libraries' objects holds the GIL ≈ 0.1 s (benchmarks/gc_pause.py)."""
+    cyclic collection of the engine's and the libraries' objects holds the GIL ≈ 0.1 s (measured with
+    benchmarks/gc_pause.py, retired in f313fec: `git show f313fec^:benchmarks/gc_pause.py`)."""
     persist_voice_caches: bool | None = None
     """Keep a registered voice's encoded flow prompt in its voice record. None: on the CPU only, where
     rebuilding it is slow; on a GPU one graphed flow chunk rebuilds it faster than ~0.7 GB reads back."""

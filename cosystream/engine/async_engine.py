@@ -103,9 +103,9 @@ class AsyncEngine:
         """PERF: move every object alive now (modules, weights' wrappers, graphs, the libraries) out of the
         cyclic collector's reach (gc.freeze, process-wide). A full collection walks every tracked object
         while holding the GIL: 107–126 ms for the ≈ 356,000 objects of the tiny test engine on the build
-        machine's CPU (benchmarks/gc_pause.py), a stall of the engine thread (and so of every stream)
-        whenever enough survivors pile up; frozen, it walks only what came after. Objects are still freed
-        when their last reference goes; close() unfreezes them."""
+        machine's CPU (`git show f313fec^:benchmarks/gc_pause.py`), a stall of the engine thread (and so of
+        every stream) whenever enough survivors pile up; frozen, it walks only what came after. Objects are
+        still freed when their last reference goes; close() unfreezes them."""
         if self.config.tuning.gc_freeze:
             gc.collect()
             gc.freeze()

@@ -46,7 +46,8 @@ from cosystream.models.estimator import (
 
 # Up to this many rows (CFG rows × new frames) the Triton GEMMs with the LayerNorm in their prologue beat
 # cuBLAS + a separate norm kernel on the H100 (4.4 vs 6.5 µs at 200 rows); at 1,600 rows they lose (12.0 vs
-# 11.0 µs), so bigger batches keep the cuBLAS path (benchmarks/kernel_tiles.py).
+# 11.0 µs), so bigger batches keep the cuBLAS path (benchmarks/kernel_tiles.py, retired in f313fec:
+# `git show f313fec^:benchmarks/kernel_tiles.py`).
 PROLOGUE_GEMM_MAX_ROWS = 512
 
 

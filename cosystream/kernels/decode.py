@@ -170,7 +170,8 @@ def _default_tile(n_out: int, n_in: int) -> LinearTile:
     return LinearTile(64, 64, splits, 4, 3)
 
 
-# (n_out, n_in, rows bucket) -> tile, measured on the H100 (benchmarks/linear_tiles.py; µs per call in a
+# (n_out, n_in, rows bucket) -> tile, measured on the H100 (benchmarks/linear_tiles.py, retired in f313fec:
+# `git show f313fec^:benchmarks/linear_tiles.py`; µs per call in a
 # graph of 24 calls on distinct weights, against cuBLAS): CosyVoice2-0.5B's q/k/v, o, gate/up, down, head.
 _LINEAR_TILES: dict[tuple[int, int, int], LinearTile] = {
     (1152, 896, 1): LinearTile(64, 128, 4, 4, 3),  # q/k/v: 3.32 µs (cuBLAS 4.43)

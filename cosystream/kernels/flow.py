@@ -80,8 +80,8 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
 def channel_norm_mish(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
                       add: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as `reference.channel_norm_mish`; x [R, C, T] contiguous. The estimator runs this
-    inside `causal_conv`; this separate kernel is the unfused baseline benchmarks/kernel_tiles.py measures
-    the conv tiles against."""
+    inside `causal_conv`; this separate kernel is the unfused baseline the conv tiles were measured against
+    (`git show f313fec^:benchmarks/kernel_tiles.py`, a script retired in f313fec)."""
     k = _kernels()
     x = x.contiguous()
     rows, n_ch, num_t = x.shape
@@ -175,7 +175,8 @@ def row_class(rows: int) -> int:
     return 0 if rows <= SMALL_ROWS else 1 if rows <= LARGE_ROWS else 2
 
 
-# (kind, row class) -> tile. Picked on the H100 with benchmarks/kernel_tiles.py (docs/benchmarks.md);
+# (kind, row class) -> tile. Picked on the H100 with benchmarks/kernel_tiles.py (retired in f313fec:
+# `git show f313fec^:benchmarks/kernel_tiles.py`);
 # kinds: "qkv" (pool-write epilogue), "gelu". The estimator runs the prologue GEMMs only at row class 0
 # (above it cuBLAS and a separate norm win: 101 vs 143 µs at 26,624 rows); classes 1 and 2 serve tests
 # and sweeps.
@@ -199,7 +200,7 @@ _MIN_CO_BLOCK = 64
 
 # (chunk-masked, at most 512 query rows) -> attention tile; chunk-masked: a streamed chunk (False: the
 # official final pass, full attention over the whole utterance). Picked on the H100 with
-# benchmarks/attention_tiles.py (docs/benchmarks.md; µs per call).
+# benchmarks/attention_tiles.py (µs per call; retired in f313fec: `git show f313fec^:benchmarks/attention_tiles.py`).
 ATTENTION_TILES: dict[tuple[bool, bool], Tile] = {
     (True, True): Tile(16, 64, 4, 3),  # one stream's chunk: 6.9 µs (64×64: 6.8)
     (True, False): Tile(128, 32, 8, 3),  # 16 streams' chunks: 14.0 µs (64×32: 14.4)

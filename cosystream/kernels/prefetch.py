@@ -21,7 +21,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-# Decode step ms on the H100 at batch 1 / 4 / 16 (benchmarks/decode_launch.py --prefetch-mb): off 0.705 /
+# Decode step ms on the H100 at batch 1 / 4 / 16 (benchmarks/decode_launch.py --prefetch-mb, retired in f313fec:
+# `git show f313fec^:benchmarks/decode_launch.py`): off 0.705 /
 # 0.742 / 0.807; 4 MB 0.645 / 0.672 / 0.767; 8 MB 0.645 / 0.672 / 0.765; 16 MB 0.649 / 0.670 / 0.765;
 # 24 MB 0.662 / 0.708 / 0.849 (the L2 then holds too much not yet read); every layer on one layer's
 # L2-resident weights 0.573 / 0.625 / 0.734. 8 MB is in the flat optimum.
