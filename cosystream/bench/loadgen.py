@@ -21,6 +21,7 @@ from cosystream.bench.report import LevelSummary, RequestRecord, Timeline, summa
 SendFn = Callable[[str, int], Awaitable[RequestRecord]]
 DEFAULT_OPEN_LOOP_S = 30.0  # an open level without a count or duration offers this many seconds of arrivals
 MIN_REQUESTS_PER_LEVEL = 8
+DEFAULT_RETRY_AFTER_S = 1.0  # a refusal without Retry-After: the server's own minimum (server/admission.py)
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,8 @@ async def run_timed(stream: Callable[[], Awaitable[None]], timeline: Timeline, t
 
 
 async def run_closed(send: SendFn, plan: LevelPlan, stop: asyncio.Event) -> tuple[list[RequestRecord], bool]:
-    """`plan.value` workers each send one request after another; returns (records, interrupted)."""
+    """`plan.value` workers each send one request after another; a refused one waits the server's Retry-After
+    first. Returns (records, interrupted)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + plan.duration_s if plan.duration_s is not None else math.inf
     limit = plan.max_requests if plan.max_requests is not None else math.inf
@@ -90,11 +92,21 @@ async def run_closed(send: SendFn, plan: LevelPlan, stop: asyncio.Event) -> tupl
             index = next(counter)
             if index >= limit:
                 return
-            records.append(await send(plan.label, index))
+            record = await send(plan.label, index)
+            records.append(record)
+            if record.refused:
+                await _stopped_within(stop, min(_retry_delay_s(record), deadline - loop.time()))
 
     workers = [asyncio.create_task(worker()) for _ in range(int(plan.value))]
     interrupted = await _wait_or_stop(workers, stop)
     return sorted(records, key=lambda r: r.index), interrupted
+
+
+def _retry_delay_s(record: RequestRecord) -> float:
+    """How long a refused stream waits before its next request: the server's Retry-After, as a client should
+    (sent again at once, a level past admission's limit turned into thousands of refusals a second, which ran a
+    client machine out of local ports)."""
+    return record.retry_after_s if record.retry_after_s is not None else DEFAULT_RETRY_AFTER_S
 
 
 async def run_open(send: SendFn, plan: LevelPlan, stop: asyncio.Event,

@@ -21,7 +21,14 @@ from cosystream.bench.clients import (
     form_fields,
     ws_messages,
 )
-from cosystream.bench.loadgen import LevelPlan, build_plans, run_closed, run_level, run_open
+from cosystream.bench.loadgen import (
+    DEFAULT_RETRY_AFTER_S,
+    LevelPlan,
+    build_plans,
+    run_closed,
+    run_level,
+    run_open,
+)
 from cosystream.bench.report import RequestRecord, Timeline
 
 FakeServer = Any  # conftest.FakeServer; conftest modules are not imported by name
@@ -268,6 +275,33 @@ async def test_closed_loop_duration_bound() -> None:
     t0 = time.perf_counter()
     records, _ = await run_closed(fake_sender(0.02, [0, 0]), LevelPlan("concurrency", 2, None, 0.1), asyncio.Event())
     assert time.perf_counter() - t0 < 0.5 and 4 <= len(records) <= 14
+
+
+async def test_a_refused_stream_waits_the_retry_after_before_its_next_request() -> None:
+    origin = time.perf_counter()
+    sent: list[float] = []
+
+    async def refuse_first_two(level: str, index: int) -> RequestRecord:
+        sent.append(time.perf_counter())
+        timeline = Timeline(level, index, origin)
+        if len(sent) <= 2:
+            return timeline.refuse(503, 0.15 if len(sent) == 1 else None)
+        await asyncio.sleep(0)
+        timeline.audio(2400)
+        return timeline.finish()
+
+    records, _ = await run_closed(refuse_first_two, LevelPlan("concurrency", 1, 3), asyncio.Event())
+    assert [r.refused for r in records] == [True, True, False]
+    assert sent[1] - sent[0] >= 0.15  # the server's Retry-After
+    assert sent[2] - sent[1] >= DEFAULT_RETRY_AFTER_S  # none given: the default
+    # a level's end cuts the wait short: 1 stream refused every time, 0.3 s of level
+    t0 = time.perf_counter()
+    records, _ = await run_closed(refuse_all, LevelPlan("concurrency", 1, None, 0.3), asyncio.Event())
+    assert time.perf_counter() - t0 < 0.3 + DEFAULT_RETRY_AFTER_S / 2 and len(records) == 1
+
+
+async def refuse_all(level: str, index: int) -> RequestRecord:
+    return Timeline(level, index, time.perf_counter()).refuse(503, 5.0)
 
 
 async def test_open_loop_poisson_arrivals() -> None:
