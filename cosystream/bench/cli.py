@@ -73,7 +73,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--seed", type=int, default=None,
                    help="sampling seed (default: the server's, random) and Poisson arrival seed (default 0)")
     p.add_argument("--model", default="cosyvoice2", help="the OpenAI `model` field")
-    p.add_argument("--concurrency", default=None, help="closed-loop levels, e.g. 1,4,16,64,128")
+    p.add_argument("--concurrency", default=None,
+                   help="closed-loop levels, e.g. 1,4,16,64,128 (a refused stream waits the server's Retry-After, "
+                        "then sends again)")
     p.add_argument("--rate", default=None, help="open-loop levels in requests/s (Poisson), e.g. 0.5,1,2.5")
     p.add_argument("--duration", type=float, default=None, help="seconds per level (stop sending after it)")
     p.add_argument("--requests-per-level", type=int, default=None,
