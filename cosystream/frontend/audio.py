@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import math
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from pathlib import Path
@@ -22,7 +21,6 @@ import torch
 from cosystream.checkpoint import MelDims
 from cosystream.errors import BadInput
 from cosystream.frontend.resample import resample
-from cosystream.transfers import ints_to_device
 
 # Rates (spec/frontend.md §1).
 TOKENIZER_SAMPLE_RATE = 16000  # speech tokenizer and CAM++ input
@@ -237,107 +235,56 @@ def _device_filterbank(device: torch.device, kind: str, *args: float | int | Non
     return bank.to(device)
 
 
-def _right_padded(wavs: Sequence[torch.Tensor]) -> torch.Tensor:
-    """[B, longest]: each waveform, zeros after it. Every feature below is frame-local until its last, per-prompt
-    reduction, so a prompt's own frames never read another's padding."""
-    return torch.nn.utils.rnn.pad_sequence(list(wavs), batch_first=True)
-
-
-def _reflect_padded(wavs: Sequence[torch.Tensor], *pads: int) -> torch.Tensor:
-    """[B, longest + 2 sum(pads)]: each waveform reflected at both of its own ends by each of `pads` in turn (as
-    a reflect pad and then stft's centring would), zeros after."""
-    def reflected(wav: torch.Tensor) -> torch.Tensor:
-        for pad in pads:
-            wav = torch.nn.functional.pad(wav[None, None], (pad, pad), mode="reflect")[0, 0]
-        return wav
-    return _right_padded([reflected(w) for w in wavs])
-
-
-def whisper_log_mels(wavs_16k: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Speech-tokenizer inputs of a batch of prompts in one set of kernels: [N_i] 16 kHz samples ->
-    [128, N_i // 160] scaled log10 mel each (on the samples' device)."""
-    device = wavs_16k[0].device
-    # PARITY: torch.stft(center=True, pad_mode="reflect") of each prompt alone, whose last frame whisper drops
-    padded = _reflect_padded(wavs_16k, WHISPER_N_FFT // 2)
-    stft = torch.stft(padded, WHISPER_N_FFT, WHISPER_HOP, window=_window(WHISPER_N_FFT, True, 1.0, device),
-                      center=False, return_complex=True)
-    frames = [w.shape[-1] // WHISPER_HOP for w in wavs_16k]
-    power = stft[..., :max(frames)].abs() ** 2
-    mel = _device_filterbank(device, "slaney", TOKENIZER_SAMPLE_RATE, WHISPER_N_FFT, WHISPER_N_MELS) @ power
-    log_mel = torch.clamp(mel, min=1e-10).log10()  # [B, 128, F]
-    if len(set(frames)) > 1:  # each prompt's maximum over its own frames only
-        own = torch.arange(max(frames), device=device) < ints_to_device(frames, device)[:, None]
-        peaks = log_mel.masked_fill(~own[:, None, :], -math.inf).amax(dim=(1, 2), keepdim=True)
-    else:
-        peaks = log_mel.amax(dim=(1, 2), keepdim=True)
-    log_mel = (torch.maximum(log_mel, peaks - WHISPER_DYNAMIC_RANGE) + 4.0) / 4.0
-    return [log_mel[i, :, :n] for i, n in enumerate(frames)]
-
-
 def whisper_log_mel(wav_16k: torch.Tensor) -> torch.Tensor:
     """Speech-tokenizer input: [N] 16 kHz samples -> [128, N // 160] scaled log10 mel (on the samples' device)."""
-    return whisper_log_mels([wav_16k])[0]
+    window = _window(WHISPER_N_FFT, True, 1.0, wav_16k.device)
+    stft = torch.stft(wav_16k, WHISPER_N_FFT, WHISPER_HOP, window=window, center=True,
+                      pad_mode="reflect", return_complex=True)
+    power = stft[..., :-1].abs() ** 2  # PARITY: whisper drops the last frame
+    mel = _device_filterbank(wav_16k.device, "slaney", TOKENIZER_SAMPLE_RATE, WHISPER_N_FFT, WHISPER_N_MELS) @ power
+    log_mel = torch.clamp(mel, min=1e-10).log10()
+    log_mel = torch.maximum(log_mel, log_mel.max() - WHISPER_DYNAMIC_RANGE)
+    return (log_mel + 4.0) / 4.0
 
 
-def kaldi_fbanks(wavs_16k: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """CAM++ inputs before normalisation of a batch of prompts in one set of kernels: [N_i] 16 kHz samples ->
-    [1 + (N_i - 400)//160, 80] log mel energies each.
+def kaldi_fbank(wav_16k: torch.Tensor) -> torch.Tensor:
+    """CAM++ input before normalisation: [N] 16 kHz samples -> [1 + (N - 400)//160, 80] log mel energies.
 
     Kaldi defaults with dither 0 and snip_edges (spec/frontend.md §5); the waveform is not
     scaled to the int16 range.
     """
-    for wav in wavs_16k:
-        if wav.numel() < FBANK_FRAME:
-            raise BadInput(f"audio: {wav.numel()} samples at 16 kHz is shorter than one 25 ms frame")
-    device = wavs_16k[0].device
-    frames = _right_padded(wavs_16k).unfold(1, FBANK_FRAME, FBANK_SHIFT)  # [B, T, 400]
-    frames = frames - frames.mean(dim=2, keepdim=True)
-    previous = torch.cat([frames[..., :1], frames[..., :-1]], dim=2)  # the first sample is its own predecessor
+    if wav_16k.numel() < FBANK_FRAME:
+        raise BadInput(f"audio: {wav_16k.numel()} samples at 16 kHz is shorter than one 25 ms frame")
+    frames = wav_16k.unfold(0, FBANK_FRAME, FBANK_SHIFT)  # [T, 400]
+    frames = frames - frames.mean(dim=1, keepdim=True)
+    previous = torch.cat([frames[:, :1], frames[:, :-1]], dim=1)  # the first sample is its own predecessor
     frames = frames - FBANK_PREEMPHASIS * previous
-    window = _window(FBANK_FRAME, False, FBANK_POVEY_POWER, device)
+    window = _window(FBANK_FRAME, False, FBANK_POVEY_POWER, wav_16k.device)
     frames = torch.nn.functional.pad(frames * window, (0, FBANK_N_FFT - FBANK_FRAME))
-    power = torch.fft.rfft(frames).abs().pow(2.0)  # [B, T, 257]
-    energies = power @ _device_filterbank(device, "kaldi", FBANK_N_MELS, TOKENIZER_SAMPLE_RATE).T
-    energies = torch.clamp(energies, min=torch.finfo(torch.float32).eps).log()
-    return [energies[i, :1 + (w.numel() - FBANK_FRAME) // FBANK_SHIFT] for i, w in enumerate(wavs_16k)]
-
-
-def kaldi_fbank(wav_16k: torch.Tensor) -> torch.Tensor:
-    """CAM++ input before normalisation: [N] 16 kHz samples -> [1 + (N - 400)//160, 80] log mel energies."""
-    return kaldi_fbanks([wav_16k])[0]
-
-
-def speaker_features_batch(wavs_16k: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """`speaker_features` of each prompt, their fbanks made together."""
-    return [feats - feats.mean(dim=0, keepdim=True) for feats in kaldi_fbanks(wavs_16k)]
+    power = torch.fft.rfft(frames).abs().pow(2.0)  # [T, 257]
+    energies = power @ _device_filterbank(wav_16k.device, "kaldi", FBANK_N_MELS, TOKENIZER_SAMPLE_RATE).T
+    return torch.clamp(energies, min=torch.finfo(torch.float32).eps).log()
 
 
 def speaker_features(wav_16k: torch.Tensor) -> torch.Tensor:
     """Kaldi fbank minus its mean over time: exactly what CAM++ receives, [T, 80]."""
-    return speaker_features_batch([wav_16k])[0]
-
-
-def prompt_mels(wavs_24k: Sequence[torch.Tensor], dims: MelDims) -> list[torch.Tensor]:
-    """Flow prompt mels of a batch of prompts in one set of kernels: [M_i] 24 kHz samples -> [M_i // hop,
-    num_mels] each, natural log (Matcha `mel_spectrogram`)."""
-    # stft's own centring would pad the batch's ends: it pads each prompt's own ends here instead
-    pads = ((dims.n_fft - dims.hop_size) // 2, *((dims.n_fft // 2,) if dims.center else ()))
-    padded = _reflect_padded(wavs_24k, *pads)
-    device = padded.device
-    stft = torch.stft(padded, dims.n_fft, hop_length=dims.hop_size, win_length=dims.win_size,
-                      window=_window(dims.win_size, True, 1.0, device), center=False, normalized=False,
-                      onesided=True, return_complex=True)
-    magnitude = torch.sqrt(stft.real.pow(2) + stft.imag.pow(2) + MATCHA_MAG_EPS)
-    basis = _device_filterbank(device, "slaney", dims.sampling_rate, dims.n_fft, dims.num_mels, dims.fmin, dims.fmax)
-    # frames as the GEMM's rows: a frame's sums do not depend on how many frames the batch holds (on the CPU)
-    mel = torch.log(torch.clamp(magnitude.mT @ basis.T, min=MATCHA_LOG_FLOOR))  # [B, F, num_mels]
-    frames = [1 + (w.shape[-1] + 2 * sum(pads) - dims.n_fft) // dims.hop_size for w in wavs_24k]
-    return [mel[i, :n].contiguous() for i, n in enumerate(frames)]
+    feats = kaldi_fbank(wav_16k)
+    return feats - feats.mean(dim=0, keepdim=True)
 
 
 def prompt_mel(wav_24k: torch.Tensor, dims: MelDims) -> torch.Tensor:
     """Flow prompt mel (Matcha `mel_spectrogram`): [M] 24 kHz samples -> [M // hop, num_mels], natural log."""
-    return prompt_mels([wav_24k], dims)[0]
+    pad = (dims.n_fft - dims.hop_size) // 2
+    padded = torch.nn.functional.pad(wav_24k[None, None], (pad, pad), mode="reflect")[0, 0]
+    window = _window(dims.win_size, True, 1.0, wav_24k.device)
+    stft = torch.stft(padded, dims.n_fft, hop_length=dims.hop_size, win_length=dims.win_size, window=window,
+                      center=dims.center, pad_mode="reflect", normalized=False, onesided=True,
+                      return_complex=True)
+    magnitude = torch.sqrt(stft.real.pow(2) + stft.imag.pow(2) + MATCHA_MAG_EPS)
+    basis = _device_filterbank(wav_24k.device, "slaney", dims.sampling_rate, dims.n_fft, dims.num_mels,
+                               dims.fmin, dims.fmax)
+    mel = basis @ magnitude
+    return torch.log(torch.clamp(mel, min=MATCHA_LOG_FLOOR)).T.contiguous()
 
 
 def align_prompt(tokens: torch.Tensor, mel: torch.Tensor, token_mel_ratio: int = 2

@@ -47,9 +47,9 @@ from cosystream.frontend.audio import (
     TOKENIZER_SAMPLE_RATE,
     WHISPER_HOP,
     PromptAudio,
-    prompt_mels,
-    speaker_features_batch,
-    whisper_log_mels,
+    prompt_mel,
+    speaker_features,
+    whisper_log_mel,
 )
 from cosystream.frontend.campplus import CamPlusPlus, load_fast_campplus
 from cosystream.frontend.onnx_torch import TorchOnnxGraph, UnsupportedGraph, torch_dtype
@@ -458,18 +458,18 @@ class TorchPromptAnalyzer:
         return [self._speaker_pool.submit(self._cpu_speaker.embed, w.cpu()) for w in wavs_16k]
 
     def _tokens(self, wavs_16k: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        feats = whisper_log_mels([w.to(self.device, torch.float32) for w in wavs_16k])
+        feats = [whisper_log_mel(w.to(self.device, torch.float32)) for w in wavs_16k]
         return [t.reshape(-1) for t in self.tokenizer.run(feats)]
 
     def _xvectors(self, wavs_16k: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         assert self.speaker is not None
-        feats = [f.T for f in speaker_features_batch([w.to(self.device, torch.float32) for w in wavs_16k])]
+        feats = [speaker_features(w.to(self.device, torch.float32)).T for w in wavs_16k]
         if self.fast_speaker is not None:
             return self.fast_speaker.embed(feats)
         return [x.reshape(-1) for x in self.speaker.run(feats)]
 
     def _mels(self, wavs_24k: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        return prompt_mels([w.to(self.device, torch.float32) for w in wavs_24k], self.mel_dims)
+        return [prompt_mel(w.to(self.device, torch.float32), self.mel_dims) for w in wavs_24k]
 
 
 def _feature_channels(graph: BatchedGraph, axis: int) -> int:
