@@ -455,7 +455,8 @@ class AsyncEngine:
         """Capture CUDA graphs before serving: every LM decode bucket, the LM prefill of up to 16 prompts
         of up to 512 positions, and the flow/HiFT shapes of the
         chunk schedule for a prompt of `prompt_tokens` and `target_tokens` generated tokens at every
-        batch size. Other shapes are captured on first use. Returns the number of graphs."""
+        batch size. Other shapes are captured on first use. Then the batched prompt analysis runs once on
+        synthetic recordings (PromptBatcher.warm_up). Returns the number of graphs."""
         n = self.core.call(self.token2wav.warmup, prompt_tokens, target_tokens, self.config.schedule)
         n += self.core.call(self.core.capture_prefill)
         n += self.core.call(self.core.lm_runner.capture_all)
@@ -465,6 +466,10 @@ class AsyncEngine:
                 self.core.call(self.measure_phase_costs)
             except Exception:  # admission then learns the phase costs from the first requests' phases
                 log.exception("token-to-wave phase calibration failed")
+        try:
+            self.prompt_batcher.warm_up()
+        except Exception:  # the first request with a recording then shows what is wrong, as its own error
+            log.exception("prompt analysis warm-up failed")
         self._freeze_heap()  # the graphs' objects too
         return n
 

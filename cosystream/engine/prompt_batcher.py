@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import math
 import queue
 import threading
 import time
@@ -63,6 +64,12 @@ GRAPH_THREADS = 1
 class _Job:
     prompt: PromptAudio
     future: Future = field(default_factory=Future)
+    warm_up: bool = False  # a synthetic recording of the warm-up: not a request, not a measurement
+
+
+# the upload rates the warm-up's recordings come at (each resampled to 16 kHz and the flow's rate on first use)
+WARM_UP_RATES = (16000, 22050, 24000, 44100, 48000)
+WARM_UP_SECONDS = 3.0
 
 
 class _Wake:
@@ -179,6 +186,22 @@ class PromptBatcher:
         finally:
             self._waited.seconds = time.perf_counter() - started
 
+    def warm_up(self) -> int:
+        """Analyse a synthetic recording at each of WARM_UP_RATES before serving, alone and then together, so
+        that whatever the analysis's kernels cost on first use in a process (run-time compiled kernels, FFT plans,
+        resampling filters) is not paid by the first requests. Not a measurement: admission's analysis costs
+        and the stats stay untouched. Returns the recordings analysed (0 without batched analysis)."""
+        if self.analyzer is None:
+            return 0
+        prompts = [_synthetic_recording(rate, WARM_UP_SECONDS) for rate in WARM_UP_RATES]
+        self._warm(prompts[:1])
+        self._warm(prompts)
+        return 1 + len(prompts)
+
+    def _warm(self, prompts: Sequence[PromptAudio]) -> None:
+        for future in [self.submit(prompt, warm_up=True) for prompt in prompts]:
+            future.result()
+
     def take_analysis_s(self) -> float:
         """Seconds of this thread's last `analyse` call (the hand-off, the wait for its batch, the batch's
         analysis, the result back), then forgotten; 0.0 if it made none since."""
@@ -186,10 +209,10 @@ class PromptBatcher:
         self._waited.seconds = 0.0
         return seconds
 
-    def submit(self, prompt: PromptAudio) -> Future:
+    def submit(self, prompt: PromptAudio, warm_up: bool = False) -> Future:
         if self._closed or self.analyzer is None:
             raise CosyStreamError("prompt analysis: the batcher is closed")
-        job = _Job(prompt)
+        job = _Job(prompt, warm_up=warm_up)
         with self._line:
             self._queued += 1
             if getattr(self._preparing, "counted", False):  # its request is no longer on its way: it is queued
@@ -325,10 +348,11 @@ class PromptBatcher:
             else:
                 batch[0].future.set_exception(exc)
             return
-        self._observe(len(batch), time.perf_counter() - t0)
-        self.stats.batches += 1
-        self.stats.prompts += len(batch)
-        self.stats.largest_batch = max(self.stats.largest_batch, len(batch))
+        if not all(job.warm_up for job in batch):
+            self._observe(len(batch), time.perf_counter() - t0)
+            self.stats.batches += 1
+            self.stats.prompts += len(batch)
+            self.stats.largest_batch = max(self.stats.largest_batch, len(batch))
         for job, result in zip(batch, results, strict=True):
             job.future.set_result(result)
 
@@ -356,3 +380,12 @@ class _ArrivalsPool(ThreadPoolExecutor):
         except BaseException:  # shut down: the request never starts
             self._batcher._gone()
             raise
+
+
+def _synthetic_recording(sample_rate: int, seconds: float) -> PromptAudio:
+    """A voiced-sounding signal (a 140 Hz buzz with harmonics under a syllable-rate envelope, a little noise)."""
+    t = torch.arange(int(seconds * sample_rate), dtype=torch.float64) / sample_rate
+    buzz = sum(torch.sin(2 * math.pi * 140.0 * k * t) / k for k in range(1, 8))
+    envelope = 0.5 + 0.5 * torch.sin(2 * math.pi * 4.0 * t)
+    noise = torch.randn(t.shape, generator=torch.Generator().manual_seed(sample_rate), dtype=torch.float64)
+    return PromptAudio((0.2 * buzz * envelope + 0.01 * noise).to(torch.float32), sample_rate=sample_rate)

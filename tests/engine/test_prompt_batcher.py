@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from cosystream.engine.prompt_batcher import PromptBatcher
+from cosystream.engine.prompt_batcher import WARM_UP_RATES, PromptBatcher
 from cosystream.errors import CosyStreamError
 from cosystream.frontend import Frontend
 from cosystream.frontend.audio import PromptAudio
@@ -123,9 +123,11 @@ def frontend(checkpoint) -> Frontend:
 
 
 def test_torch_batched_voice_prompts_equal_the_onnx_ones(frontend, checkpoint):
-    """The real torch analysis (forced on the CPU) through the batcher, from several threads at once."""
+    """The real torch analysis (forced on the CPU) through the batcher, from several threads at once, after
+    its warm-up (synthetic recordings at every upload rate, which leave no trace in the results or stats)."""
     batcher = PromptBatcher.for_engine(frontend, checkpoint, "cpu", use_torch=True)
     assert batcher.batched
+    assert batcher.warm_up() == 1 + len(WARM_UP_RATES)
     recordings = [_speech(s, seed) for seed, s in enumerate((1.3, 2.1, 2.1, 0.9))]
     try:
         with ThreadPoolExecutor(4) as pool:
@@ -457,3 +459,37 @@ def test_a_requests_times_show_its_recordings_part_of_the_frontend(engine):
         assert new.prompt_analysis_s == 0.0
     again = zero_shot()
     assert again.prompt_s < new.prompt_s
+
+
+def test_warm_up_analyses_a_recording_at_each_upload_rate_and_measures_nothing(frontend):
+    analyzer = GatedAnalyzer()
+    analyzer.release.set()
+    seen: list[int] = []
+    original = analyzer.analyse
+
+    def analyse(prompts: list[PromptAudio]) -> list[PromptAnalysis]:
+        seen.extend(p.sample_rate for p in prompts)
+        return original(prompts)
+
+    analyzer.analyse = analyse  # type: ignore[method-assign]
+    observed: list[tuple[int, float]] = []
+
+    class Costs:
+        def observe_analysis(self, prompts: int, seconds: float) -> None:
+            observed.append((prompts, seconds))
+
+    batcher = PromptBatcher(frontend, analyzer)  # type: ignore[arg-type]
+    batcher.costs = Costs  # type: ignore[assignment]
+    try:
+        assert batcher.warm_up() == 1 + len(WARM_UP_RATES)
+        assert analyzer.batches[0] == 1 and sum(analyzer.batches) == 1 + len(WARM_UP_RATES)  # alone, then together
+        assert sorted(seen[1:]) == sorted(WARM_UP_RATES)
+        assert observed == [] and batcher.stats.prompts == 0  # admission's costs and the stats: requests only
+        batcher.submit(_prompt(2.0)).result(timeout=10)  # a request afterwards is measured as before
+        assert len(observed) == 1 and batcher.stats.prompts == 1
+    finally:
+        batcher.close()
+
+
+def test_warm_up_without_batched_analysis_does_nothing(frontend):
+    assert PromptBatcher(frontend).warm_up() == 0
