@@ -26,7 +26,8 @@
 #   cv3_tests      CosyVoice3 GPU tests: compiled kernels vs reference, graphed pool vs eager, the fixtures
 #   cv3_http       CosyVoice3 0.5B over HTTP, one stream
 #   zeroshot       levels_all.sh zeroshot (registered voice and a new recording each request, ZS_LEVELS (c=1,16); ZS_RUNS;
-#                  ZS_TRACE=1: with the scheduler's decision trace)
+#                  ZS_TRACE=1: with the scheduler's decision trace; ZS_WARMUP=0: the new recordings without warm-up
+#                  requests, e.g. first in a lease: does the first wave wait for first-use costs?)
 #   zeroshot@DIR   the same on the package in DIR (e.g. a prompt-batcher variant in .v3)
 #   zeroshot_http  a new recording in every /v1/tts request over HTTP (cosystream bench --distinct-prompts), c=1,16
 #   open_profile   benchmarks/open_profile.py: the worker's opening of waves of 16 new voices

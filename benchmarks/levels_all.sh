@@ -162,8 +162,9 @@ zeroshot_analysis|zeroshot)
     fi
     if [[ $runs == *" distinct "* ]]; then
       stamp "a new recording in every request, c=1,16"
+      # ZS_WARMUP=0: no warm-up requests, so the first wave meets the engine as its own warm-up left it
       timeout 300 $R --prompt-per-request --distinct-prompts --concurrency "${ZS_LEVELS:-1,16}" --requests-per-level "${ZS_REQS:-64}" \
-        --out "$OUT/zs_distinct.json" 2>&1 | rows
+        ${ZS_WARMUP:+--warmup-requests "$ZS_WARMUP"} --out "$OUT/zs_distinct.json" 2>&1 | rows
       # where the first audio waits, level by level (stage medians beside the worker's record)
       [ -f "$OUT/zs_distinct.json" ] && python3 benchmarks/first_audio_path.py "$OUT/zs_distinct.json"
     fi
