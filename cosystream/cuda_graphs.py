@@ -4,8 +4,11 @@ and a capture stream of one's own (engine/graphs.py says why each subsystem capt
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -21,3 +24,20 @@ def bucket(n: int, buckets: Sequence[int] = BATCH_BUCKETS) -> int:
 def capture_stream(device: torch.device) -> torch.cuda.Stream | None:
     """A stream of its own to capture one subsystem's graphs on (None on the CPU)."""
     return torch.cuda.Stream(device) if device.type == "cuda" else None
+
+
+@contextlib.contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream | None) -> Iterator[None]:
+    """`torch.cuda.graph` as every subsystem captures (errors checked in the capturing thread only: the engine's
+    other threads may call CUDA meanwhile), with Python's cyclic garbage collector held off until the capture
+    ends. A collection inside the capture can free a CUDA graph left in a reference cycle, and a graph's teardown
+    is refused while a capture runs: the capture then fails ("operation not permitted when stream is capturing
+    (function reset)", seen in the prompt-analysis GPU tests). torch no longer collects before a capture."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            yield
+    finally:
+        if enabled:
+            gc.enable()

@@ -20,7 +20,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
-from cosystream.cuda_graphs import CAPTURE_LOCK
+from cosystream.cuda_graphs import CAPTURE_LOCK, capturing
 
 log = logging.getLogger("cosystream.engine")
 
@@ -76,8 +76,7 @@ class GraphCache:
             self.fn(*static_in)  # warm-up: kernel selection and allocator state outside the graph
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: the other engine thread may call CUDA (e.g. synchronize) during a capture
-        with torch.cuda.graph(graph, pool=self._pool, stream=self.stream, capture_error_mode="thread_local"):
+        with capturing(graph, self._pool, self.stream):
             static_out = self.fn(*static_in)
         self._pool = graph.pool()
         return graph, static_in, static_out

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cosystream.cuda_graphs import CAPTURE_LOCK, capture_stream
+from cosystream.cuda_graphs import CAPTURE_LOCK, capture_stream, capturing
 from cosystream.engine.faults import NON_FINITE_TOKEN, mark_non_finite
 from cosystream.engine.graphs import GraphCache, maybe_compile
 from cosystream.kernels import decode as decode_ops
@@ -349,9 +349,7 @@ class LMRunner:
             self._step(b, attn_len)  # warm-up outside the graph (allocator, kernels selection)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: the other engine thread may call CUDA (e.g. synchronize) during a capture
-        with torch.cuda.graph(graph, pool=self._pool, stream=self.capture_stream,
-                              capture_error_mode="thread_local"):
+        with capturing(graph, self._pool, self.capture_stream):
             self._step(b, attn_len)
         self._pool = graph.pool()
         self.graphs[(b, attn_len)] = graph

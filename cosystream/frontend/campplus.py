@@ -290,7 +290,7 @@ class _GraphedCalls:
 
     def _capture(self, key: tuple[int, int], masks: Sequence[torch.Tensor]
                  ) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor], torch.Tensor]:
-        from cosystream.cuda_graphs import CAPTURE_LOCK
+        from cosystream.cuda_graphs import CAPTURE_LOCK, capturing
 
         with CAPTURE_LOCK:
             static = [m.clone() for m in masks]
@@ -302,7 +302,7 @@ class _GraphedCalls:
                 self.compute(feats, *static)  # warm-up: kernel choices and allocator state outside the graph
             caller.wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+            with capturing(graph, self.pool, self.stream):
                 out = self.compute(feats, *static)
             self.pool = graph.pool()
             return graph, static, out

@@ -205,7 +205,7 @@ class PaddedGraphs:
     def _cuda_capture(self, forward: Forward) -> Forward:
         """A warm-up call (shape folding, the host copies, kernel choices) on a side stream, then the capture on a
         stream of its own, one capture at a time in the process (cuda_graphs.py)."""
-        from cosystream.cuda_graphs import CAPTURE_LOCK, capture_stream
+        from cosystream.cuda_graphs import CAPTURE_LOCK, capture_stream, capturing
 
         with CAPTURE_LOCK:
             if self._stream is None:
@@ -219,7 +219,7 @@ class PaddedGraphs:
             graph = torch.cuda.CUDAGraph()
             self.ctx.capturing = True
             try:
-                with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
+                with capturing(graph, self._pool, self._stream):
                     out = forward()
             finally:
                 self.ctx.capturing = False
