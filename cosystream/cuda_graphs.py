@@ -30,9 +30,9 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream | None:
 def capturing(graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream | None) -> Iterator[None]:
     """`torch.cuda.graph` as every subsystem captures (errors checked in the capturing thread only: the engine's
     other threads may call CUDA meanwhile), with Python's cyclic garbage collector held off until the capture
-    ends. A collection inside the capture can free a CUDA graph left in a reference cycle, and a graph's teardown
-    is refused while a capture runs: the capture then fails ("operation not permitted when stream is capturing
-    (function reset)", seen in the prompt-analysis GPU tests). torch no longer collects before a capture."""
+    ends. torch does not collect before a capture, and a collection inside it can free a CUDA graph left in a
+    reference cycle, whose teardown a running capture refuses: the capture would fail ("operation not permitted
+    when stream is capturing (function reset)")."""
     enabled = gc.isenabled()
     gc.disable()
     try:

@@ -103,9 +103,8 @@ async def run_closed(send: SendFn, plan: LevelPlan, stop: asyncio.Event) -> tupl
 
 
 def _retry_delay_s(record: RequestRecord) -> float:
-    """How long a refused stream waits before its next request: the server's Retry-After, as a client should
-    (sent again at once, a level past admission's limit turned into thousands of refusals a second, which ran a
-    client machine out of local ports)."""
+    """How long a refused stream waits before its next request: the server's Retry-After, as a client should (sent
+    again at once, a level past admission's limit becomes thousands of refusals a second)."""
     return record.retry_after_s if record.retry_after_s is not None else DEFAULT_RETRY_AFTER_S
 
 

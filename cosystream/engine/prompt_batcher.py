@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
-import math
 import queue
 import threading
 import time
@@ -40,7 +39,7 @@ from cosystream.checkpoint import Checkpoint
 from cosystream.engine.prompt_load import PromptBacklog, PromptCosts
 from cosystream.errors import CosyStreamError
 from cosystream.frontend import AudioInput, Frontend, VoicePrompt
-from cosystream.frontend.audio import PromptAudio
+from cosystream.frontend.audio import PromptAudio, voiced_signal
 from cosystream.frontend.onnx_torch import UnsupportedGraph
 from cosystream.frontend.torch_prompt import PromptAnalysis, TorchPromptAnalyzer
 from cosystream.params import SynthesisParams
@@ -193,7 +192,7 @@ class PromptBatcher:
         and the stats stay untouched. Returns the recordings analysed (0 without batched analysis)."""
         if self.analyzer is None:
             return 0
-        prompts = [_synthetic_recording(rate, WARM_UP_SECONDS) for rate in WARM_UP_RATES]
+        prompts = [PromptAudio(voiced_signal(WARM_UP_SECONDS, rate, seed=0), rate) for rate in WARM_UP_RATES]
         self._warm(prompts[:1])
         self._warm(prompts)
         return 1 + len(prompts)
@@ -380,12 +379,3 @@ class _ArrivalsPool(ThreadPoolExecutor):
         except BaseException:  # shut down: the request never starts
             self._batcher._gone()
             raise
-
-
-def _synthetic_recording(sample_rate: int, seconds: float) -> PromptAudio:
-    """A voiced-sounding signal (a 140 Hz buzz with harmonics under a syllable-rate envelope, a little noise)."""
-    t = torch.arange(int(seconds * sample_rate), dtype=torch.float64) / sample_rate
-    buzz = sum(torch.sin(2 * math.pi * 140.0 * k * t) / k for k in range(1, 8))
-    envelope = 0.5 + 0.5 * torch.sin(2 * math.pi * 4.0 * t)
-    noise = torch.randn(t.shape, generator=torch.Generator().manual_seed(sample_rate), dtype=torch.float64)
-    return PromptAudio((0.2 * buzz * envelope + 0.01 * noise).to(torch.float32), sample_rate=sample_rate)

@@ -293,3 +293,15 @@ def align_prompt(tokens: torch.Tensor, mel: torch.Tensor, token_mel_ratio: int =
     num_tokens = min(mel.shape[0] // token_mel_ratio, tokens.shape[0])
     return tokens[:num_tokens].contiguous(), mel[: token_mel_ratio * num_tokens].contiguous()
 
+
+def voiced_signal(seconds: float, rate: int, seed: int) -> torch.Tensor:
+    """A speech-like signal (tests, the engine's warm-up): harmonics of a gliding pitch under a syllable-rate
+    envelope, plus noise; mono float32 at `rate`."""
+    gen = torch.Generator().manual_seed(seed)
+    t = torch.arange(int(seconds * rate), dtype=torch.float64) / rate
+    pitch = 120 + 40 * torch.sin(2 * math.pi * 0.7 * t) + 20 * torch.rand((), generator=gen, dtype=torch.float64)
+    phase = 2 * math.pi * torch.cumsum(pitch, 0) / rate
+    voiced = sum(torch.sin(k * phase) / k for k in range(1, 12))
+    envelope = 0.5 * (1 + torch.sin(2 * math.pi * 3.7 * t))
+    noise = 0.01 * torch.randn(t.shape, generator=gen, dtype=torch.float64)
+    return (0.2 * voiced * envelope + noise).to(torch.float32)

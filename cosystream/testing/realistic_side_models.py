@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cosystream.frontend.audio import whisper_log_mel
+from cosystream.frontend.audio import voiced_signal, whisper_log_mel
 
 HEAD_DIM = 64  # the rotary table's width: heads are 64 wide at every size
 FSMN_KERNEL = 31
@@ -322,18 +322,6 @@ def speech_tokenizer_net(version: str, size: str, seed: int) -> SpeechTokenizerN
     assert isinstance(net, SpeechTokenizerNet)
     net.calibrate(whisper_log_mel(voiced_signal(CALIBRATION_SECONDS, 16000, seed))[None])
     return net
-
-
-def voiced_signal(seconds: float, rate: int, seed: int) -> torch.Tensor:
-    """A speech-like test signal: harmonics of a gliding pitch under a syllable-rate envelope, plus noise."""
-    gen = torch.Generator().manual_seed(seed)
-    t = torch.arange(int(seconds * rate), dtype=torch.float64) / rate
-    pitch = 120 + 40 * torch.sin(2 * math.pi * 0.7 * t) + 20 * torch.rand((), generator=gen, dtype=torch.float64)
-    phase = 2 * math.pi * torch.cumsum(pitch, 0) / rate
-    voiced = sum(torch.sin(k * phase) / k for k in range(1, 12))
-    envelope = 0.5 * (1 + torch.sin(2 * math.pi * 3.7 * t))
-    noise = 0.01 * torch.randn(t.shape, generator=gen, dtype=torch.float64)
-    return (0.2 * voiced * envelope + noise).to(torch.float32)
 
 
 def campplus_net(size: str, seed: int) -> CamPlusNet:
