@@ -26,6 +26,7 @@ from cosystream.cuda_graphs import bucket
 from cosystream.engine import flow_fast
 from cosystream.engine.flow_passes import LEN_BUCKET, WholePasses
 from cosystream.engine.graphs import GraphCache, maybe_compile
+from cosystream.engine.pool_copy import copy_words
 from cosystream.engine.prompt_lane import NewVoices, PromptLane, PromptPassEvents
 from cosystream.engine.stopwatch import Stopwatch
 from cosystream.kernels import flow as flow_kernels
@@ -139,14 +140,14 @@ class FlowRunner(WholePasses, NewVoices):
         return UPSAMPLE * prompt.num_tokens <= self.max_frames
 
     def open(self, prompt: PromptCache) -> PooledStream:
-        """Take a slot and copy the voice's prompt state into it (≈ 0.6 GB for a 6 s prompt, one copy)."""
+        """Take a slot and copy the voice's prompt state into it (≈ 0.6 GB for a 6 s prompt, one copy: `copy_words`)."""
         slot = self.free.pop(0)
         rows = slice(2 * slot, 2 * slot + 2)
         n = prompt.kv.shape[-2]
         if prompt.written is not None:  # a voice's cache its prompt pass still writes on the prompt lane
             torch.cuda.current_stream(self.device).wait_event(prompt.written)
         try:
-            self.kv[:, :, :, rows, :n] = prompt.kv
+            copy_words(self.kv[:, :, :, rows, :n], prompt.kv)
             self.conv[:, rows] = prompt.conv
             encoder = self._encoder_in_slot(slot, prompt)
         except BaseException:  # e.g. out of memory for the encoder state: the slot is not lost

@@ -24,6 +24,7 @@ import torch
 
 from cosystream import cuda_graphs
 from cosystream.engine.graphs import GraphCache
+from cosystream.engine.pool_copy import copy_words
 from cosystream.models.flow import UPSAMPLE
 from cosystream.models.flow_stream import FlowStream, PromptCache, Window
 
@@ -157,7 +158,7 @@ class NewVoices:
         for k in steps:
             for p, cache in zip(pooled, caches, strict=True):
                 rows = slice(2 * p.slot, 2 * p.slot + 2)
-                cache.kv[k].copy_(self.kv[k, :, :, rows, :cache.kv.shape[-2]])
+                copy_words(cache.kv[k], self.kv[k, :, :, rows, :cache.kv.shape[-2]])
                 cache.conv[k].copy_(self.conv[k, rows])
         for p, cache in zip(pooled, caches, strict=True):
             if cache.encoder.num_tokens != p.encoder.num_tokens:
@@ -170,7 +171,7 @@ class NewVoices:
         a first chunk that overwrites the slot's conv tails of that step comes after the copy."""
         assert self.lane is not None
         lane, worker = self.lane, torch.cuda.current_stream(self.device)
-        events = PromptPassEvents(torch.cuda.Event(enable_timing=True), torch.cuda.Event(),
+        events = PromptPassEvents(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True),
                                   [torch.cuda.Event() for _ in range(self.cfm.num_steps)],
                                   torch.cuda.Event(enable_timing=True))
         lane.stream.wait_stream(worker)  # the slots' openings, and whatever last used these slots
