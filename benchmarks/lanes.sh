@@ -31,7 +31,10 @@
 #   zeroshot@DIR   the same on the package in DIR (e.g. a prompt-batcher variant in .v3)
 #   zeroshot_http  a new recording in every /v1/tts request over HTTP (cosystream bench --distinct-prompts), c=1,16
 #   open_profile   benchmarks/open_profile.py: the worker's opening of waves of 16 new voices
-#   prompt_pass    benchmarks/prompt_pass.py: a wave of new voices' prompt pass alone on the GPU, by part
+#   prompt_pass    benchmarks/prompt_pass.py: a wave of new voices' prompt pass alone on the GPU, by part, then
+#                  the kernels of one eager pass of each of PP_PROFILE (15 1) voices by GPU time
+#   flow_tiles     benchmarks/flow_tiles.py (FT_ARGS): the flow kernels' launch tiles at the engine's shapes
+#   pool_copies    benchmarks/pool_copies.py: the flow pool's big copies, element by element against words
 #   gpu_tests      the engine's GPU tests (CUDA against the CPU, the engine on CUDA)
 #   prompt_analysis  benchmarks/prompt_analysis.py on the released side-model architectures (/tmp/m05r), and
 #                  the prompt analysis GPU tests
@@ -130,7 +133,19 @@ part() {  # $1: part, $2: lane folder, $3: port
     stamp "prompt_pass: new voices' prompt passes alone on the GPU (encoder, Euler steps, copies into the caches)"
     timeout 200 python3 benchmarks/prompt_pass.py /tmp/m05 --voices 1,4,15 --out "$dir/prompt_pass.json" \
       > "$dir/prompt_pass.txt" 2>&1
-    tail -8 "$dir/prompt_pass.txt" ;;
+    tail -8 "$dir/prompt_pass.txt"
+    for v in ${PP_PROFILE:-15 1}; do  # the kernels of one eager pass of v voices, by GPU time
+      timeout 200 python3 benchmarks/prompt_pass.py /tmp/m05 --profile "$v" > "$dir/prompt_pass_profile$v.txt" 2>&1
+      head -25 "$dir/prompt_pass_profile$v.txt"
+    done ;;
+  pool_copies)
+    stamp "the flow pool's copies: element by element against 8-byte words"
+    timeout 200 python3 benchmarks/pool_copies.py /tmp/m05 > "$dir/pool_copies.txt" 2>&1
+    tail -8 "$dir/pool_copies.txt" ;;
+  flow_tiles)  # FT_ARGS: benchmarks/flow_tiles.py's arguments (its whole sweep runs for minutes)
+    stamp "flow kernels' launch tiles at the engine's shapes"
+    timeout 540 python3 benchmarks/flow_tiles.py ${FT_ARGS:-} --json "$dir/flow_tiles.json" > "$dir/flow_tiles.txt" 2>&1
+    grep -v "^<!--" "$dir/flow_tiles.txt" | tail -20 ;;
   gpu_tests)
     stamp "engine GPU tests: CUDA against the CPU, the engine on CUDA"
     timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_matches_cpu.py \

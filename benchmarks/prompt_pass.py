@@ -1,7 +1,7 @@
 """A wave of new voices' prompt pass on the prompt lane, alone on the GPU, and where its time goes (issue 38).
 
     python benchmarks/prompt_pass.py /tmp/m05 [--voices 1,4,15] [--prompt-tokens 150] [--slots 28] \
-        [--frames 832] [--repeats 10] [--out FILE.json]
+        [--frames 832] [--repeats 10] [--out FILE.json] [--profile VOICES]
 
 A new voice's stream needs the flow run over its prompt's frames before its first chunk: `open_new_voices` queues
 that pass for a wave of voices on the prompt lane (engine/prompt_lane.py), the encoder then one graph per Euler
@@ -9,6 +9,10 @@ step, each step's keys and conv tails copied into the voices' caches. Under load
 shows a pass of 15 voices taking ~120 ms of GPU time. This times the same call with nothing else on the GPU, from
 the pass's own events (started, encoded, each step, done), with and without the copies into the caches, so the
 pass's own cost, its copies and what load adds can be told apart. Medians of `--repeats` passes, ms.
+
+`--profile VOICES` instead runs one pass of that many voices eagerly (no graphs: the same kernels, each
+launched by the host) under torch.profiler and prints the GPU kernels by total time: where the pass's GPU
+time goes, kernel by kernel.
 """
 
 from __future__ import annotations
@@ -65,6 +69,44 @@ def measure(runner: FlowRunner, stream: FlowStream, args: list, repeats: int) ->
     return {k: round(statistics.median(s[k] for s in samples), 2) for k in samples[0]}
 
 
+def profile(runner: FlowRunner, stream: FlowStream, args: list, top: int = 30) -> str:
+    """The GPU kernels of one eager pass, by total time (after one pass untimed)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    one_pass(runner, stream, args)
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        one_pass(runner, stream, args)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.self_device_time_total for e in kernels)
+    lines = [f"{len(args)} voices: {total / 1e3:.2f} ms of kernel time in {sum(e.count for e in kernels)} kernels"]
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
+        lines.append(f"{e.self_device_time_total / 1e3:8.2f} ms {100 * e.self_device_time_total / total:5.1f}% "
+                     f"{e.count:6d}x  {e.key[:150]}")
+    lines.append("where the copies, fills and element-wise kernels come from (the launching op, its callers):")
+    lines += [f"{us / 1e3:8.2f} ms {n:6d}x  {where}" for where, (us, n) in _launch_sites(prof.events())[:top]]
+    return "\n".join(lines)
+
+
+def _launch_sites(events) -> list[tuple[str, tuple[float, int]]]:
+    """Kernel time of copies, fills and torch element-wise kernels, by the CPU op that launched them and the
+    ops above it (with its input shapes)."""
+    sites: dict[str, list] = {}
+    for e in events:
+        for k in getattr(e, "kernels", []):
+            if not any(s in k.name for s in ("copy", "Memset", "elementwise", "Memcpy", "Fill")):
+                continue
+            chain, parent = [], e.cpu_parent
+            while parent is not None and len(chain) < 4:
+                chain.append(parent.name[:60])
+                parent = parent.cpu_parent
+            where = f"{e.name} {e.input_shapes} <- {' <- '.join(chain) or '?'} [{k.name[:60]}]"
+            site = sites.setdefault(where, [0.0, 0])
+            site[0] += k.duration
+            site[1] += 1
+    return sorted(((w, (us, n)) for w, (us, n) in sites.items()), key=lambda item: -item[1][0])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model_dir")
@@ -74,10 +116,15 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=832)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--out")
+    ap.add_argument("--profile", type=int, metavar="VOICES", help="one eager pass of VOICES under the profiler")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     device = torch.device("cuda")
     flow = load_flow(load_checkpoint(args.model_dir), device, torch.bfloat16)
+    if args.profile:
+        runner = FlowRunner(flow, args.slots, args.frames, use_graphs=False)
+        print(profile(runner, FlowStream(flow), prompts(flow, args.profile, args.prompt_tokens, device)))
+        return
     runner = FlowRunner(flow, args.slots, args.frames, capture_stream=capture_stream(device))
     stream = FlowStream(flow)
     copy = runner._copy_into_caches

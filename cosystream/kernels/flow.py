@@ -193,6 +193,24 @@ TILES: dict[tuple[str, int], Tile] = {
 }
 LINEAR_BLOCK_K = 64  # inputs per inner step of linear_residual
 
+# A wave of new voices' prompt pass (many rows of a whole prompt's frames) has enough 32-frame tiles to fill the
+# GPU, and each program reads the conv's weight for twice the frames of a 16-frame tile; chunks (shorter rows)
+# keep the 16-frame tiles, whose extra programs there are what fills the SMs. Picked on the H200 with
+# benchmarks/flow_tiles.py at 32 rows x 250 frames (the pass of 15-16 voices) and 32 x 50 (16 streams' chunks).
+WIDE_CONV_TILE = Tile(32, 32, 8, 3)
+WIDE_CONV_MIN_FRAMES = 200  # frames a row
+WIDE_CONV_MIN_PROGRAMS = 192  # rows x 32-frame tiles
+
+
+def conv_tile(rows: int, num_t: int) -> Tile:
+    """The causal conv's default launch shape for `rows` rows of `num_t` frames."""
+    klass = row_class(rows * num_t)
+    wide = WIDE_CONV_TILE
+    if (klass == 1 and num_t >= WIDE_CONV_MIN_FRAMES
+            and rows * -(-num_t // wide.block_m) >= WIDE_CONV_MIN_PROGRAMS):
+        return wide
+    return TILES[("conv", klass)]
+
 
 # The channel split was measured at 256 output channels (four blocks of 64); narrower blocks were not, so
 # the default tiles never split below this width (explicit tiles do, for tests and sweeps).
@@ -324,7 +342,7 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, offset: int, weight: 
     state = conv_state[:, offset:offset + n_in]
     tail = torch.empty_like(state) if tail_out is None else tail_out[:, offset:offset + n_in]
     out = torch.empty(rows, n_out, num_t, device=x.device, dtype=x.dtype)
-    t = tile if tile is not None else TILES[("conv", row_class(rows * num_t))]
+    t = tile if tile is not None else conv_tile(rows, num_t)
     block_t, block_ci, warps, stages = t.block_m, t.block_n, t.warps, t.stages
     weight_t = _taps_first(weight)
     norm = norm_weight is not None

@@ -274,6 +274,23 @@ def test_causal_conv_large_frame_tiles(device: str, dtype: torch.dtype, tile: Ti
     assert _rel(out, want) < (8e-3 if dtype == torch.bfloat16 else 1e-5)
 
 
+def test_causal_conv_wide_tiles_of_a_prompt_pass(device: str, dtype: torch.dtype) -> None:
+    """A wave of new voices' prompt pass (24 rows of 225 frames) takes the wide 32-frame tiles by default, the
+    last one straddling each row's end: the same numbers and tail as the reference. 16 streams' chunks (32 rows
+    of 50 frames) keep the 16-frame tiles."""
+    rows, num_t = 24, 225
+    assert flow.conv_tile(rows, num_t) == flow.WIDE_CONV_TILE and num_t % flow.WIDE_CONV_TILE.block_m
+    assert flow.conv_tile(32, 50) == flow.TILES[("conv", 1)]
+    x, state, w, b, (nw, nb), add, res = _conv_case(device, dtype, seed=47, num_t=num_t, rows=rows, n_in=40,
+                                                     n_out=32)
+    kw = {"norm_weight": nw, "norm_bias": nb, "eps": 1e-5, "mish": True, "add": add, "res": res}
+    want_state = state.clone()
+    want = reference.causal_conv(x, want_state, 24, w, b, **kw)
+    out = flow.causal_conv(x, state, 24, w, b, **kw)
+    assert torch.equal(state, want_state)
+    assert _rel(out, want) < (8e-3 if dtype == torch.bfloat16 else 1e-5)
+
+
 @pytest.mark.parametrize("num_t", [1, 37])
 def test_project_cfg_euler(device: str, dtype: torch.dtype, num_t: int) -> None:
     """The ODE's final 1x1 projection, CFG mix and Euler update in one kernel: the new state and the next
