@@ -7,8 +7,9 @@ A new voice's stream needs the flow run over its prompt's frames before its firs
 that pass for a wave of voices on the prompt lane (engine/prompt_lane.py), the encoder then one graph per Euler
 step, each step's keys and conv tails copied into the voices' caches. Under load at 16 streams the engine's trace
 shows a pass of 15 voices taking ~120 ms of GPU time. This times the same call with nothing else on the GPU, from
-the pass's own events (started, encoded, each step, done), with and without the copies into the caches, so the
-pass's own cost, its copies and what load adds can be told apart. Medians of `--repeats` passes, ms.
+the pass's own events (started, encoded, each step, done), with the voices' caches made (each step's keys copied
+into them) and without (a voice not kept for later streams), so the pass's own cost, its copies and what load adds
+can be told apart. Medians of `--repeats` passes, ms.
 
 `--profile VOICES` instead runs one pass of that many voices eagerly (no graphs: the same kernels, each
 launched by the host) under torch.profiler and prints the GPU kernels by total time: where the pass's GPU
@@ -40,9 +41,10 @@ def prompts(flow, voices: int, tokens: int, device: torch.device) -> list[tuple[
              torch.randn(1, 192, generator=gen).to(device)) for _ in range(voices)]
 
 
-def one_pass(runner: FlowRunner, stream: FlowStream, args: list) -> dict[str, float]:
-    """The pass's GPU time by part, from its events (the stream is closed again after it)."""
-    opened = runner.open_new_voices(stream, args)
+def one_pass(runner: FlowRunner, stream: FlowStream, args: list, keep: bool = True) -> dict[str, float]:
+    """The pass's GPU time by part, from its events (the stream is closed again after it); keep: with the voices'
+    caches made (each step's keys copied into them), as for voices kept for later streams."""
+    opened = runner.open_new_voices(stream, args, keep=[keep] * len(args))
     pooled = [p for p, _ in opened]
     events = pooled[0].building
     if events is None:
@@ -56,14 +58,14 @@ def one_pass(runner: FlowRunner, stream: FlowStream, args: list) -> dict[str, fl
             "steps": events.encoded.elapsed_time(events.done)}
 
 
-def measure(runner: FlowRunner, stream: FlowStream, args: list, repeats: int) -> dict[str, float]:
+def measure(runner: FlowRunner, stream: FlowStream, args: list, repeats: int, keep: bool) -> dict[str, float]:
     # the lane's graphs of this wave captured as the engine's warm-up does, then one pass untimed
     runner.capture_prompt_pass(bucket(len(args)), stream.prompt_cache_tokens(args[0][0].shape[1]))
-    one_pass(runner, stream, args)
+    one_pass(runner, stream, args, keep)
     samples = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        part = one_pass(runner, stream, args)
+        part = one_pass(runner, stream, args, keep)
         part["host"] = (time.perf_counter() - t0) * 1e3
         samples.append(part)
     return {k: round(statistics.median(s[k] for s in samples), 2) for k in samples[0]}
@@ -127,19 +129,14 @@ def main() -> None:
         return
     runner = FlowRunner(flow, args.slots, args.frames, capture_stream=capture_stream(device))
     stream = FlowStream(flow)
-    copy = runner._copy_into_caches
     rows = []
     for voices in (int(v) for v in args.voices.split(",")):
         wave = prompts(flow, voices, args.prompt_tokens, device)
-        with_copies = measure(runner, stream, wave, args.repeats)
-        runner._copy_into_caches = lambda *a, **k: None  # the same pass without filling the voices' caches
-        try:
-            without = measure(runner, stream, wave, args.repeats)
-        finally:
-            runner._copy_into_caches = copy
+        with_copies = measure(runner, stream, wave, args.repeats, keep=True)
+        without = measure(runner, stream, wave, args.repeats, keep=False)  # no cache made for later streams
         rows.append({"voices": voices, "with_copies": with_copies, "without_copies": without})
     print(f"{torch.cuda.get_device_name()}: prompt of {args.prompt_tokens} tokens, medians of {args.repeats}, ms")
-    print("| voices | pass | encoder | Euler steps | host (queue + wait) | pass without the copies | its steps |")
+    print("| voices | pass | encoder | Euler steps | host (queue + wait) | pass, no cache kept | its steps |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         w, wo = r["with_copies"], r["without_copies"]

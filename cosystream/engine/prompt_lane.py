@@ -83,15 +83,19 @@ class NewVoices:
             self.close(pooled)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        return [cache for _, cache in opened]
+        caches = [cache for _, cache in opened]
+        assert all(cache is not None for cache in caches)  # every voice's cache is kept by default
+        return caches  # type: ignore[return-value]
 
     @torch.inference_mode()
-    def open_new_voices(self, stream: FlowStream, prompts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-                        ) -> list[tuple[PooledStream, PromptCache]]:
+    def open_new_voices(self, stream: FlowStream, prompts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                        keep: Sequence[bool] | None = None) -> list[tuple[PooledStream, PromptCache | None]]:
         """Open a stream for each new voice, with the flow run over its prompt's frames in its own slot (one
         batched pass for all), and the voice's PromptCache for later streams. prompts: (tokens [1, P], mel
         [1, 2P, 80], xvector [1, 192]) each; their token counts may differ as long as their caches end at one
-        chunk boundary (`FlowStream.prompt_cache_tokens`: the tokens past it only give look-ahead).
+        chunk boundary (`FlowStream.prompt_cache_tokens`: the tokens past it only give look-ahead). keep: per
+        voice, whether to make its cache (default: every voice's); a voice not kept gets None, its stream the
+        same pass without the copies of each step's keys (0.6 GB for a 6 s prompt) into a cache.
 
         On CUDA the pass runs on the prompt lane and this returns once it is queued: each stream's first chunk
         waits for it step by step (`advance`), a stream opened from the cache waits for all of it (`open`).
@@ -104,28 +108,33 @@ class NewVoices:
             raise ValueError(f"prompts whose caches end at {sorted(boundaries)} tokens for {len(self.free)} free "
                              "slots: one length (one cache boundary), at most one prompt per free slot")
         boundary = boundaries.pop()
+        keep = [True] * len(empties) if keep is None else list(keep)
+        if len(keep) != len(empties):
+            raise ValueError(f"keep: {len(keep)} flags for {len(empties)} prompts")
         pooled: list[PooledStream] = []
         try:
             for empty in empties:
                 pooled.append(self.open(empty))
-            caches = [self._cache_buffers(empty, boundary) for empty in empties]
+            caches = [self._cache_buffers(empty, boundary) if k else None for empty, k in zip(empties, keep,
+                                                                                              strict=True)]
+            kept = [(p, cache) for p, cache in zip(pooled, caches, strict=True) if cache is not None]
             if boundary > 0:
                 ahead = boundary + stream.lookahead
                 windows = [(e.prompt_tokens[:boundary], e.prompt_tokens[boundary:ahead]) for e in empties]
                 if self.lane is None:
                     t0 = time.perf_counter()
                     self.advance(pooled, windows)
-                    self._copy_into_caches(pooled, caches, range(self.cfm.num_steps))
+                    self._copy_into_caches(kept, range(self.cfm.num_steps))
                     self._passes.append((len(pooled), time.perf_counter() - t0))
                 else:
-                    self._prompt_pass_on_lane(pooled, windows, caches)
+                    self._prompt_pass_on_lane(pooled, windows, kept)
             else:
-                self._copy_into_caches(pooled, caches, range(self.cfm.num_steps))
+                self._copy_into_caches(kept, range(self.cfm.num_steps))
         except BaseException:
             for p in pooled:
                 self.close(p)
             raise
-        for p, cache in zip(pooled, caches, strict=True):
+        for p, cache in kept:
             p.prompt = cache  # the voice's, as for a stream opened from it (the same tokens, mel and speaker)
         return list(zip(pooled, caches, strict=True))
 
@@ -151,24 +160,23 @@ class NewVoices:
         conv = self.conv.new_empty(self.conv.shape[0], 2, *self.conv.shape[2:])
         return PromptCache(empty.prompt_tokens, empty.prompt_mel, empty.spks, empty.encoder, kv, conv)
 
-    def _copy_into_caches(self, pooled: Sequence[PooledStream], caches: Sequence[PromptCache],
-                          steps: Iterable[int]) -> None:
+    def _copy_into_caches(self, kept: Sequence[tuple[PooledStream, PromptCache]], steps: Iterable[int]) -> None:
         """The streams' keys and conv tails of these Euler steps into their voices' caches (and, first time,
         their encoder states)."""
         for k in steps:
-            for p, cache in zip(pooled, caches, strict=True):
+            for p, cache in kept:
                 rows = slice(2 * p.slot, 2 * p.slot + 2)
                 copy_words(cache.kv[k], self.kv[k, :, :, rows, :cache.kv.shape[-2]])
                 cache.conv[k].copy_(self.conv[k, rows])
-        for p, cache in zip(pooled, caches, strict=True):
+        for p, cache in kept:
             if cache.encoder.num_tokens != p.encoder.num_tokens:
                 cache.encoder = p.encoder.trimmed()
 
     def _prompt_pass_on_lane(self, pooled: Sequence[PooledStream], windows: Sequence[Window],
-                             caches: Sequence[PromptCache]) -> None:
+                             kept: Sequence[tuple[PooledStream, PromptCache]]) -> None:
         """The prompt pass of `advance`, queued on the prompt lane step by step with an event after each
-        (`PromptPassEvents`); each step's keys and conv tails are copied into the caches before its event, so
-        a first chunk that overwrites the slot's conv tails of that step comes after the copy."""
+        (`PromptPassEvents`); each step's keys and conv tails are copied into the kept voices' caches before its
+        event, so a first chunk that overwrites the slot's conv tails of that step comes after the copy."""
         assert self.lane is not None
         lane, worker = self.lane, torch.cuda.current_stream(self.device)
         events = PromptPassEvents(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True),
@@ -176,7 +184,7 @@ class NewVoices:
                                   torch.cuda.Event(enable_timing=True))
         lane.stream.wait_stream(worker)  # the slots' openings, and whatever last used these slots
         self._passes.append((len(pooled), events))
-        for cache in caches:  # written on the lane, freed (evicted) by the worker's side: keep the lane's use
+        for _, cache in kept:  # written on the lane, freed (evicted) by the worker's side: keep the lane's use
             for t in (cache.kv, cache.conv):
                 t.record_stream(lane.stream)
         with torch.cuda.stream(lane.stream):
@@ -185,18 +193,19 @@ class NewVoices:
             for p in pooled:  # the encoder's new tails: made here, read by the first chunk's encoder there
                 p.encoder.lookahead_tail.record_stream(worker)
                 p.encoder.up_tail.record_stream(worker)
-            for p, cache in zip(pooled, caches, strict=True):
+            for p, cache in kept:
                 cache.encoder = p.encoder.trimmed()
                 for t in (cache.encoder.kv_tokens, cache.encoder.kv_frames, cache.encoder.lookahead_tail,
                           cache.encoder.up_tail):
                     t.record_stream(worker)  # made here, read there by streams that open from the cache
             events.encoded.record()
             for k, _ in enumerate(self._ode_steps(inputs, lane.step_graphs)):
-                self._copy_into_caches(pooled, caches, [k])
+                self._copy_into_caches(kept, [k])
                 events.steps[k].record()
             events.done.record()
-        for p, cache in zip(pooled, caches, strict=True):
+        for p in pooled:
             p.building = events
+        for _, cache in kept:
             cache.written = events.done
 
     def capture_prompt_pass(self, batch: int, boundary: int) -> None:

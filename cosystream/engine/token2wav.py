@@ -39,6 +39,9 @@ from cosystream.transfers import ints_to_device, to_device, to_host
 _FINGERPRINT = "model"  # which flow (dims and dtype) a stored prompt cache belongs to
 _NOISE_SEED = 20250101
 _NOISE_SAMPLES = 24000 * 20  # 20 s of noise rows, reused cyclically
+# Recordings sent with requests whose prompt pass ran, remembered by key (`_keeps_cache`): four times the analyses
+# the engine keeps (upload_cache.MAX_UPLOADS), so a recording sent again while its analysis is still held is known.
+UPLOADS_REMEMBERED = 256
 SourceOverride = Callable[[Any, int], "torch.Tensor | None"]
 
 
@@ -82,6 +85,8 @@ class Token2WavRunner:
         self.window = fade_window(self.overlap, self.device)
         self.source_override = source_override
         self.voice_caches: OrderedDict[str, PromptCache] = OrderedDict()
+        # recordings sent with requests whose prompt pass has run once (keys only, most recent last)
+        self.uploads_passed: OrderedDict[str, None] = OrderedDict()
         # Called (engine thread) with CPU tensors when a registered voice's prompt is encoded.
         self.on_new_voice_cache: Callable[[str, dict[str, torch.Tensor]], None] | None = None
         self.fingerprint = f"{flow.dims}|{flow.input_embedding.weight.dtype}"
@@ -107,8 +112,9 @@ class Token2WavRunner:
         their encoded prompts. New voices that fit a slot open in free slots with the flow run over their
         prompts right there, those whose caches end at one chunk boundary in one batched prompt pass
         (FlowRunner.open_new_voices; on CUDA it runs beside the worker and each first chunk follows it step by
-        step), and their caches are kept for the streams after them; a voice new twice in the batch is built
-        once. The rest open one by one (`start`). A stream that cannot open gets its exception instead."""
+        step), and their caches are kept for the streams after them where they will serve (`_keeps_cache`); a
+        voice new twice in the batch is built once. The rest open one by one (`start`). A stream that cannot
+        open gets its exception instead."""
         out: list[Token2WavState | Exception | None] = [None] * len(items)
         builds: dict[Any, list[int]] = {}  # voice (its key, or the item's index without one) -> its items
         for i, item in enumerate(items):
@@ -120,9 +126,10 @@ class Token2WavRunner:
             else:
                 builds[voice_key if voice_key is not None else ("item", i)] = [i]
         for members in self._by_cache_boundary(items, builds):
+            keep = [self._keeps_cache(items[m[0]].get("voice_key"), len(m)) for m in members]
             try:
-                opened = self.pool.open_new_voices(self.stream, [self._prompt_args(items[m[0]]["inputs"])
-                                                                 for m in members])
+                opened = self.pool.open_new_voices(self.stream, self._prompts_args([items[m[0]]["inputs"]
+                                                                                    for m in members]), keep)
             except Exception:  # e.g. out of memory for the whole group: each opens (or fails) alone
                 for m in members:
                     for i in m:
@@ -135,6 +142,23 @@ class Token2WavRunner:
                 for i in m[1:]:
                     out[i] = self._start_or_error(items[i], cache)
         return [state for state in out if state is not None]
+
+    def _keeps_cache(self, voice_key: str | None, streams: int) -> bool:
+        """Keep a new voice's encoded prompt (0.6 GB on the device for a 6 s prompt) for later streams? A
+        registered voice's, always (it is stored too); a recording sent with requests, when this batch opens
+        more than one stream in it or its prompt pass ran once before (it is sent again); a voice without a
+        key, never. A recording sent once (a caller's voice cloned for one call) would only fill the device
+        with a cache nothing reads, its pass copying every step's keys into it."""
+        if voice_key is None:
+            return False
+        if not is_upload_key(voice_key) or streams > 1:
+            return True
+        seen = voice_key in self.uploads_passed
+        self.uploads_passed[voice_key] = None
+        self.uploads_passed.move_to_end(voice_key)
+        while len(self.uploads_passed) > UPLOADS_REMEMBERED:
+            self.uploads_passed.popitem(last=False)
+        return seen
 
     def _at_hand(self, voice_key: str | None, stored: dict[str, torch.Tensor] | None) -> bool:
         return (voice_key is not None and voice_key in self.voice_caches) or self._stored_matches(stored)
@@ -222,8 +246,18 @@ class Token2WavRunner:
 
     def _prompt_args(self, inputs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(prompt tokens [1, P], prompt mel [1, 2P, 80], x-vector [1, 192]) on the device."""
-        return (to_device(inputs.flow_prompt_speech_tokens[None], self.device),
-                to_device(inputs.prompt_mel[None], self.device), to_device(inputs.xvector[None], self.device))
+        return self._prompts_args([inputs])[0]
+
+    def _prompts_args(self, inputs: Sequence[Any]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """`_prompt_args` of several voices, each kind of tensor sent to the device in one copy for all of them
+        (views of it each). PERF: a wave of 15 new voices made 45 copies from pinned staging buffers."""
+        tokens = [i.flow_prompt_speech_tokens for i in inputs]
+        mels = [i.prompt_mel for i in inputs]
+        lengths = [t.shape[0] for t in tokens]
+        all_tokens = to_device(torch.cat(tokens), self.device).split(lengths)
+        all_mels = to_device(torch.cat(mels), self.device).split([m.shape[0] for m in mels])
+        xvectors = to_device(torch.stack([i.xvector for i in inputs]), self.device)
+        return [(t[None], m[None], x[None]) for t, m, x in zip(all_tokens, all_mels, xvectors, strict=True)]
 
     def _build_prompt_cache(self, inputs: Any) -> PromptCache:
         """A voice's prompt through the flow: in a free pool slot (graphed) when there is one, else eagerly."""

@@ -137,6 +137,8 @@ class FlowStream:
         self.flow, self.final_attention = flow, final_attention
         self.chunk_tokens = dims.encoder.static_chunk_size
         self.lookahead = dims.pre_lookahead_len
+        self._empty: tuple[tuple[torch.device, torch.dtype], tuple[EncoderState, torch.Tensor, torch.Tensor]] | None
+        self._empty = None
 
     def prompt_cache_tokens(self, num_prompt_tokens: int) -> int:
         """Last chunk boundary b with b + look-ahead <= P (0 if none)."""
@@ -151,20 +153,28 @@ class FlowStream:
         if prompt_mel.shape[1] != UPSAMPLE * num_prompt:
             raise ValueError(f"prompt mel has {prompt_mel.shape[1]} frames, expected 2 × {num_prompt}")
         w = self.flow.input_embedding.weight
-        return self.without_cache(PromptCache(
-            prompt_tokens=prompt_tokens[0].to(w.device, torch.long), prompt_mel=prompt_mel[0].to(w.device, w.dtype),
-            spks=self.flow.project_speaker(xvector.to(w.device))[0], encoder=self.flow.encoder.new_state(0),
-            kv=torch.empty(0), conv=torch.empty(0)))
+        encoder, kv, conv = self._nothing_encoded()
+        return PromptCache(prompt_tokens[0].to(w.device, torch.long), prompt_mel[0].to(w.device, w.dtype),
+                           self.flow.project_speaker(xvector.to(w.device))[0], encoder, kv, conv)
 
     def without_cache(self, prompt: PromptCache) -> PromptCache:
         """The voice's prompt with none of its frames encoded: a stream opened with it computes the prompt's
         frames in its first chunk (exact: incremental from frame 0), or recomputes them at every chunk."""
-        est = self.flow.decoder.estimator
-        empty_kv, conv = est.new_cache(2, 0)
-        steps = self.flow.decoder.num_steps
-        return PromptCache(prompt.prompt_tokens, prompt.prompt_mel, prompt.spks, self.flow.encoder.new_state(0),
-                           kv=empty_kv.unsqueeze(0).expand(steps, *empty_kv.shape),
-                           conv=conv.unsqueeze(0).repeat(steps, 1, 1, 1))
+        return PromptCache(prompt.prompt_tokens, prompt.prompt_mel, prompt.spks, *self._nothing_encoded())
+
+    def _nothing_encoded(self) -> tuple[EncoderState, torch.Tensor, torch.Tensor]:
+        """(encoder state, kv, conv) of a prompt none of whose frames is encoded: zeros, made once per device
+        and dtype and shared by every such prompt. Nothing writes them (a stream opened from one copies them).
+        PERF: a wave of new voices opens without ~10 launches a voice for these zeros."""
+        w = self.flow.input_embedding.weight
+        key = (w.device, w.dtype)
+        if self._empty is None or self._empty[0] != key:
+            est = self.flow.decoder.estimator
+            kv, conv = est.new_cache(2, 0)
+            steps = self.flow.decoder.num_steps
+            self._empty = (key, (self.flow.encoder.new_state(0), kv.unsqueeze(0).expand(steps, *kv.shape),
+                                 conv.unsqueeze(0).repeat(steps, 1, 1, 1)))
+        return self._empty[1]
 
     @torch.no_grad()
     def build_prompt_cache(self, prompt_tokens: torch.Tensor, prompt_mel: torch.Tensor,

@@ -483,3 +483,21 @@ def test_finished_prompt_passes_are_reported_once_each_when_done(checkpoint):
     assert runner.finished_passes() == []
     running.done.done = True
     assert runner.finished_passes() == [(3, 0.025)] and runner._passes == []
+
+
+def test_new_voices_not_kept_get_no_cache_and_those_kept_the_same_cache(checkpoint, load_fixture):
+    """open_new_voices with keep flags: a voice not kept gets None (its stream still opens in its slot, with the
+    voice's prompt tokens, mel and speaker), a kept one the cache its eager build gives; one flag per prompt."""
+    f = load_fixture("stream")
+    stream, voices, want, runner = _two_voices(checkpoint, f)
+    with pytest.raises(ValueError, match="keep"):
+        runner.open_new_voices(stream, voices, keep=[True])
+    assert sorted(runner.free) == [0, 1, 2]
+    (first, none), (second, cache) = runner.open_new_voices(stream, voices, keep=[False, True])
+    assert none is None and cache is not None and second.prompt is cache
+    _assert_same_cache(cache, want[1])
+    torch.testing.assert_close(first.prompt.prompt_mel, want[0].prompt_mel)
+    torch.testing.assert_close(first.prompt.spks, want[0].spks)
+    for pooled in (first, second):
+        runner.close(pooled)
+    assert sorted(runner.free) == [0, 1, 2]

@@ -251,6 +251,46 @@ def test_new_voices_opening_together_run_one_prompt_pass_in_their_slots(models, 
         alone.release(state)
 
 
+def test_a_recording_sent_once_leaves_no_cache_behind_and_is_kept_when_sent_again(models, load_fixture):
+    """A recording sent with a request is new: its stream opens with the prompt pass in its slot, but no cache
+    is made for later streams (its first chunk is the same); the second time its pass runs (sent again) the
+    cache is kept, and a third request opens from it. A registered voice's cache is kept at once, and so is a
+    recording's that one batch opens twice."""
+    from cosystream.engine.flow_runner import FlowRunner
+    from cosystream.engine.upload_cache import UPLOAD_KEY_PREFIX
+
+    f = load_fixture("stream")
+    runner = Token2WavRunner(*models, EngineConfig())
+    runner.pool = FlowRunner(runner.flow, num_slots=4, max_frames=512, use_graphs=False)
+    upload, twice = UPLOAD_KEY_PREFIX + "x", UPLOAD_KEY_PREFIX + "y"
+    a, b, _ = _voice_items(f)
+    tokens = f["token"][0].tolist()[:100]
+    plan = ChunkPlanner(ChunkSchedule(), f["prompt_token"].shape[1]).next_plan(len(tokens), done=True)
+
+    def first_chunk(item: dict) -> torch.Tensor:
+        (state,) = runner.open_streams([item])
+        mel = runner._flow([(state, tokens, plan)])[0]
+        runner.release(state)
+        return mel
+
+    builds = runner.prompts_built
+    once = first_chunk({**a, "voice_key": upload})
+    assert not runner.has_prompt(upload) and runner.prompts_built == builds + 1
+    again = first_chunk({**a, "voice_key": upload})
+    assert runner.has_prompt(upload) and runner.prompts_built == builds + 2
+    third = first_chunk({**a, "voice_key": upload})
+    assert runner.prompts_built == builds + 2  # opened from the kept cache
+    for mel in (again, third):
+        torch.testing.assert_close(mel, once, atol=ATOL, rtol=0)
+    first_chunk({**b, "voice_key": "registered"})
+    assert runner.has_prompt("registered")
+    states = runner.open_streams([{**b, "voice_key": twice, "key": 5}, {**b, "voice_key": twice, "key": 6}])
+    assert runner.has_prompt(twice) and states[1].flow.prompt is runner.voice_caches[twice]
+    for state in states:
+        runner.release(state)
+    assert sorted(runner.pool.free) == [0, 1, 2, 3]
+
+
 def test_a_failed_prompt_pass_call_leaves_each_stream_to_open_alone(models, load_fixture, monkeypatch):
     from cosystream.engine.flow_runner import FlowRunner
 
@@ -260,10 +300,10 @@ def test_a_failed_prompt_pass_call_leaves_each_stream_to_open_alone(models, load
 
     alone = runner.pool.open_new_voices
 
-    def out_of_memory_for_a_group(stream, prompts):
+    def out_of_memory_for_a_group(stream, prompts, keep=None):
         if len(prompts) > 1:
             raise RuntimeError("out of memory for the group")
-        return alone(stream, prompts)
+        return alone(stream, prompts, keep)
 
     monkeypatch.setattr(runner.pool, "open_new_voices", out_of_memory_for_a_group)
     states = runner.open_streams(_voice_items(f)[:2])
