@@ -172,8 +172,11 @@ class FlowStream:
             est = self.flow.decoder.estimator
             kv, conv = est.new_cache(2, 0)
             steps = self.flow.decoder.num_steps
-            self._empty = (key, (self.flow.encoder.new_state(0), kv.unsqueeze(0).expand(steps, *kv.shape),
-                                 conv.unsqueeze(0).repeat(steps, 1, 1, 1)))
+            made = (self.flow.encoder.new_state(0), kv.unsqueeze(0).expand(steps, *kv.shape),
+                    conv.unsqueeze(0).repeat(steps, 1, 1, 1))
+            if w.is_cuda:  # zeroed on this thread's stream: done before any other stream reads them
+                torch.cuda.current_stream(w.device).synchronize()
+            self._empty = (key, made)
         return self._empty[1]
 
     @torch.no_grad()
