@@ -197,6 +197,23 @@ def test_prompt_cache_is_reusable_and_serialisable(flow_long, s):
     assert torch.equal(first, from_store)
 
 
+def test_prompts_with_nothing_encoded_share_zeros_no_stream_writes(flow_long, s):
+    """Empty prompts (where a prompt cache starts, and a stream that recomputes its prompt) share one set of
+    zero states; streams started from them, fed chunks and used to build a cache leave them zeros."""
+    stream = FlowStream(flow_long)
+    a = stream.empty_prompt(s["prompt_token"], s["prompt_feat"], s["embedding"])
+    b = stream.without_cache(a)
+    assert a.encoder is b.encoder and a.kv is b.kv and a.conv is b.conv and a.num_tokens == 0
+    end = _ends(s["prompt_token"].shape[1], [stream.chunk_tokens], stream.chunk_tokens)[0]
+    state = stream.start(a, max_target_tokens=end + 3)
+    stream.feed(state, _tokens(s, end + 3))
+    stream.build_prompt_cache(s["prompt_token"], s["prompt_feat"], s["embedding"])
+    e = a.encoder
+    for t in (e.kv_tokens, e.kv_frames, e.lookahead_tail, e.up_tail, a.kv, a.conv):
+        assert not t.any()
+    assert e.num_tokens == 0
+
+
 def test_misaligned_chunk_is_rejected(flow_long, s):
     stream = FlowStream(flow_long)
     state = stream.start(stream.build_prompt_cache(s["prompt_token"], s["prompt_feat"], s["embedding"]))
