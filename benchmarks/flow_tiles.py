@@ -1,6 +1,6 @@
 """Launch tiles of the flow estimator's Triton kernels at the shapes the engine runs them, on the GPU.
 
-    python benchmarks/flow_tiles.py [--ops conv,attention,ff1] [--shapes 32x250,32x50,2x250,2x25] \
+    python benchmarks/flow_tiles.py [--ops conv,attention,ff1,block] [--shapes 32x250,32x50,2x250,2x25] \
         [--tiles 32x32w8s3,...] [--json FILE]
 
 A shape is CFG rows x new frames: 32x250 a wave of 15-16 new voices' prompt pass (6 s prompts), 2x250 one
@@ -11,7 +11,11 @@ voice's, 32x50 sixteen streams' chunks, 2x25 one stream's first chunk. Ops:
   `--context` frames before it, a prompt pass's to its own frames only);
 - ff1: the first feed-forward of a transformer block: the residual add and LayerNorm, the GEMM and GELU in
   one kernel (`norm_linear`), against what rows past the chunk path's limit run (`add_layer_norm`, cuBLAS,
-  torch's GELU; "baseline").
+  torch's GELU; "baseline");
+- block: a whole transformer block with the default tiles, as the chunk path runs it (5 Triton kernels:
+  `FastEstimator._pooled_transformers`) against the path of rows past its limit (cuBLAS GEMMs and separate
+  norm, pool-write and GELU kernels: `FastEstimator._transformers`; "baseline"): where that limit
+  (`flow_fast.PROLOGUE_GEMM_MAX_ROWS`) should lie.
 Each candidate runs 20 calls back to back in one CUDA graph, replayed (µs per call, median of 10 replays),
 with the engine's default tile first; `--tiles` (FRAMESxCHANNELSwWARPSsSTAGES; for attention
 QUERIESxKEYSw..s..) limits the candidates.
@@ -105,6 +109,37 @@ def ff1_cases(rows: int, frames: int) -> dict[str, tuple[Tile, Callable[[Tile | 
     return {"ff1": (TILES[("gelu", row_class(rows * frames))], call)}
 
 
+def block_cases(rows: int, frames: int, context: int) -> dict[str, tuple[Tile, Callable[[Tile | None], object]]]:
+    """One transformer block both ways (the tile argument: None for the baseline path, else the chunk path)."""
+    t = _randn(torch.Generator().manual_seed(3))
+    start = 0 if frames >= 200 else context
+    x, res = t(rows, frames, DIM), t(rows, frames, DIM)
+    n1, n3 = (t(DIM) + 1, t(DIM), 1e-5), (t(DIM) + 1, t(DIM), 1e-5)
+    w_qkv = t(3 * INNER, DIM, scale=DIM ** -0.5)
+    w_out, b_out = t(DIM, INNER, scale=INNER ** -0.5), t(DIM)
+    w_1, b_1 = t(FF, DIM, scale=DIM ** -0.5), t(FF)
+    w_2, b_2 = t(DIM, FF, scale=FF ** -0.5), t(DIM)
+    pool_k, pool_v = t(rows, start + frames, INNER), t(rows, start + frames, INNER)
+    own = torch.arange(rows, device="cuda")
+    write_pos = (start + torch.arange(frames, device="cuda")).repeat(rows, 1)
+    limit = torch.full((rows,), start + frames, device="cuda")
+
+    def attention(q):
+        return flow.pooled_attention(q, pool_k, pool_v, own, write_pos, limit, CHUNK, start + frames, HEADS)
+
+    def call(tile):
+        if tile is None:  # rows past the chunk path's limit
+            a, h = flow.add_layer_norm(x, res, *n1)
+            q, k, v = F.linear(a, w_qkv).split(INNER, dim=-1)
+            flow.pool_write(k, v, pool_k, pool_v, own, write_pos)
+            m, h = flow.add_layer_norm(F.linear(attention(q), w_out, b_out), h, *n3)
+            return F.linear(F.gelu(F.linear(m, w_1, b_1)), w_2, b_2)
+        q, h = flow.norm_qkv_pool_write(x, res, n1, w_qkv, pool_k, pool_v, own, write_pos)
+        f, h = flow.norm_linear(flow.linear_residual(attention(q), w_out, b_out), h, n3, w_1, b_1, gelu=True)
+        return flow.linear_residual(f, w_2, b_2)
+    return {"block": (TILES[("gelu", row_class(rows * frames))], call)}
+
+
 def candidates(op: str, tiles: str | None) -> list[Tile]:
     if tiles:
         return [Tile(*(int(v) for v in t.replace("w", "x").replace("s", "x").split("x"))) for t in tiles.split(",")]
@@ -117,7 +152,7 @@ def candidates(op: str, tiles: str | None) -> list[Tile]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ops", default="conv,attention,ff1")
+    ap.add_argument("--ops", default="conv,attention,ff1,block")
     ap.add_argument("--shapes", default="32x250,32x50,2x250,2x25")
     ap.add_argument("--context", type=int, default=300, help="frames before a chunk (attention)")
     ap.add_argument("--tiles")
@@ -134,16 +169,19 @@ def main() -> None:
                 cases = conv_cases(rows, frames)
             elif op == "attention":
                 cases = attention_cases(rows, frames, args.context)
+            elif op == "block":
+                cases = block_cases(rows, frames, args.context)
             else:
                 cases = ff1_cases(rows, frames)
             for name, (default, call) in cases.items():
                 timed = {}
-                for tile in dict.fromkeys([default, *candidates(op, args.tiles)]):
+                tried = [default] if op == "block" else [default, *candidates(op, args.tiles)]
+                for tile in dict.fromkeys(tried):
                     try:
                         timed[tile] = graph_us(lambda tile=tile, call=call: call(tile))
                     except Exception as e:  # a tile that does not fit (shared memory) is skipped
                         print(f"<!-- {name} {shape} {tile}: {type(e).__name__} -->")
-                base = graph_us(lambda call=call: call(None)) if op == "ff1" else float("nan")
+                base = graph_us(lambda call=call: call(None)) if op in ("ff1", "block") else float("nan")
                 best = min(timed, key=timed.get)
                 print(f"| {name} | {shape} | {default} | {timed[default]:.1f} | {best} | {timed[best]:.1f} "
                       f"| {base:.1f} |", flush=True)
