@@ -69,16 +69,31 @@ def refuse_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("ray_refuse")
 
 
+def _start_serve(attempts: int = 3) -> int:
+    """Start Serve's proxy on a free port, and its port. The port is free when chosen, but Ray's own processes
+    open ports of their own meanwhile (a CI run once lost one to them: "Failed to bind to address"): a port
+    taken by then is given up for another."""
+    for attempt in range(attempts):
+        port = _free_port()
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            return port
+        except ray.exceptions.RayError as exc:
+            if "Failed to bind" not in str(exc) or attempt == attempts - 1:
+                raise
+            serve.shutdown()
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture(scope="module")
 def base_url(model_dir, voices_db: Path, refuse_dir: Path) -> Iterator[str]:
-    port = _free_port()
     for key, value in RAY_ENV_DEFAULTS.items():  # as `cosystream serve --replicas`: the proxy Ray starts inherits
         os.environ.setdefault(key, value)
     os.environ[REFUSE_DIR_ENV] = str(refuse_dir)  # the replicas Ray starts inherit it too
     ray.init(num_cpus=4, object_store_memory=80 * 1024 * 1024, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        port = _start_serve()
         # the store a multi-machine cluster uses (a named actor on the head node); "file" is a plain VoiceStore
         spec = ReplicaSpec(model_dir=str(model_dir), device="cpu", voice_store="actor", voices_db=str(voices_db),
                            engine_kwargs={"max_streams": 4}, settings=ServerSettings(warmup=False),
