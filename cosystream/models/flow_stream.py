@@ -139,6 +139,7 @@ class FlowStream:
         self.lookahead = dims.pre_lookahead_len
         self._empty: tuple[tuple[torch.device, torch.dtype], tuple[EncoderState, torch.Tensor, torch.Tensor]] | None
         self._empty = None
+        self._nothing_encoded()  # made here, at load, not by the first new voice's opening
 
     def prompt_cache_tokens(self, num_prompt_tokens: int) -> int:
         """Last chunk boundary b with b + look-ahead <= P (0 if none)."""
@@ -164,8 +165,9 @@ class FlowStream:
 
     def _nothing_encoded(self) -> tuple[EncoderState, torch.Tensor, torch.Tensor]:
         """(encoder state, kv, conv) of a prompt none of whose frames is encoded: zeros, made once per device
-        and dtype and shared by every such prompt. Nothing writes them (a stream opened from one copies them).
-        PERF: a wave of new voices opens without ~10 launches a voice for these zeros."""
+        and dtype (at construction, again only if the model moves) and shared by every such prompt. Nothing
+        writes them (a stream opened from one copies them). PERF: a wave of new voices opens without ~10
+        launches a voice for these zeros."""
         w = self.flow.input_embedding.weight
         key = (w.device, w.dtype)
         if self._empty is None or self._empty[0] != key:
@@ -175,7 +177,7 @@ class FlowStream:
             made = (self.flow.encoder.new_state(0), kv.unsqueeze(0).expand(steps, *kv.shape),
                     conv.unsqueeze(0).repeat(steps, 1, 1, 1))
             if w.is_cuda:  # zeroed on this thread's stream: done before any other stream reads them
-                torch.cuda.current_stream(w.device).synchronize()
+                torch.cuda.synchronize(w.device)
             self._empty = (key, made)
         return self._empty[1]
 
