@@ -12,26 +12,15 @@ of 20 on CUDA events, ms, and the rate in GB/s (bytes read plus written).
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
+from profile_stages import timed
 
 from cosystream.checkpoint import load_checkpoint
 from cosystream.engine.pool_copy import copy_words
 from cosystream.models.flow import Flow
 
-
-def timed(fn, repeats: int = 20) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
+REPEATS = 20
 
 
 def main() -> None:
@@ -58,7 +47,7 @@ def main() -> None:
     print("| copy | way | ms | GB/s |")
     print("|---|---|---|---|")
     for name, way in ways.items():
-        ms = timed(lambda way=way: way(pool[:, :, :, rows[0], :n], caches[0]))
+        ms = timed(lambda way=way: way(pool[:, :, :, rows[0], :n], caches[0]), dev, REPEATS, warmup=1)
         moved = 2 * caches[0].numel() * 2
         print(f"| open: one voice's cache into a slot | {name} | {ms:.3f} | {moved / ms / 1e6:.0f} |")
     for name, way in ways.items():
@@ -66,7 +55,7 @@ def main() -> None:
             for k in range(steps):
                 for v in range(args.voices):
                     way(caches[v][k], pool[k, :, :, rows[v], :n])
-        ms = timed(wave)
+        ms = timed(wave, dev, REPEATS, warmup=1)
         moved = 2 * sum(c.numel() for c in caches) * 2
         print(f"| pass: {args.voices} voices' caches out of their slots, step by step | {name} | {ms:.3f} "
               f"| {moved / ms / 1e6:.0f} |")
